@@ -1,0 +1,152 @@
+"""Time one MARSTrainer training step against one SFTTrainer step on the same batch and model.
+
+MARS runs one forward over `[clean | noisy tail]`, so its step costs more than an SFT step on the same batch; the
+authors' full two-stream layout paid 2.0-2.2x. This prints both medians and their ratio.
+
+    python examples/bench_train_step.py                      # ~25M-param Llama, batch 4, 256-512 tokens
+    python examples/bench_train_step.py --batch-size 8 --repeats 9 --optimizer
+
+Steps alternate (SFT, MARS, SFT, ...) after a warm-up, so drift in machine load hits both alike. A step is the
+trainer's `training_step` (forward + backward, with the trainer's own loss), plus an AdamW update with --optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from trl import SFTConfig, SFTTrainer
+
+from hf_mars.trainer import MARSConfig, MARSTrainer
+
+
+def make_batch(args, vocab_size: int, eos_id: int, pad_id: int) -> dict:
+    """A right-padded batch as TRL's collator makes it: prompt tokens labelled -100, response and EOS labelled."""
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(args.min_len, args.max_len + 1, (args.batch_size,), generator=gen)
+    width = int(lengths.max())
+    input_ids = torch.full((args.batch_size, width), pad_id)
+    labels = torch.full((args.batch_size, width), -100)
+    attention_mask = torch.zeros(args.batch_size, width, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        prompt = round(n * args.prompt_frac)
+        tokens = torch.randint(3, vocab_size - 1, (n,), generator=gen)
+        tokens[-1] = eos_id
+        input_ids[i, :n], attention_mask[i, :n], labels[i, prompt:n] = tokens, 1, tokens[prompt:]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    # Only the special tokens matter: the batch is made of token ids
+    backend = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def make_model(args):
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[args.family]
+    config = config_cls(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 64 // 2),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attn_implementation=args.attn,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.config.mars_mask_token_id = args.vocab - 1  # a spare row, as after hf_mars.to_mars
+    return model
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="llama", choices=["llama", "qwen2"])
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--min-len", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--prompt-frac", type=float, default=0.4)
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--optimizer", action="store_true", help="include an AdamW update in each step")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    tokenizer = make_tokenizer()
+    sft_model = make_model(args)
+    mars_model = copy.deepcopy(sft_model)
+    n_params = sum(p.numel() for p in sft_model.parameters())
+    batch = make_batch(args, args.vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    dummy = Dataset.from_dict({"input_ids": [[3, 4, 1]], "labels": [[-100, 4, 1]]})  # trainers require one
+
+    out = tempfile.mkdtemp()
+    common = dict(output_dir=out, report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
+                  gradient_checkpointing=False, max_length=None, learning_rate=1e-5)  # fmt: skip
+    use_gpu = torch.cuda.is_available()
+    common["use_cpu"], common["bf16"] = not use_gpu, use_gpu
+    sft = SFTTrainer(sft_model, args=SFTConfig(**common), train_dataset=dummy, processing_class=tokenizer)
+    mars = MARSTrainer(mars_model, args=MARSConfig(**common, mars_block_size=args.block_size), train_dataset=dummy,
+                       processing_class=tokenizer)  # fmt: skip
+    optimizers = {}
+    for name, trainer in (("sft", sft), ("mars", mars)):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # set by `train()`, which we do not run
+        optimizers[name] = torch.optim.AdamW(trainer.model.parameters(), lr=1e-5)
+
+    def step(name, trainer):
+        inputs = {k: v.to(trainer.args.device) for k, v in batch.items()}
+        if use_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.training_step(trainer.model, inputs)
+        if args.optimizer:
+            optimizers[name].step()
+        if use_gpu:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        optimizers[name].zero_grad(set_to_none=True)
+        return elapsed
+
+    times = {"sft": [], "mars": []}
+    for i in range(args.warmup + args.repeats):
+        for name, trainer in (("sft", sft), ("mars", mars)):
+            t = step(name, trainer)
+            if i >= args.warmup:
+                times[name].append(t)
+
+    labelled = (batch["labels"] != -100).sum().item()
+    real = batch["attention_mask"].sum().item()
+    print(f"model: {args.family}, {n_params / 1e6:.1f}M params, attn={args.attn}, device={sft.args.device}, "
+          f"threads={torch.get_num_threads()}")  # fmt: skip
+    print(f"batch: {args.batch_size} x {batch['input_ids'].shape[1]} tokens ({real} real, {labelled / real:.0%} "
+          f"labelled), B={args.block_size}, step={'fwd+bwd+AdamW' if args.optimizer else 'fwd+bwd'}")  # fmt: skip
+    sft_t, mars_t = statistics.median(times["sft"]), statistics.median(times["mars"])
+    print(f"SFT  step median: {sft_t * 1e3:8.1f} ms  ({', '.join(f'{t * 1e3:.0f}' for t in times['sft'])})")
+    print(f"MARS step median: {mars_t * 1e3:8.1f} ms  ({', '.join(f'{t * 1e3:.0f}' for t in times['mars'])})")
+    print(f"MARS / SFT: {mars_t / sft_t:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

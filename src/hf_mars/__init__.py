@@ -1,0 +1,37 @@
+"""hf_mars: MARS (Mask AutoRegression) for Hugging Face causal LMs.
+
+A MARS model is an ordinary causal LM fine-tuned so that `<|mask|>` tokens appended to the text predict the tokens
+after the next one. `generate(mars_tau=τ)` then accepts several tokens per forward pass while their confidence is
+at least τ; τ = 1 is exactly the original autoregressive model.
+"""
+
+__version__ = "0.1.0"
+
+from .cache import MARSCache
+from .generation import MARSGenerationMixin, MARSGenerateOutput, MARSStats, TauController
+from .convert import convert_checkpoint, to_mars
+from .modeling import MASK_TOKEN, mars_class
+
+
+def __getattr__(name):
+    # The trainer pulls in TRL (and datasets); decoding users should not pay for that import.
+    if name in ("MARSTrainer", "MARSConfig"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'hf_mars' has no attribute {name!r}")
+
+
+__all__ = [
+    "MASK_TOKEN",
+    "MARSCache",
+    "MARSConfig",
+    "MARSGenerateOutput",
+    "MARSGenerationMixin",
+    "MARSStats",
+    "MARSTrainer",
+    "TauController",
+    "convert_checkpoint",
+    "mars_class",
+    "to_mars",
+]

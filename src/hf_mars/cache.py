@@ -1,0 +1,84 @@
+"""The KV cache of MARS decoding: a `DynamicCache` that keeps real tokens only.
+
+Under causal attention the keys and values of a real token depend only on its prefix, so they are exact the moment
+they are computed, whatever trails them. Each MARS pass feeds [tokens accepted last pass | B-1 masks]; afterwards the
+masks' K/V are cropped off and the real tokens' K/V stay. Nothing committed is ever recomputed or copied.
+
+Rows of a batch accept different numbers of tokens per pass. The new tokens of a pass are right-aligned (exactly as
+a left-padded prompt is), so a row that accepted fewer leaves holes: cache slots that hold no token. `real` marks
+which slots hold tokens; it becomes the 2D attention mask, and position ids count real tokens only. `compact()`
+squeezes the holes out when they grow to a large share of the cache.
+
+This file is copied into MARS checkpoints (trust_remote_code): it depends on torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class MARSCache(DynamicCache):
+    """A `DynamicCache` plus the per-row bookkeeping of MARS decoding.
+
+    Attributes:
+        real (`torch.BoolTensor` of shape `(batch, cached_len)`): which cache slots hold real tokens.
+        next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device | str):
+        super().__init__()  # no config: every layer a full `DynamicLayer`, whose `crop` drops the trailing masks
+        self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def step_inputs(self, new_real: torch.BoolTensor, num_masks: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | num_masks masks]`.
+
+        Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
+        as `generate()` does for unpadded batches.
+        """
+        batch = new_real.shape[0]
+        masks = torch.ones(batch, num_masks, dtype=torch.bool, device=new_real.device)
+        real = torch.cat([self.real, new_real, masks], dim=1)
+        steps = torch.cat([new_real, masks], dim=1).long().cumsum(dim=1)
+        position_ids = (self.next_position[:, None] + steps - 1).clamp(min=0)
+        attention_mask = None if bool(real.all()) else real.long()
+        return attention_mask, position_ids
+
+    def commit(self, new_real: torch.BoolTensor, num_masks: int) -> None:
+        """After a pass: drop the K/V of the trailing masks and record the real tokens just cached."""
+        if num_masks:
+            self.crop(-num_masks)
+        self.real = torch.cat([self.real, new_real], dim=1)
+        self.next_position = self.next_position + new_real.sum(dim=1)
+
+    def keep_rows(self, rows: torch.LongTensor) -> None:
+        """Drop finished rows, so that they stop costing compute."""
+        self.batch_select_indices(rows)
+        self.real = self.real[rows]
+        self.next_position = self.next_position[rows]
+
+    def hole_fraction(self) -> float:
+        return 0.0 if self.real.numel() == 0 else 1.0 - self.real.float().mean().item()
+
+    def compact(self) -> None:
+        """Squeeze out holes: right-align each row's real slots, as left padding does.
+
+        Attention over a hole is wasted work; compaction costs one gather of the cache, so callers run it only when
+        holes are a large share of it. Positions are untouched: rotary embeddings are already in the keys.
+        """
+        length = int(self.real.sum(dim=1).max())
+        # Stable sort on the 0/1 mask puts holes first and keeps the real slots in order; keep the last `length`.
+        order = torch.sort(self.real.to(torch.uint8), dim=1, stable=True).indices[:, -length:]
+        for layer in self.layers:
+            if layer.get_seq_length() == 0:
+                continue
+            layer.keys = _gather_slots(layer.keys, order)
+            layer.values = _gather_slots(layer.values, order)
+        self.real = self.real.gather(1, order)
+
+
+def _gather_slots(states: torch.Tensor, order: torch.LongTensor) -> torch.Tensor:
+    """`states[b, :, order[b], :]` for a `(batch, heads, slots, dim)` tensor."""
+    index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+    return states.gather(2, index)

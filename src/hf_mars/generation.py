@@ -1,0 +1,414 @@
+"""MARS decoding inside `model.generate()`: several tokens per forward pass, accepted while confident.
+
+One pass feeds the tokens accepted in the previous pass plus B-1 `<|mask|>` tokens, through an ordinary causal
+forward. Slot 0 is the output at the last real token (the ordinary next-token prediction); slot i >= 1 is the output
+at mask i-1, which a MARS-trained model has learned to make a prediction of the token i places further on. (A B-th
+mask would only feed the unused output after the last slot, so it is not fed.) Slot 0 is always accepted; then slots
+are accepted left to right while their confidence is at least τ. With τ >= 1 no mask is fed at all: that is exactly
+greedy (or sampled) autoregressive decoding, at its cost.
+
+τ is read before every pass, so it may be a number, a callable, or a `TauController` that a UI or a server changes
+while a generation runs. The KV cache keeps real tokens only (see `cache.py`). Rows that finish leave the batch.
+
+This file is copied into MARS checkpoints (trust_remote_code): it depends on torch, transformers and `cache.py` only.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache, GenerationMixin
+from transformers.generation import GenerationMode
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import MARSCache
+
+CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
+# Warpers that read only the scores, never the token history: they can score every slot of a pass in one call.
+_HISTORY_FREE = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+# Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
+_COMPACT_AT = 0.5
+
+
+class TauController:
+    """A τ that may change while a generation runs: pass it as `mars_tau` and set `.tau` from anywhere.
+
+    The decoder reads it before every acceptance test, so a slider in a UI or a load policy in a server changes the
+    speed/quality trade-off of generations already in flight.
+    """
+
+    def __init__(self, tau: float = 1.0):
+        self.tau = check_tau(tau)
+
+    def __call__(self) -> float:
+        return self.tau
+
+    def __repr__(self) -> str:
+        return f"TauController(tau={self.tau})"
+
+
+def check_tau(tau) -> float:
+    """Validate τ: a number in [0, 1]. 1 means plain autoregressive decoding; lower accepts more tokens per pass."""
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= float(tau) <= 1.0:
+        raise ValueError(f"mars_tau must be a number in [0, 1] (1 = plain autoregressive decoding), got {tau!r}")
+    return float(tau)
+
+
+def read_tau(tau) -> float:
+    """The current value of `mars_tau`: a number, or a callable (e.g. `TauController`) read at every pass."""
+    return check_tau(tau() if callable(tau) else tau)
+
+
+@dataclass
+class MARSStats:
+    """What MARS decoding did. Every forward pass counts, the first (prefill) one included, since it yields tokens.
+
+    Attributes:
+        forward_passes: number of model forward passes.
+        new_tokens: `(batch,)` tokens generated per row.
+        passes_per_row: `(batch,)` forward passes each row took part in (a finished row leaves the batch).
+        accepted_per_step: one `(batch,)` tensor per pass: tokens accepted by each row (0 once it has finished).
+        tau_per_step: the τ read before each pass.
+    """
+
+    forward_passes: int = 0
+    new_tokens: torch.Tensor | None = None
+    passes_per_row: torch.Tensor | None = None
+    accepted_per_step: list[torch.Tensor] = field(default_factory=list)
+    tau_per_step: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_forward(self) -> torch.Tensor:
+        """`(batch,)` tokens generated per forward pass the row took part in (1.0 is plain AR decoding)."""
+        return self.new_tokens.float() / self.passes_per_row.clamp(min=1).float()
+
+    @property
+    def mean_tokens_per_forward(self) -> float:
+        return self.tokens_per_forward.mean().item()
+
+
+@dataclass
+class MARSGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus `mars_stats` (see `MARSStats`)."""
+
+    mars_stats: MARSStats | None = None
+
+
+def confidence(probs: torch.Tensor, tokens: torch.Tensor, measure: str = "probability") -> torch.Tensor:
+    """Confidence in [0, 1] of each chosen token, compared with τ.
+
+    - "probability": the chosen token's probability (the paper's default);
+    - "margin": top-1 minus top-2 probability;
+    - "entropy": 1 - H(p) / log|V|, so that accepting `>= τ` means normalised entropy `<= 1 - τ`.
+    """
+    if measure == "probability":
+        return probs.gather(-1, tokens[..., None]).squeeze(-1)
+    if measure == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if measure == "entropy":
+        return 1.0 - torch.special.entr(probs).sum(-1) / math.log(probs.shape[-1])
+    raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
+
+
+class MARSGenerationMixin(GenerationMixin):
+    """Adds MARS decoding to a causal LM's `generate()`; without `mars_tau` it is the base model's `generate()`."""
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        *,
+        mars_tau: float | Callable[[], float] | None = None,
+        mars_block_size: int | None = None,
+        mars_confidence: str | None = None,
+        streamer=None,
+        **kwargs,
+    ):
+        r"""`GenerationMixin.generate`, plus MARS decoding when `mars_tau` is given (or set in the generation config).
+
+        Args:
+            mars_tau (`float` or callable, *optional*):
+                Confidence threshold in [0, 1]; 1 is exactly autoregressive decoding. A callable (e.g.
+                `TauController`) is read before every forward pass. Defaults to `generation_config.mars_tau`; when
+                neither is set, this is the base model's `generate()`, untouched.
+            mars_block_size (`int`, *optional*):
+                B: at most B tokens per forward pass. Defaults to the value the model was trained with.
+            mars_confidence (`str`, *optional*):
+                "probability" (default), "entropy" or "margin"; see `confidence`.
+
+        With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
+        passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
+        and the other logits processors), EOS ids, `max_new_tokens`, `stop_strings` (pass `tokenizer=`) and
+        streamers (each pass's accepted tokens arrive as one chunk).
+        """
+        base = generation_config if generation_config is not None else self.generation_config
+        tau = mars_tau if mars_tau is not None else getattr(base, "mars_tau", None)
+        if tau is None:
+            extra = {"streamer": streamer} if streamer is not None else {}
+            return super().generate(inputs, generation_config, logits_processor, stopping_criteria, **extra, **kwargs)
+
+        if not callable(tau):
+            check_tau(tau)
+        mask_token_id = getattr(self.config, "mars_mask_token_id", None)
+        if mask_token_id is None:
+            raise ValueError(
+                "This model has no `<|mask|>` token id (config.mars_mask_token_id); convert it with "
+                "`hf_mars.to_mars(model, tokenizer)` before decoding with `mars_tau`."
+            )
+        block_size = _first_set(mars_block_size, getattr(base, "mars_block_size", None), getattr(self.config, "mars_block_size", None))
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"mars_block_size must be an integer >= 1, got {block_size!r}")
+        measure = _first_set(mars_confidence, getattr(base, "mars_confidence", None), "probability")
+        if measure not in CONFIDENCE_MEASURES:
+            raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
+        for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
+            if kwargs.get(name) is not None or getattr(base, name, None) is not None:
+                raise ValueError(f"`mars_tau` cannot be combined with assisted decoding (`{name}`).")
+        if "inputs_embeds" in kwargs:
+            raise ValueError("MARS decoding needs `input_ids`, not `inputs_embeds`.")
+
+        # `generate` hands a callable decoder no tokenizer, so stop strings are turned into a criterion here.
+        stop_strings = kwargs.pop("stop_strings", None) or getattr(base, "stop_strings", None)
+        tokenizer = kwargs.pop("tokenizer", None)
+        if stop_strings:
+            if tokenizer is None:
+                raise ValueError("Stop strings need the model's tokenizer: pass `tokenizer=` to `generate`.")
+            stopping_criteria = StoppingCriteriaList(stopping_criteria or [])
+            stopping_criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+            if getattr(base, "stop_strings", None):
+                generation_config = copy.deepcopy(base)
+                generation_config.stop_strings = None
+
+        decode = functools.partial(
+            mars_decode,
+            mars_tau=tau,
+            mars_block_size=block_size,
+            mars_mask_token_id=mask_token_id,
+            mars_confidence=measure,
+            streamer=streamer,
+        )
+        return super().generate(inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs)
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _check_decodable(model, generation_config, prompt_length: int, block_size: int) -> None:
+    """Refuse, with a reason, what MARS decoding cannot do exactly."""
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        raise ValueError(f"`mars_tau` works with greedy decoding and sampling, not {mode.value} (e.g. num_beams > 1).")
+    for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, name, False):
+            raise ValueError(f"`{name}` is not supported with `mars_tau`.")
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError("MARS decoding keeps its own dynamic cache; unset `cache_implementation`.")
+    if model.config.is_encoder_decoder:
+        raise ValueError("MARS decoding needs a decoder-only causal LM.")
+    probe = DynamicCache(config=model.config)
+    if any(getattr(probe, "is_linear", [])) or any(getattr(probe, "is_dummy", [])):
+        raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks.")
+    windows = [layer.sliding_window for layer in probe.layers if getattr(layer, "is_sliding", False)]
+    # Holes (at most block_size - 1 per pass) push cache indices apart: a window would then see fewer real tokens.
+    longest = prompt_length + (generation_config.max_length - prompt_length) * block_size
+    if windows and min(windows) < longest:
+        raise ValueError(
+            f"Sliding-window attention ({min(windows)} tokens) is only exact with MARS while the whole generation "
+            f"fits in the window; this one may reach {longest} cache slots. Lower max_new_tokens."
+        )
+
+
+def _history(sequences: torch.Tensor, lengths: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Each row's tokens so far, right-aligned (left-padded) to a common width: the `input_ids` logits processors
+    and stopping criteria expect. Rows of equal length give exactly `generate()`'s `input_ids`."""
+    width = int(lengths.max())
+    index = torch.arange(width, device=sequences.device) + (lengths - width)[:, None]
+    history = sequences.gather(1, index.clamp(min=0))
+    return history.masked_fill(index < 0, pad_token_id)
+
+
+def _choose(logits, history, logits_processor, do_sample, measure):
+    """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`.
+
+    Processors that read the token history see, for slot i, the history plus the tokens chosen for slots < i: exactly
+    what they would see if those slots are accepted (and slot i matters only if they are).
+    """
+    batch, slots, vocab = logits.shape
+
+    def pick(scores):
+        probs = torch.softmax(scores, dim=-1)
+        if do_sample:
+            tokens = torch.multinomial(probs.reshape(-1, vocab), num_samples=1).view(probs.shape[:-1])
+        else:
+            tokens = scores.argmax(dim=-1)
+        return tokens, confidence(probs, tokens, measure)
+
+    if not logits_processor:
+        return pick(logits)
+    if all(isinstance(p, _HISTORY_FREE) for p in logits_processor):
+        scores = logits_processor(history.repeat_interleave(slots, dim=0), logits.reshape(-1, vocab))
+        return pick(scores.view(batch, slots, vocab))
+    tokens, confs = [], []
+    for i in range(slots):
+        ids = torch.cat([history, *tokens], dim=1) if tokens else history
+        token, conf = pick(logits_processor(ids, logits[:, i]))
+        tokens.append(token[:, None])
+        confs.append(conf[:, None])
+    return torch.cat(tokens, dim=1), torch.cat(confs, dim=1)
+
+
+def mars_decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    *,
+    mars_tau,
+    mars_block_size: int,
+    mars_mask_token_id: int,
+    mars_confidence: str = "probability",
+    streamer=None,
+    **model_kwargs,
+):
+    """The MARS decoding loop; `generate()` calls it with prepared inputs, processors and criteria."""
+    batch, prompt_length = input_ids.shape
+    device = input_ids.device
+    _check_decodable(model, generation_config, prompt_length, mars_block_size)
+    if streamer is not None and batch > 1:
+        raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
+    cached = model_kwargs.get("past_key_values")
+    if cached is not None and cached.get_seq_length() > 0:
+        raise ValueError("MARS decoding starts from an empty cache; do not pass a filled `past_key_values`.")
+
+    eos = generation_config._eos_token_tensor
+    eos = torch.empty(0, dtype=torch.long, device=device) if eos is None else eos.to(device).view(-1)
+    pad = generation_config._pad_token_tensor
+    pad_token_id = int(pad) if pad is not None else (int(eos[0]) if eos.numel() else 0)
+    budget = generation_config.max_length - prompt_length  # what MaxLengthCriteria allows
+    extra_criteria = StoppingCriteriaList(
+        c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))
+    )
+    logits_to_keep = model._supports_logits_to_keep()
+
+    sequences = torch.full((batch, prompt_length + budget + mars_block_size), pad_token_id, dtype=torch.long, device=device)
+    sequences[:, :prompt_length] = input_ids
+    new_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+    passes_per_row = torch.zeros(batch, dtype=torch.long, device=device)
+    stats = MARSStats()
+    rows = torch.arange(batch, device=device)  # the rows still generating, as indices into the batch
+
+    attention_mask = model_kwargs.get("attention_mask")
+    pending = input_ids  # tokens to feed, right-aligned: the prompt, then each pass's accepted tokens
+    pending_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    cache = MARSCache(batch, device)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+
+    while rows.numel() > 0:
+        tau = read_tau(mars_tau)
+        slots = mars_block_size if tau < 1.0 else 1
+        masks = torch.full((rows.numel(), slots - 1), mars_mask_token_id, dtype=torch.long, device=device)
+        mask_2d, position_ids = cache.step_inputs(pending_real, slots - 1)
+        extra = {"logits_to_keep": slots} if logits_to_keep else {}
+        outputs = model(
+            input_ids=torch.cat([pending, masks], dim=1),
+            attention_mask=mask_2d,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            return_dict=True,
+            **extra,
+        )
+        cache.commit(pending_real, slots - 1)
+        logits = outputs.logits[:, -slots:].float()
+        del outputs
+
+        lengths = prompt_length + new_tokens[rows]
+        needs_history = bool(logits_processor) or bool(extra_criteria)
+        history = _history(sequences[rows], lengths, pad_token_id) if needs_history else None
+        tokens, confs = _choose(logits, history, logits_processor, generation_config.do_sample, mars_confidence)
+
+        # Slot 0 always; then left to right while confident.
+        accepted = 1 + (confs[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
+        left = budget - new_tokens[rows]
+        accepted = torch.minimum(accepted, left)
+        finished = accepted >= left
+        slot_index = torch.arange(slots, device=device)
+        is_eos = torch.isin(tokens, eos) & (slot_index < accepted[:, None])
+        hit = is_eos.any(dim=1)
+        accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
+        finished |= hit
+        if extra_criteria:  # stop strings, user criteria: test every accepted prefix, stop at the first that fires
+            stop_at = torch.zeros_like(accepted)
+            for k in range(1, int(accepted.max()) + 1):
+                fired = extra_criteria(torch.cat([history, tokens[:, :k]], dim=1), None).to(device)
+                stop_at = torch.where(fired & (stop_at == 0) & (k <= accepted), k, stop_at)
+            accepted = torch.where(stop_at > 0, stop_at, accepted)
+            finished |= stop_at > 0
+
+        keep = slot_index < accepted[:, None]
+        positions = prompt_length + new_tokens[rows][:, None] + slot_index
+        sequences[rows[:, None].expand(-1, slots)[keep], positions[keep]] = tokens[keep]
+        new_tokens[rows] += accepted
+        passes_per_row[rows] += 1
+        stats.forward_passes += 1
+        stats.tau_per_step.append(tau)
+        stats.accepted_per_step.append(torch.zeros(batch, dtype=torch.long, device=device).index_put((rows,), accepted))
+        if streamer is not None:
+            streamer.put(tokens[:, : int(accepted[0])].cpu())
+
+        # Next pass feeds this pass's accepted tokens, right-aligned: shorter rows leave holes in the cache.
+        width = int(accepted.max())
+        index = torch.arange(width, device=device) + (accepted - width)[:, None]
+        pending_real = index >= 0
+        pending = tokens.gather(1, index.clamp(min=0)).masked_fill(~pending_real, pad_token_id)
+
+        if bool(finished.any()):
+            alive = (~finished).nonzero().view(-1)
+            rows, pending, pending_real = rows[alive], pending[alive], pending_real[alive]
+            cache.keep_rows(alive)
+        if rows.numel() > 1 and cache.hole_fraction() > _COMPACT_AT:
+            cache.compact()
+
+    if streamer is not None:
+        streamer.end()
+    stats.new_tokens, stats.passes_per_row = new_tokens, passes_per_row
+    sequences = sequences[:, : prompt_length + int(new_tokens.max())]
+    if generation_config.return_dict_in_generate:
+        return MARSGenerateOutput(sequences=sequences, mars_stats=stats)
+    return sequences

@@ -1,0 +1,383 @@
+"""MARS decoding: exactness anchors (τ = 1 is `generate()`), batching, the cache, stopping, streaming, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+from transformers import MistralConfig, AutoModelForCausalLM, StoppingCriteria
+from transformers.generation.streamers import BaseStreamer
+
+import hf_mars
+from hf_mars import generation as mars_generation
+
+PROMPTS = ["hello world, how", "a", "the quick brown fox jumps"]
+FAMILIES = ["qwen2", "qwen3", "llama"]
+
+
+def sharp_mars_model(family="qwen2", dtype=torch.float64, block_size=4, seed=0):
+    """An untrained MARS model whose head is scaled up: its confidences spread over (0, 1), so at τ in [0.5, 0.9]
+    some passes accept one token and others several, which is what batching and the cache must get right."""
+    tok = make_tokenizer()
+    model = make_model(family, dtype=dtype, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return hf_mars.to_mars(model, tok, block_size=block_size), tok
+
+
+def encode(tok, prompts=PROMPTS):
+    return tok(prompts, return_tensors="pt", padding=True)
+
+
+def rows_alone(model, tok, enc, **kwargs):
+    """Decode each row of a padded batch on its own; return the generated tokens of each."""
+    out = []
+    for i in range(enc.input_ids.shape[0]):
+        ids = enc.input_ids[i : i + 1, enc.attention_mask[i].bool()]
+        out.append(model.generate(input_ids=ids, **kwargs)[0, ids.shape[1] :])
+    return out
+
+
+def strip_pad(tokens, pad_id):
+    """Generated tokens of one row of a batch, without the right padding of rows that finished early."""
+    keep = len(tokens)
+    while keep and tokens[keep - 1] == pad_id:
+        keep -= 1
+    return tokens[:keep]
+
+
+def naive_mars_decode(model, ids, tau, block_size, mask_id, max_new_tokens, eos_id):
+    """The reference: no cache at all. Each pass re-runs [whole committed text | B-1 masks] from scratch."""
+    ids = list(ids)
+    new = []
+    while len(new) < max_new_tokens:
+        slots = block_size if tau < 1 else 1
+        x = torch.tensor([ids + [mask_id] * (slots - 1)])
+        logits = model(input_ids=x).logits[0, -slots:].float()
+        probs = logits.softmax(-1)
+        tokens = logits.argmax(-1)
+        conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
+        take = 1
+        while take < slots and conf[take] >= tau:
+            take += 1
+        for t in tokens[:take].tolist():
+            ids.append(t)
+            new.append(t)
+            if t == eos_id or len(new) == max_new_tokens:
+                return new
+    return new
+
+
+# --- τ = 1 is exactly autoregressive decoding --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tau_one_equals_greedy_generate_batched_and_not(family):
+    tok = make_tokenizer()
+    base = make_model(family)
+    mars = hf_mars.to_mars(make_model(family), tok, block_size=4)
+    enc = encode(tok)
+    ref = base.generate(**enc, do_sample=False, max_new_tokens=24)
+    out = mars.generate(**enc, mars_tau=1.0, max_new_tokens=24, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.mars_stats.forward_passes == 24
+    assert all(int(a.max()) == 1 for a in out.mars_stats.accepted_per_step)
+    for i, row in enumerate(rows_alone(mars, tok, enc, mars_tau=1.0, max_new_tokens=24)):
+        ids = enc.input_ids[i : i + 1, enc.attention_mask[i].bool()]
+        assert torch.equal(row, base.generate(input_ids=ids, do_sample=False, max_new_tokens=24)[0, ids.shape[1] :])
+
+
+def test_tau_one_equals_generate_with_history_processors_and_eos():
+    """Repetition penalty reads the token history; several EOS ids end rows at different steps."""
+    tok = make_tokenizer()
+    base = make_model("llama")
+    mars = hf_mars.to_mars(make_model("llama"), tok, block_size=8)
+    enc = encode(tok)
+    free = base.generate(**enc, do_sample=False, max_new_tokens=30)[:, enc.input_ids.shape[1] :]
+    eos = [int(free[0, 5]), int(free[2, 9])]
+    kwargs = dict(do_sample=False, max_new_tokens=30, repetition_penalty=1.3, eos_token_id=eos)
+    ref = base.generate(**enc, **kwargs)
+    assert torch.equal(mars.generate(**enc, mars_tau=1.0, **kwargs), ref)
+
+
+def test_tau_one_sampling_equals_generate_sampling():
+    tok = make_tokenizer()
+    base = make_model("qwen2")
+    mars = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)
+    enc = encode(tok, ["the quick brown fox"])
+    kwargs = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, max_new_tokens=20)
+    torch.manual_seed(123)
+    ref = base.generate(**enc, **kwargs)
+    torch.manual_seed(123)
+    assert torch.equal(mars.generate(**enc, mars_tau=1.0, **kwargs), ref)
+
+
+def test_without_tau_generate_is_the_base_models():
+    tok = make_tokenizer()
+    base = make_model("qwen2")
+    mars = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)
+    enc = encode(tok)
+    for kwargs in (dict(do_sample=False), dict(num_beams=3, do_sample=False)):
+        assert torch.equal(mars.generate(**enc, max_new_tokens=12, **kwargs), base.generate(**enc, max_new_tokens=12, **kwargs))
+    torch.manual_seed(0)
+    ref = base.generate(**enc, do_sample=True, max_new_tokens=12)
+    torch.manual_seed(0)
+    assert torch.equal(mars.generate(**enc, do_sample=True, max_new_tokens=12), ref)
+
+
+# --- every τ: batched = unbatched = naive ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_equals_unbatched_and_naive_for_every_tau(family):
+    model, tok = sharp_mars_model(family)
+    enc = encode(tok)
+    mask_id = model.config.mars_mask_token_id
+    multi = single = 0
+    for tau in (1.0, 0.9, 0.7, 0.5, 0.0):
+        out = model.generate(**enc, mars_tau=tau, max_new_tokens=32, return_dict_in_generate=True)
+        accepted = torch.cat(out.mars_stats.accepted_per_step)
+        multi, single = multi + int((accepted > 1).sum()), single + int((accepted == 1).sum())
+        alone = rows_alone(model, tok, enc, mars_tau=tau, max_new_tokens=32)
+        for i, row in enumerate(alone):
+            batched = strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id)
+            assert batched == row.tolist(), f"tau={tau} row {i}"
+            ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()
+            assert row.tolist() == naive_mars_decode(model, ids, tau, 4, mask_id, 32, tok.eos_token_id)
+    assert multi > 20 and single > 20, "the test must exercise both multi-token and single-token passes"
+
+
+def test_hole_compaction_is_exact(monkeypatch):
+    model, tok = sharp_mars_model("llama", block_size=6)
+    enc = encode(tok)
+    ref = model.generate(**enc, mars_tau=0.6, max_new_tokens=40)
+    calls = []
+    original = hf_mars.MARSCache.compact
+    monkeypatch.setattr(mars_generation, "_COMPACT_AT", 0.0)
+    monkeypatch.setattr(hf_mars.MARSCache, "compact", lambda self: (calls.append(1), original(self)))
+    assert torch.equal(model.generate(**enc, mars_tau=0.6, max_new_tokens=40), ref)
+    assert len(calls) > 5
+
+
+def test_cache_keeps_real_tokens_only():
+    model, tok = sharp_mars_model("qwen2")
+    enc = encode(tok, ["the quick brown fox"])
+    seen = []
+    original = hf_mars.MARSCache.commit
+
+    def commit(self, new_real, num_masks):
+        original(self, new_real, num_masks)
+        seen.append((self.get_seq_length(), int(self.real.sum())))
+
+    hf_mars.MARSCache.commit = commit
+    try:
+        out = model.generate(**enc, mars_tau=0.5, max_new_tokens=30, return_dict_in_generate=True)
+    finally:
+        hf_mars.MARSCache.commit = original
+    prompt = enc.input_ids.shape[1]
+    # After each pass the cache holds exactly the prompt and the tokens committed before that pass: no masks.
+    committed = [prompt] + [prompt + int(sum(a[0] for a in out.mars_stats.accepted_per_step[:k])) for k in range(1, len(seen))]
+    assert [s for s, _ in seen] == committed and [r for _, r in seen] == committed
+
+
+# --- τ is live -------------------------------------------------------------------------------------------------
+
+
+def test_tau_callable_is_read_before_every_pass():
+    model, tok = sharp_mars_model("qwen2", dtype=torch.float32)
+    enc = encode(tok, ["hello world"])
+    controller = hf_mars.TauController(1.0)
+    reads = []
+
+    def tau():
+        reads.append(controller.tau)
+        if len(reads) == 6:
+            controller.tau = 0.0  # e.g. a slider moved while the generation runs
+        return controller()
+
+    out = model.generate(**enc, mars_tau=tau, max_new_tokens=40, return_dict_in_generate=True)
+    stats = out.mars_stats
+    assert stats.tau_per_step[:5] == [1.0] * 5 and set(stats.tau_per_step[5:]) == {0.0}
+    assert len(reads) == stats.forward_passes
+    assert all(int(a) == 1 for a in stats.accepted_per_step[:5])
+    assert all(int(a) == 4 for a in stats.accepted_per_step[5:-1])  # τ = 0 accepts every slot
+    assert int(stats.new_tokens[0]) == 40
+
+
+# --- stopping ----------------------------------------------------------------------------------------------------
+
+
+def test_max_new_tokens_is_exact():
+    model, tok = sharp_mars_model("qwen2")
+    enc = encode(tok)
+    for n in (1, 7, 13):
+        out = model.generate(**enc, mars_tau=0.0, max_new_tokens=n, eos_token_id=None, return_dict_in_generate=True)
+        assert out.sequences.shape[1] == enc.input_ids.shape[1] + n
+        assert out.mars_stats.new_tokens.tolist() == [n] * 3
+
+
+def test_eos_inside_an_accepted_chunk_ends_the_row():
+    model, tok = sharp_mars_model("qwen2")
+    enc = encode(tok)
+    free = model.generate(**enc, mars_tau=0.0, max_new_tokens=24, eos_token_id=None)[:, enc.input_ids.shape[1] :]
+    eos = int(free[1, 6])  # a token that row 1 produces mid-chunk (τ = 0 accepts 4 per pass)
+    out = model.generate(**enc, mars_tau=0.0, max_new_tokens=24, eos_token_id=[eos, 999], return_dict_in_generate=True)
+    for i in range(3):
+        row = free[i].tolist()
+        expect = row[: row.index(eos) + 1] if eos in row else row
+        got = out.sequences[i, enc.input_ids.shape[1] :].tolist()
+        assert got[: len(expect)] == expect
+        assert all(t == tok.pad_token_id for t in got[len(expect) :])
+        assert int(out.mars_stats.new_tokens[i]) == len(expect)
+
+
+def test_stop_strings_and_custom_criteria():
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    model, tok = sharp_mars_model("qwen2")
+    enc = encode(tok, ["the quick brown fox"])
+    prompt = enc.input_ids.shape[1]
+    free = model.generate(**enc, mars_tau=0.0, max_new_tokens=30, eos_token_id=None)
+    letters = [t for t in free[0, prompt + 3 :].tolist() if tok.decode([t]).isascii() and tok.decode([t]).isalnum()]
+    stop = tok.decode(letters[0])
+    criterion = StopStringCriteria(tok, [stop])
+    end = next(n for n in range(prompt + 1, free.shape[1] + 1) if criterion(free[:, :n], None)[0])
+    out = model.generate(**enc, mars_tau=0.0, max_new_tokens=30, eos_token_id=None, stop_strings=stop, tokenizer=tok)
+    assert torch.equal(out, free[:, :end])  # stopped at the very token that completed the stop string
+    base = make_model("qwen2", dtype=torch.float64)
+    base.load_state_dict(model.state_dict())
+    kwargs = dict(max_new_tokens=30, eos_token_id=None, stop_strings=stop, tokenizer=tok)
+    assert torch.equal(model.generate(**enc, mars_tau=1.0, **kwargs), base.generate(**enc, do_sample=False, **kwargs))
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= enc.input_ids.shape[1] + 9)
+
+    out = model.generate(**enc, mars_tau=0.0, max_new_tokens=30, eos_token_id=None, stopping_criteria=[StopAfter()])
+    assert out.shape[1] == enc.input_ids.shape[1] + 9
+
+
+# --- streaming ---------------------------------------------------------------------------------------------------
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.view(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_one_chunk_per_pass():
+    model, tok = sharp_mars_model("llama", dtype=torch.float32)
+    enc = encode(tok, ["hello world"])
+    streamer = Recorder()
+    out = model.generate(**enc, mars_tau=0.6, max_new_tokens=30, streamer=streamer, return_dict_in_generate=True)
+    prompt, *chunks = streamer.chunks
+    assert prompt == enc.input_ids[0].tolist() and streamer.ended
+    assert [len(c) for c in chunks] == [int(a) for a in out.mars_stats.accepted_per_step]
+    assert sum(chunks, []) == out.sequences[0, len(prompt) :].tolist()
+    assert max(len(c) for c in chunks) > 1
+
+
+def test_text_iterator_streamer():
+    from threading import Thread
+
+    from transformers import TextIteratorStreamer
+
+    model, tok = sharp_mars_model("qwen2", dtype=torch.float32)
+    enc = encode(tok, ["hello"])
+    streamer = TextIteratorStreamer(tok, skip_prompt=True)
+    result = {}
+    thread = Thread(target=lambda: result.update(out=model.generate(**enc, mars_tau=0.5, max_new_tokens=20, streamer=streamer)))
+    thread.start()
+    text = "".join(streamer)
+    thread.join()
+    assert text == tok.decode(result["out"][0, enc.input_ids.shape[1] :])
+
+
+# --- sampling ----------------------------------------------------------------------------------------------------
+
+
+def test_sampling_with_tau_is_seeded_and_batched():
+    model, tok = sharp_mars_model("qwen2")
+    enc = encode(tok)
+    kwargs = dict(mars_tau=0.7, do_sample=True, temperature=0.7, top_k=20, max_new_tokens=20, return_dict_in_generate=True)
+    torch.manual_seed(1)
+    a = model.generate(**enc, **kwargs)
+    torch.manual_seed(1)
+    b = model.generate(**enc, **kwargs)
+    assert torch.equal(a.sequences, b.sequences)
+    assert a.mars_stats.mean_tokens_per_forward > 1.0
+    # top_k = 1 sampling is greedy decoding of the same processed scores
+    greedy = model.generate(**enc, mars_tau=1.0, max_new_tokens=20)
+    assert torch.equal(model.generate(**enc, mars_tau=1.0, do_sample=True, top_k=1, max_new_tokens=20), greedy)
+
+
+@pytest.mark.parametrize("measure", ["entropy", "margin"])
+def test_other_confidence_measures(measure):
+    model, tok = sharp_mars_model("qwen2")
+    enc = encode(tok)
+    out = model.generate(**enc, mars_tau=0.3, mars_confidence=measure, max_new_tokens=24, return_dict_in_generate=True)
+    for i, row in enumerate(rows_alone(model, tok, enc, mars_tau=0.3, mars_confidence=measure, max_new_tokens=24)):
+        assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
+    probs = torch.tensor([[0.7, 0.2, 0.1]])
+    value = hf_mars.generation.confidence(probs, torch.tensor([0]), measure)
+    expected = 0.5 if measure == "margin" else 1 - float(torch.special.entr(probs).sum() / torch.log(torch.tensor(3.0)))
+    assert value.item() == pytest.approx(expected)
+
+
+# --- refusals ----------------------------------------------------------------------------------------------------
+
+
+def test_clear_errors():
+    model, tok = sharp_mars_model("qwen2", dtype=torch.float32)
+    enc = encode(tok)
+    one = encode(tok, ["a"])
+    bad = [
+        (dict(mars_tau=1.5), "mars_tau"),
+        (dict(mars_tau=-0.1), "mars_tau"),
+        (dict(mars_tau="0.9"), "mars_tau"),
+        (dict(mars_tau=0.9, mars_block_size=0), "mars_block_size"),
+        (dict(mars_tau=0.9, num_beams=2), "greedy"),
+        (dict(mars_tau=0.9, prompt_lookup_num_tokens=3), "assisted"),
+        (dict(mars_tau=0.9, output_scores=True, return_dict_in_generate=True), "output_scores"),
+        (dict(mars_tau=0.9, mars_confidence="vibes"), "mars_confidence"),
+        (dict(mars_tau=0.9, stop_strings="x"), "tokenizer"),
+    ]
+    for kwargs, words in bad:
+        with pytest.raises(ValueError, match=words):
+            model.generate(**enc, max_new_tokens=4, **kwargs)
+    with pytest.raises(ValueError, match="assisted"):
+        model.generate(**one, max_new_tokens=4, mars_tau=0.9, assistant_model=make_model("qwen2"))
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        model.generate(**enc, max_new_tokens=4, mars_tau=0.9, streamer=Recorder())
+    with pytest.raises(ValueError, match="mars_tau"):
+        model.generate(**one, max_new_tokens=4, mars_tau=lambda: 2.0)
+    with pytest.raises(ValueError, match="mars_tau"):
+        hf_mars.TauController(1.1)
+
+    plain = make_model("qwen2")
+    plain.__class__ = hf_mars.mars_class(type(plain))  # a MARS class without a mask token
+    with pytest.raises(ValueError, match="to_mars"):
+        plain.generate(**one, max_new_tokens=4, mars_tau=0.9)
+    with pytest.raises(ValueError, match="block_size"):
+        hf_mars.to_mars(make_model("qwen2"), tok, block_size=0)
+
+
+def test_sliding_window_models_are_exact_or_refused():
+    tok = make_tokenizer()
+    common = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(MistralConfig(sliding_window=4096, **common)).eval()
+    mars = hf_mars.to_mars(AutoModelForCausalLM.from_config(MistralConfig(sliding_window=4096, **common)).eval(), tok)
+    mars.load_state_dict(base.state_dict())
+    enc = encode(tok)
+    assert torch.equal(mars.generate(**enc, mars_tau=1.0, max_new_tokens=10), base.generate(**enc, do_sample=False, max_new_tokens=10))
+    mars.config.sliding_window = 16
+    with pytest.raises(ValueError, match="Sliding-window"):
+        mars.generate(**enc, mars_tau=0.9, max_new_tokens=10)
