@@ -28,10 +28,10 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIALS[1:],
+        extra_special_tokens=SPECIALS[1:],
+        padding_side="left",
     )
     tok.chat_template = CHAT_TEMPLATE
-    tok.padding_side = "left"
     return tok
 
 
