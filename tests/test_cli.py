@@ -1,0 +1,47 @@
+"""The `hf-mars` command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+
+import hf_mars
+
+
+def hf_mars_cli(*args):
+    return subprocess.run([sys.executable, "-m", "hf_mars.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    tok = make_tokenizer()
+    model = make_model("qwen2")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    hf_mars.to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_generate_streams_and_compares_with_ar(checkpoint):
+    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "1.0", "--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert "12 tokens in 12 forward passes: 1.00 tokens/forward" in result.stderr
+    assert "output identical to AR: True" in result.stderr
+    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24", "--no-compare")
+    assert result.returncode == 0, result.stderr
+    passes = int(result.stderr.split(" forward passes")[0].split()[-1])
+    assert passes < 24 and "plain AR" not in result.stderr
+
+
+def test_cli_refuses_bad_input(checkpoint, tmp_path):
+    assert "--tau must be in [0, 1]" in hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--tau", "2").stderr
+    make_model("llama").save_pretrained(tmp_path / "plain")
+    make_tokenizer().save_pretrained(tmp_path / "plain")
+    assert "not a MARS checkpoint" in hf_mars_cli("generate", str(tmp_path / "plain"), "--prompt", "x").stderr
+    assert "not a MARS" in hf_mars_cli("convert", str(tmp_path / "plain"), str(tmp_path / "out")).stderr
