@@ -54,7 +54,7 @@ def test_saved_folder_holds_the_very_decoding_modules(tmp_path):
         source = (path / name).read_text()
         imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
         assert imports and all(
-            line.startswith(("import torch", "import transformers", "import copy", "import functools", "import math",
+            line.startswith(("import torch", "import transformers", "import copy", "import functools", "import inspect", "import math",
                              "from __future__", "from dataclasses", "from typing", "from torch", "from transformers",
                              "from .cache", "from .generation"))
             for line in imports

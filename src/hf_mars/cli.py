@@ -1,5 +1,6 @@
-"""`hf-mars`: decode with a MARS checkpoint, convert the authors' checkpoints.
+"""`hf-mars`: decode with a MARS checkpoint, convert the authors' checkpoints, run the toy demo.
 
+    hf-mars demo [--steps 300] [--block-size 4] [--output-dir outputs/mars-demo]
     hf-mars generate MODEL --prompt "..." [--tau 0.9] [--max-new-tokens 256] [--no-compare]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
 """
@@ -77,6 +78,12 @@ def cmd_convert(args) -> None:
     print(f"Wrote {dst}: load it with AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True)")
 
 
+def cmd_demo(args) -> None:
+    from .demo import run_demo
+
+    run_demo(steps=args.steps, block_size=args.block_size, output_dir=args.output_dir, tau=args.tau)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-mars", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
     gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="train a toy MARS model on CPU (minutes, offline), then decode and compare with AR")
+    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--block-size", type=int, default=4)
+    demo.add_argument("--tau", type=float, default=0.9, help="τ of the wall-clock comparison (default 0.9)")
+    demo.add_argument("--output-dir", default="outputs/mars-demo")
+    demo.set_defaults(func=cmd_demo)
 
     conv = sub.add_parser("convert", help="convert an authors' MARS checkpoint (model_type a2d-qwen2)")
     conv.add_argument("src")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -238,6 +239,9 @@ def _check_decodable(model, generation_config, prompt_length: int, block_size: i
         raise ValueError("MARS decoding keeps its own dynamic cache; unset `cache_implementation`.")
     if model.config.is_encoder_decoder:
         raise ValueError("MARS decoding needs a decoder-only causal LM.")
+    accepted = inspect.signature(model.forward).parameters
+    if not {"position_ids", "attention_mask", "past_key_values"} <= set(accepted):
+        raise ValueError(f"{type(model).__name__}.forward must take position_ids, attention_mask and past_key_values.")
     probe = DynamicCache(config=model.config)
     if any(getattr(probe, "is_linear", [])) or any(getattr(probe, "is_dummy", [])):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks.")
