@@ -2,7 +2,7 @@
 
 One training sequence is `[clean | noisy]`. The clean stream is the example itself (length `l`, positions 0..l-1).
 The noisy stream is a copy in which every labelled token is replaced by `<|mask|>`. With blocks counted from
-position 0 (`block(p) = p // B`), attention is (MARS_SPEC §1):
+position 0 (`block(p) = p // B`), attention is (the MARS paper, arXiv 2604.07023):
 
     clean -> clean : causal
     noisy -> noisy : same block, causal within it

@@ -1,4 +1,4 @@
-"""MARS training: TRL's SFTTrainer with the two-stream mask-prediction loss (MARS_SPEC §1).
+"""MARS training (arXiv 2604.07023): TRL's SFTTrainer with the two-stream mask-prediction loss.
 
 Everything but the loss is SFTTrainer's: dataset preparation, collation, PEFT, gradient checkpointing, logging. Per
 batch, `MARSTrainer.compute_loss`
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import is_peft_model
+from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import is_conversational_from_value, maybe_convert_to_chatml
 
 from .masking import SUPPORTED_ATTENTION, create_two_stream_mask, two_stream_position_ids
-
-MASK_TOKEN = "<|mask|>"  # the same string as hf_mars.modeling.MASK_TOKEN; not imported to keep this module light
+from .modeling import MASK_TOKEN
 
 
 @dataclass
@@ -78,7 +78,7 @@ class MARSConfig(SFTConfig):
 def final_turn_only(example: dict) -> dict:
     """Turn a `messages` example into conversational prompt/completion with the last message as completion.
 
-    MARS trains on the final assistant turn only (MARS_SPEC §1); as prompt/completion data, TRL's completion-only
+    MARS trains on the final assistant turn only, as the authors did; as prompt/completion data, TRL's completion-only
     loss then labels exactly that turn.
     """
     messages = example["messages"]
@@ -88,25 +88,26 @@ def final_turn_only(example: dict) -> dict:
     return {"prompt": messages[:-1], "completion": messages[-1:]}
 
 
-def _to_final_turn_dataset(dataset):
+def _to_final_turn_dataset(dataset, num_proc: int | None = None):
     """Apply `final_turn_only` to an untokenized chat dataset; leave any other dataset as it is."""
     if dataset is None:
         return None
     if isinstance(dataset, dict):
-        return {name: _to_final_turn_dataset(d) for name, d in dataset.items()}
+        return {name: _to_final_turn_dataset(d, num_proc) for name, d in dataset.items()}
     first = next(iter(dataset))
     if "input_ids" in first:
         return dataset
+    map_kwargs = {"num_proc": num_proc} if isinstance(dataset, Dataset) else {}  # IterableDataset has no num_proc
     if is_conversational_from_value(first):
-        dataset = dataset.map(maybe_convert_to_chatml, remove_columns=["conversations"])
+        dataset = dataset.map(maybe_convert_to_chatml, remove_columns=["conversations"], **map_kwargs)
         first = next(iter(dataset))
     if "messages" in first and "prompt" not in first:
-        dataset = dataset.map(final_turn_only, remove_columns=["messages"])
+        dataset = dataset.map(final_turn_only, remove_columns=["messages"], **map_kwargs)
     return dataset
 
 
 def pad_to_blocks(input_ids, attention_mask, labels, block_size: int, eos_token_id: int):
-    """Pad each labelled row with EOS up to a multiple of `block_size`; the pads are labelled EOS (MARS_SPEC §1).
+    """Pad each labelled row with EOS up to a multiple of `block_size`; the pads are labelled EOS, as in the paper.
 
     Rows are right padded (TRL's collator). The batch widens when a row needs more room.
     """
@@ -182,25 +183,34 @@ class MARSTrainer(SFTTrainer):
     # it by the gradient accumulation steps.
     loss_is_scaled_for_ga = False
 
-    def __init__(self, model, args=None, data_collator=None, train_dataset=None, eval_dataset=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        **kwargs,
+    ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = MARSConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-MARS")
         elif not isinstance(args, MARSConfig):
-            dict_args = args.to_dict()
-            dict_args["hub_token"] = args.hub_token  # to_dict hides it
+            # to_dict hides every `*_token` field (hub_token, but also SFTConfig's eos_token and pad_token)
+            dict_args = {k: getattr(args, k) if k.endswith("_token") else v for k, v in args.to_dict().items()}
             args = MARSConfig(**dict_args)
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("MARSTrainer computes its own loss; `compute_loss_func` is not supported.")
         if args.label_smoothing_factor > 0:
             raise ValueError("MARSTrainer does not support `label_smoothing_factor`.")
         if args.loss_type != "nll":
-            raise ValueError(f"MARSTrainer uses the negative log-likelihood; `loss_type={args.loss_type!r}` is not supported.")
+            raise ValueError(f"MARSTrainer uses the negative log-likelihood, not `loss_type={args.loss_type!r}`.")
         # Convert chat data before SFTTrainer looks at it, so that it chooses completion-only loss
-        train_dataset = _to_final_turn_dataset(train_dataset)
-        eval_dataset = _to_final_turn_dataset(eval_dataset)
+        train_dataset = _to_final_turn_dataset(train_dataset, args.dataset_num_proc)
+        eval_dataset = _to_final_turn_dataset(eval_dataset, args.dataset_num_proc)
         super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, **kwargs)  # fmt: skip
+                         eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)  # fmt: skip
 
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._check_model(base)
@@ -240,7 +250,7 @@ class MARSTrainer(SFTTrainer):
         if self._window is not None and self.args.max_length is not None:
             self._check_window(self.args.max_length + self.args.mars_block_size - 1)
         parallelism = self.accelerator.parallelism_config
-        if parallelism is not None and (getattr(parallelism, "cp_enabled", False) or getattr(parallelism, "sp_enabled", False)):
+        if any(getattr(parallelism, flag, False) for flag in ("cp_enabled", "sp_enabled")):
             raise ValueError("Context/sequence parallelism drops the attention mask; MARS needs it.")
 
     def _check_window(self, length: int):
@@ -263,9 +273,10 @@ class MARSTrainer(SFTTrainer):
             raise ValueError(f"Mask token id {mask_id} is outside the embedding matrix; resize the embeddings.")
         return int(mask_id)
 
-    def _prepare_dataset(self, dataset, *args, **kwargs):
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         # `evaluate(eval_dataset=...)` prepares datasets that __init__ never saw
-        return super()._prepare_dataset(_to_final_turn_dataset(dataset), *args, **kwargs)
+        dataset = _to_final_turn_dataset(dataset, args.dataset_num_proc)
+        return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
@@ -295,10 +306,10 @@ class MARSTrainer(SFTTrainer):
         )
         clean_lp, noisy_lp = outputs.log_probs[:, :length], outputs.log_probs[:, length:]  # zero where unlabelled
 
-        # The noisy prediction of the label at `noisy_start` is the clean output at `noisy_start - 1`
+        # A first label on a block boundary is predicted by the output just before the tail, the clean one
         before = (noisy_start - 1).clamp(min=0)[:, None]
-        boundary = (noisy_start > 0) & (labels.gather(1, noisy_start.clamp(max=length - 1)[:, None])[:, 0] != -100)
-        boundary &= noisy_start < length
+        label_at_start = labels.gather(1, noisy_start.clamp(max=length - 1)[:, None])[:, 0]
+        boundary = (noisy_start > 0) & (label_at_start != -100)
         boundary_lp = torch.where(boundary, clean_lp.gather(1, before)[:, 0], 0.0)
 
         # Per-sequence means over the labelled tokens (the first token has no prediction), then over the batch
@@ -311,7 +322,7 @@ class MARSTrainer(SFTTrainer):
         self._log_mars_metrics(mode, inputs, outputs, length, boundary, before, clean_loss, mask_loss)
         if return_outputs:  # like SFTTrainer: logits for `compute_metrics` need a plain forward
             with torch.no_grad():
-                outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
+                outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
             return loss, outputs
         return loss
 
