@@ -1,6 +1,6 @@
 """`hf-mars`: decode with a MARS checkpoint, convert the authors' checkpoints, run the toy demo.
 
-    hf-mars demo [--steps 300] [--block-size 4] [--output-dir outputs/mars-demo]
+    hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
     hf-mars generate MODEL --prompt "..." [--tau 0.9] [--max-new-tokens 256] [--no-compare]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
 """
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="train a toy MARS model on CPU (minutes, offline), then decode and compare with AR")
-    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--steps", type=int, default=800)
     demo.add_argument("--block-size", type=int, default=4)
     demo.add_argument("--tau", type=float, default=0.9, help="τ of the wall-clock comparison (default 0.9)")
     demo.add_argument("--output-dir", default="outputs/mars-demo")

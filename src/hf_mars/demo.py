@@ -91,7 +91,14 @@ def wall_clock(model, tokenizer, tau: float, n_prompts: int = 8, seed: int = 99)
     return tokens["ar"] / seconds["ar"], tokens["mars"] / seconds["mars"]
 
 
-def run_demo(steps: int = 300, block_size: int = 4, output_dir: str | Path = "outputs/mars-demo", tau: float = 0.9):
+def run_demo(
+    steps: int = 800,
+    block_size: int = 4,
+    output_dir: str | Path = "outputs/mars-demo",
+    tau: float = 0.9,
+    eval_prompts: int = 32,
+    timing_prompts: int = 8,
+):
     torch.manual_seed(0)
     print(f"Training a toy MARS model (B={block_size}) for {steps} steps on a counting task...")
     model, tokenizer = train_toy(steps, block_size, output_dir)
@@ -100,9 +107,9 @@ def run_demo(steps: int = 300, block_size: int = 4, output_dir: str | Path = "ou
 
     print(f"\nHeld-out prompts, batched greedy MARS decoding (saved to {output_dir}):")
     print(f"{'tau':>5} {'tokens/forward':>15} {'accuracy':>9} {'same as tau=1':>14}")
-    for row in evaluate(model, tokenizer):
+    for row in evaluate(model, tokenizer, n_prompts=eval_prompts):
         print(f"{row['tau']:>5} {row['tokens_per_forward']:>15.2f} {row['accuracy']:>9.0%} {row['same_as_tau1']:>14.0%}")
-    ar, mars = wall_clock(model, tokenizer, tau)
+    ar, mars = wall_clock(model, tokenizer, tau, n_prompts=timing_prompts)
     print(f"\nBatch 1, this machine: plain generate() {ar:.0f} tokens/s, MARS τ={tau} {mars:.0f} tokens/s: {mars / ar:.2f}x")
-    example = "Count from 120 to 160 in steps of 5."
+    example = "Count from 40 to 58."
     print(f'\nTry it: hf-mars generate {output_dir} --prompt "{example}" --tau {tau}')
