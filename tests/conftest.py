@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hf_mars.toy import CONFIGS as FAMILIES  # noqa: F401  (re-exported for tests)
 from hf_mars.toy import toy_model, toy_tokenizer
+
+# Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads of concurrent jobs spin
+# against each other (tests ran 30x slower). HF_MARS_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("HF_MARS_TEST_THREADS", "1")))
 
 
 def make_tokenizer():
