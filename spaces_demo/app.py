@@ -1,0 +1,305 @@
+"""MARS decoding, live: a chat whose answer streams in forward pass by forward pass, a τ slider that changes the
+speed of the answer being written, the tokens of each pass as one colored span, and plain autoregressive
+`generate()` on the same prompt next to it, so that the speed-up is seen rather than claimed.
+
+    MARS_MODEL=<repo id or folder> [MARS_REVISION=<commit>] python app.py [--model ...] [--revision ...]
+
+The checkpoint brings its own decoding code (trust_remote_code): this file needs torch, transformers and gradio
+only, not hf_mars. Host and port: Gradio's own GRADIO_SERVER_NAME / GRADIO_SERVER_PORT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import html
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationMixin, StoppingCriteria,
+                          TextIteratorStreamer)
+from transformers.generation.streamers import BaseStreamer
+
+DEFAULT_MODEL = None  # the project's published checkpoint, once there is one; until then `hf-mars demo`'s output
+DEMO_OUTPUT = "outputs/mars-demo"
+MAX_INPUT_TOKENS = int(os.environ.get("MARS_MAX_INPUT_TOKENS", 1024))  # longer conversations lose their oldest turns
+MAX_NEW_TOKENS = int(os.environ.get("MARS_MAX_NEW_TOKENS", 512))
+CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once; the model is shared, read-only
+COLORS = ["#e5e7eb", "#bfdbfe", "#93c5fd", "#86efac", "#fde68a", "#fdba74", "#fca5a5", "#f0abfc"]  # by tokens/pass
+CSS = ".mars-pass{border-radius:4px;padding:1px 0;margin-right:1px;white-space:pre-wrap}"
+
+
+class Session:
+    """One browser session's state. `tau` is read by the running generation before every forward pass, so the slider
+    (its own event, running while the answer streams) changes the speed of the answer being written."""
+
+    def __init__(self, tau: float = 0.9):
+        self.tau = tau
+        self.runs: list[dict] = []  # one row per run, for the plot
+        self.last: dict | None = None  # the last MARS run: its inputs and result, replayed by the AR comparison
+
+
+class ChunkStreamer(BaseStreamer):
+    """Hands each forward pass's accepted tokens (one `put()` per pass, after the prompt's) to a queue."""
+
+    def __init__(self):
+        self.queue, self.prompt_seen = queue.Queue(), False
+
+    def put(self, value):
+        if self.prompt_seen:
+            self.queue.put(value.view(-1).tolist())
+        self.prompt_seen = True
+
+    def end(self):
+        self.queue.put(None)
+
+
+class StopOn(StoppingCriteria):
+    """Ends a generation once its event is set: the listener was cancelled or its client went away."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def in_thread(fn, sink: queue.Queue, **kwargs) -> dict:
+    """Run `fn(**kwargs)` in a thread; the returned dict gets `out` or `error`, and `sink` a final None on error."""
+    result = {}
+
+    def target():
+        try:
+            result["out"] = fn(**kwargs)
+        except Exception as error:  # surfaced by the generator reading `sink`
+            result["error"] = error
+            sink.put(None)
+
+    result["thread"] = threading.Thread(target=target, daemon=True)
+    result["thread"].start()
+    return result
+
+
+def text_of(content) -> str:
+    """Chatbot message content: a string, or Gradio's list of content blocks."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict)) if isinstance(content, list) else str(content)
+
+
+def encode(tokenizer, history: list[dict], message: str) -> dict:
+    """The conversation as model inputs, dropping the oldest turns past MAX_INPUT_TOKENS; a single message that is
+    too long on its own is refused, never silently cut."""
+    messages = [{"role": m["role"], "content": text_of(m["content"])} for m in history] + [{"role": "user", "content": message}]
+    while True:
+        if tokenizer.chat_template:
+            inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        else:
+            inputs = tokenizer(message, return_tensors="pt")
+        length = inputs["input_ids"].shape[1]
+        if length <= MAX_INPUT_TOKENS:
+            return dict(inputs)
+        if len(messages) == 1 or not tokenizer.chat_template:
+            raise gr.Error(f"Your message is {length} tokens; this demo takes at most {MAX_INPUT_TOKENS}. Shorten it.")
+        messages = messages[2:] if len(messages) > 2 else messages[1:]
+
+
+def spans_html(spans: list[tuple[str, int]], block_size: int) -> str:
+    """Each pass's text as one span, colored by how many tokens that pass accepted."""
+    legend = "".join(f'<span class="mars-pass" style="background:{COLORS[min(n, len(COLORS)) - 1]}">&nbsp;{n}&nbsp;</span>'
+                     for n in range(1, block_size + 1))
+    body = "".join(f'<span class="mars-pass" data-n="{n}" title="{n} token(s) in one forward pass" '
+                   f'style="background:{COLORS[min(n, len(COLORS)) - 1]}">{html.escape(text)}</span>' for text, n in spans)
+    return f'<div class="mars-legend">tokens per forward pass: {legend}</div><div class="mars-text">{body}</div>'
+
+
+def figures(name: str, tokens: int, passes: int | None, seconds: float, extra: str = "") -> str:
+    per_forward = f" · **{tokens / passes:.2f}** tokens/forward" if passes else ""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"**{name}**: **{tokens}** tokens · **{passes or tokens}** forward passes{per_forward} · **{rate:.1f}** tokens/s{extra}"
+
+
+def runs_frame(session: Session) -> pd.DataFrame:
+    return pd.DataFrame(session.runs, columns=["run", "decoder", "tau", "tokens_per_forward", "tokens_per_second"])
+
+
+def build_demo(model, tokenizer) -> gr.Blocks:
+    """The app around a loaded MARS model (shared read-only by every session); `launch()` it, or test it."""
+    trained_block = int(model.config.mars_block_size)
+
+    def set_tau(tau, session: Session):
+        session.tau = float(tau)
+
+    def respond(message, history, tau, block_size, max_new_tokens, do_sample, temperature, top_p, session: Session):
+        """Stream the MARS answer pass by pass; the session's τ is read before every pass."""
+        history = list(history or [])
+        if not message or not message.strip():
+            raise gr.Error("Type a message first.")
+        # Block size and max new tokens: their sliders' bounds, which Gradio enforces on every request, API included.
+        inputs = encode(tokenizer, history, message)
+        prompt_tokens = inputs["input_ids"].shape[1]
+        sampling = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p)) if do_sample else dict(do_sample=False)
+        settings = dict(max_new_tokens=int(max_new_tokens), **sampling)
+        session.tau, taus, stop, streamer = float(tau), [], threading.Event(), ChunkStreamer()
+
+        def tau_now():  # read by the decoder once before every forward pass
+            taus.append(session.tau)
+            return taus[-1]
+
+        job = in_thread(model.generate, streamer.queue, **inputs, **settings, mars_tau=tau_now, mars_block_size=int(block_size),
+                        streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
+        ids, spans, shown, passes, start = [], [], "", 0, time.perf_counter()
+        history.append({"role": "user", "content": message})
+        try:
+            while (chunk := streamer.queue.get()) is not None:
+                ids, passes = ids + chunk, passes + 1  # one chunk per forward pass
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                if not text.endswith("\ufffd"):  # a character still incomplete waits for the next pass
+                    spans.append((text[len(shown):], len(chunk)))
+                    shown = text
+                elapsed = time.perf_counter() - start
+                stats = dict(decoder="MARS", done=False, new_tokens=len(ids), forward_passes=passes, seconds=elapsed,
+                             tokens_per_second=len(ids) / elapsed, tau_per_pass=taus[:passes], block_size=int(block_size),
+                             prompt_tokens=prompt_tokens)
+                yield ("", history + [{"role": "assistant", "content": shown}], spans_html(spans, int(block_size)),
+                       figures("MARS", len(ids), passes, elapsed, f" · τ now {session.tau:.2f}"), stats, gr.skip(), gr.skip())
+        finally:
+            stop.set()  # cancelled or disconnected: the generation thread stops at its next pass
+        job["thread"].join()
+        if "error" in job:
+            raise gr.Error(f"Generation failed: {job['error']}")
+        seconds, out = time.perf_counter() - start, job["out"]
+        mars = out.mars_stats
+        new = int(mars.new_tokens[0])
+        stats = dict(decoder="MARS", done=True, new_tokens=new, forward_passes=mars.forward_passes, seconds=seconds,
+                     tokens_per_forward=new / mars.forward_passes, tokens_per_second=new / seconds,
+                     tau_per_pass=list(mars.tau_per_step), accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
+                     block_size=int(block_size), prompt_tokens=prompt_tokens)
+        mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
+        session.runs.append(dict(run=len(session.runs) + 1, decoder="MARS", tau=round(mean_tau, 3),
+                                 tokens_per_forward=stats["tokens_per_forward"], tokens_per_second=stats["tokens_per_second"]))
+        answer = tokenizer.decode(out.sequences[0, prompt_tokens:], skip_special_tokens=True)
+        if spans and answer.startswith(shown) and answer != shown:  # a held-back incomplete character at the end
+            spans[-1] = (spans[-1][0] + answer[len(shown):], spans[-1][1])
+        session.last = dict(inputs=inputs, settings=settings, ids=out.sequences[0].tolist(), tokens_per_second=stats["tokens_per_second"])
+        yield ("", history + [{"role": "assistant", "content": answer}], spans_html(spans, int(block_size)),
+               figures("MARS", new, mars.forward_passes, seconds, f" · mean τ {mean_tau:.2f}"), stats, *[runs_frame(session)] * 2)
+
+    def compare_ar(compare, session: Session):
+        """The same inputs through transformers' own `GenerationMixin.generate` (plain AR, its own KV cache)."""
+        if not compare or session.last is None:
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
+        last, stop = session.last, threading.Event()
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        job = in_thread(functools.partial(GenerationMixin.generate, model), streamer.text_queue, **last["inputs"], **last["settings"],
+                        streamer=streamer, stopping_criteria=[StopOn(stop)])
+        text, start = "", time.perf_counter()
+        try:
+            for piece in streamer:
+                if piece is None:
+                    break
+                text += piece
+                yield text, f"**plain AR generate()**: {time.perf_counter() - start:.2f} s so far", gr.skip(), gr.skip()
+        finally:
+            stop.set()
+        job["thread"].join()
+        if "error" in job:
+            raise gr.Error(f"AR generation failed: {job['error']}")
+        seconds, ids = time.perf_counter() - start, job["out"][0].tolist()
+        new = len(ids) - last["inputs"]["input_ids"].shape[1]
+        rate = new / seconds
+        same = "identical to" if ids == last["ids"] else "differs from"
+        session.runs.append(dict(run=len(session.runs) + 1, decoder="AR generate()", tau=1.0, tokens_per_forward=1.0,
+                                 tokens_per_second=rate))
+        extra = f" · MARS speed-up **{last['tokens_per_second'] / rate:.2f}x** · output {same} MARS"
+        yield (tokenizer.decode(ids[-new:] if new else [], skip_special_tokens=True),
+               figures("plain AR generate()", new, None, seconds, extra), *[runs_frame(session)] * 2)
+
+    with gr.Blocks(title="MARS: several tokens per forward pass") as demo:
+        session = gr.State(Session())  # deep-copied for each browser session
+        gr.Markdown(
+            "# MARS: Mask AutoRegression\nThe model appends `<|mask|>` tokens and keeps the predictions it is at least "
+            "τ sure of: several tokens per forward pass. **τ = 1 is the plain autoregressive model**; move the slider "
+            "while an answer is written and watch the passes change."
+        )
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Chat", height=320)
+                message = gr.Textbox(label="Message", placeholder="Ask something, then press Enter", max_length=4 * MAX_INPUT_TOKENS)
+                with gr.Row():
+                    send, stop_button, clear = gr.Button("Send", variant="primary"), gr.Button("Stop"), gr.Button("Clear")
+            with gr.Column(scale=2):
+                tau = gr.Slider(0.0, 1.0, value=0.9, step=0.05, label="τ (confidence threshold)", info="1 = plain AR; change it mid-answer")
+                block_size = gr.Slider(1, trained_block, value=trained_block, step=1, label="Block size (tokens per pass at most)",
+                                       info=f"the model was trained with {trained_block}")
+                max_new = gr.Slider(1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens")
+                do_sample = gr.Checkbox(label="Sample", value=False)
+                temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
+                top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p")
+                compare = gr.Checkbox(label="Then run plain AR generate() on the same prompt", value=True)
+        with gr.Row():
+            with gr.Column():
+                mars_figures = gr.Markdown("**MARS**: waiting for a message")
+                mars_spans = gr.HTML(label="MARS answer: one span per forward pass")
+            with gr.Column():
+                ar_figures = gr.Markdown("**plain AR generate()**: runs after MARS")
+                ar_text = gr.Textbox(label="plain AR answer", lines=6, interactive=False)
+        with gr.Row():
+            plot_kw = dict(value=runs_frame(Session()), x="tau", color="decoder", x_lim=[0, 1], height=240)
+            per_forward = gr.ScatterPlot(y="tokens_per_forward", title="tokens per forward vs τ", **plot_kw)
+            per_second = gr.ScatterPlot(y="tokens_per_second", title="tokens/s vs τ", **plot_kw)
+        with gr.Accordion("Per-pass details", open=False):
+            stats = gr.JSON(label="last MARS run")
+
+        tau.change(set_tau, [tau, session], None, api_name="set_tau", concurrency_limit=None, show_progress="hidden")
+        plots = [per_forward, per_second]
+        mars_event = gr.on([message.submit, send.click], respond,
+                           [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, session],
+                           [message, chatbot, mars_spans, mars_figures, stats, *plots], api_name="respond")
+        ar_event = mars_event.then(compare_ar, [compare, session], [ar_text, ar_figures, *plots], api_name="compare_ar")
+        stop_button.click(None, cancels=[mars_event, ar_event], api_visibility="private")
+        clear.click(lambda: ([], "", "", None), None, [chatbot, mars_spans, ar_text, stats], api_visibility="private")
+    return demo
+
+
+def load_model(path: str | None = None, revision: str | None = None):
+    """MARS_MODEL (or `path`), else the project's checkpoint, else `hf-mars demo`'s output folder."""
+    path = path or os.environ.get("MARS_MODEL") or DEFAULT_MODEL
+    if path is None:
+        local = [p for p in (Path(DEMO_OUTPUT), Path(__file__).resolve().parent.parent / DEMO_OUTPUT) if p.is_dir()]
+        if not local:
+            raise SystemExit("No MARS checkpoint: set MARS_MODEL to a Hub repo id or folder (or pass --model), "
+                             "or run `hf-mars demo` to train a toy one into outputs/mars-demo.")
+        path = str(local[0])
+    revision = revision or os.environ.get("MARS_REVISION") or None
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, trust_remote_code=True).eval()
+    if getattr(model.config, "mars_block_size", None) is None or getattr(model.config, "mars_mask_token_id", None) is None:
+        raise SystemExit(f"{path} is not a MARS checkpoint (its config has no mars_block_size / mars_mask_token_id).")
+    return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="MARS checkpoint: Hub repo id or folder (default: $MARS_MODEL)")
+    parser.add_argument("--revision", help="pin a Hub revision: the checkpoint's code runs here (default: $MARS_REVISION)")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model, args.revision)
+    serve(build_demo(model, tokenizer))
+
+
+def serve(demo: gr.Blocks, **launch_kwargs):
+    """Queue (at most CONCURRENCY generations at once, each listener its own group) and launch; host and port come
+    from GRADIO_SERVER_NAME / GRADIO_SERVER_PORT unless given."""
+    return demo.queue(default_concurrency_limit=CONCURRENCY, max_size=64).launch(css=CSS, **launch_kwargs)
+
+
+if __name__ == "__main__":
+    main()

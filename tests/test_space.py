@@ -1,0 +1,230 @@
+"""The Gradio Space (spaces_demo/app.py), served headless on 127.0.0.1 and driven through `gradio_client`: streaming
+pass by pass, τ changed while an answer is written, plain AR side by side, the per-session plot, limits, several
+users at once, cancellation, and `python app.py` as a Space runs it (env vars, no hf_mars)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import make_model, make_tokenizer
+from gradio_client import Client
+
+import hf_mars
+
+SPACE = Path(__file__).resolve().parent.parent / "spaces_demo"
+PASS_SECONDS = 0.01  # each forward pass sleeps this long, so that a generation lasts long enough to be steered
+
+
+def load_app():
+    spec = importlib.util.spec_from_file_location("mars_space_app", SPACE / "app.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def save_checkpoint(path: Path) -> Path:
+    """A tiny MARS checkpoint whose sharpened head spreads confidences, so that τ ≈ 0.5 accepts several tokens."""
+    tok, model = make_tokenizer(), make_model("qwen2")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    hf_mars.to_mars(model, tok, block_size=4)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(tmp_dir: Path):
+    """The app as `main()` builds it, loaded through MARS_MODEL, served on a free local port; yields (app, url, calls)
+    where `calls` counts forward passes of the shared model."""
+    app = load_app()
+    old = os.environ.get("MARS_MODEL")
+    os.environ["MARS_MODEL"] = str(save_checkpoint(tmp_dir / "ckpt"))
+    try:
+        model, tokenizer = app.load_model()
+    finally:
+        os.environ.pop("MARS_MODEL") if old is None else os.environ.__setitem__("MARS_MODEL", old)
+    calls = [0]
+
+    def slow(*_):
+        calls[0] += 1
+        time.sleep(PASS_SECONDS)
+
+    model.register_forward_pre_hook(slow)
+    demo = app.build_demo(model, tokenizer)
+    port = free_port()
+    app.serve(demo, server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield app, f"http://127.0.0.1:{port}/", calls
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with running_app(tmp_path_factory.mktemp("space")) as served:
+        yield served
+
+
+def client(url: str) -> Client:
+    return Client(url, verbose=False)  # a fresh client is a fresh session: its own τ and runs
+
+
+def ask(c: Client, message="hello", history=(), tau=0.9, block_size=4, max_new_tokens=40, do_sample=False):
+    return c.submit(message, list(history), tau, block_size, max_new_tokens, do_sample, 0.7, 0.95, api_name="/respond")
+
+
+def answer_text(chat) -> str:
+    content = chat[-1]["content"]
+    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content)
+
+
+def rows(plot) -> list:
+    return plot["data"] if plot else []
+
+
+def test_streams_pass_by_pass_and_tau_changes_mid_answer(served):
+    app, url, _ = served
+    c = client(url)
+    job = ask(c, tau=1.0, max_new_tokens=80)
+    while len(job.outputs()) < 10 and not job.done():
+        time.sleep(0.005)
+    c.predict(0.3, api_name="/set_tau")  # its own event, run while the answer streams
+    final = job.result()
+    updates = job.outputs()
+
+    # Streaming: one update per pass, text and pass count growing.
+    live = [u[4] for u in updates if u[4] and not u[4]["done"]]
+    assert len(live) >= 20
+    passes = [s["forward_passes"] for s in live]
+    assert passes == sorted(passes) and len(set(passes)) == len(passes)
+    lengths = [len(answer_text(u[1])) for u in updates]
+    assert lengths == sorted(lengths) and len(set(lengths)) >= 10
+
+    stats = final[4]
+    taus, accepted = stats["tau_per_pass"], stats["accepted_per_pass"]
+    assert len(taus) == len(accepted) == stats["forward_passes"] and sum(accepted) == stats["new_tokens"] == 80
+    switch = taus.index(0.3)
+    assert switch >= 9 and set(taus[:switch]) == {1.0} and set(taus[switch:]) == {0.3}
+    assert accepted[:switch] == [1] * switch  # τ = 1 is plain AR: one token per pass
+    after = accepted[switch:]
+    assert max(after) > 1 and sum(after) / len(after) > 1.5 and max(after) <= 4
+    assert stats["tokens_per_forward"] == pytest.approx(80 / len(taus))
+    # One colored span per pass (text may wait for a character's last byte, so spans <= passes).
+    html = final[2]
+    assert 1 < html.count('data-n="') <= len(taus) and 'data-n="4"' in html
+    assert "forward passes" in final[3] and "tokens/s" in final[3]
+
+
+def test_plain_ar_side_by_side_equals_tau_1_and_plot_gains_rows(served):
+    _, url, _ = served
+    c = client(url)
+    first = ask(c, "abc", tau=1.0, max_new_tokens=30).result()
+    assert first[4]["accepted_per_pass"] == [1] * 30 and len(rows(first[5])) == 1
+    ar_text, ar_figures, plot, _ = c.predict(True, api_name="/compare_ar")
+    assert ar_text == answer_text(first[1])
+    assert "identical to MARS" in ar_figures and "speed-up" in ar_figures
+    assert [r[1] for r in rows(plot)] == ["MARS", "AR generate()"]
+
+    low = ask(c, "abc", tau=0.5, max_new_tokens=30).result()
+    data = rows(low[5])
+    assert len(data) == 3 and data[-1][2] == 0.5 and data[-1][3] > 1.2  # (run, decoder, tau, tokens/forward, tokens/s)
+    ar_text, ar_figures, plot, _ = c.predict(True, api_name="/compare_ar")
+    assert ar_text == answer_text(first[1]) and len(rows(plot)) == 4
+    assert len(rows(client(url).predict("abc", [], 1.0, 4, 5, False, 0.7, 0.95, api_name="/respond")[5])) == 1  # per session
+
+
+def test_limits(served):
+    app, url, _ = served
+    c = client(url)
+    with pytest.raises(Exception, match="at most"):
+        ask(c, "x" * (app.MAX_INPUT_TOKENS + 10)).result()
+    with pytest.raises(Exception, match="greater than maximum value 4"):
+        ask(c, block_size=5).result()  # masks past the trained B = 4 predict nothing
+    with pytest.raises(Exception, match="greater than maximum"):
+        ask(c, max_new_tokens=app.MAX_NEW_TOKENS + 1).result()
+    # A long conversation loses its oldest turns instead.
+    turn = "y" * (app.MAX_INPUT_TOKENS // 3)
+    history = [{"role": role, "content": [{"type": "text", "text": turn}]} for _ in range(4) for role in ("user", "assistant")]
+    stats = ask(c, "hello", history=history, max_new_tokens=5).result()[4]
+    assert stats["done"] and app.MAX_INPUT_TOKENS // 3 < stats["prompt_tokens"] <= app.MAX_INPUT_TOKENS
+
+
+def test_two_users_at_once_and_cancel_stops_the_model(served):
+    app, url, calls = served
+    a, b = client(url), client(url)
+    job_a, job_b = ask(a, "one", tau=1.0, max_new_tokens=60), ask(b, "two", tau=0.5, max_new_tokens=60)
+    overlapped = False
+    while not (job_a.done() and job_b.done()):
+        overlapped |= bool(job_a.outputs() and job_b.outputs() and not job_a.done() and not job_b.done())
+        time.sleep(0.005)
+    assert overlapped  # both streamed at the same time: neither waited for the other
+    assert job_a.result()[4]["new_tokens"] == job_b.result()[4]["new_tokens"] == 60
+
+    job = ask(a, tau=1.0, max_new_tokens=app.MAX_NEW_TOKENS)
+    while len(job.outputs()) < 5:
+        time.sleep(0.005)
+    job.cancel()
+    time.sleep(0.5)
+    before = calls[0]
+    time.sleep(0.5)
+    assert calls[0] == before  # the generation thread stopped: it holds no CPU that others need
+
+
+def test_python_app_py_serves_from_env_without_hf_mars(tmp_path):
+    """As a Space runs it: `python app.py`, host and port from GRADIO_SERVER_*, model from MARS_MODEL."""
+    ckpt, port = save_checkpoint(tmp_path / "ckpt"), free_port()
+    env = dict(os.environ, MARS_MODEL=str(ckpt), GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port))
+    code = f"import sys, runpy; sys.modules['hf_mars'] = None; sys.argv = ['app.py']; runpy.run_path({str(SPACE / 'app.py')!r}, run_name='__main__')"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "".join(log)[-3000:]
+        out = client(f"http://127.0.0.1:{port}/").predict("hi", [], 0.5, 4, 12, False, 0.7, 0.95, api_name="/respond")
+        assert out[4]["done"] and out[4]["new_tokens"] == 12
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_without_a_model_says_what_to_do(tmp_path):
+    (tmp_path / "app.py").write_text((SPACE / "app.py").read_text())  # away from the repository's outputs/
+    env = {k: v for k, v in os.environ.items() if k != "MARS_MODEL"}
+    result = subprocess.run([sys.executable, "app.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "MARS_MODEL" in result.stderr and "hf-mars demo" in result.stderr
+
+
+def test_space_files():
+    header = (SPACE / "README.md").read_text().split("---")[1]
+    meta = yaml.safe_load(header)
+    assert meta["sdk"] == "gradio" and meta["app_file"] == "app.py" and meta["license"] == "apache-2.0"
+    assert meta["sdk_version"].split(".")[0] == "6" and len(meta["short_description"]) <= 60 and meta["title"]
+    requirements = [line.split(">")[0].split("=")[0].strip() for line in (SPACE / "requirements.txt").read_text().splitlines()
+                    if line.strip() and not line.startswith(("#", "-"))]
+    assert {"torch", "transformers"} <= set(requirements) and not {"hf_mars", "hf-mars"} & set(requirements)
+    imports = [line for line in (SPACE / "app.py").read_text().splitlines() if line.startswith(("import ", "from "))]
+    assert imports and not any("hf_mars" in line for line in imports)  # the checkpoint brings its decoding code
