@@ -28,3 +28,12 @@ def make_model(family: str = "qwen2", vocab_size: int = 272, seed: int = 0, dtyp
 @pytest.fixture
 def tokenizer():
     return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def trained_toy(tmp_path_factory):
+    """A toy MARS model actually trained (200 MARSTrainer steps, ~1 CPU minute): its masks predict real tokens, so
+    multi-token passes and draft acceptance are exercised, not just possible."""
+    from hf_mars.demo import train_toy
+
+    return train_toy(steps=200, block_size=4, output_dir=tmp_path_factory.mktemp("toy"))

@@ -147,6 +147,18 @@ def test_batched_equals_unbatched_and_naive_for_every_tau(family):
     assert multi > 20 and single > 20, "the test must exercise both multi-token and single-token passes"
 
 
+def test_history_processors_with_rows_leaving_the_batch():
+    """Repetition penalty keeps per-row state for the whole batch; rows that finish early leave MARS's batch."""
+    model, tok = sharp_mars_model("llama")
+    enc = encode(tok)
+    free = model.generate(**enc, mars_tau=0.6, max_new_tokens=30, repetition_penalty=1.2)[:, enc.input_ids.shape[1] :]
+    kwargs = dict(mars_tau=0.6, max_new_tokens=30, repetition_penalty=1.2, eos_token_id=int(free[1, 4]))
+    out = model.generate(**enc, return_dict_in_generate=True, **kwargs)
+    assert len(set(out.mars_stats.passes_per_row.tolist())) > 1  # rows did finish at different passes
+    for i, row in enumerate(rows_alone(model, tok, enc, **kwargs)):
+        assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
+
+
 def test_hole_compaction_is_exact(monkeypatch):
     model, tok = sharp_mars_model("llama", block_size=6)
     enc = encode(tok)

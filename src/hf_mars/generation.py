@@ -154,6 +154,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_tau: float | Callable[[], float] | None = None,
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
+        mars_verify: bool = False,
         streamer=None,
         **kwargs,
     ):
@@ -168,6 +169,11 @@ class MARSGenerationMixin(GenerationMixin):
                 B: at most B tokens per forward pass. Defaults to the value the model was trained with.
             mars_confidence (`str`, *optional*):
                 "probability" (default), "entropy" or "margin"; see `confidence`.
+            mars_verify (`bool`, *optional*, defaults to `False`):
+                Lossless mode: the confident mask predictions of a pass are drafts, fed as real tokens in the next
+                pass and kept only where they equal the model's own next-token prediction there (plus that
+                prediction after the last match). The output is exactly greedy `generate()`'s, for any τ; τ only
+                decides how many drafts are proposed. Greedy decoding only.
 
         With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
@@ -214,6 +220,7 @@ class MARSGenerationMixin(GenerationMixin):
 
         decode = functools.partial(
             mars_decode,
+            mars_verify=bool(mars_verify),
             mars_tau=tau,
             mars_block_size=block_size,
             mars_mask_token_id=mask_token_id,
@@ -256,21 +263,62 @@ def _check_decodable(model, generation_config, prompt_length: int, block_size: i
 
 
 def _history(sequences: torch.Tensor, lengths: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Each row's tokens so far, right-aligned (left-padded) to a common width: the `input_ids` logits processors
-    and stopping criteria expect. Rows of equal length give exactly `generate()`'s `input_ids`."""
+    """Each row's tokens so far, right-aligned (left-padded) to a common width: what stopping criteria read (they
+    look at the end of each row). Rows of equal length give exactly `generate()`'s `input_ids`."""
     width = int(lengths.max())
     index = torch.arange(width, device=sequences.device) + (lengths - width)[:, None]
     history = sequences.gather(1, index.clamp(min=0))
     return history.masked_fill(index < 0, pad_token_id)
 
 
-def _choose(logits, history, logits_processor, do_sample, measure):
+class _Histories:
+    """What logits processors read: each active row's tokens laid out exactly as `generate()` lays them out (its
+    left-padded prompt, then its generated tokens), within a batch as wide as at the start.
+
+    Rows that accepted different numbers of tokens differ in length, so they are processed in groups of equal
+    length; rows that finished, or are in another group, are filled with dummies and their scores dropped. This keeps
+    position-aware processors (repetition penalty's `prompt_ignore_length`, n-gram bans) and those with per-row
+    state exact. In the common case (no finished row, equal lengths) it is one call on `generate()`'s own input.
+    """
+
+    def __init__(self, processors, sequences, rows, lengths):
+        self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
+
+    def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix`."""
+        batch, out = self.sequences.shape[0], torch.empty_like(scores)
+        for length in self.lengths.unique().tolist():
+            group = (self.lengths == length).nonzero().view(-1)
+            rows = self.rows[group]
+            ids = self.sequences.new_zeros((batch, length + prefix.shape[1]))
+            ids[rows] = torch.cat([self.sequences[rows, :length], prefix[group]], dim=1)
+            full = scores.new_zeros((batch, scores.shape[1])).index_copy(0, rows, scores[group])
+            out[group] = self.processors(ids, full)[rows]
+        return out
+
+
+def _history_free(processors) -> bool:
+    return all(isinstance(p, _HISTORY_FREE) for p in processors)
+
+
+def _processed(logits, histories: _Histories | None, prefix):
+    """Processed scores of every slot, slot j seeing the history plus `prefix[:, :j]` (tokens already fed)."""
+    if histories is None:
+        return logits
+    batch, slots, vocab = logits.shape
+    if _history_free(histories.processors):  # one call for every slot of every row
+        dummy = torch.zeros(batch * slots, 1, dtype=torch.long, device=logits.device)
+        return histories.processors(dummy, logits.reshape(-1, vocab)).view(batch, slots, vocab)
+    return torch.stack([histories(prefix[:, :j], logits[:, j]) for j in range(slots)], dim=1)
+
+
+def _choose(logits, histories: _Histories | None, do_sample: bool, measure: str):
     """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`.
 
     Processors that read the token history see, for slot i, the history plus the tokens chosen for slots < i: exactly
     what they would see if those slots are accepted (and slot i matters only if they are).
     """
-    batch, slots, vocab = logits.shape
+    vocab = logits.shape[-1]
 
     def pick(scores):
         probs = torch.softmax(scores, dim=-1)
@@ -280,18 +328,37 @@ def _choose(logits, history, logits_processor, do_sample, measure):
             tokens = scores.argmax(dim=-1)
         return tokens, confidence(probs, tokens, measure)
 
-    if not logits_processor:
-        return pick(logits)
-    if all(isinstance(p, _HISTORY_FREE) for p in logits_processor):
-        scores = logits_processor(history.repeat_interleave(slots, dim=0), logits.reshape(-1, vocab))
-        return pick(scores.view(batch, slots, vocab))
-    tokens, confs = [], []
-    for i in range(slots):
-        ids = torch.cat([history, *tokens], dim=1) if tokens else history
-        token, conf = pick(logits_processor(ids, logits[:, i]))
-        tokens.append(token[:, None])
-        confs.append(conf[:, None])
-    return torch.cat(tokens, dim=1), torch.cat(confs, dim=1)
+    if histories is None or _history_free(histories.processors):
+        return pick(_processed(logits, histories, None))
+    tokens = logits.new_zeros(logits.shape[:2], dtype=torch.long)
+    confs = logits.new_zeros(logits.shape[:2])
+    for i in range(logits.shape[1]):
+        tokens[:, i], confs[:, i] = pick(histories(tokens[:, :i], logits[:, i]))
+    return tokens, confs
+
+
+def _verify(logits, drafts, draft_real, histories):
+    """Greedy verification of drafts: `(tokens, accepted, kept)`.
+
+    `logits[:, j]` is the output after the drafts `< j`: the model's own next-token prediction there. Drafts are kept
+    while they equal it; the prediction after the last kept draft follows them (the correction, or a bonus token when
+    every draft was right). So each pass yields the exact greedy tokens, one or more of them.
+    """
+    scores = _processed(logits, histories, drafts)
+    target = scores.argmax(dim=-1)  # (batch, drafts + 1)
+    match = (drafts == target[:, :-1]) & draft_real
+    kept_count = match.long().cumprod(dim=1).sum(dim=1)
+    tokens = torch.cat([drafts, target[:, -1:]], dim=1).scatter(1, kept_count[:, None], target.gather(1, kept_count[:, None]))
+    kept = draft_real & (torch.arange(drafts.shape[1], device=drafts.device) < kept_count[:, None])
+    return tokens, kept_count + 1, kept
+
+
+def _right_align(tokens, counts, pad_token_id):
+    """The first `counts[i]` tokens of each row, right-aligned (left-padded): `(tokens, real)`."""
+    width = int(counts.max())
+    index = torch.arange(width, device=tokens.device) + (counts - width)[:, None]
+    real = index >= 0
+    return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
 
 
 def mars_decode(
@@ -306,15 +373,22 @@ def mars_decode(
     mars_block_size: int,
     mars_mask_token_id: int,
     mars_confidence: str = "probability",
+    mars_verify: bool = False,
     streamer=None,
     **model_kwargs,
 ):
-    """The MARS decoding loop; `generate()` calls it with prepared inputs, processors and criteria."""
+    """The MARS decoding loop; `generate()` calls it with prepared inputs, processors and criteria.
+
+    Each pass feeds `[pending | drafts | masks]`: pending are committed tokens whose K/V are not cached yet
+    (right-aligned), drafts are unverified guesses (lossless mode only, left-aligned), masks are B-1 `<|mask|>`.
+    """
     batch, prompt_length = input_ids.shape
     device = input_ids.device
     _check_decodable(model, generation_config, prompt_length, mars_block_size)
     if streamer is not None and batch > 1:
         raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
+    if mars_verify and generation_config.do_sample:
+        raise ValueError("`mars_verify=True` (lossless mode) supports greedy decoding only, not `do_sample=True`.")
     cached = model_kwargs.get("past_key_values")
     if cached is not None and cached.get_seq_length() > 0:
         raise ValueError("MARS decoding starts from an empty cache; do not pass a filled `past_key_values`.")
@@ -337,8 +411,10 @@ def mars_decode(
     rows = torch.arange(batch, device=device)  # the rows still generating, as indices into the batch
 
     attention_mask = model_kwargs.get("attention_mask")
-    pending = input_ids  # tokens to feed, right-aligned: the prompt, then each pass's accepted tokens
+    pending = input_ids  # committed tokens not yet in the cache, right-aligned: the prompt, then each pass's news
     pending_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    drafts = torch.empty(batch, 0, dtype=torch.long, device=device)  # lossless mode: unverified, left-aligned
+    draft_real = torch.empty(batch, 0, dtype=torch.bool, device=device)
     cache = MARSCache(batch, device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -346,11 +422,12 @@ def mars_decode(
     while rows.numel() > 0:
         tau = read_tau(mars_tau)
         slots = mars_block_size if tau < 1.0 else 1
+        num_drafts = drafts.shape[1]
         masks = torch.full((rows.numel(), slots - 1), mars_mask_token_id, dtype=torch.long, device=device)
-        mask_2d, position_ids = cache.step_inputs(pending_real, slots - 1)
-        extra = {"logits_to_keep": slots} if logits_to_keep else {}
+        mask_2d, position_ids = cache.step_inputs(torch.cat([pending_real, draft_real], dim=1), slots - 1)
+        extra = {"logits_to_keep": num_drafts + slots} if logits_to_keep else {}
         outputs = model(
-            input_ids=torch.cat([pending, masks], dim=1),
+            input_ids=torch.cat([pending, drafts, masks], dim=1),
             attention_mask=mask_2d,
             position_ids=position_ids,
             past_key_values=cache,
@@ -358,21 +435,28 @@ def mars_decode(
             return_dict=True,
             **extra,
         )
-        cache.commit(pending_real, slots - 1)
-        logits = outputs.logits[:, -slots:].float()
+        logits = outputs.logits[:, -(num_drafts + slots) :].float()
         del outputs
 
         lengths = prompt_length + new_tokens[rows]
-        needs_history = bool(logits_processor) or bool(extra_criteria)
-        history = _history(sequences[rows], lengths, pad_token_id) if needs_history else None
-        tokens, confs = _choose(logits, history, logits_processor, generation_config.do_sample, mars_confidence)
+        histories = _Histories(logits_processor, sequences, rows, lengths) if logits_processor else None
+        history = _history(sequences[rows], lengths, pad_token_id) if extra_criteria else None
+        if mars_verify:
+            # Outputs at the last pending token and at each draft verify the drafts; the masks propose new ones.
+            tokens, accepted, kept = _verify(logits[:, : num_drafts + 1], drafts, draft_real, histories)
+            all_verified = accepted == draft_real.sum(dim=1) + 1
+            cache.commit(torch.cat([pending_real, kept], dim=1), slots - 1)  # rejected drafts become holes
+        else:
+            cache.commit(pending_real, slots - 1)
+            tokens, confs = _choose(logits, histories, generation_config.do_sample, mars_confidence)
+            # Slot 0 always; then left to right while confident.
+            accepted = 1 + (confs[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
 
-        # Slot 0 always; then left to right while confident.
-        accepted = 1 + (confs[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
+        width = tokens.shape[1]
         left = budget - new_tokens[rows]
         accepted = torch.minimum(accepted, left)
         finished = accepted >= left
-        slot_index = torch.arange(slots, device=device)
+        slot_index = torch.arange(width, device=device)
         is_eos = torch.isin(tokens, eos) & (slot_index < accepted[:, None])
         hit = is_eos.any(dim=1)
         accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
@@ -387,7 +471,7 @@ def mars_decode(
 
         keep = slot_index < accepted[:, None]
         positions = prompt_length + new_tokens[rows][:, None] + slot_index
-        sequences[rows[:, None].expand(-1, slots)[keep], positions[keep]] = tokens[keep]
+        sequences[rows[:, None].expand(-1, width)[keep], positions[keep]] = tokens[keep]
         new_tokens[rows] += accepted
         passes_per_row[rows] += 1
         stats.forward_passes += 1
@@ -396,15 +480,27 @@ def mars_decode(
         if streamer is not None:
             streamer.put(tokens[:, : int(accepted[0])].cpu())
 
-        # Next pass feeds this pass's accepted tokens, right-aligned: shorter rows leave holes in the cache.
-        width = int(accepted.max())
-        index = torch.arange(width, device=device) + (accepted - width)[:, None]
-        pending_real = index >= 0
-        pending = tokens.gather(1, index.clamp(min=0)).masked_fill(~pending_real, pad_token_id)
+        if mars_verify:
+            # Only the last token is new to the cache (kept drafts are in it). Where every draft was right, the
+            # masks (which followed them) propose the next drafts; after a rejection they are void.
+            pending = tokens.gather(1, (accepted - 1)[:, None])
+            pending_real = torch.ones_like(pending, dtype=torch.bool)
+            drafts, draft_real = drafts[:, :0], draft_real[:, :0]
+            if slots > 1 and bool(all_verified.any()):
+                if histories is not None:
+                    histories.lengths = prompt_length + new_tokens[rows]  # now including this pass's tokens
+                guesses, confs = _choose(logits[:, num_drafts + 1 :], histories, False, mars_confidence)
+                count = (confs >= tau).long().cumprod(dim=1).sum(dim=1) * all_verified
+                draft_real = torch.arange(slots - 1, device=device) < count[:, None]
+                drafts = guesses.masked_fill(~draft_real, pad_token_id)
+        else:
+            # Next pass feeds this pass's accepted tokens, right-aligned: shorter rows leave holes in the cache.
+            pending, pending_real = _right_align(tokens, accepted, pad_token_id)
 
         if bool(finished.any()):
             alive = (~finished).nonzero().view(-1)
             rows, pending, pending_real = rows[alive], pending[alive], pending_real[alive]
+            drafts, draft_real = drafts[alive], draft_real[alive]
             cache.keep_rows(alive)
         if rows.numel() > 1 and cache.hole_fraction() > _COMPACT_AT:
             cache.compact()
