@@ -1,0 +1,235 @@
+"""Speed benchmark: MARS against plain autoregressive decoding and prompt-lookup decoding, side by side.
+
+Every method runs on the same model, dtype and attention implementation, in one process, in alternating order
+(each repeat runs all methods on a batch before the next batch), after a warm-up; figures are medians over repeats.
+Forward passes are counted with a hook on the model, the same way for every method.
+
+Per cell (method x batch size): tokens per forward, tokens/s, speed-up over AR, efficiency = speed-up / tokens per
+forward (1.0 means every extra accepted token came for free), agreement with the AR outputs, and accuracy when the
+prompts carry answers.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationMixin
+
+
+@dataclass
+class Cell:
+    method: str
+    batch_size: int
+    tokens_per_forward: float
+    tokens_per_second: float
+    speedup: float = 1.0
+    efficiency: float = 1.0
+    agreement: float | None = None  # share of outputs identical to plain AR greedy
+    accuracy: float | None = None
+
+
+def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -> list[dict]:
+    """Prompts as `{"text": chat-formatted prompt, "answer": str | None}`.
+
+    A JSONL file holds one object per line with `prompt` (a user message) or `messages` (a chat; the last
+    assistant turn, if any, is the answer), and optionally `answer`. Without a file: held-out toy prompts.
+    """
+    if path is None:
+        from .toy import counting_dataset
+
+        rows = [{"messages": ex["messages"][:1], "answer": ex["messages"][1]["content"]} for ex in counting_dataset(64, seed=2024)]
+    else:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    prompts = []
+    for i, row in enumerate(rows[:limit]):
+        messages = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
+        answer = row.get("answer")
+        if messages[-1]["role"] == "assistant":
+            answer, messages = answer or messages[-1]["content"], messages[:-1]
+        if not messages or not messages[-1].get("content"):
+            raise ValueError(f"{path}: line {i + 1} has neither `prompt` nor `messages`.")
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = messages[-1]["content"]
+        prompts.append({"text": text, "answer": answer})
+    return prompts
+
+
+class ForwardCounter:
+    """Counts the model's forward passes (a forward hook, so every decoding method is counted the same way)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, *args):
+        self.count += 1
+
+
+def methods(taus, verify: bool, prompt_lookup: int) -> dict:
+    """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
+
+    `row_passes` sums, over rows, the forward passes each row took part in until it finished: tokens per forward is
+    generated tokens / row_passes (1.0 for AR by definition; MARS reports it in `mars_stats`).
+    """
+
+    def ar(model, counter, **kw):
+        out = GenerationMixin.generate(model, do_sample=False, **kw)
+        return out, None
+
+    def lookup(model, counter, **kw):
+        out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
+        return out, counter.count * out.shape[0]
+
+    def mars(model, counter, tau, verify=False, **kw):
+        out = model.generate(mars_tau=tau, mars_verify=verify, return_dict_in_generate=True, **kw)
+        return out.sequences, int(out.mars_stats.passes_per_row.sum())
+
+    table = {"ar": ar}
+    if prompt_lookup:
+        table["prompt-lookup"] = lookup
+    for tau in taus:
+        table[f"mars tau={tau}"] = lambda m, c, tau=tau, **kw: mars(m, c, tau, **kw)
+        if verify:
+            table[f"lossless tau={tau}"] = lambda m, c, tau=tau, **kw: mars(m, c, tau, verify=True, **kw)
+    return table
+
+
+def run_benchmark(
+    model,
+    tokenizer,
+    prompts: list[dict],
+    taus=(1.0, 0.95, 0.9, 0.8, 0.7),
+    batch_sizes=(1, 4, 8, 16),
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    verify: bool = True,
+    prompt_lookup: int = 10,
+    progress: bool = True,
+) -> list[Cell]:
+    """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    table = methods(taus, verify, prompt_lookup)
+    tokenizer.padding_side = "left"
+    counter = ForwardCounter(model)
+    cells = []
+    total = sum(len(table) * repeats * max(1, len(prompts) // b) for b in batch_sizes)
+    bar = tqdm(total=total, desc="benchmark", disable=not progress)
+    try:
+        for batch_size in batch_sizes:
+            batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+            if not batches:
+                raise ValueError(f"{len(prompts)} prompts are too few for batch size {batch_size}.")
+            seconds = {name: [] for name in table}
+            tokens = dict.fromkeys(table, 0)
+            passes = dict.fromkeys(table, 0)
+            outputs = {name: [] for name in table}
+            for repeat in range(repeats):
+                per_repeat = dict.fromkeys(table, 0.0)
+                for batch in batches:
+                    inputs = tokenizer([p["text"] for p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+                    inputs = inputs.to(model.device)
+                    for name, run in table.items():
+                        if name == "prompt-lookup" and batch_size > 1:  # transformers runs it at batch size 1 only
+                            bar.update(1)
+                            continue
+                        if repeat == 0 and batch is batches[0]:
+                            run(model, counter, **inputs, max_new_tokens=8)  # warm-up
+                        _sync(model)
+                        counter.count = 0
+                        start = time.perf_counter()
+                        sequences, row_passes = run(model, counter, **inputs, max_new_tokens=max_new_tokens)
+                        _sync(model)
+                        per_repeat[name] += time.perf_counter() - start
+                        generated = sequences[:, inputs["input_ids"].shape[1] :]
+                        if repeat == 0:
+                            new = _count_new(generated, tokenizer)
+                            tokens[name] += new
+                            passes[name] += new if row_passes is None else row_passes
+                            outputs[name] += tokenizer.batch_decode(generated, skip_special_tokens=True)
+                        bar.update(1)
+                for name in table:
+                    seconds[name].append(per_repeat[name])
+            cells += _cells(table, batch_size, batches, seconds, tokens, passes, outputs)
+    finally:
+        counter.handle.remove()
+        bar.close()
+    return cells
+
+
+def _sync(model):
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _count_new(generated, tokenizer) -> int:
+    """Generated tokens up to and including EOS (rows that stopped early are right-padded)."""
+    pad = tokenizer.pad_token_id
+    return int((generated != pad).sum()) if pad is not None else generated.numel()
+
+
+def _cells(table, batch_size, batches, seconds, tokens, passes, outputs) -> list[Cell]:
+    answers = [p["answer"] for batch in batches for p in batch]
+    ar_speed = tokens["ar"] / statistics.median(seconds["ar"])
+    cells = []
+    for name in table:
+        if not passes[name]:  # not run at this batch size
+            continue
+        per_forward = tokens[name] / passes[name]
+        speed = tokens[name] / statistics.median(seconds[name])
+        cell = Cell(name, batch_size, per_forward, speed, speed / ar_speed, speed / ar_speed / per_forward)
+        cell.agreement = sum(a == b for a, b in zip(outputs[name], outputs["ar"])) / len(outputs["ar"])
+        if all(a is not None for a in answers):
+            cell.accuracy = sum(o.strip() == a.strip() for o, a in zip(outputs[name], answers)) / len(answers)
+        cells.append(cell)
+    return cells
+
+
+def format_table(cells: list[Cell]) -> str:
+    head = f"{'method':<20} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} {'acc':>6}"
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        acc = "" if c.accuracy is None else f"{c.accuracy:.0%}"
+        lines.append(
+            f"{c.method:<20} {c.batch_size:>5} {c.tokens_per_forward:>8.2f} {c.tokens_per_second:>9.1f} "
+            f"{c.speedup:>8.2f}x {c.efficiency:>10.2f} {c.agreement:>6.0%} {acc:>6}"
+        )
+    return "\n".join(lines)
+
+
+def save(cells: list[Cell], json_path: str | Path, png_path: str | Path | None = None, meta: dict | None = None) -> None:
+    """Write the cells as JSON, and a PNG: tokens/forward and speed-up against τ, one line per batch size."""
+    Path(json_path).write_text(json.dumps({"meta": meta or {}, "cells": [asdict(c) for c in cells]}, indent=2))
+    if png_path is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for prefix, style in (("mars", "-o"), ("lossless", "--s")):
+        for batch_size in sorted({c.batch_size for c in cells}):
+            row = sorted((float(c.method.split("=")[1]), c) for c in cells if c.method.startswith(prefix) and c.batch_size == batch_size)
+            if not row:
+                continue
+            taus = [t for t, _ in row]
+            axes[0].plot(taus, [c.tokens_per_forward for _, c in row], style, label=f"{prefix} batch {batch_size}")
+            axes[1].plot(taus, [c.speedup for _, c in row], style, label=f"{prefix} batch {batch_size}")
+    for ax, label in zip(axes, ("tokens per forward", "speed-up over AR generate()")):
+        ax.set_xlabel("τ")
+        ax.set_ylabel(label)
+        ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,58 @@
+"""The benchmark harness: every method measured the same way, cells that add up, files written."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import make_model, make_tokenizer
+
+import hf_mars
+from hf_mars.bench import format_table, load_prompts, run_benchmark, save
+
+
+def test_benchmark_cells_and_files(tmp_path):
+    tok = make_tokenizer()
+    model = make_model("qwen2", dtype=torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    hf_mars.to_mars(model, tok, block_size=4)
+    prompts = load_prompts(None, tok, limit=4)
+    assert all(p["answer"] and p["text"].endswith("assistant\n") for p in prompts)
+    cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.5), batch_sizes=(1, 2), max_new_tokens=12, repeats=2, progress=False)
+    by = {(c.method, c.batch_size): c for c in cells}
+    assert set(by) == {
+        (m, b) for m in ("ar", "mars tau=1.0", "lossless tau=1.0", "mars tau=0.5", "lossless tau=0.5") for b in (1, 2)
+    } | {("prompt-lookup", 1)}  # transformers runs prompt lookup at batch size 1 only
+    for b in (1, 2):
+        assert by["ar", b].speedup == 1.0 and by["ar", b].tokens_per_forward == 1.0
+        assert by["mars tau=1.0", b].tokens_per_forward == 1.0 and by["mars tau=1.0", b].agreement == 1.0
+        assert by["lossless tau=0.5", b].agreement == 1.0  # lossless mode: same text as AR
+        assert by["mars tau=0.5", b].tokens_per_forward > 1.2  # the sharp model accepts several tokens per pass
+        cell = by["mars tau=0.5", b]
+        assert abs(cell.efficiency - cell.speedup / cell.tokens_per_forward) < 1e-9
+    table = format_table(cells)
+    assert "prompt-lookup" in table and "lossless tau=0.5" in table
+    save(cells, tmp_path / "bench.json", tmp_path / "bench.png", meta={"device": "cpu"})
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["meta"]["device"] == "cpu" and len(data["cells"]) == len(cells)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prompts_from_jsonl(tmp_path):
+    tok = make_tokenizer()
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"prompt": "hi", "answer": "yo"}\n'
+        '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+    )
+    first, second = load_prompts(path, tok)
+    assert first["answer"] == "yo" and "hi" in first["text"]
+    assert second["answer"] == "b" and "b" not in second["text"].split("assistant")[-1]
+    path.write_text('{"nothing": 1}\n')
+    try:
+        load_prompts(path, tok)
+    except ValueError as err:
+        assert "line 1" in str(err)
+    else:
+        raise AssertionError("a line without a prompt must be refused")
