@@ -1,8 +1,12 @@
-"""`hf-mars`: decode with a MARS checkpoint, convert the authors' checkpoints, run the toy demo.
+"""`hf-mars`: decode with a MARS checkpoint, convert the authors' checkpoints, run the toy demo, publish to the Hub.
 
     hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
     hf-mars generate MODEL --prompt "..." [--tau 0.9] [--max-new-tokens 256] [--no-compare]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
+    hf-mars push DIR REPO_ID [--private] [--revision BRANCH] [--tau-table FILE] [--base-model ID] [--license L]
+    hf-mars push-space SPACE_ID --model REPO_ID [--folder spaces_demo] [--model-revision REV] [--private]
+
+Hub commands authenticate as huggingface_hub does: the HF_TOKEN environment variable, else `hf auth login`.
 """
 
 from __future__ import annotations
@@ -78,6 +82,37 @@ def cmd_convert(args) -> None:
     print(f"Wrote {dst}: load it with AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True)")
 
 
+def _hub_errors(push):
+    """Hub refusals (no token, no write access, ...) as one line, like the library's ValueErrors."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return push()
+    except HfHubHTTPError as err:
+        raise SystemExit(f"hf-mars: the Hub refused: {err}") from err
+
+
+def cmd_push(args) -> None:
+    from .hub import push_to_hub
+
+    result = _hub_errors(lambda: push_to_hub(
+        args.folder, args.repo_id, private=args.private or None, revision=args.revision, base_model=args.base_model,
+        license=args.license, datasets=args.dataset, tau_table=args.tau_table, commit_message=args.commit_message,
+    ))
+    print(result.summary())
+    pin = f", revision={result.commit_sha!r}"
+    print(f"Load it with AutoModelForCausalLM.from_pretrained({args.repo_id!r}{pin}, trust_remote_code=True)")
+
+
+def cmd_push_space(args) -> None:
+    from .hub import push_space
+
+    result = _hub_errors(lambda: push_space(args.space_id, args.model, folder=args.folder, private=args.private or None,
+                                            model_revision=args.model_revision, commit_message=args.commit_message))
+    print(result.summary())
+    print(f"Space variable MARS_MODEL={args.model}" + (f", MARS_REVISION={args.model_revision}" if args.model_revision else ""))
+
+
 def cmd_demo(args) -> None:
     from .demo import run_demo
 
@@ -112,6 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--block-size", type=int, help="B the checkpoint was trained with (default: from its config, else 4)")
     conv.add_argument("--tau", type=float, help="default τ to store in the generation config")
     conv.set_defaults(func=cmd_convert)
+
+    push = sub.add_parser("push", help="upload a MARS checkpoint (safetensors, remote code, tokenizer) with a model card")
+    push.add_argument("folder", help="a MARS checkpoint folder saved by hf_mars, tokenizer included")
+    push.add_argument("repo_id", help="Hub model repo, namespace/name (created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repo private")
+    push.add_argument("--revision", help="branch to commit to (created from main if missing)")
+    push.add_argument("--base-model", help="card metadata (default: from the folder's README.md or config)")
+    push.add_argument("--license", help="card metadata, e.g. apache-2.0 (default: from the folder's README.md)")
+    push.add_argument("--dataset", action="append", help="card metadata; repeat for several datasets")
+    push.add_argument("--tau-table", help="JSON file of measured rows {tau, tokens_per_forward, ...} for the card")
+    push.add_argument("--commit-message")
+    push.set_defaults(func=cmd_push)
+
+    space = sub.add_parser("push-space", help="upload the Gradio Space folder and point it at a MARS model repo")
+    space.add_argument("space_id", help="Hub Space, namespace/name (created if missing)")
+    space.add_argument("--model", required=True, help="the MARS model repo the Space loads (its MARS_MODEL variable)")
+    space.add_argument("--model-revision", help="pin the model's revision (MARS_REVISION): its remote code runs in the Space")
+    space.add_argument("--folder", default="spaces_demo", help="the Space's files (default spaces_demo)")
+    space.add_argument("--private", action="store_true", help="create the Space private")
+    space.add_argument("--commit-message")
+    space.set_defaults(func=cmd_push_space)
     return parser
 
 
