@@ -19,7 +19,8 @@ from fake_hub import FakeHub
 from huggingface_hub import HfApi, ModelCard, constants
 
 import hf_mars
-from hf_mars.hub import check_mars_folder, load_tau_table, push_space, push_to_hub, render_model_card, tau_table_markdown
+from hf_mars.hub import (SPACE_FOLDER, check_mars_folder, load_tau_table, push_space, push_to_hub, render_model_card,
+                         tau_table_markdown)
 
 TOKEN = "hf_fake_test_token"
 TAU_TABLE = {"setup": "toy counting task, CPU, batch 1",
@@ -256,6 +257,17 @@ def test_push_space_uploads_the_folder_and_points_it_at_the_model(hub, tmp_path)
     (folder / "app.py").unlink()
     with pytest.raises(ValueError, match="no app.py"):
         push_space("me/demo", "me/model", folder=folder)
+
+
+@pytest.mark.skipif(not (SPACE_FOLDER / "app.py").is_file(), reason="the project's spaces_demo/ is not there")
+def test_push_space_publishes_the_projects_space_folder_by_default(hub):
+    HfApi().create_repo("me/model")
+    push_space("me/live", "me/model")
+    files = hub.repo("me/live", "space").files()
+    expected = {p.relative_to(SPACE_FOLDER).as_posix() for p in SPACE_FOLDER.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".") and p.suffix != ".pyc"}
+    assert {"app.py", "README.md"} <= expected and set(files) == expected | {".gitattributes"}
+    assert all(files[name] == (SPACE_FOLDER / name).read_bytes() for name in expected)
 
 
 def test_cli_push_space(hub, tmp_path):

@@ -4,7 +4,7 @@
     hf-mars generate MODEL --prompt "..." [--tau 0.9] [--max-new-tokens 256] [--no-compare]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
     hf-mars push DIR REPO_ID [--private] [--revision BRANCH] [--tau-table FILE] [--base-model ID] [--license L]
-    hf-mars push-space SPACE_ID --model REPO_ID [--folder spaces_demo] [--model-revision REV] [--private]
+    hf-mars push-space SPACE_ID --model REPO_ID [--folder DIR] [--model-revision REV] [--private]
 
 Hub commands authenticate as huggingface_hub does: the HF_TOKEN environment variable, else `hf auth login`.
 """
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     space.add_argument("space_id", help="Hub Space, namespace/name (created if missing)")
     space.add_argument("--model", required=True, help="the MARS model repo the Space loads (its MARS_MODEL variable)")
     space.add_argument("--model-revision", help="pin the model's revision (MARS_REVISION): its remote code runs in the Space")
-    space.add_argument("--folder", default="spaces_demo", help="the Space's files (default spaces_demo)")
+    space.add_argument("--folder", help="the Space's files (default: the project's spaces_demo/)")
     space.add_argument("--private", action="store_true", help="create the Space private")
     space.add_argument("--commit-message")
     space.set_defaults(func=cmd_push_space)

@@ -27,8 +27,9 @@ from huggingface_hub.utils import filter_repo_objects
 
 logger = logging.getLogger(__name__)
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "model_cards"
-MODEL_CARD_TEMPLATE = TEMPLATES / "mars_model_card.md"
+PROJECT = Path(__file__).resolve().parents[2]  # the repository root (model_cards/, spaces_demo/) in a source checkout
+MODEL_CARD_TEMPLATE = PROJECT / "model_cards" / "mars_model_card.md"
+SPACE_FOLDER = PROJECT / "spaces_demo"
 REMOTE_CODE_FILES = ("modeling.py", "generation.py", "cache.py")
 TAGS = ["mars", "multi-token-prediction"]
 # What a loadable MARS checkpoint consists of. Anything else in the folder (optimizer states, logs, a README of its
@@ -334,7 +335,7 @@ def push_space(
     space_id: str,
     model_repo: str,
     *,
-    folder: str | Path = "spaces_demo",
+    folder: str | Path | None = None,
     token: str | None = None,
     private: bool | None = None,
     model_revision: str | None = None,
@@ -344,9 +345,10 @@ def push_space(
 
     The Space gets the variable `MARS_MODEL=model_repo` and, when `model_revision` is given, `MARS_REVISION` (pin
     one: the checkpoint's remote code runs in the Space; without it a previous pin is removed). Both are set before
-    the upload, so the first build already has them. The folder is uploaded as it is (caches and hidden files excepted); its README.md carries the Space's YAML.
+    the upload, so the first build already has them. The folder (default: the project's `spaces_demo/`) is uploaded
+    as it is, caches and hidden files excepted; its README.md carries the Space's YAML.
     """
-    folder = Path(folder)
+    folder = Path(folder) if folder is not None else SPACE_FOLDER
     if not folder.is_dir() or not any(folder.iterdir()):
         raise ValueError(f"{folder} is not a Space folder (missing or empty).")
     readme = folder / "README.md"
