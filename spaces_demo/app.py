@@ -31,8 +31,9 @@ DEMO_OUTPUT = "outputs/mars-demo"
 MAX_INPUT_TOKENS = int(os.environ.get("MARS_MAX_INPUT_TOKENS", 1024))  # longer conversations lose their oldest turns
 MAX_NEW_TOKENS = int(os.environ.get("MARS_MAX_NEW_TOKENS", 512))
 CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once; the model is shared, read-only
-COLORS = ["#e5e7eb", "#bfdbfe", "#93c5fd", "#86efac", "#fde68a", "#fdba74", "#fca5a5", "#f0abfc"]  # by tokens/pass
-CSS = ".mars-pass{border-radius:4px;padding:1px 0;margin-right:1px;white-space:pre-wrap}"
+COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
+DECODERS = ["MARS", "AR generate()"]
+CSS = ".mars-pass{border-radius:3px;padding:1px 0;border-right:1px solid rgba(0,0,0,.2);white-space:pre-wrap}"
 
 
 class Session:
@@ -116,7 +117,7 @@ def spans_html(spans: list[tuple[str, int]], block_size: int) -> str:
                      for n in range(1, block_size + 1))
     body = "".join(f'<span class="mars-pass" data-n="{n}" title="{n} token(s) in one forward pass" '
                    f'style="background:{COLORS[min(n, len(COLORS)) - 1]}">{html.escape(text)}</span>' for text, n in spans)
-    return f'<div class="mars-legend">tokens per forward pass: {legend}</div><div class="mars-text">{body}</div>'
+    return f'<div class="mars-legend">MARS answer, one span per forward pass; tokens in the pass: {legend}</div><div class="mars-text">{body}</div>'
 
 
 def figures(name: str, tokens: int, passes: int | None, seconds: float, extra: str = "") -> str:
@@ -126,7 +127,11 @@ def figures(name: str, tokens: int, passes: int | None, seconds: float, extra: s
 
 
 def runs_frame(session: Session) -> pd.DataFrame:
-    return pd.DataFrame(session.runs, columns=["run", "decoder", "tau", "tokens_per_forward", "tokens_per_second"])
+    """The session's runs, one row each, after one empty (NaN, not drawn) row per decoder: Gradio's plot fixes its
+    color legend from the first data it is given, so both decoders must be in it before any run."""
+    types = {"run": int, "decoder": str, "tau": float, "tokens_per_forward": float, "tokens_per_second": float}
+    legend = [dict(run=0, decoder=name, tau=None, tokens_per_forward=None, tokens_per_second=None) for name in DECODERS]
+    return pd.DataFrame(legend + session.runs, columns=list(types)).astype(types)
 
 
 def build_demo(model, tokenizer) -> gr.Blocks:
@@ -231,12 +236,13 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         )
         with gr.Row():
             with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat", height=320)
-                message = gr.Textbox(label="Message", placeholder="Ask something, then press Enter", max_length=4 * MAX_INPUT_TOKENS)
+                chatbot = gr.Chatbot(label="Chat", height=320, elem_id="chat")
+                message = gr.Textbox(label="Message", placeholder="Ask something, then press Enter", max_length=4 * MAX_INPUT_TOKENS, elem_id="message")
                 with gr.Row():
                     send, stop_button, clear = gr.Button("Send", variant="primary"), gr.Button("Stop"), gr.Button("Clear")
             with gr.Column(scale=2):
-                tau = gr.Slider(0.0, 1.0, value=0.9, step=0.05, label="τ (confidence threshold)", info="1 = plain AR; change it mid-answer")
+                tau = gr.Slider(0.0, 1.0, value=0.9, step=0.05, label="τ (confidence threshold)",
+                                info="1 = plain AR; change it mid-answer", elem_id="tau")
                 block_size = gr.Slider(1, trained_block, value=trained_block, step=1, label="Block size (tokens per pass at most)",
                                        info=f"the model was trained with {trained_block}")
                 max_new = gr.Slider(1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens")
@@ -246,24 +252,26 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                 compare = gr.Checkbox(label="Then run plain AR generate() on the same prompt", value=True)
         with gr.Row():
             with gr.Column():
-                mars_figures = gr.Markdown("**MARS**: waiting for a message")
-                mars_spans = gr.HTML(label="MARS answer: one span per forward pass")
+                mars_figures = gr.Markdown("**MARS**: waiting for a message", elem_id="mars-figures")
+                mars_spans = gr.HTML(label="MARS answer: one span per forward pass", elem_id="mars-spans")
             with gr.Column():
-                ar_figures = gr.Markdown("**plain AR generate()**: runs after MARS")
-                ar_text = gr.Textbox(label="plain AR answer", lines=6, interactive=False)
+                ar_figures = gr.Markdown("**plain AR generate()**: runs after MARS", elem_id="ar-figures")
+                ar_text = gr.Textbox(label="plain AR answer", lines=6, interactive=False, elem_id="ar-text")
         with gr.Row():
-            plot_kw = dict(value=runs_frame(Session()), x="tau", color="decoder", x_lim=[0, 1], height=240)
-            per_forward = gr.ScatterPlot(y="tokens_per_forward", title="tokens per forward vs τ", **plot_kw)
-            per_second = gr.ScatterPlot(y="tokens_per_second", title="tokens/s vs τ", **plot_kw)
+            plot_kw = dict(value=runs_frame(Session()), x="tau", color="decoder", x_lim=[0, 1.05], height=240,
+                           color_map=dict(zip(DECODERS, ["#f97316", "#475569"])))
+            per_forward = gr.ScatterPlot(y="tokens_per_forward", title="tokens per forward vs τ (your runs)", elem_id="plot-forward",
+                                         y_lim=[0, trained_block], **plot_kw)
+            per_second = gr.ScatterPlot(y="tokens_per_second", title="tokens/s vs τ (your runs)", elem_id="plot-speed", **plot_kw)
         with gr.Accordion("Per-pass details", open=False):
             stats = gr.JSON(label="last MARS run")
 
         tau.change(set_tau, [tau, session], None, api_name="set_tau", concurrency_limit=None, show_progress="hidden")
-        plots = [per_forward, per_second]
+        plot_outputs = [per_forward, per_second]
         mars_event = gr.on([message.submit, send.click], respond,
                            [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, session],
-                           [message, chatbot, mars_spans, mars_figures, stats, *plots], api_name="respond")
-        ar_event = mars_event.then(compare_ar, [compare, session], [ar_text, ar_figures, *plots], api_name="compare_ar")
+                           [message, chatbot, mars_spans, mars_figures, stats, *plot_outputs], api_name="respond")
+        ar_event = mars_event.then(compare_ar, [compare, session], [ar_text, ar_figures, *plot_outputs], api_name="compare_ar")
         stop_button.click(None, cancels=[mars_event, ar_event], api_visibility="private")
         clear.click(lambda: ([], "", "", None), None, [chatbot, mars_spans, ar_text, stats], api_visibility="private")
     return demo

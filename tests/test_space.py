@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_app(tmp_dir: Path):
+def running_app(tmp_dir: Path, pass_seconds: float = PASS_SECONDS):
     """The app as `main()` builds it, loaded through MARS_MODEL, served on a free local port; yields (app, url, calls)
     where `calls` counts forward passes of the shared model."""
     app = load_app()
@@ -65,7 +65,7 @@ def running_app(tmp_dir: Path):
 
     def slow(*_):
         calls[0] += 1
-        time.sleep(PASS_SECONDS)
+        time.sleep(pass_seconds)
 
     model.register_forward_pre_hook(slow)
     demo = app.build_demo(model, tokenizer)
@@ -97,7 +97,8 @@ def answer_text(chat) -> str:
 
 
 def rows(plot) -> list:
-    return plot["data"] if plot else []
+    """The plot's runs: (run, decoder, tau, tokens_per_forward, tokens_per_second), without the legend's empty rows."""
+    return [row for row in plot["data"] if row[0] > 0]
 
 
 def test_streams_pass_by_pass_and_tau_changes_mid_answer(served):
