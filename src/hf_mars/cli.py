@@ -14,19 +14,27 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 
 def _load(model_path: str, revision: str | None, dtype: str):
+    """Load a MARS checkpoint with this installed hf_mars's decoding code.
+
+    The checkpoint's own remote-code files are not run: its weights load as the plain base class, which then becomes
+    the MARS class of this package. So the CLI needs no `trust_remote_code`, and a checkpoint saved by an older
+    hf_mars decodes with every feature of this one.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .modeling import mars_class
+
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=revision)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, revision=revision, trust_remote_code=True, dtype=getattr(torch, dtype)
-    ).eval()
-    if not hasattr(model.config, "mars_mask_token_id"):
+    model = AutoModelForCausalLM.from_pretrained(model_path, revision=revision, dtype=getattr(torch, dtype)).eval()
+    if getattr(model.config, "mars_mask_token_id", None) is None:
         raise SystemExit(f"{model_path} is not a MARS checkpoint (no mars_mask_token_id in its config).")
+    model.__class__ = mars_class(type(model))
     return model, tokenizer
 
 
@@ -119,6 +127,34 @@ def cmd_demo(args) -> None:
     run_demo(steps=args.steps, block_size=args.block_size, output_dir=args.output_dir, tau=args.tau)
 
 
+def cmd_bench(args) -> None:
+    from .bench import format_table, load_prompts, run_benchmark, save
+
+    model, tokenizer = _load(args.model, args.revision, args.dtype)
+    if args.device:
+        model.to(args.device)
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    cells = run_benchmark(
+        model,
+        tokenizer,
+        prompts,
+        taus=args.taus,
+        batch_sizes=args.batch_sizes,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        verify=not args.no_lossless,
+        prompt_lookup=args.prompt_lookup,
+    )
+    device = f"{model.device.type} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
+    print(f"\n{args.model} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
+    print(format_table(cells))
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(model=args.model, device=device, dtype=args.dtype, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+    save(cells, out / "bench.json", out / "bench.png", meta=meta)
+    print(f"\nWrote {out / 'bench.json'} and {out / 'bench.png'}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-mars", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tau", type=float, default=0.9, help="τ of the wall-clock comparison (default 0.9)")
     demo.add_argument("--output-dir", default="outputs/mars-demo")
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="MARS vs plain AR and prompt-lookup decoding: tokens/forward, speed, agreement")
+    bench.add_argument("model", help="MARS checkpoint: a local folder or a Hub repo id")
+    bench.add_argument("--prompts", help="JSONL file (prompt or messages, optional answer); default: held-out toy prompts")
+    bench.add_argument("--limit", type=int, default=32, help="use the first N prompts (default 32)")
+    bench.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
+    bench.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of the peer (0: skip it)")
+    bench.add_argument("--no-lossless", action="store_true", help="skip the lossless (mars_verify) runs")
+    bench.add_argument("--revision")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--device", help="e.g. cuda (default: where the model loads)")
+    bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
+    bench.set_defaults(func=cmd_bench)
 
     conv = sub.add_parser("convert", help="convert an authors' MARS checkpoint (model_type a2d-qwen2)")
     conv.add_argument("src")
