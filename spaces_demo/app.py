@@ -33,6 +33,7 @@ MAX_NEW_TOKENS = int(os.environ.get("MARS_MAX_NEW_TOKENS", 512))
 CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once; the model is shared, read-only
 COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
 DECODERS = ["MARS", "AR generate()"]
+UPDATE_EVERY = 0.05  # seconds between UI updates at most 20 a second; each carries every pass since the last one
 CSS = ".mars-pass{border-radius:3px;padding:1px 0;border-right:1px solid rgba(0,0,0,.2);white-space:pre-wrap}"
 
 
@@ -88,6 +89,19 @@ def in_thread(fn, sink: queue.Queue, **kwargs) -> dict:
     result["thread"] = threading.Thread(target=target, daemon=True)
     result["thread"].start()
     return result
+
+
+def batches(sink: queue.Queue):
+    """What a generation thread sent, in batches: all that is there, then a pause, until None. Fewer, larger UI
+    updates leave the decoding thread the GIL: a small model decodes faster than a browser redraws."""
+    while True:
+        batch = [sink.get()]
+        while not sink.empty():
+            batch.append(sink.get_nowait())
+        yield [item for item in batch if item is not None]
+        if None in batch:
+            return
+        time.sleep(UPDATE_EVERY)
 
 
 def text_of(content) -> str:
@@ -165,12 +179,15 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         ids, spans, shown, passes, start = [], [], "", 0, time.perf_counter()
         history.append({"role": "user", "content": message})
         try:
-            while (chunk := streamer.queue.get()) is not None:
-                ids, passes = ids + chunk, passes + 1  # one chunk per forward pass
-                text = tokenizer.decode(ids, skip_special_tokens=True)
-                if not text.endswith("\ufffd"):  # a character still incomplete waits for the next pass
-                    spans.append((text[len(shown):], len(chunk)))
-                    shown = text
+            for batch in batches(streamer.queue):
+                for chunk in batch:
+                    ids, passes = ids + chunk, passes + 1  # one chunk per forward pass
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    if not text.endswith("\ufffd"):  # a character still incomplete waits for the next pass
+                        spans.append((text[len(shown):], len(chunk)))
+                        shown = text
+                if not batch:
+                    continue
                 elapsed = time.perf_counter() - start
                 stats = dict(decoder="MARS", done=False, new_tokens=len(ids), forward_passes=passes, seconds=elapsed,
                              tokens_per_second=len(ids) / elapsed, tau_per_pass=taus[:passes], block_size=int(block_size),
@@ -210,8 +227,8 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                         streamer=streamer, stopping_criteria=[StopOn(stop)])
         text, start = "", time.perf_counter()
         try:
-            for piece in streamer:  # ends at the streamer's end, or at the None `in_thread` sends on error
-                text += piece
+            for batch in batches(streamer.text_queue):  # None: the streamer's end, or `in_thread`'s on error
+                text += "".join(batch)
                 yield text, f"**plain AR generate()**: {time.perf_counter() - start:.2f} s so far", gr.skip(), gr.skip()
         finally:
             stop.set()
@@ -240,7 +257,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                 chatbot = gr.Chatbot(label="Chat", height=320, elem_id="chat")
                 message = gr.Textbox(label="Message", placeholder="Ask something, then press Enter", max_length=4 * MAX_INPUT_TOKENS, elem_id="message")
                 with gr.Row():
-                    send, stop_button, clear = gr.Button("Send", variant="primary"), gr.Button("Stop"), gr.Button("Clear")
+                    send, stop_button, clear = gr.Button("Send", variant="primary"), gr.Button("Stop"), gr.Button("New chat")
             with gr.Column(scale=2):
                 tau = gr.Slider(0.0, 1.0, value=0.9, step=0.05, label="τ (confidence threshold)",
                                 info="1 = plain AR; change it mid-answer", elem_id="tau")

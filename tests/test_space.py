@@ -104,7 +104,7 @@ def rows(plot) -> list:
 def test_streams_pass_by_pass_and_tau_changes_mid_answer(served):
     app, url, _ = served
     c = client(url)
-    job = ask(c, tau=1.0, max_new_tokens=80)
+    job = ask(c, tau=1.0, max_new_tokens=150)
     while len(job.outputs()) < 10 and not job.done():
         time.sleep(0.005)
     c.predict(0.3, api_name="/set_tau")  # its own event, run while the answer streams
@@ -121,13 +121,13 @@ def test_streams_pass_by_pass_and_tau_changes_mid_answer(served):
 
     stats = final[4]
     taus, accepted = stats["tau_per_pass"], stats["accepted_per_pass"]
-    assert len(taus) == len(accepted) == stats["forward_passes"] and sum(accepted) == stats["new_tokens"] == 80
+    assert len(taus) == len(accepted) == stats["forward_passes"] and sum(accepted) == stats["new_tokens"] == 150
     switch = taus.index(0.3)
     assert switch >= 9 and set(taus[:switch]) == {1.0} and set(taus[switch:]) == {0.3}
     assert accepted[:switch] == [1] * switch  # τ = 1 is plain AR: one token per pass
     after = accepted[switch:]
     assert max(after) > 1 and sum(after) / len(after) > 1.5 and max(after) <= 4
-    assert stats["tokens_per_forward"] == pytest.approx(80 / len(taus))
+    assert stats["tokens_per_forward"] == pytest.approx(150 / len(taus))
     # One colored span per pass (text may wait for a character's last byte, so spans <= passes).
     html = final[2]
     assert 1 < html.count('data-n="') <= len(taus) and 'data-n="4"' in html
