@@ -263,7 +263,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                                 info="1 = plain AR; change it mid-answer", elem_id="tau")
                 block_size = gr.Slider(1, trained_block, value=trained_block, step=1, label="Block size (tokens per pass at most)",
                                        info=f"the model was trained with {trained_block}")
-                max_new = gr.Slider(1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens")
+                max_new = gr.Slider(1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens", elem_id="max-new")
                 do_sample = gr.Checkbox(label="Sample", value=False)
                 temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                 top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p")

@@ -229,3 +229,14 @@ def test_space_files():
     assert {"torch", "transformers"} <= set(requirements) and not {"hf_mars", "hf-mars"} & set(requirements)
     imports = [line for line in (SPACE / "app.py").read_text().splitlines() if line.startswith(("import ", "from "))]
     assert imports and not any("hf_mars" in line for line in imports)  # the checkpoint brings its decoding code
+
+
+def test_sampling_and_block_size(served):
+    _, url, _ = served
+    c = client(url)
+    stats = ask(c, tau=0.0, block_size=2, max_new_tokens=20, do_sample=True).result()[4]
+    accepted = stats["accepted_per_pass"]  # sampled: an EOS may end it early, in its last pass
+    assert stats["done"] and sum(accepted) == stats["new_tokens"] <= 20 and 1 <= accepted[-1] <= 2
+    assert accepted[:-1] == [2] * (len(accepted) - 1)  # τ = 0 accepts every slot, and a pass has block_size of them
+    ar_text, ar_figures, _, _ = c.predict(True, api_name="/compare_ar")
+    assert ar_text and "speed-up" in ar_figures

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,27 +22,38 @@ SCREENSHOT = Path(__file__).resolve().parent.parent / "outputs" / "space_screens
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
+def served():
+    """(browser, url, forward-pass counter) around the app served as in test_space."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"No Chromium at {CHROMIUM}: install it (`apt-get install -y chromium`, as .ci/run does) or set "
                     "CHROMIUM to a Chromium binary. `playwright install` is not needed.")
-    with running_app(tmp_path_factory.mktemp("space"), pass_seconds=0.03) as (_, url, _), sync_playwright() as pw:
+    with tempfile.TemporaryDirectory() as tmp, running_app(Path(tmp), pass_seconds=0.03) as (_, url, calls), \
+            sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(url)
-        expect(page.locator("#message textarea")).to_be_visible(timeout=30_000)
-        yield page
+        yield browser, url, calls
         browser.close()
+
+
+def open_page(browser, url):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(url)
+    expect(page.locator("#message textarea")).to_be_visible(timeout=30_000)
+    return page
+
+
+def set_number(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
 
 
 def pass_sizes(page) -> list[int]:
     return [int(n) for n in page.locator("#mars-spans .mars-pass[data-n]").evaluate_all("els => els.map(e => e.dataset.n)")]
 
 
-def test_type_generate_move_the_slider_and_screenshot(page, tmp_path):
-    tau_box = page.locator("#tau input[type=number]")
-    tau_box.fill("1")
-    tau_box.press("Enter")
+def test_type_generate_move_the_slider_and_screenshot(served, tmp_path):
+    page = open_page(*served[:2])
+    set_number(page, "tau", 1)
     page.locator("#message textarea").fill("Count from 1 to 9.")
     page.locator("#message textarea").press("Enter")
 
@@ -51,7 +64,7 @@ def test_type_generate_move_the_slider_and_screenshot(page, tmp_path):
     track = page.locator("#tau input[type=range]")
     box = track.bounding_box()
     page.mouse.click(box["x"] + 0.3 * box["width"], box["y"] + box["height"] / 2)
-    moved = float(tau_box.input_value())
+    moved = float(page.locator("#tau input[type=number]").input_value())
     assert 0.2 <= moved <= 0.4, moved
 
     expect(page.locator("#mars-figures")).to_contain_text("mean τ", timeout=60_000)  # MARS done
@@ -79,3 +92,21 @@ def test_type_generate_move_the_slider_and_screenshot(page, tmp_path):
     SCREENSHOT.parent.mkdir(exist_ok=True)
     shutil.copy(shot, SCREENSHOT)
     assert shot.stat().st_size > 20_000
+
+
+def test_closing_the_tab_stops_its_generation(served):
+    browser, url, calls = served
+    page = open_page(browser, url)
+    set_number(page, "tau", 1)
+    set_number(page, "max-new", 512)  # about 15 s of passes
+    page.locator("#message textarea").fill("a long answer")
+    page.locator("#message textarea").press("Enter")
+    expect(page.locator("#mars-spans .mars-pass[data-n]").nth(5)).to_be_attached(timeout=30_000)
+    page.close()
+    deadline = time.time() + 10
+    while True:  # the server notices the closed connection, closes the generator, and the thread stops
+        before = calls[0]
+        time.sleep(0.5)
+        if calls[0] == before:
+            break
+        assert time.time() < deadline, "the generation kept running after its tab was closed"
