@@ -104,16 +104,16 @@ def rows(plot) -> list:
 def test_streams_pass_by_pass_and_tau_changes_mid_answer(served):
     app, url, _ = served
     c = client(url)
-    job = ask(c, tau=1.0, max_new_tokens=150)
-    while len(job.outputs()) < 10 and not job.done():
+    job = ask(c, tau=1.0, max_new_tokens=200)
+    while len(job.outputs()) < 5 and not job.done():
         time.sleep(0.005)
     c.predict(0.3, api_name="/set_tau")  # its own event, run while the answer streams
     final = job.result()
     updates = job.outputs()
 
-    # Streaming: one update per pass, text and pass count growing.
+    # Streaming: updates as the passes come (each with every pass since the last, at most 20 a second), growing.
     live = [u[4] for u in updates if u[4] and not u[4]["done"]]
-    assert len(live) >= 20
+    assert len(live) >= 8
     passes = [s["forward_passes"] for s in live]
     assert passes == sorted(passes) and len(set(passes)) == len(passes)
     lengths = [len(answer_text(u[1])) for u in updates]
@@ -121,13 +121,13 @@ def test_streams_pass_by_pass_and_tau_changes_mid_answer(served):
 
     stats = final[4]
     taus, accepted = stats["tau_per_pass"], stats["accepted_per_pass"]
-    assert len(taus) == len(accepted) == stats["forward_passes"] and sum(accepted) == stats["new_tokens"] == 150
+    assert len(taus) == len(accepted) == stats["forward_passes"] and sum(accepted) == stats["new_tokens"] == 200
     switch = taus.index(0.3)
-    assert switch >= 9 and set(taus[:switch]) == {1.0} and set(taus[switch:]) == {0.3}
+    assert switch >= 5 and set(taus[:switch]) == {1.0} and set(taus[switch:]) == {0.3}
     assert accepted[:switch] == [1] * switch  # τ = 1 is plain AR: one token per pass
     after = accepted[switch:]
     assert max(after) > 1 and sum(after) / len(after) > 1.5 and max(after) <= 4
-    assert stats["tokens_per_forward"] == pytest.approx(150 / len(taus))
+    assert stats["tokens_per_forward"] == pytest.approx(200 / len(taus))
     # One colored span per pass (text may wait for a character's last byte, so spans <= passes).
     html = final[2]
     assert 1 < html.count('data-n="') <= len(taus) and 'data-n="4"' in html
