@@ -14,11 +14,16 @@ from .modeling import MASK_TOKEN, mars_class
 
 
 def __getattr__(name):
-    # The trainer pulls in TRL (and datasets); decoding users should not pay for that import.
+    # The trainer pulls in TRL (and datasets), the Hub helpers huggingface_hub's upload machinery; decoding users
+    # should not pay for those imports.
     if name in ("MARSTrainer", "MARSConfig"):
         from . import trainer
 
         return getattr(trainer, name)
+    if name in ("push_to_hub", "push_space"):
+        from . import hub
+
+        return getattr(hub, name)
     raise AttributeError(f"module 'hf_mars' has no attribute {name!r}")
 
 
@@ -33,5 +38,7 @@ __all__ = [
     "TauController",
     "convert_checkpoint",
     "mars_class",
+    "push_space",
+    "push_to_hub",
     "to_mars",
 ]

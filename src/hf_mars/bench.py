@@ -209,7 +209,10 @@ def save(cells: list[Cell], json_path: str | Path, png_path: str | Path | None =
     Path(json_path).write_text(json.dumps({"meta": meta or {}, "cells": [asdict(c) for c in cells]}, indent=2))
     if png_path is None:
         return
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("The benchmark's plot needs matplotlib: pip install 'hf_mars[bench]'") from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
