@@ -321,6 +321,8 @@ def _choose(logits, histories: _Histories | None, do_sample: bool, measure: str)
     vocab = logits.shape[-1]
 
     def pick(scores):
+        if not do_sample and logits.shape[1] == 1:  # one slot: always accepted, no confidence (plain greedy cost)
+            return scores.argmax(dim=-1), None
         probs = torch.softmax(scores, dim=-1)
         if do_sample:
             tokens = torch.multinomial(probs.reshape(-1, vocab), num_samples=1).view(probs.shape[:-1])
@@ -333,7 +335,9 @@ def _choose(logits, histories: _Histories | None, do_sample: bool, measure: str)
     tokens = logits.new_zeros(logits.shape[:2], dtype=torch.long)
     confs = logits.new_zeros(logits.shape[:2])
     for i in range(logits.shape[1]):
-        tokens[:, i], confs[:, i] = pick(histories(tokens[:, :i], logits[:, i]))
+        tokens[:, i], conf = pick(histories(tokens[:, :i], logits[:, i]))
+        if conf is not None:
+            confs[:, i] = conf
     return tokens, confs
 
 
@@ -450,7 +454,9 @@ def mars_decode(
             cache.commit(pending_real, slots - 1)
             tokens, confs = _choose(logits, histories, generation_config.do_sample, mars_confidence)
             # Slot 0 always; then left to right while confident.
-            accepted = 1 + (confs[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
+            accepted = torch.ones_like(tokens[:, 0])
+            if slots > 1:
+                accepted += (confs[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
 
         width = tokens.shape[1]
         left = budget - new_tokens[rows]
