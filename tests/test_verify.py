@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
@@ -66,7 +68,7 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
             assert torch.equal(out, reference), (tau, kwargs)
 
 
-def test_lossless_streams_each_pass_and_refuses_sampling(trained_toy):
+def test_lossless_streams_each_pass(trained_toy):
     from test_generation import Recorder
 
     model, tok = trained_toy
@@ -76,5 +78,72 @@ def test_lossless_streams_each_pass_and_refuses_sampling(trained_toy):
     _, *chunks = streamer.chunks
     assert [len(c) for c in chunks] == [int(a) for a in out.mars_stats.accepted_per_step]
     assert sum(chunks, []) == out.sequences[0, enc.input_ids.shape[1] :].tolist()
-    with pytest.raises(ValueError, match="greedy"):
-        model.generate(**enc, mars_tau=0.5, mars_verify=True, do_sample=True, max_new_tokens=4)
+
+
+# --- sampling: speculative acceptance keeps the model's own distribution ------------------------------------------
+
+
+def first_tokens(sequences, start, n=3):
+    return collections.Counter(map(tuple, sequences[:, start : start + n].tolist()))
+
+
+def total_variation(a, b, n):
+    return 0.5 * sum(abs(a[k] - b[k]) / n for k in set(a) | set(b))
+
+
+def plain_samples(model, ids, seed):
+    """3-token samples of transformers' own `generate()`, one per row of `ids`."""
+    torch.manual_seed(seed)
+    out = GenerationMixin.generate(model, input_ids=ids, do_sample=True, max_new_tokens=3, eos_token_id=None)
+    return first_tokens(out, ids.shape[1])
+
+
+def mars_samples(model, ids, seed, **kwargs):
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=ids, do_sample=True, max_new_tokens=3, eos_token_id=None, return_dict_in_generate=True, **kwargs)
+    return first_tokens(out.sequences, ids.shape[1]), out.mars_stats
+
+
+def check_distribution(model, ids, accepted_more_than):
+    """Lossless sampling is as close to `generate()`'s samples as two runs of `generate()` are to each other."""
+    n = ids.shape[0]
+    reference, again = plain_samples(model, ids, 0), plain_samples(model, ids, 1)
+    lossless, stats = mars_samples(model, ids, 2, mars_tau=0.0, mars_verify=True)
+    noise = total_variation(reference, again, n)
+    assert total_variation(lossless, reference, n) < noise + 0.03
+    assert stats.mean_tokens_per_forward > accepted_more_than
+    return reference, noise
+
+
+def test_lossless_sampling_keeps_the_distribution_when_drafts_are_rejected():
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.5)
+    ids = tok(["the quick"], return_tensors="pt").input_ids.repeat(3000, 1)
+    reference, noise = check_distribution(model, ids, accepted_more_than=1.0)
+    # The check can fail: τ-mode at τ = 0 keeps every mask sample as it is, and its samples are far off.
+    fast, _ = mars_samples(model, ids, 3, mars_tau=0.0)
+    assert total_variation(fast, reference, 3000) > noise + 0.3
+
+
+def test_lossless_sampling_keeps_the_distribution_when_drafts_are_accepted(trained_toy):
+    model, tok = trained_toy
+    messages = [{"role": "user", "content": "Count from 12 to 30."}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    check_distribution(model, ids.repeat(2000, 1), accepted_more_than=1.2)
+
+
+def test_lossless_sampling_anchors():
+    tok = make_tokenizer()
+    base = make_model("qwen2")
+    model = make_model("qwen2")
+    model.load_state_dict(base.state_dict())
+    hf_mars.to_mars(model, tok, block_size=4)
+    enc = tok(["hello"], return_tensors="pt")
+    torch.manual_seed(5)
+    reference = base.generate(**enc, do_sample=True, top_k=30, max_new_tokens=15)
+    torch.manual_seed(5)  # τ = 1 proposes nothing: plain sampling, draw for draw
+    assert torch.equal(model.generate(**enc, do_sample=True, top_k=30, mars_tau=1.0, mars_verify=True, max_new_tokens=15), reference)
+    greedy = model.generate(**enc, mars_tau=0.3, mars_verify=True, max_new_tokens=15)  # top_k = 1 sampling is greedy
+    assert torch.equal(model.generate(**enc, do_sample=True, top_k=1, mars_tau=0.3, mars_verify=True, max_new_tokens=15), greedy)

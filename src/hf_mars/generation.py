@@ -173,7 +173,8 @@ class MARSGenerationMixin(GenerationMixin):
                 Lossless mode: the confident mask predictions of a pass are drafts, fed as real tokens in the next
                 pass and kept only where they equal the model's own next-token prediction there (plus that
                 prediction after the last match). The output is exactly greedy `generate()`'s, for any τ; τ only
-                decides how many drafts are proposed. Greedy decoding only.
+                decides how many drafts are proposed. With sampling, drafts are accepted by speculative sampling,
+                so the output is distributed exactly as the model's own samples.
 
         With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
@@ -312,8 +313,9 @@ def _processed(logits, histories: _Histories | None, prefix):
     return torch.stack([histories(prefix[:, :j], logits[:, j]) for j in range(slots)], dim=1)
 
 
-def _choose(logits, histories: _Histories | None, do_sample: bool, measure: str):
-    """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`.
+def _choose(logits, histories: _Histories | None, do_sample: bool, measure: str, with_probs: bool = False):
+    """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`,
+    plus the `(batch, slots, vocab)` distributions they were drawn from when `with_probs`.
 
     Processors that read the token history see, for slot i, the history plus the tokens chosen for slots < i: exactly
     what they would see if those slots are accepted (and slot i matters only if they are).
@@ -321,37 +323,54 @@ def _choose(logits, histories: _Histories | None, do_sample: bool, measure: str)
     vocab = logits.shape[-1]
 
     def pick(scores):
-        if not do_sample and logits.shape[1] == 1:  # one slot: always accepted, no confidence (plain greedy cost)
-            return scores.argmax(dim=-1), None
+        if not do_sample and not with_probs and logits.shape[1] == 1:  # one slot, always accepted: plain greedy cost
+            return scores.argmax(dim=-1), None, None
         probs = torch.softmax(scores, dim=-1)
         if do_sample:
             tokens = torch.multinomial(probs.reshape(-1, vocab), num_samples=1).view(probs.shape[:-1])
         else:
             tokens = scores.argmax(dim=-1)
-        return tokens, confidence(probs, tokens, measure)
+        return tokens, confidence(probs, tokens, measure), probs
 
     if histories is None or _history_free(histories.processors):
-        return pick(_processed(logits, histories, None))
-    tokens = logits.new_zeros(logits.shape[:2], dtype=torch.long)
-    confs = logits.new_zeros(logits.shape[:2])
-    for i in range(logits.shape[1]):
-        tokens[:, i], conf = pick(histories(tokens[:, :i], logits[:, i]))
-        if conf is not None:
-            confs[:, i] = conf
-    return tokens, confs
+        tokens, confs, probs = pick(_processed(logits, histories, None))
+    else:
+        tokens = logits.new_zeros(logits.shape[:2], dtype=torch.long)
+        confs, probs = logits.new_zeros(logits.shape[:2]), torch.zeros_like(logits)
+        for i in range(logits.shape[1]):
+            tokens[:, i], conf, prob = pick(histories(tokens[:, :i], logits[:, i]))
+            if conf is not None:
+                confs[:, i], probs[:, i] = conf, prob
+    return (tokens, confs, probs) if with_probs else (tokens, confs)
 
 
-def _verify(logits, drafts, draft_real, histories):
-    """Greedy verification of drafts: `(tokens, accepted, kept)`.
+def _verify(logits, drafts, draft_real, histories, proposals=None):
+    """Verification of drafts: `(tokens, accepted, kept)`.
 
-    `logits[:, j]` is the output after the drafts `< j`: the model's own next-token prediction there. Drafts are kept
-    while they equal it; the prediction after the last kept draft follows them (the correction, or a bonus token when
-    every draft was right). So each pass yields the exact greedy tokens, one or more of them.
+    `logits[:, j]` is the output after the drafts `< j`: the model's own next-token prediction there.
+    - Greedy (`proposals` None): drafts are kept while they equal its argmax; the argmax after the last kept draft
+      follows them (the correction, or a bonus token when every draft was right). Each pass yields exact greedy tokens.
+    - Sampling: `proposals[:, j]` is q'_j, the distribution draft j was drawn from, zeroed where it would not have
+      been proposed (confidence below τ); a zero row where nothing was. Draft j is kept with probability
+      min(1, p_j(d) / q_j(d)); the token after the last kept one is drawn from max(0, p - q') renormalised. This is
+      speculative sampling with a partial proposal, and the tokens are distributed exactly as the model samples them.
     """
     scores = _processed(logits, histories, drafts)
-    target = scores.argmax(dim=-1)  # (batch, drafts + 1)
-    match = (drafts == target[:, :-1]) & draft_real
+    if proposals is None:
+        target = scores.argmax(dim=-1)  # (batch, drafts + 1)
+        match = (drafts == target[:, :-1]) & draft_real
+    else:
+        p = torch.softmax(scores, dim=-1)
+        p_draft = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
+        q_draft = proposals[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
+        match = (torch.rand_like(p_draft) * q_draft < p_draft) & draft_real
     kept_count = match.long().cumprod(dim=1).sum(dim=1)
+    if proposals is not None:
+        at = kept_count[:, None, None].expand(-1, 1, p.shape[-1])
+        p_next, q_next = p.gather(1, at).squeeze(1), proposals.gather(1, at).squeeze(1)
+        residual = (p_next - q_next).clamp(min=0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+        target = torch.multinomial(residual, num_samples=1).expand(-1, drafts.shape[1] + 1)
     tokens = torch.cat([drafts, target[:, -1:]], dim=1).scatter(1, kept_count[:, None], target.gather(1, kept_count[:, None]))
     kept = draft_real & (torch.arange(drafts.shape[1], device=drafts.device) < kept_count[:, None])
     return tokens, kept_count + 1, kept
@@ -391,8 +410,6 @@ def mars_decode(
     _check_decodable(model, generation_config, prompt_length, mars_block_size)
     if streamer is not None and batch > 1:
         raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
-    if mars_verify and generation_config.do_sample:
-        raise ValueError("`mars_verify=True` (lossless mode) supports greedy decoding only, not `do_sample=True`.")
     cached = model_kwargs.get("past_key_values")
     if cached is not None and cached.get_seq_length() > 0:
         raise ValueError("MARS decoding starts from an empty cache; do not pass a filled `past_key_values`.")
@@ -419,6 +436,8 @@ def mars_decode(
     pending_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     drafts = torch.empty(batch, 0, dtype=torch.long, device=device)  # lossless mode: unverified, left-aligned
     draft_real = torch.empty(batch, 0, dtype=torch.bool, device=device)
+    do_sample = generation_config.do_sample
+    proposals = None  # lossless sampling: the distributions the drafts came from (see `_verify`)
     cache = MARSCache(batch, device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -447,12 +466,16 @@ def mars_decode(
         history = _history(sequences[rows], lengths, pad_token_id) if extra_criteria else None
         if mars_verify:
             # Outputs at the last pending token and at each draft verify the drafts; the masks propose new ones.
-            tokens, accepted, kept = _verify(logits[:, : num_drafts + 1], drafts, draft_real, histories)
+            if do_sample and (proposals is None or proposals.shape[1] != num_drafts + 1):
+                proposals = logits.new_zeros(rows.numel(), num_drafts + 1, logits.shape[-1])  # no drafts: sample p
+            tokens, accepted, kept = _verify(
+                logits[:, : num_drafts + 1], drafts, draft_real, histories, proposals if do_sample else None
+            )
             all_verified = accepted == draft_real.sum(dim=1) + 1
             cache.commit(torch.cat([pending_real, kept], dim=1), slots - 1)  # rejected drafts become holes
         else:
             cache.commit(pending_real, slots - 1)
-            tokens, confs = _choose(logits, histories, generation_config.do_sample, mars_confidence)
+            tokens, confs = _choose(logits, histories, do_sample, mars_confidence)
             # Slot 0 always; then left to right while confident.
             accepted = torch.ones_like(tokens[:, 0])
             if slots > 1:
@@ -491,14 +514,20 @@ def mars_decode(
             # masks (which followed them) propose the next drafts; after a rejection they are void.
             pending = tokens.gather(1, (accepted - 1)[:, None])
             pending_real = torch.ones_like(pending, dtype=torch.bool)
-            drafts, draft_real = drafts[:, :0], draft_real[:, :0]
+            drafts, draft_real, proposals = drafts[:, :0], draft_real[:, :0], None
             if slots > 1 and bool(all_verified.any()):
                 if histories is not None:
                     histories.lengths = prompt_length + new_tokens[rows]  # now including this pass's tokens
-                guesses, confs = _choose(logits[:, num_drafts + 1 :], histories, False, mars_confidence)
-                count = (confs >= tau).long().cumprod(dim=1).sum(dim=1) * all_verified
+                guesses, confs, q = _choose(logits[:, num_drafts + 1 :], histories, do_sample, mars_confidence, True)
+                confident = confs >= tau
+                count = confident.long().cumprod(dim=1).sum(dim=1) * all_verified
                 draft_real = torch.arange(slots - 1, device=device) < count[:, None]
                 drafts = guesses.masked_fill(~draft_real, pad_token_id)
+                if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
+                    proposed = q >= tau if mars_confidence == "probability" else confident[..., None]
+                    reached = torch.arange(slots - 1, device=device) <= count[:, None]
+                    q = q * proposed * (reached & all_verified[:, None])[..., None]
+                    proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
         else:
             # Next pass feeds this pass's accepted tokens, right-aligned: shorter rows leave holes in the cache.
             pending, pending_real = _right_align(tokens, accepted, pad_token_id)
@@ -507,6 +536,7 @@ def mars_decode(
             alive = (~finished).nonzero().view(-1)
             rows, pending, pending_real = rows[alive], pending[alive], pending_real[alive]
             drafts, draft_real = drafts[alive], draft_real[alive]
+            proposals = None if proposals is None else proposals[alive]
             cache.keep_rows(alive)
         if rows.numel() > 1 and cache.hole_fraction() > _COMPACT_AT:
             cache.compact()
