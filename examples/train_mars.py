@@ -1,96 +1,12 @@
-"""Train a MARS model, TRL-style: `sft.py` with `MARSTrainer` / `MARSConfig`.
+"""Train a MARS model, TRL-style (TRL's `sft.py` arguments plus `--mars_block_size` and `--mars_ar_weight`).
 
-```bash
-# CPU, a local chat JSONL (`messages` per line), LoRA
-python examples/train_mars.py \
-    --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --dataset_name data/train.jsonl \
-    --mars_block_size 4 --learning_rate 5e-5 --num_train_epochs 1 --per_device_train_batch_size 8 \
-    --use_peft --lora_r 32 --lora_alpha 64 --use_cpu --bf16 false --output_dir outputs/mars-smollm2
+    python examples/train_mars.py --model_name_or_path M --dataset_name D --output_dir O [--use_peft] ...
+    accelerate launch --config_file zero2.yaml examples/train_mars.py ...      # several GPUs
 
-# several GPUs: DeepSpeed/FSDP come from the accelerate config, not from this script
-accelerate launch --config_file zero2.yaml examples/train_mars.py --model_name_or_path Qwen/Qwen2.5-7B-Instruct \
-    --dataset_name allenai/Dolci-Instruct-SFT --mars_block_size 8 --learning_rate 5e-6 --num_train_epochs 5 \
-    --lr_scheduler_type cosine --warmup_steps 0.03 --max_length 512 --output_dir outputs/mars-qwen2.5-7b
-```
-
-`--resume_from_checkpoint true` (or a checkpoint folder) resumes from the newest checkpoint in `--output_dir`. Progress and the MARS metrics
-(`clean_loss`, `mask_loss`, `mask_acc_{m}`) are logged every `--logging_steps`. The saved folder is a MARS checkpoint
-(remote code included); with `--use_peft` it holds the adapter, which `merge_and_unload()` folds into the base.
+The same as `hf-mars train`; the logic and more examples are in `hf_mars/train.py`.
 """
 
-from __future__ import annotations
-
-from pathlib import Path
-
-
-def load_train_eval(script_args, training_args):
-    """The dataset from the Hub or from a local .json/.jsonl/.parquet file (offline machines have only the latter)."""
-    from datasets import load_dataset
-
-    name = script_args.dataset_name
-    if name is None:
-        raise ValueError("--dataset_name is required: a Hub dataset id or a local .json/.jsonl/.parquet file.")
-    suffix = Path(name).suffix
-    if Path(name).exists() and suffix in (".json", ".jsonl", ".parquet"):
-        dataset = load_dataset("parquet" if suffix == ".parquet" else "json", data_files={"train": name})
-    else:
-        dataset = load_dataset(name, name=script_args.dataset_config)
-    train = dataset[script_args.dataset_train_split]
-    evaluation = None
-    if training_args.eval_strategy != "no":
-        evaluation = dataset[script_args.dataset_test_split]
-    return train, evaluation
-
-
-def resume_point(training_args):
-    """`--resume_from_checkpoint`: a checkpoint folder, or `true`/`last` for the newest one in --output_dir."""
-    from transformers.trainer_utils import get_last_checkpoint
-
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "last"):
-        resume = get_last_checkpoint(training_args.output_dir)
-        if resume is None:
-            raise ValueError(f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no checkpoint in "
-                             f"{training_args.output_dir}")  # fmt: skip
-    return resume
-
-
-def main(script_args, training_args, model_args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import get_peft_config
-
-    import hf_mars
-
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path,
-        revision=model_args.model_revision,
-        attn_implementation=model_args.attn_implementation or "sdpa",
-        dtype=model_args.dtype,
-    )
-    hf_mars.to_mars(model, tokenizer, block_size=training_args.mars_block_size)
-    train, evaluation = load_train_eval(script_args, training_args)
-    trainer = hf_mars.MARSTrainer(
-        model,
-        args=training_args,
-        train_dataset=train,
-        eval_dataset=evaluation,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
-    trainer.train(resume_from_checkpoint=resume_point(training_args))
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Saved the MARS model to {training_args.output_dir}")
-
-
-def make_parser():
-    from trl import ModelConfig, ScriptArguments, TrlParser
-
-    from hf_mars import MARSConfig
-
-    return TrlParser((ScriptArguments, MARSConfig, ModelConfig))
-
+from hf_mars.train import run
 
 if __name__ == "__main__":
-    script_args, training_args, model_args = make_parser().parse_args_and_config()
-    main(script_args, training_args, model_args)
+    run()

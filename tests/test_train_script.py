@@ -1,4 +1,4 @@
-"""examples/train_mars.py, run as a user runs it: a local JSONL dataset, full or LoRA training, resuming."""
+"""`hf-mars train` / examples/train_mars.py, run as a user runs them: a local JSONL dataset, full or LoRA training, resuming."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from hf_mars.toy import counting_dataset
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_mars.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_mars.py"  # a thin wrapper of hf_mars.train
 
 
-def train(tmp_path, *extra):
+def train(tmp_path, *extra, cli=False):
     model_dir, data = tmp_path / "base", tmp_path / "train.jsonl"
     if not model_dir.exists():
         make_model("llama").save_pretrained(model_dir)
@@ -29,13 +29,14 @@ def train(tmp_path, *extra):
         "--activation_checkpointing", "false", *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env)
+    command = [sys.executable, "-m", "hf_mars.cli", "train"] if cli else [sys.executable, str(SCRIPT)]
+    result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
 
 
 def test_full_training_saves_a_mars_checkpoint(tmp_path):
-    log = train(tmp_path, "--output_dir", str(tmp_path / "out"), "--max_steps", "4", "--save_strategy", "no")
+    log = train(tmp_path, "--output_dir", str(tmp_path / "out"), "--max_steps", "4", "--save_strategy", "no", cli=True)
     assert "'mask_loss'" in log and "'clean_loss'" in log and "'mask_acc_0'" in log
     out = tmp_path / "out"
     assert {"modeling.py", "generation.py", "cache.py", "model.safetensors"} <= {p.name for p in out.iterdir()}

@@ -1,5 +1,6 @@
 """`hf-mars`: decode with a MARS checkpoint, convert the authors' checkpoints, run the toy demo, publish to the Hub.
 
+    hf-mars train --model_name_or_path M --dataset_name D --output_dir O [TRL SFT arguments] [--mars_block_size 4]
     hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
     hf-mars generate MODEL --prompt "..." [--tau 0.9] [--max-new-tokens 256] [--no-compare]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
     gen.set_defaults(func=cmd_generate)
 
+    # `train` is dispatched in main() to TRL's parser; listed here for --help
+    sub.add_parser("train", help="train a MARS model: TRL sft.py arguments plus --mars_block_size/--mars_ar_weight")
+
     demo = sub.add_parser("demo", help="train a toy MARS model on CPU (minutes, offline), then decode and compare with AR")
     demo.add_argument("--steps", type=int, default=800)
     demo.add_argument("--block-size", type=int, default=4)
@@ -224,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # TRL's own parser takes the rest (argparse would claim --help and friends)
+        from .train import run
+
+        return run(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "tau", None) is not None and not 0.0 <= args.tau <= 1.0:
         raise SystemExit(f"--tau must be in [0, 1], got {args.tau}")
