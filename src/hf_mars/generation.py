@@ -263,15 +263,6 @@ def _check_decodable(model, generation_config, prompt_length: int, block_size: i
         )
 
 
-def _history(sequences: torch.Tensor, lengths: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Each row's tokens so far, right-aligned (left-padded) to a common width: what stopping criteria read (they
-    look at the end of each row). Rows of equal length give exactly `generate()`'s `input_ids`."""
-    width = int(lengths.max())
-    index = torch.arange(width, device=sequences.device) + (lengths - width)[:, None]
-    history = sequences.gather(1, index.clamp(min=0))
-    return history.masked_fill(index < 0, pad_token_id)
-
-
 class _Histories:
     """What logits processors read: each active row's tokens laid out exactly as `generate()` lays them out (its
     left-padded prompt, then its generated tokens), within a batch as wide as at the start.
@@ -377,7 +368,10 @@ def _verify(logits, drafts, draft_real, histories, proposals=None):
 
 
 def _right_align(tokens, counts, pad_token_id):
-    """The first `counts[i]` tokens of each row, right-aligned (left-padded): `(tokens, real)`."""
+    """The first `counts[i]` tokens of each row, right-aligned (left-padded) to a common width: `(tokens, real)`.
+
+    Used for each pass's accepted tokens (the next pass's input) and for the rows' histories that stopping criteria
+    read; rows of equal length give exactly `generate()`'s `input_ids`."""
     width = int(counts.max())
     index = torch.arange(width, device=tokens.device) + (counts - width)[:, None]
     real = index >= 0
@@ -463,7 +457,8 @@ def mars_decode(
 
         lengths = prompt_length + new_tokens[rows]
         histories = _Histories(logits_processor, sequences, rows, lengths) if logits_processor else None
-        history = _history(sequences[rows], lengths, pad_token_id) if extra_criteria else None
+        # Stopping criteria read the end of each row: its tokens so far, right-aligned
+        history = _right_align(sequences[rows], lengths, pad_token_id)[0] if extra_criteria else None
         if mars_verify:
             # Outputs at the last pending token and at each draft verify the drafts; the masks propose new ones.
             if do_sample and (proposals is None or proposals.shape[1] != num_drafts + 1):
