@@ -51,6 +51,7 @@ def test_lora_and_resume(tmp_path):
     lora = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
     train(tmp_path, "--output_dir", str(out), "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2", *lora)
     assert (out / "adapter_config.json").exists() and (out / "checkpoint-2").exists()
+    assert json.loads((out / "mars.json").read_text())["mars_block_size"] == 4
     log = train(tmp_path, "--output_dir", str(out), "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
                 "--resume_from_checkpoint", "true", *lora)  # fmt: skip
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())

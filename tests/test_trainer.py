@@ -206,7 +206,7 @@ def test_gradient_checkpointing_gives_the_same_losses(tmp_path):
     assert runs[0] == pytest.approx(runs[1], rel=1e-4)
 
 
-def test_lora_trains_only_the_adapter(tmp_path):
+def test_lora_trains_only_the_adapter_and_the_mask_row(tmp_path):
     from peft import LoraConfig
 
     tok = mars_tokenizer()
@@ -215,15 +215,19 @@ def test_lora_trains_only_the_adapter(tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = MARSTrainer(model, args=config(tmp_path, max_steps=3, activation_checkpointing=True),
                           train_dataset=counting_chat(n=8), processing_class=tok, peft_config=lora)  # fmt: skip
+    mask_id = model.config.mars_mask_token_id
     trainer.train()
     adapters = 0
     for name, p in trainer.model.named_parameters():
-        if "lora_" in name:
+        if "trainable_tokens_delta" in name:  # the <|mask|> row, trained alongside the adapter
+            assert p.shape[0] == 1
+            assert not torch.equal(p[0], before["model.embed_tokens.weight"][mask_id]), name
+        elif "lora_" in name:
             adapters += 1
             if "lora_B" in name:  # B starts at zero, so it must have moved
                 assert not torch.equal(p, torch.zeros_like(p)), name
         else:
-            base_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            base_name = name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".token_adapter", "")
             assert torch.equal(p, before[base_name]), name
     assert adapters == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
     assert trainer.model.get_base_model().config.mars_block_size == 4

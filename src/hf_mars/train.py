@@ -22,6 +22,7 @@ accelerate launch --config_file zero2.yaml examples/train_mars.py --model_name_o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -82,6 +83,10 @@ def main(script_args, training_args, model_args):
     )
     trainer.train(resume_from_checkpoint=resume_point(training_args))
     trainer.save_model(training_args.output_dir)
+    if model_args.use_peft:  # the adapter folder has no model config: keep the MARS settings beside it
+        mars = {key: getattr(model.config, key) for key in ("mars_block_size", "mars_mask_token_id")}
+        if trainer.accelerator.is_main_process:
+            (Path(training_args.output_dir) / "mars.json").write_text(json.dumps(mars, indent=2))
     trainer.accelerator.print(f"Saved the MARS model to {training_args.output_dir}")
 
 

@@ -20,6 +20,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
@@ -168,6 +169,20 @@ def two_stream_batch(input_ids, attention_mask, labels, block_size: int, mask_to
     }
 
 
+def _with_mask_row(peft_config, model):
+    """With LoRA, also train the `<|mask|>` embedding row (peft's trainable tokens, a few KB in the adapter).
+
+    The row is new (or a spare one): left frozen, every mask would enter the model as an untrained vector that the
+    low-rank update has to work around. An explicit `trainable_token_indices` of the user's is kept.
+    """
+    from peft import LoraConfig
+
+    mask_id = getattr(getattr(model, "config", None), "mars_mask_token_id", None)
+    if not isinstance(peft_config, LoraConfig) or peft_config.trainable_token_indices is not None or mask_id is None:
+        return peft_config
+    return dataclasses.replace(peft_config, trainable_token_indices=[mask_id])
+
+
 class MARSTrainer(SFTTrainer):
     """SFTTrainer that trains a causal LM for MARS multi-token decoding (see the module docstring).
 
@@ -206,6 +221,7 @@ class MARSTrainer(SFTTrainer):
             raise ValueError("MARSTrainer does not support `label_smoothing_factor`.")
         if args.loss_type != "nll":
             raise ValueError(f"MARSTrainer uses the negative log-likelihood, not `loss_type={args.loss_type!r}`.")
+        kwargs["peft_config"] = _with_mask_row(kwargs.get("peft_config"), model)
         # Convert chat data before SFTTrainer looks at it, so that it chooses completion-only loss
         train_dataset = _to_final_turn_dataset(train_dataset, args.dataset_num_proc)
         eval_dataset = _to_final_turn_dataset(eval_dataset, args.dataset_num_proc)
@@ -214,6 +230,10 @@ class MARSTrainer(SFTTrainer):
 
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._check_model(base)
+        head = base.get_output_embeddings()
+        if head is not None and not hasattr(head, "bias"):
+            # peft's TrainableTokensWrapper (the <|mask|> row of a tied LM head) has no `bias`; TRL's fused head reads it
+            head.bias = None
         self.mask_token_id = self._find_mask_token_id(base)
         eos = self._tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else _first(base.config.get_text_config().eos_token_id)
@@ -269,7 +289,7 @@ class MARSTrainer(SFTTrainer):
                 f"The model has no MARS mask token: neither `config.mars_mask_token_id` nor a {MASK_TOKEN!r} token in "
                 "the tokenizer. Call `hf_mars.to_mars(model, tokenizer, block_size=...)` before training."
             )
-        if mask_id >= base.get_input_embeddings().num_embeddings:
+        if mask_id >= base.get_input_embeddings().weight.shape[0]:
             raise ValueError(f"Mask token id {mask_id} is outside the embedding matrix; resize the embeddings.")
         return int(mask_id)
 
