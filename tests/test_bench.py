@@ -31,6 +31,7 @@ def test_benchmark_cells_and_files(tmp_path):
         assert by["mars tau=0.5", b].tokens_per_forward > 1.2  # the sharp model accepts several tokens per pass
         cell = by["mars tau=0.5", b]
         assert abs(cell.efficiency - cell.speedup / cell.tokens_per_forward) < 1e-9
+        assert all(0.0 < c.forward_share < 1.0 for c in cells)  # time in the forward, the rest is overhead
     table = format_table(cells)
     assert "prompt-lookup" in table and "lossless tau=0.5" in table
     save(cells, tmp_path / "bench.json", tmp_path / "bench.png", meta={"device": "cpu"})
@@ -48,6 +49,7 @@ def test_prompts_from_jsonl(tmp_path):
     )
     first, second = load_prompts(path, tok)
     assert first["answer"] == "yo" and "hi" in first["text"]
+    assert first["check"](" yo\n") and not first["check"]("no")
     assert second["answer"] == "b" and "b" not in second["text"].split("assistant")[-1]
     path.write_text('{"nothing": 1}\n')
     try:
@@ -56,3 +58,16 @@ def test_prompts_from_jsonl(tmp_path):
         assert "line 1" in str(err)
     else:
         raise AssertionError("a line without a prompt must be refused")
+
+
+def test_heldout_prompts_are_scored_by_task():
+    from hf_mars.data import gsm8k_test, humaneval
+
+    tok = make_tokenizer()
+    prompts = load_prompts("heldout", tok, limit=4)
+    assert len(prompts) == 4
+    gsm, code = gsm8k_test()[0], humaneval()[0]["problem"]
+    assert gsm["prompt"] in prompts[0]["text"] and code["entry_point"] in prompts[1]["text"]
+    assert prompts[0]["check"](f"So the answer is {gsm['answer']}.") and not prompts[0]["check"]("So the answer is -1.")
+    solution = "```python\n" + code["prompt"] + code["canonical_solution"] + "```"
+    assert prompts[1]["check"](solution) and not prompts[1]["check"]("```python\npass\n```")

@@ -31,15 +31,26 @@ class Cell:
     efficiency: float = 1.0
     agreement: float | None = None  # share of outputs identical to plain AR greedy
     accuracy: float | None = None
+    forward_share: float | None = None  # time inside the model's forward / total time; the rest is overhead
 
 
 def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -> list[dict]:
-    """Prompts as `{"text": chat-formatted prompt, "answer": str | None}`.
+    """Prompts as `{"text": chat-formatted prompt, "answer": str | None, "check": output -> bool, or None}`.
 
-    A JSONL file holds one object per line with `prompt` (a user message) or `messages` (a chat; the last
-    assistant turn, if any, is the answer), and optionally `answer`. Without a file: held-out toy prompts.
+    `path` is a JSONL file, one object per line with `prompt` (a user message) or `messages` (a chat; the last
+    assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
+    shipped checkpoint's held-out sets, GSM8K test and HumanEval, alternating (answer match, executed tests); or
+    `None`/`"toy"`: held-out prompts of the toy task.
     """
-    if path is None:
+    if path == "heldout":
+        from .evals import checker, eval_prompts
+
+        n = limit or 64
+        gsm, code = eval_prompts(n, 0), eval_prompts(0, n)
+        mixed = [row for pair in zip(gsm, code) for row in pair][:n]
+        return [{"text": _chat(tokenizer, [{"role": "user", "content": r["prompt"]}]), "answer": r.get("answer"),
+                 "check": checker(r)} for r in mixed]  # fmt: skip
+    if path in (None, "toy"):
         from .toy import counting_dataset
 
         rows = [{"messages": ex["messages"][:1], "answer": ex["messages"][1]["content"]} for ex in counting_dataset(64, seed=2024)]
@@ -53,23 +64,44 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
             answer, messages = answer or messages[-1]["content"], messages[:-1]
         if not messages or not messages[-1].get("content"):
             raise ValueError(f"{path}: line {i + 1} has neither `prompt` nor `messages`.")
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        else:
-            text = messages[-1]["content"]
-        prompts.append({"text": text, "answer": answer})
+        check = None if answer is None else (lambda output, answer=answer: output.strip() == answer.strip())
+        prompts.append({"text": _chat(tokenizer, messages), "answer": answer, "check": check})
     return prompts
 
 
+def _chat(tokenizer, messages) -> str:
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return messages[-1]["content"]
+
+
 class ForwardCounter:
-    """Counts the model's forward passes (a forward hook, so every decoding method is counted the same way)."""
+    """Counts the model's forward passes and the time spent inside them (hooks, the same for every method).
+
+    The time outside the forward (token choice and acceptance, cache bookkeeping, the Python loop) is a method's
+    overhead. On CUDA the hooks synchronize, so that the split is real (it costs the methods alike).
+    """
 
     def __init__(self, model):
-        self.count = 0
-        self.handle = model.register_forward_hook(self._hook)
+        self.count, self.seconds, self._start = 0, 0.0, 0.0
+        self.model = model
+        self.handles = [model.register_forward_pre_hook(self._enter), model.register_forward_hook(self._exit)]
 
-    def _hook(self, *args):
+    def _enter(self, *args):
+        _sync(self.model)
+        self._start = time.perf_counter()
+
+    def _exit(self, *args):
+        _sync(self.model)
+        self.seconds += time.perf_counter() - self._start
         self.count += 1
+
+    def reset(self):
+        self.count, self.seconds = 0, 0.0
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
 
 
 def methods(taus, verify: bool, prompt_lookup: int) -> dict:
@@ -128,11 +160,13 @@ def run_benchmark(
             if not batches:
                 raise ValueError(f"{len(prompts)} prompts are too few for batch size {batch_size}.")
             seconds = {name: [] for name in table}
+            in_forward = {name: [] for name in table}
             tokens = dict.fromkeys(table, 0)
             passes = dict.fromkeys(table, 0)
             outputs = {name: [] for name in table}
             for repeat in range(repeats):
                 per_repeat = dict.fromkeys(table, 0.0)
+                forward_repeat = dict.fromkeys(table, 0.0)
                 for batch in batches:
                     inputs = tokenizer([p["text"] for p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
                     inputs = inputs.to(model.device)
@@ -143,11 +177,12 @@ def run_benchmark(
                         if repeat == 0 and batch is batches[0]:
                             run(model, counter, **inputs, max_new_tokens=8)  # warm-up
                         _sync(model)
-                        counter.count = 0
+                        counter.reset()
                         start = time.perf_counter()
                         sequences, row_passes = run(model, counter, **inputs, max_new_tokens=max_new_tokens)
                         _sync(model)
                         per_repeat[name] += time.perf_counter() - start
+                        forward_repeat[name] += counter.seconds
                         generated = sequences[:, inputs["input_ids"].shape[1] :]
                         if repeat == 0:
                             new = _count_new(generated, tokenizer)
@@ -157,9 +192,10 @@ def run_benchmark(
                         bar.update(1)
                 for name in table:
                     seconds[name].append(per_repeat[name])
-            cells += _cells(table, batch_size, batches, seconds, tokens, passes, outputs)
+                    in_forward[name].append(forward_repeat[name])
+            cells += _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forward)
     finally:
-        counter.handle.remove()
+        counter.remove()
         bar.close()
     return cells
 
@@ -175,8 +211,8 @@ def _count_new(generated, tokenizer) -> int:
     return int((generated != pad).sum()) if pad is not None else generated.numel()
 
 
-def _cells(table, batch_size, batches, seconds, tokens, passes, outputs) -> list[Cell]:
-    answers = [p["answer"] for batch in batches for p in batch]
+def _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forward) -> list[Cell]:
+    checks = [p["check"] for batch in batches for p in batch]
     ar_speed = tokens["ar"] / statistics.median(seconds["ar"])
     cells = []
     for name in table:
@@ -185,21 +221,24 @@ def _cells(table, batch_size, batches, seconds, tokens, passes, outputs) -> list
         per_forward = tokens[name] / passes[name]
         speed = tokens[name] / statistics.median(seconds[name])
         cell = Cell(name, batch_size, per_forward, speed, speed / ar_speed, speed / ar_speed / per_forward)
+        cell.forward_share = sum(in_forward[name]) / sum(seconds[name])
         cell.agreement = sum(a == b for a, b in zip(outputs[name], outputs["ar"])) / len(outputs["ar"])
-        if all(a is not None for a in answers):
-            cell.accuracy = sum(o.strip() == a.strip() for o, a in zip(outputs[name], answers)) / len(answers)
+        if all(check is not None for check in checks):
+            cell.accuracy = sum(check(o) for check, o in zip(checks, outputs[name])) / len(checks)
         cells.append(cell)
     return cells
 
 
 def format_table(cells: list[Cell]) -> str:
-    head = f"{'method':<20} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} {'acc':>6}"
+    head = (f"{'method':<20} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} "
+            f"{'acc':>6} {'in fwd':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for c in cells:
         acc = "" if c.accuracy is None else f"{c.accuracy:.0%}"
+        share = "" if c.forward_share is None else f"{c.forward_share:.0%}"
         lines.append(
             f"{c.method:<20} {c.batch_size:>5} {c.tokens_per_forward:>8.2f} {c.tokens_per_second:>9.1f} "
-            f"{c.speedup:>8.2f}x {c.efficiency:>10.2f} {c.agreement:>6.0%} {acc:>6}"
+            f"{c.speedup:>8.2f}x {c.efficiency:>10.2f} {c.agreement:>6.0%} {acc:>6} {share:>7}"
         )
     return "\n".join(lines)
 
