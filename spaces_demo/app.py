@@ -296,8 +296,16 @@ def build_demo(model, tokenizer) -> gr.Blocks:
 
 
 def load_model(path: str | None = None, revision: str | None = None):
-    """MARS_MODEL (or `path`), else the project's checkpoint, else `hf-mars demo`'s output folder."""
+    """MARS_MODEL (or `path`), else the published checkpoint, else hf_mars's shipped one (when hf_mars is installed),
+    else `hf-mars demo`'s output folder."""
     path = path or os.environ.get("MARS_MODEL") or DEFAULT_MODEL
+    if path is None:
+        try:
+            from hf_mars import default_checkpoint  # a local run from the project: its shipped SmolLM2 checkpoint
+        except ImportError:
+            pass
+        else:
+            path = str(default_checkpoint())
     if path is None:
         local = [p for p in (Path(DEMO_OUTPUT), Path(__file__).resolve().parent.parent / DEMO_OUTPUT) if p.is_dir()]
         if not local:

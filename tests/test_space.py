@@ -213,6 +213,8 @@ def test_python_app_py_serves_from_env_without_hf_mars(tmp_path):
 
 def test_without_a_model_says_what_to_do(tmp_path):
     (tmp_path / "app.py").write_text((SPACE / "app.py").read_text())  # away from the repository's outputs/
+    (tmp_path / "hf_mars").mkdir()  # and as on a Space: without hf_mars (whose shipped checkpoint it would use)
+    (tmp_path / "hf_mars" / "__init__.py").write_text("raise ImportError('not installed')\n")
     env = {k: v for k, v in os.environ.items() if k != "MARS_MODEL"}
     result = subprocess.run([sys.executable, "app.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
