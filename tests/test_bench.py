@@ -71,3 +71,14 @@ def test_heldout_prompts_are_scored_by_task():
     assert prompts[0]["check"](f"So the answer is {gsm['answer']}.") and not prompts[0]["check"]("So the answer is -1.")
     solution = "```python\n" + code["prompt"] + code["canonical_solution"] + "```"
     assert prompts[1]["check"](solution) and not prompts[1]["check"]("```python\npass\n```")
+
+
+def test_new_tokens_count_the_eos_even_when_it_is_the_pad_token():
+    from types import SimpleNamespace
+
+    from hf_mars.bench import _count_new
+
+    generated = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
+    assert _count_new(generated, SimpleNamespace(pad_token_id=2), [2]) == 3 + 5 + 1
+    padded = torch.tensor([[5, 3, 0, 0], [5, 6, 7, 8], [5, 6, 0, 0]])  # pad 0, EOS 3; row 3 stopped by a criterion
+    assert _count_new(padded, SimpleNamespace(pad_token_id=0), [3]) == 2 + 4 + 2

@@ -151,6 +151,8 @@ def run_benchmark(
     table = methods(taus, verify, prompt_lookup)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
+    eos_ids = model.generation_config.eos_token_id
+    eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])
     cells = []
     total = sum(len(table) * repeats * max(1, len(prompts) // b) for b in batch_sizes)
     bar = tqdm(total=total, desc="benchmark", disable=not progress)
@@ -185,7 +187,7 @@ def run_benchmark(
                         forward_repeat[name] += counter.seconds
                         generated = sequences[:, inputs["input_ids"].shape[1] :]
                         if repeat == 0:
-                            new = _count_new(generated, tokenizer)
+                            new = _count_new(generated, tokenizer, eos_ids)
                             tokens[name] += new
                             passes[name] += new if row_passes is None else row_passes
                             outputs[name] += tokenizer.batch_decode(generated, skip_special_tokens=True)
@@ -205,10 +207,19 @@ def _sync(model):
         torch.cuda.synchronize()
 
 
-def _count_new(generated, tokenizer) -> int:
-    """Generated tokens up to and including EOS (rows that stopped early are right-padded)."""
-    pad = tokenizer.pad_token_id
-    return int((generated != pad).sum()) if pad is not None else generated.numel()
+def _count_new(generated, tokenizer, eos_ids) -> int:
+    """Generated tokens up to and including each row's first EOS (rows that stopped early are right-padded).
+
+    Counting non-pad tokens instead would miss the EOS where it doubles as the pad token (SmolLM2, Qwen).
+    """
+    width = generated.shape[1]
+    slot = torch.arange(width, device=generated.device)
+    ends = torch.isin(generated, torch.tensor(eos_ids, device=generated.device)) if eos_ids else torch.zeros_like(generated, dtype=torch.bool)
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_ids:
+        ends |= torch.cat([generated[:, 1:] == tokenizer.pad_token_id, torch.zeros_like(generated[:, :1], dtype=torch.bool)], dim=1)
+    # A row ends at its first EOS, or just before its right padding; rows with neither ran to max_new_tokens
+    last = torch.where(ends, slot, width).min(dim=1).values
+    return int(torch.clamp(last + 1, max=width).sum())
 
 
 def _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forward) -> list[Cell]:

@@ -159,11 +159,11 @@ def cmd_bench(args) -> None:
         prompt_lookup=args.prompt_lookup,
     )
     device = f"{model.device.type} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
-    print(f"\n{args.model} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
+    print(f"\n{args.model or 'the shipped checkpoint'} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
     print(format_table(cells))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(model=args.model, device=device, dtype=args.dtype, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+    meta = dict(model=args.model or "shipped", device=device, dtype=args.dtype, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
     save(cells, out / "bench.json", out / "bench.png", meta=meta)
     print(f"\nWrote {out / 'bench.json'} and {out / 'bench.png'}")
 
