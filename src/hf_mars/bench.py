@@ -151,8 +151,7 @@ def run_benchmark(
     table = methods(taus, verify, prompt_lookup)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
-    eos_ids = model.generation_config.eos_token_id
-    eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [tokenizer.eos_token_id])
+    eos_ids = eos_token_ids(model, tokenizer)
     cells = []
     total = sum(len(table) * repeats * max(1, len(prompts) // b) for b in batch_sizes)
     bar = tqdm(total=total, desc="benchmark", disable=not progress)
@@ -205,6 +204,11 @@ def run_benchmark(
 def _sync(model):
     if model.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids or [tokenizer.eos_token_id])
 
 
 def _count_new(generated, tokenizer, eos_ids) -> int:

@@ -12,6 +12,7 @@ import re
 import torch
 from transformers import GenerationMixin
 
+from .bench import _count_new, eos_token_ids
 from .data import gsm8k_test, humaneval
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -63,7 +64,8 @@ def _decode(model, tokenizer, rows, batch_size, max_new_tokens, **kwargs):
     from tqdm.auto import tqdm
 
     tokenizer.padding_side = "left"
-    texts, tokens, passes = [], 0, 0
+    eos_ids = eos_token_ids(model, tokenizer)
+    tokens, passes = 0, 0
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))  # similar lengths batch together
     answers = [None] * len(rows)
     for start in tqdm(range(0, len(rows), batch_size), desc=kwargs.get("desc", "decoding"), leave=False):
@@ -80,7 +82,7 @@ def _decode(model, tokenizer, rows, batch_size, max_new_tokens, **kwargs):
             else:
                 seqs, row_passes = GenerationMixin.generate(model, **enc, max_new_tokens=max_new_tokens, do_sample=False), None
         new = seqs[:, enc.input_ids.shape[1] :]
-        n_new = int((new != tokenizer.pad_token_id).sum())
+        n_new = _count_new(new, tokenizer, eos_ids)
         tokens += n_new
         passes += n_new if row_passes is None else row_passes
         for i, row in zip(idx, new):
