@@ -37,6 +37,9 @@ def test_generate_streams_and_compares_with_ar(checkpoint):
     assert result.returncode == 0, result.stderr
     passes = int(result.stderr.split(" forward passes")[0].split()[-1])
     assert passes < 24 and "plain AR" not in result.stderr
+    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24", "--lossless")
+    assert result.returncode == 0, result.stderr
+    assert "MARS lossless τ=0.3" in result.stderr and "output identical to AR: True" in result.stderr
 
 
 def test_cli_refuses_bad_input(checkpoint, tmp_path):

@@ -2,7 +2,7 @@
 
     hf-mars train --model_name_or_path M --dataset_name D --output_dir O [TRL SFT arguments] [--mars_block_size 4]
     hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
-    hf-mars generate MODEL --prompt "..." [--tau 0.9] [--max-new-tokens 256] [--no-compare]
+    hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless] [--max-new-tokens 256] [--no-compare]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
     hf-mars push DIR REPO_ID [--private] [--revision BRANCH] [--tau-table FILE] [--base-model ID] [--license L]
     hf-mars push-space SPACE_ID --model REPO_ID [--folder DIR] [--model-revision REV] [--private]
@@ -67,12 +67,14 @@ def cmd_generate(args) -> None:
 
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
-        model.generate(**inputs, max_new_tokens=4, mars_tau=args.tau)
+        model.generate(**inputs, max_new_tokens=4, mars_tau=args.tau, mars_verify=args.lossless)
 
-    print(f"[MARS τ={args.tau}, block size {model.config.mars_block_size}]", file=sys.stderr)
+    mode = "lossless " if args.lossless else ""
+    print(f"[MARS {mode}τ={args.tau}, block size {model.config.mars_block_size}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
-    out = model.generate(**inputs, **common, mars_tau=args.tau, streamer=streamer, return_dict_in_generate=True)
+    out = model.generate(**inputs, **common, mars_tau=args.tau, mars_verify=args.lossless, streamer=streamer,
+                         return_dict_in_generate=True)  # fmt: skip
     mars_seconds = time.perf_counter() - start
     stats = out.mars_stats
     new = int(stats.new_tokens[0])
@@ -232,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
+    gen.add_argument("--lossless", action="store_true",
+                     help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts")
     gen.set_defaults(func=cmd_generate)
 
     # `train` is dispatched in main() to TRL's parser; listed here for --help
