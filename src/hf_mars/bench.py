@@ -48,7 +48,7 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
         n = limit or 64
         gsm, code = eval_prompts(n, 0), eval_prompts(0, n)
         mixed = [row for pair in zip(gsm, code) for row in pair][:n]
-        return [{"text": _chat(tokenizer, [{"role": "user", "content": r["prompt"]}]), "answer": r.get("answer"),
+        return [{"text": chat_text(tokenizer, [{"role": "user", "content": r["prompt"]}]), "answer": r.get("answer"),
                  "check": checker(r)} for r in mixed]  # fmt: skip
     if path in (None, "toy"):
         from .toy import counting_dataset
@@ -65,11 +65,11 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
         if not messages or not messages[-1].get("content"):
             raise ValueError(f"{path}: line {i + 1} has neither `prompt` nor `messages`.")
         check = None if answer is None else (lambda output, answer=answer: output.strip() == answer.strip())
-        prompts.append({"text": _chat(tokenizer, messages), "answer": answer, "check": check})
+        prompts.append({"text": chat_text(tokenizer, messages), "answer": answer, "check": check})
     return prompts
 
 
-def _chat(tokenizer, messages) -> str:
+def chat_text(tokenizer, messages) -> str:
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return messages[-1]["content"]
@@ -104,24 +104,33 @@ class ForwardCounter:
             handle.remove()
 
 
+def generate_ar(model, **inputs):
+    """Plain greedy `generate()` of transformers (the reference): `(sequences, None)`."""
+    return GenerationMixin.generate(model, do_sample=False, **inputs), None
+
+
+def generate_mars(model, tau, verify=False, **inputs):
+    """Greedy MARS decoding: `(sequences, row_passes)`."""
+    out = model.generate(mars_tau=tau, mars_verify=verify, do_sample=False, return_dict_in_generate=True, **inputs)
+    return out.sequences, int(out.mars_stats.passes_per_row.sum())
+
+
 def methods(taus, verify: bool, prompt_lookup: int) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
     `row_passes` sums, over rows, the forward passes each row took part in until it finished: tokens per forward is
-    generated tokens / row_passes (1.0 for AR by definition; MARS reports it in `mars_stats`).
+    generated tokens / row_passes (1.0 for AR by definition, where it is None; MARS reports it in `mars_stats`).
     """
 
     def ar(model, counter, **kw):
-        out = GenerationMixin.generate(model, do_sample=False, **kw)
-        return out, None
+        return generate_ar(model, **kw)
 
     def lookup(model, counter, **kw):
         out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
         return out, counter.count * out.shape[0]
 
     def mars(model, counter, tau, verify=False, **kw):
-        out = model.generate(mars_tau=tau, mars_verify=verify, return_dict_in_generate=True, **kw)
-        return out.sequences, int(out.mars_stats.passes_per_row.sum())
+        return generate_mars(model, tau, verify, **kw)
 
     table = {"ar": ar}
     if prompt_lookup:

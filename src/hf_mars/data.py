@@ -82,6 +82,8 @@ def distill(model, tokenizer, prompts: list[dict], out: str | Path, max_new_toke
     import torch
     from tqdm.auto import tqdm
 
+    from .bench import chat_text
+
     out = Path(out)
     done = set()
     if out.exists():
@@ -92,8 +94,7 @@ def distill(model, tokenizer, prompts: list[dict], out: str | Path, max_new_toke
     with out.open("a") as f, tqdm(total=len(todo), desc="self-distillation", unit="prompt") as bar:
         for i in range(0, len(todo), batch_size):
             chunk = todo[i : i + batch_size]
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
-                                                   add_generation_prompt=True) for p in chunk]  # fmt: skip
+            texts = [chat_text(tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in chunk]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             with torch.inference_mode():
                 seqs = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import re
 
 import torch
-from transformers import GenerationMixin
-
-from .bench import _count_new, eos_token_ids
+from .bench import _count_new, chat_text, eos_token_ids, generate_ar, generate_mars
 from .data import gsm8k_test, humaneval
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -59,8 +57,8 @@ def eval_prompts(n_gsm8k: int, n_humaneval: int) -> list[dict]:
     return rows + [dict(p, task="humaneval") for p in humaneval()[:n_humaneval]]
 
 
-def _decode(model, tokenizer, rows, batch_size, max_new_tokens, **kwargs):
-    """Greedy answers (text) and the forward passes each row took; `kwargs` go to generate()."""
+def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
+    """Greedy answers (text) and tokens per forward: plain `generate()` when `tau` is None, else MARS at τ."""
     from tqdm.auto import tqdm
 
     tokenizer.padding_side = "left"
@@ -68,19 +66,15 @@ def _decode(model, tokenizer, rows, batch_size, max_new_tokens, **kwargs):
     tokens, passes = 0, 0
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))  # similar lengths batch together
     answers = [None] * len(rows)
-    for start in tqdm(range(0, len(rows), batch_size), desc=kwargs.get("desc", "decoding"), leave=False):
+    for start in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False):
         idx = order[start : start + batch_size]
-        chats = [tokenizer.apply_chat_template([{"role": "user", "content": rows[i]["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True) for i in idx]  # fmt: skip
+        chats = [chat_text(tokenizer, [{"role": "user", "content": rows[i]["prompt"]}]) for i in idx]
         enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        generate_kwargs = {k: v for k, v in kwargs.items() if k != "desc"}
         with torch.inference_mode():
-            if "mars_tau" in generate_kwargs:
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
-                                     **generate_kwargs)  # fmt: skip
-                seqs, row_passes = out.sequences, int(out.mars_stats.passes_per_row.sum())
+            if tau is None:
+                seqs, row_passes = generate_ar(model, **enc, max_new_tokens=max_new_tokens)
             else:
-                seqs, row_passes = GenerationMixin.generate(model, **enc, max_new_tokens=max_new_tokens, do_sample=False), None
+                seqs, row_passes = generate_mars(model, tau, **enc, max_new_tokens=max_new_tokens)
         new = seqs[:, enc.input_ids.shape[1] :]
         n_new = _count_new(new, tokenizer, eos_ids)
         tokens += n_new
@@ -105,10 +99,10 @@ def tau_table(model, tokenizer, rows, taus=(1.0, 0.95, 0.9, 0.8, 0.7), base_mode
     """One dict per setting: {"setting", "tau", "tokens_per_forward", "same_as_tau1", <task>: accuracy}."""
     table, reference = [], None
     if base_model is not None:
-        answers, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, desc="base model")
+        answers, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, "base model")
         table.append({"setting": "base model, generate()", "tau": None, "tokens_per_forward": 1.0, **score(rows, answers)})
     for tau in sorted(taus, reverse=True):
-        answers, per_forward = _decode(model, tokenizer, rows, batch_size, max_new_tokens, mars_tau=tau, desc=f"tau={tau}")
+        answers, per_forward = _decode(model, tokenizer, rows, batch_size, max_new_tokens, f"tau={tau}", tau)
         reference = reference if reference is not None else (answers if tau >= 1 else None)
         same = None if reference is None else 100.0 * sum(a == b for a, b in zip(answers, reference)) / len(rows)
         table.append({"setting": f"MARS tau={tau}", "tau": tau, "tokens_per_forward": per_forward, "same_as_tau1": same,

@@ -66,11 +66,7 @@ def _build_base(dst: Path) -> None:
     model.load_state_dict(gguf_model.state_dict(), assign=True)
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
-    tmp = dst.with_name(dst.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(dst)
+    _save(dst, model, tokenizer)
 
 
 def base_checkpoint() -> Path:
@@ -89,6 +85,7 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
     run's config in `mars.json`. Refuses a delta over `max_mb`: the repository ships it.
     """
     from safetensors.torch import load_file, save_file
+
     trained, dst = Path(trained), Path(dst)
     if not (trained / "adapter_model.safetensors").is_file():
         raise FileNotFoundError(f"{trained} holds no LoRA adapter (adapter_model.safetensors): train with --use_peft.")
@@ -138,16 +135,23 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
     if mars.get("mars_mask_token_id") not in (None, model.config.mars_mask_token_id):
         raise ValueError(f"The delta was trained with <|mask|> = {mars['mars_mask_token_id']}, the base gives {model.config.mars_mask_token_id}.")
     model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
+    extra = {"hf_mars_delta.txt": _delta_stamp(delta) + "\n"}
+    if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
+        extra["README.md"] = MODEL_CARD.read_text()
+    _save(dst, model, tokenizer, extra)
+    return dst
+
+
+def _save(dst: Path, model, tokenizer, extra: dict[str, str] | None = None) -> None:
+    """Save into `dst.partial`, then rename over `dst`: an interrupted build never leaves a half checkpoint."""
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "hf_mars_delta.txt").write_text(_delta_stamp(delta) + "\n")
-    if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
-        shutil.copy(MODEL_CARD, tmp / "README.md")
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
-    return dst
 
 
 def default_checkpoint(rebuild: bool = False) -> Path:
