@@ -21,13 +21,14 @@ def test_benchmark_cells_and_files(tmp_path):
     assert all(p["answer"] and p["text"].endswith("assistant\n") for p in prompts)
     cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.5), batch_sizes=(1, 2), max_new_tokens=12, repeats=2, progress=False)
     by = {(c.method, c.batch_size): c for c in cells}
-    assert set(by) == {
-        (m, b) for m in ("ar", "mars tau=1.0", "lossless tau=1.0", "mars tau=0.5", "lossless tau=0.5") for b in (1, 2)
-    } | {("prompt-lookup", 1)}  # transformers runs prompt lookup at batch size 1 only
+    names = ("ar", "mars tau=1.0", "lossless tau=1.0", "mars tau=0.5", "lossless tau=0.5")
+    names += ("mars-adaptive tau=0.5", "lossless-adaptive tau=0.5")  # τ = 1 feeds no mask: no adaptive cell
+    assert set(by) == {(m, b) for m in names for b in (1, 2)} | {("prompt-lookup", 1)}  # prompt lookup: batch 1 only
     for b in (1, 2):
         assert by["ar", b].speedup == 1.0 and by["ar", b].tokens_per_forward == 1.0
         assert by["mars tau=1.0", b].tokens_per_forward == 1.0 and by["mars tau=1.0", b].agreement == 1.0
-        assert by["lossless tau=0.5", b].agreement == 1.0  # lossless mode: same text as AR
+        assert by["lossless tau=0.5", b].agreement == 1.0  # lossless mode: same text as AR, whatever the schedule
+        assert by["lossless-adaptive tau=0.5", b].agreement == 1.0
         assert by["mars tau=0.5", b].tokens_per_forward > 1.2  # the sharp model accepts several tokens per pass
         cell = by["mars tau=0.5", b]
         assert abs(cell.efficiency - cell.speedup / cell.tokens_per_forward) < 1e-9

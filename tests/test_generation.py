@@ -46,20 +46,28 @@ def strip_pad(tokens, pad_id):
     return tokens[:keep]
 
 
-def naive_mars_decode(model, ids, tau, block_size, mask_id, max_new_tokens, eos_id):
-    """The reference: no cache at all. Each pass re-runs [whole committed text | B-1 masks] from scratch."""
+def naive_mars_decode(model, ids, tau, block_size, mask_id, max_new_tokens, eos_id, adaptive=False):
+    """The reference: no cache at all. Each pass re-runs [whole committed text | masks] from scratch, with B-1 masks,
+    or (`adaptive`) as many as the rule of `MaskSchedule` offers, written out here one row at a time."""
     ids = list(ids)
     new = []
+    want, wait, backoff = block_size - 1, 0, 1
     while len(new) < max_new_tokens:
-        slots = block_size if tau < 1 else 1
-        x = torch.tensor([ids + [mask_id] * (slots - 1)])
-        logits = model(input_ids=x).logits[0, -slots:].float()
+        masks = 0 if tau >= 1 else (want if want or not adaptive else int(wait <= 0))
+        x = torch.tensor([ids + [mask_id] * masks])
+        logits = model(input_ids=x).logits[0, -(masks + 1) :].float()
         probs = logits.softmax(-1)
         tokens = logits.argmax(-1)
         conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
         take = 1
-        while take < slots and conf[take] >= tau:
+        while take <= masks and conf[take] >= tau:
             take += 1
+        if adaptive and masks:
+            paid = take - 1
+            want = min(masks + 1, block_size - 1) if paid == masks else paid
+            wait, backoff = (backoff, min(2 * backoff, 16)) if paid == 0 else (wait, 1)
+        elif adaptive:
+            wait -= 1
         for t in tokens[:take].tolist():
             ids.append(t)
             new.append(t)
@@ -145,6 +153,44 @@ def test_batched_equals_unbatched_and_naive_for_every_tau(family):
             ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()
             assert row.tolist() == naive_mars_decode(model, ids, tau, 4, mask_id, 32, tok.eos_token_id)
     assert multi > 20 and single > 20, "the test must exercise both multi-token and single-token passes"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adaptive_schedule_batched_equals_unbatched_and_naive(family):
+    """Each row's mask count comes from its own history, so batching cannot change its tokens."""
+    model, tok = sharp_mars_model(family)
+    enc = encode(tok)
+    mask_id = model.config.mars_mask_token_id
+    fed = set()
+    for tau in (1.0, 0.7, 0.5, 0.0):
+        kwargs = dict(mars_tau=tau, mars_mask_schedule="adaptive", max_new_tokens=40)
+        out = model.generate(**enc, return_dict_in_generate=True, **kwargs)
+        fed |= set(out.mars_stats.masks_per_step)
+        for i, row in enumerate(rows_alone(model, tok, enc, **kwargs)):
+            assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
+            ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()
+            naive = naive_mars_decode(model, ids, tau, 4, mask_id, 40, tok.eos_token_id, adaptive=True)
+            assert row.tolist() == naive, f"tau={tau} row {i}"
+    assert fed == {0, 1, 2, 3}, "the test must exercise every mask count, none included"
+
+
+def test_adaptive_schedule_backs_off_where_masks_fail_and_keeps_them_where_they_pay(trained_toy):
+    # An untrained model at τ = 0.9: masks are almost never confident, so most passes feed none.
+    model, tok = sharp_mars_model("llama")
+    enc = encode(tok)
+    out = model.generate(**enc, mars_tau=0.9, mars_mask_schedule="adaptive", max_new_tokens=48, return_dict_in_generate=True)
+    constant = model.generate(**enc, mars_tau=0.9, max_new_tokens=48, return_dict_in_generate=True)
+    assert sum(out.mars_stats.masks_per_step) < 0.35 * sum(constant.mars_stats.masks_per_step)
+    # A trained model counting: masks pay, so the schedule keeps offering them and the speed-up stays.
+    model, tok = trained_toy
+    messages = [[{"role": "user", "content": f"Count from {a} to {a + 30}."}] for a in (3, 40)]
+    texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    runs = {s: model.generate(**enc, mars_tau=0.5, mars_mask_schedule=s, max_new_tokens=60, return_dict_in_generate=True)
+            for s in ("constant", "adaptive")}  # fmt: skip
+    fast, full = runs["adaptive"].mars_stats, runs["constant"].mars_stats
+    assert fast.mean_tokens_per_forward > 1.5
+    assert fast.mean_tokens_per_forward > 0.85 * full.mean_tokens_per_forward
 
 
 def test_history_processors_with_rows_leaving_the_batch():
@@ -358,6 +404,7 @@ def test_clear_errors():
         (dict(mars_tau=0.9, prompt_lookup_num_tokens=3), "assisted"),
         (dict(mars_tau=0.9, output_scores=True, return_dict_in_generate=True), "output_scores"),
         (dict(mars_tau=0.9, mars_confidence="vibes"), "mars_confidence"),
+        (dict(mars_tau=0.9, mars_mask_schedule="sometimes"), "mars_mask_schedule"),
         (dict(mars_tau=0.9, stop_strings="x"), "tokenizer"),
     ]
     for kwargs, words in bad:

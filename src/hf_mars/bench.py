@@ -109,17 +109,20 @@ def generate_ar(model, **inputs):
     return GenerationMixin.generate(model, do_sample=False, **inputs), None
 
 
-def generate_mars(model, tau, verify=False, **inputs):
+def generate_mars(model, tau, verify=False, schedule="constant", **inputs):
     """Greedy MARS decoding: `(sequences, row_passes)`."""
-    out = model.generate(mars_tau=tau, mars_verify=verify, do_sample=False, return_dict_in_generate=True, **inputs)
+    out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_schedule=schedule, do_sample=False,
+                         return_dict_in_generate=True, **inputs)  # fmt: skip
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
-def methods(taus, verify: bool, prompt_lookup: int) -> dict:
+def methods(taus, verify: bool, prompt_lookup: int, schedules=("constant",)) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
-    `row_passes` sums, over rows, the forward passes each row took part in until it finished: tokens per forward is
-    generated tokens / row_passes (1.0 for AR by definition, where it is None; MARS reports it in `mars_stats`).
+    MARS methods are named "mars tau=0.9" and "lossless tau=0.9" with the constant mask schedule, "mars-adaptive
+    tau=0.9" and "lossless-adaptive tau=0.9" with the adaptive one. `row_passes` sums, over rows, the forward passes
+    each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
+    definition, where it is None; MARS reports it in `mars_stats`).
     """
 
     def ar(model, counter, **kw):
@@ -129,16 +132,22 @@ def methods(taus, verify: bool, prompt_lookup: int) -> dict:
         out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
         return out, counter.count * out.shape[0]
 
-    def mars(model, counter, tau, verify=False, **kw):
-        return generate_mars(model, tau, verify, **kw)
+    def mars(model, counter, tau, verify=False, schedule="constant", **kw):
+        return generate_mars(model, tau, verify, schedule, **kw)
 
     table = {"ar": ar}
     if prompt_lookup:
         table["prompt-lookup"] = lookup
     for tau in taus:
-        table[f"mars tau={tau}"] = lambda m, c, tau=tau, **kw: mars(m, c, tau, **kw)
-        if verify:
-            table[f"lossless tau={tau}"] = lambda m, c, tau=tau, **kw: mars(m, c, tau, verify=True, **kw)
+        for schedule in schedules:
+            suffix = "" if schedule == "constant" else f"-{schedule}"
+            if tau >= 1.0 and suffix:  # no mask is fed at τ = 1: the schedule changes nothing
+                continue
+            table[f"mars{suffix} tau={tau}"] = lambda m, c, tau=tau, s=schedule, **kw: mars(m, c, tau, schedule=s, **kw)
+            if verify:
+                table[f"lossless{suffix} tau={tau}"] = lambda m, c, tau=tau, s=schedule, **kw: mars(
+                    m, c, tau, verify=True, schedule=s, **kw
+                )
     return table
 
 
@@ -152,12 +161,16 @@ def run_benchmark(
     repeats: int = 3,
     verify: bool = True,
     prompt_lookup: int = 10,
+    schedules=("constant", "adaptive"),
     progress: bool = True,
 ) -> list[Cell]:
-    """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring)."""
+    """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
+
+    `schedules` are the mask schedules of MARS to measure (see `MaskSchedule`); each adds its MARS and lossless cells.
+    """
     from tqdm.auto import tqdm
 
-    table = methods(taus, verify, prompt_lookup)
+    table = methods(taus, verify, prompt_lookup, schedules)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
     eos_ids = eos_token_ids(model, tokenizer)
@@ -254,14 +267,14 @@ def _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forw
 
 
 def format_table(cells: list[Cell]) -> str:
-    head = (f"{'method':<20} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} "
+    head = (f"{'method':<26} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} "
             f"{'acc':>6} {'in fwd':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for c in cells:
         acc = "" if c.accuracy is None else f"{c.accuracy:.0%}"
         share = "" if c.forward_share is None else f"{c.forward_share:.0%}"
         lines.append(
-            f"{c.method:<20} {c.batch_size:>5} {c.tokens_per_forward:>8.2f} {c.tokens_per_second:>9.1f} "
+            f"{c.method:<26} {c.batch_size:>5} {c.tokens_per_forward:>8.2f} {c.tokens_per_second:>9.1f} "
             f"{c.speedup:>8.2f}x {c.efficiency:>10.2f} {c.agreement:>6.0%} {acc:>6} {share:>7}"
         )
     return "\n".join(lines)
@@ -281,9 +294,11 @@ def save(cells: list[Cell], json_path: str | Path, png_path: str | Path | None =
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for prefix, style in (("mars", "-o"), ("lossless", "--s")):
+    styles = {"mars": "-o", "mars-adaptive": "-^", "lossless": "--s", "lossless-adaptive": "--v"}
+    for prefix, style in styles.items():
         for batch_size in sorted({c.batch_size for c in cells}):
-            row = sorted((float(c.method.split("=")[1]), c) for c in cells if c.method.startswith(prefix) and c.batch_size == batch_size)
+            row = sorted((float(c.method.split("=")[1]), c) for c in cells
+                         if c.method.split(" tau=")[0] == prefix and c.batch_size == batch_size)  # fmt: skip
             if not row:
                 continue
             taus = [t for t, _ in row]

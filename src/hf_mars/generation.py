@@ -58,6 +58,7 @@ _HISTORY_FREE = (
 )
 # Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
 _COMPACT_AT = 0.5
+MASK_SCHEDULES = ("constant", "adaptive")
 
 
 class TauController:
@@ -89,6 +90,46 @@ def read_tau(tau) -> float:
     return check_tau(tau() if callable(tau) else tau)
 
 
+class MaskSchedule:
+    """How many masks each row is offered in a pass: B-1 always ("constant", the paper), or as many as pay
+    ("adaptive").
+
+    A mask is a token fed to the forward: on a CPU, or on a GPU at large batch, each one costs a share of a pass, and it
+    pays only when its prediction is accepted. The adaptive schedule keeps a count per row, set from that row's own
+    past passes only, so a row's tokens never depend on the rest of the batch (batched output equals unbatched):
+    - every offered mask paid: offer one more (at most B-1);
+    - otherwise: offer as many as paid;
+    - at zero: probe with one mask after 1, 2, 4, ... 16 passes without (the wait doubles after each failed probe).
+    The batch feeds the largest offer; a row ignores the masks past its own (causal attention: they cannot change
+    what it sees). With τ >= 1 no mask is fed, whatever the schedule.
+    """
+
+    def __init__(self, kind: str, batch: int, most: int, device):
+        self.adaptive, self.most = kind == "adaptive", most
+        self.want = torch.full((batch,), most, dtype=torch.long, device=device)
+        self.wait = torch.zeros(batch, dtype=torch.long, device=device)
+        self.backoff = torch.ones(batch, dtype=torch.long, device=device)
+        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
+
+    def offer(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(len(rows),)` masks each row may use this pass."""
+        want = self.want[rows]
+        if self.adaptive:
+            want = torch.where((want == 0) & (self.wait[rows] <= 0), 1, want)
+        return want
+
+    def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor) -> None:
+        """Record that `rows` were offered `offered` masks and `paid` of them were accepted (or verified)."""
+        if not self.adaptive:
+            return
+        want, wait, backoff = self.want[rows], self.wait[rows], self.backoff[rows]
+        tried, failed = offered > 0, (offered > 0) & (paid == 0)
+        want = torch.where(tried, torch.where(paid >= offered, (offered + 1).clamp(max=self.most), paid), want)
+        wait = torch.where(failed, backoff, wait - (~tried).long())
+        backoff = torch.where(failed, (2 * backoff).clamp(max=16), torch.where(paid > 0, 1, backoff))
+        self.want[rows], self.wait[rows], self.backoff[rows] = want, wait, backoff
+
+
 @dataclass
 class MARSStats:
     """What MARS decoding did. Every forward pass counts, the first (prefill) one included, since it yields tokens.
@@ -99,6 +140,7 @@ class MARSStats:
         passes_per_row: `(batch,)` forward passes each row took part in (a finished row leaves the batch).
         accepted_per_step: one `(batch,)` tensor per pass: tokens accepted by each row (0 once it has finished).
         tau_per_step: the τ read before each pass.
+        masks_per_step: the masks fed in each pass (the largest offer of the schedule; 0 with τ >= 1).
     """
 
     forward_passes: int = 0
@@ -106,6 +148,7 @@ class MARSStats:
     passes_per_row: torch.Tensor | None = None
     accepted_per_step: list[torch.Tensor] = field(default_factory=list)
     tau_per_step: list[float] = field(default_factory=list)
+    masks_per_step: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_forward(self) -> torch.Tensor:
@@ -155,6 +198,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
         mars_verify: bool = False,
+        mars_mask_schedule: str | None = None,
         streamer=None,
         **kwargs,
     ):
@@ -175,6 +219,11 @@ class MARSGenerationMixin(GenerationMixin):
                 prediction after the last match). The output is exactly greedy `generate()`'s, for any τ; τ only
                 decides how many drafts are proposed. With sampling, drafts are accepted by speculative sampling,
                 so the output is distributed exactly as the model's own samples.
+            mars_mask_schedule (`str`, *optional*):
+                "constant" (default: B-1 masks every pass, as the paper) or "adaptive": each row is offered only as
+                many masks as have recently been accepted, probing now and then; see `MaskSchedule`. Masks cost
+                compute where extra tokens in a pass are not free (CPUs, large batches), so "adaptive" keeps weakly
+                trained or hard-to-predict text near plain AR speed. Defaults to `generation_config.mars_mask_schedule`.
 
         With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
@@ -201,6 +250,9 @@ class MARSGenerationMixin(GenerationMixin):
         measure = _first_set(mars_confidence, getattr(base, "mars_confidence", None), "probability")
         if measure not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
+        schedule = _first_set(mars_mask_schedule, getattr(base, "mars_mask_schedule", None), "constant")
+        if schedule not in MASK_SCHEDULES:
+            raise ValueError(f"mars_mask_schedule must be one of {MASK_SCHEDULES}, got {schedule!r}")
         for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
             if kwargs.get(name) is not None or getattr(base, name, None) is not None:
                 raise ValueError(f"`mars_tau` cannot be combined with assisted decoding (`{name}`).")
@@ -226,6 +278,7 @@ class MARSGenerationMixin(GenerationMixin):
             mars_block_size=block_size,
             mars_mask_token_id=mask_token_id,
             mars_confidence=measure,
+            mars_mask_schedule=schedule,
             streamer=streamer,
         )
         return super().generate(inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs)
@@ -391,13 +444,15 @@ def mars_decode(
     mars_mask_token_id: int,
     mars_confidence: str = "probability",
     mars_verify: bool = False,
+    mars_mask_schedule: str = "constant",
     streamer=None,
     **model_kwargs,
 ):
     """The MARS decoding loop; `generate()` calls it with prepared inputs, processors and criteria.
 
     Each pass feeds `[pending | drafts | masks]`: pending are committed tokens whose K/V are not cached yet
-    (right-aligned), drafts are unverified guesses (lossless mode only, left-aligned), masks are B-1 `<|mask|>`.
+    (right-aligned), drafts are unverified guesses (lossless mode only, left-aligned), masks are up to B-1
+    `<|mask|>` (as many as the row offered most masks by the schedule may use).
     """
     batch, prompt_length = input_ids.shape
     device = input_ids.device
@@ -433,12 +488,14 @@ def mars_decode(
     do_sample = generation_config.do_sample
     proposals = None  # lossless sampling: the distributions the drafts came from (see `_verify`)
     cache = MARSCache(batch, device)
+    schedule = MaskSchedule(mars_mask_schedule, batch, mars_block_size - 1, device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
     while rows.numel() > 0:
         tau = read_tau(mars_tau)
-        slots = mars_block_size if tau < 1.0 else 1
+        offered = schedule.offer(rows) if tau < 1.0 else torch.zeros_like(rows)
+        slots = 1 + int(offered.max())
         num_drafts = drafts.shape[1]
         masks = torch.full((rows.numel(), slots - 1), mars_mask_token_id, dtype=torch.long, device=device)
         mask_2d, position_ids = cache.step_inputs(torch.cat([pending_real, draft_real], dim=1), slots - 1)
@@ -467,6 +524,8 @@ def mars_decode(
                 logits[:, : num_drafts + 1], drafts, draft_real, histories, proposals if do_sample else None
             )
             all_verified = accepted == draft_real.sum(dim=1) + 1
+            schedule.update(rows, schedule.last[rows], kept.sum(dim=1))  # the last pass's masks made these drafts
+            schedule.last[rows] = offered
             cache.commit(torch.cat([pending_real, kept], dim=1), slots - 1)  # rejected drafts become holes
         else:
             cache.commit(pending_real, slots - 1)
@@ -474,7 +533,9 @@ def mars_decode(
             # Slot 0 always; then left to right while confident.
             accepted = torch.ones_like(tokens[:, 0])
             if slots > 1:
-                accepted += (confs[:, 1:] >= tau).long().cumprod(dim=1).sum(dim=1)
+                usable = (confs[:, 1:] >= tau) & (torch.arange(slots - 1, device=device) < offered[:, None])
+                accepted += usable.long().cumprod(dim=1).sum(dim=1)
+            schedule.update(rows, offered, accepted - 1)
 
         width = tokens.shape[1]
         left = budget - new_tokens[rows]
@@ -500,6 +561,7 @@ def mars_decode(
         passes_per_row[rows] += 1
         stats.forward_passes += 1
         stats.tau_per_step.append(tau)
+        stats.masks_per_step.append(slots - 1)
         stats.accepted_per_step.append(torch.zeros(batch, dtype=torch.long, device=device).index_put((rows,), accepted))
         if streamer is not None:
             streamer.put(tokens[:, : int(accepted[0])].cpu())
@@ -514,12 +576,13 @@ def mars_decode(
                 if histories is not None:
                     histories.lengths = prompt_length + new_tokens[rows]  # now including this pass's tokens
                 guesses, confs, q = _choose(logits[:, num_drafts + 1 :], histories, do_sample, mars_confidence, True)
-                confident = confs >= tau
+                confident = (confs >= tau) & (torch.arange(slots - 1, device=device) < offered[:, None])
                 count = confident.long().cumprod(dim=1).sum(dim=1) * all_verified
                 draft_real = torch.arange(slots - 1, device=device) < count[:, None]
                 drafts = guesses.masked_fill(~draft_real, pad_token_id)
                 if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
-                    proposed = q >= tau if mars_confidence == "probability" else confident[..., None]
+                    within = (torch.arange(slots - 1, device=device) < offered[:, None])[..., None]
+                    proposed = (q >= tau) & within if mars_confidence == "probability" else confident[..., None]
                     reached = torch.arange(slots - 1, device=device) <= count[:, None]
                     q = q * proposed * (reached & all_verified[:, None])[..., None]
                     proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
