@@ -57,3 +57,20 @@ def test_lora_and_resume(tmp_path):
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4]
     assert log.count("'mask_loss'") == 2  # the resumed run trained steps 3 and 4 only
+
+
+def test_init_adapter_continues_a_finished_lora_run(tmp_path):
+    from safetensors.torch import load_file
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    lora = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
+    train(tmp_path, "--output_dir", str(first), "--max_steps", "3", "--learning_rate", "1e-2", "--save_strategy", "no", *lora)
+    # Learning rate 0: the new run must save exactly the adapter it started from (a fresh LoRA has lora_B = 0).
+    train(tmp_path, "--output_dir", str(second), "--max_steps", "1", "--learning_rate", "0", "--save_strategy", "no",
+          "--init_adapter", str(first))  # fmt: skip
+    before = load_file(first / "adapter_model.safetensors")
+    after = load_file(second / "adapter_model.safetensors")
+    trained = [k for k in before if "lora_B" in k or "trainable_tokens_delta" in k]
+    assert trained and any(before[k].abs().sum() > 0 for k in trained)
+    assert all(torch.equal(before[k], after[k]) for k in trained)
+    assert json.loads((second / "mars.json").read_text())["mars_block_size"] == 4

@@ -109,18 +109,18 @@ def generate_ar(model, **inputs):
     return GenerationMixin.generate(model, do_sample=False, **inputs), None
 
 
-def generate_mars(model, tau, verify=False, schedule="constant", **inputs):
+def generate_mars(model, tau, verify=False, mask_cost=0.0, **inputs):
     """Greedy MARS decoding: `(sequences, row_passes)`."""
-    out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_schedule=schedule, do_sample=False,
+    out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_cost=mask_cost, do_sample=False,
                          return_dict_in_generate=True, **inputs)  # fmt: skip
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
-def methods(taus, verify: bool, prompt_lookup: int, schedules=("constant",)) -> dict:
+def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,)) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
-    MARS methods are named "mars tau=0.9" and "lossless tau=0.9" with the constant mask schedule, "mars-adaptive
-    tau=0.9" and "lossless-adaptive tau=0.9" with the adaptive one. `row_passes` sums, over rows, the forward passes
+    MARS methods are named "mars tau=0.9" and "lossless tau=0.9" (B-1 masks every pass), or "mars cost=0.18 tau=0.9"
+    and "lossless cost=0.18 tau=0.9" with `mars_mask_cost=0.18`. `row_passes` sums, over rows, the forward passes
     each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
     definition, where it is None; MARS reports it in `mars_stats`).
     """
@@ -132,21 +132,21 @@ def methods(taus, verify: bool, prompt_lookup: int, schedules=("constant",)) -> 
         out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
         return out, counter.count * out.shape[0]
 
-    def mars(model, counter, tau, verify=False, schedule="constant", **kw):
-        return generate_mars(model, tau, verify, schedule, **kw)
+    def mars(model, counter, tau, verify=False, cost=0.0, **kw):
+        return generate_mars(model, tau, verify, cost, **kw)
 
     table = {"ar": ar}
     if prompt_lookup:
         table["prompt-lookup"] = lookup
     for tau in taus:
-        for schedule in schedules:
-            suffix = "" if schedule == "constant" else f"-{schedule}"
-            if tau >= 1.0 and suffix:  # no mask is fed at τ = 1: the schedule changes nothing
+        for cost in mask_costs:
+            suffix = f" cost={cost}" if cost else ""
+            if tau >= 1.0 and suffix:  # no mask is fed at τ = 1: the cost changes nothing
                 continue
-            table[f"mars{suffix} tau={tau}"] = lambda m, c, tau=tau, s=schedule, **kw: mars(m, c, tau, schedule=s, **kw)
+            table[f"mars{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(m, c, tau, cost=cost, **kw)
             if verify:
-                table[f"lossless{suffix} tau={tau}"] = lambda m, c, tau=tau, s=schedule, **kw: mars(
-                    m, c, tau, verify=True, schedule=s, **kw
+                table[f"lossless{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(
+                    m, c, tau, verify=True, cost=cost, **kw
                 )
     return table
 
@@ -161,16 +161,16 @@ def run_benchmark(
     repeats: int = 3,
     verify: bool = True,
     prompt_lookup: int = 10,
-    schedules=("constant", "adaptive"),
+    mask_costs=(0.0,),
     progress: bool = True,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
-    `schedules` are the mask schedules of MARS to measure (see `MaskSchedule`); each adds its MARS and lossless cells.
+    `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass); each adds MARS and lossless cells.
     """
     from tqdm.auto import tqdm
 
-    table = methods(taus, verify, prompt_lookup, schedules)
+    table = methods(taus, verify, prompt_lookup, mask_costs)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
     eos_ids = eos_token_ids(model, tokenizer)
@@ -294,10 +294,11 @@ def save(cells: list[Cell], json_path: str | Path, png_path: str | Path | None =
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    styles = {"mars": "-o", "mars-adaptive": "-^", "lossless": "--s", "lossless-adaptive": "--v"}
-    for prefix, style in styles.items():
+    prefixes = sorted({c.method.split(" tau=")[0] for c in cells if " tau=" in c.method})
+    for prefix in prefixes:
+        style = ("--" if prefix.startswith("lossless") else "-") + ("o" if "cost" not in prefix else "^")
         for batch_size in sorted({c.batch_size for c in cells}):
-            row = sorted((float(c.method.split("=")[1]), c) for c in cells
+            row = sorted((float(c.method.split(" tau=")[1]), c) for c in cells
                          if c.method.split(" tau=")[0] == prefix and c.batch_size == batch_size)  # fmt: skip
             if not row:
                 continue

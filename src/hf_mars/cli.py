@@ -64,14 +64,14 @@ def cmd_generate(args) -> None:
     model, tokenizer = _load(args.model, args.revision, args.dtype)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_schedule=args.schedule)
+    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=args.mask_cost)
 
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
         model.generate(**inputs, max_new_tokens=4, **mars)
 
     mode = "lossless " if args.lossless else ""
-    print(f"[MARS {mode}τ={args.tau}, block size {model.config.mars_block_size}, {args.schedule} mask schedule]", file=sys.stderr)
+    print(f"[MARS {mode}τ={args.tau}, block size {model.config.mars_block_size}, mask cost {args.mask_cost}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     out = model.generate(**inputs, **common, **mars, streamer=streamer, return_dict_in_generate=True)
@@ -159,7 +159,7 @@ def cmd_bench(args) -> None:
         repeats=args.repeats,
         verify=not args.no_lossless,
         prompt_lookup=args.prompt_lookup,
-        schedules=args.schedules,
+        mask_costs=args.mask_costs,
     )
     device = f"{model.device.type} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
     print(f"\n{args.model or 'the shipped checkpoint'} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
@@ -237,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
     gen.add_argument("--lossless", action="store_true",
                      help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts")
-    gen.add_argument("--schedule", default="constant", choices=["constant", "adaptive"],
-                     help="mask schedule (mars_mask_schedule): B-1 masks every pass, or only as many as pay")
+    gen.add_argument("--mask-cost", type=float, default=0.0,
+                     help="mars_mask_cost: a mask's share of a pass's time; 0 = B-1 masks every pass (0.18 fits a 2-core CPU)")
     gen.set_defaults(func=cmd_generate)
 
     # `train` is dispatched in main() to TRL's parser; listed here for --help
@@ -262,8 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
     bench.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of the peer (0: skip it)")
     bench.add_argument("--no-lossless", action="store_true", help="skip the lossless (mars_verify) runs")
-    bench.add_argument("--schedules", nargs="+", default=["constant", "adaptive"], choices=["constant", "adaptive"],
-                       help="mask schedules of MARS to measure (mars_mask_schedule; default both)")
+    bench.add_argument("--mask-costs", type=float, nargs="+", default=[0.0],
+                       help="values of mars_mask_cost to measure (0: B-1 masks every pass; 0.18 fits a 2-core CPU)")
     bench.add_argument("--revision")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--device", help="e.g. cuda (default: where the model loads)")

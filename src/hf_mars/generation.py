@@ -58,7 +58,9 @@ _HISTORY_FREE = (
 )
 # Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
 _COMPACT_AT = 0.5
-MASK_SCHEDULES = ("constant", "adaptive")
+# Mask cost model (see `MaskSchedule`): EMA weight of each observed acceptance; pull of an unoffered mask's rate back
+# toward 1 (every PROBE_EVERY-th pass of a row), which is how a row that stopped offering a mask tries it again.
+_RATE_STEP, _RECOVER, _PROBE_EVERY = 0.25, 0.05, 4
 
 
 class TauController:
@@ -91,43 +93,46 @@ def read_tau(tau) -> float:
 
 
 class MaskSchedule:
-    """How many masks each row is offered in a pass: B-1 always ("constant", the paper), or as many as pay
-    ("adaptive").
+    """How many masks each row is offered in a pass: B-1 always (`cost` 0, the paper), or those that pay (`cost` > 0).
 
-    A mask is a token fed to the forward: on a CPU, or on a GPU at large batch, each one costs a share of a pass, and it
-    pays only when its prediction is accepted. The adaptive schedule keeps a count per row, set from that row's own
-    past passes only, so a row's tokens never depend on the rest of the batch (batched output equals unbatched):
-    - every offered mask paid: offer one more (at most B-1);
-    - otherwise: offer as many as paid;
-    - at zero: probe with one mask after 1, 2, 4, ... 16 passes without (the wait doubles after each failed probe).
-    The batch feeds the largest offer; a row ignores the masks past its own (causal attention: they cannot change
-    what it sees). With τ >= 1 no mask is fed, whatever the schedule.
+    A mask is a token the forward must process. On a GPU at small batch it is nearly free; on a CPU, or at large
+    batch, each one adds a share `cost` of a one-token pass (0.18 on the 2-core CPU this was built on). It pays only
+    when its prediction is accepted. With `cost` > 0 each row keeps `rate[j]`, a running estimate of how often mask j
+    is accepted when masks < j were, and is offered mask j while the tokens it is expected to add are worth its time:
+    `R_j * (1 + cost * j) >= cost * (1 + R_0 + ... + R_{j-1})`, with `R_j = rate[0] * ... * rate[j]` (adding it raises
+    expected tokens per unit of time). A mask a row is not offered drifts back toward "accepted" every few passes, so
+    the row tries it again now and then. The estimates start at 1: a row begins as the paper's decoder does.
+
+    Everything a row's offer depends on is its own history (its past acceptances, its own pass count), so its tokens
+    never depend on the rest of the batch: batched output equals unbatched. The batch feeds the largest offer; a row
+    ignores the masks past its own (under causal attention they cannot change what it sees). With τ >= 1 no mask is fed.
     """
 
-    def __init__(self, kind: str, batch: int, most: int, device):
-        self.adaptive, self.most = kind == "adaptive", most
-        self.want = torch.full((batch,), most, dtype=torch.long, device=device)
-        self.wait = torch.zeros(batch, dtype=torch.long, device=device)
-        self.backoff = torch.ones(batch, dtype=torch.long, device=device)
+    def __init__(self, cost: float, batch: int, most: int, device):
+        self.cost, self.most = float(cost), most
+        self.rate = torch.ones(batch, most, dtype=torch.float64, device=device)
         self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
 
     def offer(self, rows: torch.Tensor) -> torch.Tensor:
-        """`(len(rows),)` masks each row may use this pass."""
-        want = self.want[rows]
-        if self.adaptive:
-            want = torch.where((want == 0) & (self.wait[rows] <= 0), 1, want)
-        return want
+        """`(len(rows),)` masks each row may use in this pass."""
+        if self.cost == 0:
+            return torch.full_like(rows, self.most)
+        reach = self.rate[rows].cumprod(dim=1)  # R_j: expected tokens that mask j adds
+        before = 1 + reach.cumsum(dim=1) - reach  # expected tokens without it (and the masks after it)
+        spent = 1 + self.cost * torch.arange(self.most, device=rows.device)  # time of a pass without it
+        pays = reach * spent >= self.cost * before
+        return pays.long().cumprod(dim=1).sum(dim=1)
 
-    def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor) -> None:
-        """Record that `rows` were offered `offered` masks and `paid` of them were accepted (or verified)."""
-        if not self.adaptive:
+    def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
+        """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
+        if self.cost == 0:
             return
-        want, wait, backoff = self.want[rows], self.wait[rows], self.backoff[rows]
-        tried, failed = offered > 0, (offered > 0) & (paid == 0)
-        want = torch.where(tried, torch.where(paid >= offered, (offered + 1).clamp(max=self.most), paid), want)
-        wait = torch.where(failed, backoff, wait - (~tried).long())
-        backoff = torch.where(failed, (2 * backoff).clamp(max=16), torch.where(paid > 0, 1, backoff))
-        self.want[rows], self.wait[rows], self.backoff[rows] = want, wait, backoff
+        depth = torch.arange(self.most, device=rows.device)
+        seen = depth < torch.minimum(offered, paid + 1)[:, None]  # offered, and every mask before it was accepted
+        rate = self.rate[rows]
+        rate = torch.where(seen, (1 - _RATE_STEP) * rate + _RATE_STEP * (depth < paid[:, None]).double(), rate)
+        recover = (depth >= offered[:, None]) & (passes % _PROBE_EVERY == 0)[:, None]
+        self.rate[rows] = torch.where(recover, rate + _RECOVER * (1 - rate), rate)
 
 
 @dataclass
@@ -140,7 +145,7 @@ class MARSStats:
         passes_per_row: `(batch,)` forward passes each row took part in (a finished row leaves the batch).
         accepted_per_step: one `(batch,)` tensor per pass: tokens accepted by each row (0 once it has finished).
         tau_per_step: the τ read before each pass.
-        masks_per_step: the masks fed in each pass (the largest offer of the schedule; 0 with τ >= 1).
+        masks_per_step: the masks fed in each pass (the largest offer of `MaskSchedule`; 0 with τ >= 1).
     """
 
     forward_passes: int = 0
@@ -198,7 +203,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
         mars_verify: bool = False,
-        mars_mask_schedule: str | None = None,
+        mars_mask_cost: float | None = None,
         streamer=None,
         **kwargs,
     ):
@@ -219,11 +224,12 @@ class MARSGenerationMixin(GenerationMixin):
                 prediction after the last match). The output is exactly greedy `generate()`'s, for any τ; τ only
                 decides how many drafts are proposed. With sampling, drafts are accepted by speculative sampling,
                 so the output is distributed exactly as the model's own samples.
-            mars_mask_schedule (`str`, *optional*):
-                "constant" (default: B-1 masks every pass, as the paper) or "adaptive": each row is offered only as
-                many masks as have recently been accepted, probing now and then; see `MaskSchedule`. Masks cost
-                compute where extra tokens in a pass are not free (CPUs, large batches), so "adaptive" keeps weakly
-                trained or hard-to-predict text near plain AR speed. Defaults to `generation_config.mars_mask_schedule`.
+            mars_mask_cost (`float`, *optional*):
+                What one mask adds to the time of a pass, as a share of a one-token pass. 0 (default): B-1 masks in
+                every pass, as the paper. Above 0, each row is offered only the masks whose expected accepted tokens
+                are worth that time, estimated from its own recent passes (see `MaskSchedule`): on hardware where
+                masks cost (0.18 on a 2-core CPU at batch 1), text the masks cannot predict stays near AR speed.
+                Lossless mode stays exact. Defaults to `generation_config.mars_mask_cost`.
 
         With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
@@ -250,9 +256,9 @@ class MARSGenerationMixin(GenerationMixin):
         measure = _first_set(mars_confidence, getattr(base, "mars_confidence", None), "probability")
         if measure not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
-        schedule = _first_set(mars_mask_schedule, getattr(base, "mars_mask_schedule", None), "constant")
-        if schedule not in MASK_SCHEDULES:
-            raise ValueError(f"mars_mask_schedule must be one of {MASK_SCHEDULES}, got {schedule!r}")
+        mask_cost = _first_set(mars_mask_cost, getattr(base, "mars_mask_cost", None), 0.0)
+        if isinstance(mask_cost, bool) or not isinstance(mask_cost, (int, float)) or not 0 <= mask_cost < math.inf:
+            raise ValueError(f"mars_mask_cost must be a number >= 0 (0 = B-1 masks every pass), got {mask_cost!r}")
         for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
             if kwargs.get(name) is not None or getattr(base, name, None) is not None:
                 raise ValueError(f"`mars_tau` cannot be combined with assisted decoding (`{name}`).")
@@ -278,7 +284,7 @@ class MARSGenerationMixin(GenerationMixin):
             mars_block_size=block_size,
             mars_mask_token_id=mask_token_id,
             mars_confidence=measure,
-            mars_mask_schedule=schedule,
+            mars_mask_cost=mask_cost,
             streamer=streamer,
         )
         return super().generate(inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs)
@@ -444,7 +450,7 @@ def mars_decode(
     mars_mask_token_id: int,
     mars_confidence: str = "probability",
     mars_verify: bool = False,
-    mars_mask_schedule: str = "constant",
+    mars_mask_cost: float = 0.0,
     streamer=None,
     **model_kwargs,
 ):
@@ -452,7 +458,7 @@ def mars_decode(
 
     Each pass feeds `[pending | drafts | masks]`: pending are committed tokens whose K/V are not cached yet
     (right-aligned), drafts are unverified guesses (lossless mode only, left-aligned), masks are up to B-1
-    `<|mask|>` (as many as the row offered most masks by the schedule may use).
+    `<|mask|>` (as many as the largest offer of `MaskSchedule`).
     """
     batch, prompt_length = input_ids.shape
     device = input_ids.device
@@ -488,7 +494,7 @@ def mars_decode(
     do_sample = generation_config.do_sample
     proposals = None  # lossless sampling: the distributions the drafts came from (see `_verify`)
     cache = MARSCache(batch, device)
-    schedule = MaskSchedule(mars_mask_schedule, batch, mars_block_size - 1, device)
+    schedule = MaskSchedule(mars_mask_cost, batch, mars_block_size - 1, device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
@@ -524,7 +530,8 @@ def mars_decode(
                 logits[:, : num_drafts + 1], drafts, draft_real, histories, proposals if do_sample else None
             )
             all_verified = accepted == draft_real.sum(dim=1) + 1
-            schedule.update(rows, schedule.last[rows], kept.sum(dim=1))  # the last pass's masks made these drafts
+            # The drafts came from the last pass's masks: they paid what was kept
+            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), passes_per_row[rows])
             schedule.last[rows] = offered
             cache.commit(torch.cat([pending_real, kept], dim=1), slots - 1)  # rejected drafts become holes
         else:
@@ -535,7 +542,7 @@ def mars_decode(
             if slots > 1:
                 usable = (confs[:, 1:] >= tau) & (torch.arange(slots - 1, device=device) < offered[:, None])
                 accepted += usable.long().cumprod(dim=1).sum(dim=1)
-            schedule.update(rows, offered, accepted - 1)
+            schedule.update(rows, offered, accepted - 1, passes_per_row[rows])
 
         width = tokens.shape[1]
         left = budget - new_tokens[rows]

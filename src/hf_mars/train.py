@@ -15,7 +15,9 @@ accelerate launch --config_file zero2.yaml examples/train_mars.py --model_name_o
     --lr_scheduler_type cosine --warmup_steps 0.03 --max_length 512 --output_dir outputs/mars-qwen2.5-7b
 ```
 
-`--resume_from_checkpoint true` (or a checkpoint folder) resumes from the newest checkpoint in `--output_dir`. Progress and the MARS metrics
+`--resume_from_checkpoint true` (or a checkpoint folder) resumes an interrupted run from the newest checkpoint in
+`--output_dir`. `--init_adapter FOLDER` starts a new run (new data, schedule, steps) from a finished LoRA MARS
+adapter, e.g. a previous `--use_peft` output or the shipped delta. Progress and the MARS metrics
 (`clean_loss`, `mask_loss`, `mask_acc_{m}`) are logged every `--logging_steps`. The saved folder is a MARS checkpoint
 (remote code included); with `--use_peft` it holds the adapter, which `merge_and_unload()` folds into the base.
 """
@@ -23,7 +25,21 @@ accelerate launch --config_file zero2.yaml examples/train_mars.py --model_name_o
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from trl import ModelConfig
+
+
+@dataclass
+class MARSModelConfig(ModelConfig):
+    """TRL's `ModelConfig`, plus a LoRA MARS adapter to continue training from."""
+
+    init_adapter: str | None = field(
+        default=None,
+        metadata={"help": "Continue training this LoRA MARS adapter (a `--use_peft` output folder, or the shipped "
+                          "delta) instead of a fresh one; its LoRA settings replace the --lora_* arguments."},
+    )  # fmt: skip
 
 
 def load_train_eval(script_args, training_args):
@@ -72,6 +88,12 @@ def main(script_args, training_args, model_args):
         dtype=model_args.dtype,
     )
     hf_mars.to_mars(model, tokenizer, block_size=training_args.mars_block_size)
+    peft_config = get_peft_config(model_args)
+    if model_args.init_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, model_args.init_adapter, is_trainable=True)
+        peft_config = None
     train, evaluation = load_train_eval(script_args, training_args)
     trainer = hf_mars.MARSTrainer(
         model,
@@ -79,23 +101,24 @@ def main(script_args, training_args, model_args):
         train_dataset=train,
         eval_dataset=evaluation,
         processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
+        peft_config=peft_config,
     )
     trainer.train(resume_from_checkpoint=resume_point(training_args))
     trainer.save_model(training_args.output_dir)
-    if model_args.use_peft:  # the adapter folder has no model config: keep the MARS settings beside it
-        mars = {key: getattr(model.config, key) for key in ("mars_block_size", "mars_mask_token_id")}
+    if model_args.use_peft or model_args.init_adapter:  # an adapter folder has no model config: keep the MARS settings
+        base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        mars = {key: getattr(base.config, key) for key in ("mars_block_size", "mars_mask_token_id")}
         if trainer.accelerator.is_main_process:
             (Path(training_args.output_dir) / "mars.json").write_text(json.dumps(mars, indent=2))
     trainer.accelerator.print(f"Saved the MARS model to {training_args.output_dir}")
 
 
 def make_parser():
-    from trl import ModelConfig, ScriptArguments, TrlParser
+    from trl import ScriptArguments, TrlParser
 
     from hf_mars import MARSConfig
 
-    return TrlParser((ScriptArguments, MARSConfig, ModelConfig))
+    return TrlParser((ScriptArguments, MARSConfig, MARSModelConfig))
 
 
 def run(argv=None) -> None:
