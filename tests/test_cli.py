@@ -40,10 +40,16 @@ def test_generate_streams_and_compares_with_ar(checkpoint):
     result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24", "--lossless")
     assert result.returncode == 0, result.stderr
     assert "MARS lossless τ=0.3" in result.stderr and "output identical to AR: True" in result.stderr
+    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24",
+                         "--lossless", "--mask-cost", "auto")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    cost = float(result.stderr.split("mask cost ")[1].split("]")[0])  # measured on this machine: a real number
+    assert 0.0 <= cost < 10.0 and "output identical to AR: True" in result.stderr
 
 
 def test_cli_refuses_bad_input(checkpoint, tmp_path):
     assert "--tau must be in [0, 1]" in hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--tau", "2").stderr
+    assert "a number >= 0 or `auto`" in hf_mars_cli("generate", str(checkpoint), "--mask-cost", "cheap").stderr
     make_model("llama").save_pretrained(tmp_path / "plain")
     make_tokenizer().save_pretrained(tmp_path / "plain")
     assert "not a MARS checkpoint" in hf_mars_cli("generate", str(tmp_path / "plain"), "--prompt", "x").stderr

@@ -53,17 +53,18 @@ def naive_mars_decode(model, ids, tau, block_size, mask_id, max_new_tokens, eos_
     ids = list(ids)
     new = []
     most = block_size - 1
-    rate, passes = [1.0] * most, 0
+    step, recover, every = mars_generation._RATE_STEP, mars_generation._RECOVER, mars_generation._PROBE_EVERY
+    rate, passes, last = [mars_generation._RATE_START] * most, 0, 0
     while len(new) < max_new_tokens:
         masks = most
-        if mask_cost:  # offer mask j while R_j * (1 + c * j) >= c * (1 + R_0 + ... + R_{j-1})
+        if mask_cost:  # offer mask j while R_j * (1 + c * j) >= c * (1 + R_0 + ... + R_{j-1}), one more than last time
             reach, before, masks = 1.0, 1.0, 0
-            for j in range(most):
+            for j in range(min(most, last + 1)):
                 reach *= rate[j]
                 if reach * (1 + mask_cost * j) < mask_cost * before:
                     break
                 before, masks = before + reach, masks + 1
-        masks = 0 if tau >= 1 else masks
+        masks = last = 0 if tau >= 1 else masks
         x = torch.tensor([ids + [mask_id] * masks])
         logits = model(input_ids=x).logits[0, -(masks + 1) :].float()
         probs = logits.softmax(-1)
@@ -76,9 +77,9 @@ def naive_mars_decode(model, ids, tau, block_size, mask_id, max_new_tokens, eos_
             paid = take - 1
             for j in range(most):
                 if j < min(masks, paid + 1):
-                    rate[j] = 0.75 * rate[j] + 0.25 * float(j < paid)
-                elif j >= masks and passes % 4 == 0:
-                    rate[j] = rate[j] + 0.05 * (1 - rate[j])
+                    rate[j] = (1 - step) * rate[j] + step * float(j < paid)
+                elif j >= masks and passes % every == 0:
+                    rate[j] = rate[j] + recover * (1 - rate[j])
         passes += 1
         for t in tokens[:take].tolist():
             ids.append(t)
@@ -179,7 +180,8 @@ def test_mask_cost_batched_equals_unbatched_and_naive(family):
         out = model.generate(**enc, return_dict_in_generate=True, **kwargs)
         fed |= set(out.mars_stats.masks_per_step)
         for i, row in enumerate(rows_alone(model, tok, enc, **kwargs)):
-            assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
+            batched = out.sequences[i, enc.input_ids.shape[1] :].tolist()  # right-padded where the row ended early
+            assert batched[: len(row)] == row.tolist() and set(batched[len(row) :]) <= {tok.pad_token_id}
             ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()
             naive = naive_mars_decode(model, ids, tau, 4, mask_id, 40, tok.eos_token_id, mask_cost=cost)
             assert row.tolist() == naive, f"tau={tau} cost={cost} row {i}"
@@ -207,7 +209,7 @@ def test_mask_cost_drops_masks_that_fail_and_keeps_those_that_pay(trained_toy):
             masks[cost] = sum(sum(r.masks_per_step) for r in runs)
         per_forward = {c: tokens[c] / passes[c] for c in tokens}
         speed = {c: tokens[c] / (passes[c] + 0.2 * masks[c]) for c in tokens}
-        assert per_forward[0.2] > 0.95 * per_forward[0.0], tau
+        assert per_forward[0.2] > 0.9 * per_forward[0.0], tau
         assert speed[0.2] > 1.03 * speed[0.0], tau
         if tau == 0.9:
             assert masks[0.2] < 0.4 * masks[0.0]

@@ -223,6 +223,36 @@ def run_benchmark(
     return cells
 
 
+def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: int = 7) -> float:
+    """What one mask adds to the time of a decoding pass, as a share of a one-token pass, on this model and machine.
+
+    Times forwards over 1 and over B tokens (B = the model's block size) after `context` cached tokens, `repeats`
+    times each in alternation, and returns `(median(t_B) / median(t_1) - 1) / (B - 1)`: the `mars_mask_cost` that
+    describes this hardware at this batch size. About 0.18 on the 2-core CPU this was built on at batch 1.
+    """
+    from transformers import DynamicCache
+
+    block = int(model.config.mars_block_size)
+    if block < 2:
+        return 0.0
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (batch_size, context + block), device=model.device)
+    cache = DynamicCache(config=model.config)
+    times = {1: [], block: []}
+    with torch.no_grad():
+        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        for _ in range(repeats + 1):  # the first round warms up
+            for width in (1, block):
+                _sync(model)
+                start = time.perf_counter()
+                model(input_ids=ids[:, context : context + width], past_key_values=cache, use_cache=True, logits_to_keep=width)
+                _sync(model)
+                times[width].append(time.perf_counter() - start)
+                cache.crop(-width)
+    one, full = statistics.median(times[1][1:]), statistics.median(times[block][1:])
+    return max(0.0, (full / one - 1) / (block - 1))
+
+
 def _sync(model):
     if model.device.type == "cuda":
         torch.cuda.synchronize()

@@ -58,20 +58,37 @@ def _encode(tokenizer, prompt: str, chat: bool):
     return tokenizer(prompt, return_tensors="pt")
 
 
+def _mask_cost(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number >= 0 or `auto`, not {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a number >= 0 or `auto`, not {text!r}")
+    return value
+
+
 def cmd_generate(args) -> None:
     from transformers import GenerationMixin, TextStreamer
 
     model, tokenizer = _load(args.model, args.revision, args.dtype)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=args.mask_cost)
+    mask_cost = args.mask_cost
+    if mask_cost == "auto":
+        from .bench import measure_mask_cost
+
+        mask_cost = round(measure_mask_cost(model), 3)
+    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=float(mask_cost))
 
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
         model.generate(**inputs, max_new_tokens=4, **mars)
 
     mode = "lossless " if args.lossless else ""
-    print(f"[MARS {mode}τ={args.tau}, block size {model.config.mars_block_size}, mask cost {args.mask_cost}]", file=sys.stderr)
+    print(f"[MARS {mode}τ={args.tau}, block size {model.config.mars_block_size}, mask cost {mask_cost}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     out = model.generate(**inputs, **common, **mars, streamer=streamer, return_dict_in_generate=True)
@@ -143,7 +160,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import format_table, load_prompts, run_benchmark, save
+    from .bench import format_table, load_prompts, measure_mask_cost, run_benchmark, save
 
     model, tokenizer = _load(args.model, args.revision, args.dtype)
     if args.device:
@@ -164,9 +181,13 @@ def cmd_bench(args) -> None:
     device = f"{model.device.type} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
     print(f"\n{args.model or 'the shipped checkpoint'} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
     print(format_table(cells))
+    costs = {b: round(measure_mask_cost(model, b), 3) for b in args.batch_sizes}
+    print("\nmars_mask_cost measured here (a mask's share of a one-token pass), by batch size: "
+          + ", ".join(f"{b}: {c}" for b, c in costs.items()))  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(model=args.model or "shipped", device=device, dtype=args.dtype, prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+    meta = dict(model=args.model or "shipped", device=device, dtype=args.dtype, prompts=len(prompts),
+                max_new_tokens=args.max_new_tokens, mask_cost=costs)  # fmt: skip
     save(cells, out / "bench.json", out / "bench.png", meta=meta)
     print(f"\nWrote {out / 'bench.json'} and {out / 'bench.png'}")
 
@@ -237,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
     gen.add_argument("--lossless", action="store_true",
                      help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts")
-    gen.add_argument("--mask-cost", type=float, default=0.0,
-                     help="mars_mask_cost: a mask's share of a pass's time; 0 = B-1 masks every pass (0.18 fits a 2-core CPU)")
+    gen.add_argument("--mask-cost", type=_mask_cost, default=0.0,
+                     help="mars_mask_cost: a mask's share of a pass's time (0 = B-1 masks every pass), or `auto`: "
+                          "measure it on this machine first")
     gen.set_defaults(func=cmd_generate)
 
     # `train` is dispatched in main() to TRL's parser; listed here for --help

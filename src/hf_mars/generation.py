@@ -60,7 +60,7 @@ _HISTORY_FREE = (
 _COMPACT_AT = 0.5
 # Mask cost model (see `MaskSchedule`): EMA weight of each observed acceptance; pull of an unoffered mask's rate back
 # toward 1 (every PROBE_EVERY-th pass of a row), which is how a row that stopped offering a mask tries it again.
-_RATE_STEP, _RECOVER, _PROBE_EVERY = 0.25, 0.05, 4
+_RATE_START, _RATE_STEP, _RECOVER, _PROBE_EVERY = 0.5, 0.25, 0.05, 8
 
 
 class TauController:
@@ -100,8 +100,10 @@ class MaskSchedule:
     when its prediction is accepted. With `cost` > 0 each row keeps `rate[j]`, a running estimate of how often mask j
     is accepted when masks < j were, and is offered mask j while the tokens it is expected to add are worth its time:
     `R_j * (1 + cost * j) >= cost * (1 + R_0 + ... + R_{j-1})`, with `R_j = rate[0] * ... * rate[j]` (adding it raises
-    expected tokens per unit of time). A mask a row is not offered drifts back toward "accepted" every few passes, so
-    the row tries it again now and then. The estimates start at 1: a row begins as the paper's decoder does.
+    expected tokens per unit of time), and at most one mask more than in its last pass (a mask whose rate was never
+    observed is not trusted with the others at once). A mask a row is not offered drifts back toward "accepted" every
+    few passes, so the row tries it again now and then. The estimates start at 1 and the first pass offers one mask:
+    a row grows to B-1 masks in B-1 passes while they pay.
 
     Everything a row's offer depends on is its own history (its past acceptances, its own pass count), so its tokens
     never depend on the rest of the batch: batched output equals unbatched. The batch feeds the largest offer; a row
@@ -110,8 +112,8 @@ class MaskSchedule:
 
     def __init__(self, cost: float, batch: int, most: int, device):
         self.cost, self.most = float(cost), most
-        self.rate = torch.ones(batch, most, dtype=torch.float64, device=device)
-        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
+        self.rate = torch.full((batch, most), _RATE_START, dtype=torch.float64, device=device)
+        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # masks offered in the last pass
 
     def offer(self, rows: torch.Tensor) -> torch.Tensor:
         """`(len(rows),)` masks each row may use in this pass."""
@@ -121,7 +123,7 @@ class MaskSchedule:
         before = 1 + reach.cumsum(dim=1) - reach  # expected tokens without it (and the masks after it)
         spent = 1 + self.cost * torch.arange(self.most, device=rows.device)  # time of a pass without it
         pays = reach * spent >= self.cost * before
-        return pays.long().cumprod(dim=1).sum(dim=1)
+        return torch.minimum(pays.long().cumprod(dim=1).sum(dim=1), self.last[rows] + 1)
 
     def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
         """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
@@ -532,7 +534,6 @@ def mars_decode(
             all_verified = accepted == draft_real.sum(dim=1) + 1
             # The drafts came from the last pass's masks: they paid what was kept
             schedule.update(rows, schedule.last[rows], kept.sum(dim=1), passes_per_row[rows])
-            schedule.last[rows] = offered
             cache.commit(torch.cat([pending_real, kept], dim=1), slots - 1)  # rejected drafts become holes
         else:
             cache.commit(pending_real, slots - 1)
@@ -543,6 +544,7 @@ def mars_decode(
                 usable = (confs[:, 1:] >= tau) & (torch.arange(slots - 1, device=device) < offered[:, None])
                 accepted += usable.long().cumprod(dim=1).sum(dim=1)
             schedule.update(rows, offered, accepted - 1, passes_per_row[rows])
+        schedule.last[rows] = offered
 
         width = tokens.shape[1]
         left = budget - new_tokens[rows]
