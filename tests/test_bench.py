@@ -20,16 +20,17 @@ def test_benchmark_cells_and_files(tmp_path):
     prompts = load_prompts(None, tok, limit=4)
     assert all(p["answer"] and p["text"].endswith("assistant\n") for p in prompts)
     cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.5), batch_sizes=(1, 2), max_new_tokens=12, repeats=2,
-                          mask_costs=(0.0, 0.2), progress=False)  # fmt: skip
+                          mask_costs=(0.0, 0.2, "auto"), progress=False)  # fmt: skip
     by = {(c.method, c.batch_size): c for c in cells}
     names = ("ar", "mars tau=1.0", "lossless tau=1.0", "mars tau=0.5", "lossless tau=0.5")
-    names += ("mars cost=0.2 tau=0.5", "lossless cost=0.2 tau=0.5")  # τ = 1 feeds no mask: no cell with a cost
+    names += ("mars cost=0.2 tau=0.5", "lossless cost=0.2 tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5")
+    # τ = 1 feeds no mask: no cell with a cost
     assert set(by) == {(m, b) for m in names for b in (1, 2)} | {("prompt-lookup", 1)}  # prompt lookup: batch 1 only
     for b in (1, 2):
         assert by["ar", b].speedup == 1.0 and by["ar", b].tokens_per_forward == 1.0
         assert by["mars tau=1.0", b].tokens_per_forward == 1.0 and by["mars tau=1.0", b].agreement == 1.0
         assert by["lossless tau=0.5", b].agreement == 1.0  # lossless mode: same text as AR, whatever the schedule
-        assert by["lossless cost=0.2 tau=0.5", b].agreement == 1.0
+        assert by["lossless cost=0.2 tau=0.5", b].agreement == by["lossless cost=auto tau=0.5", b].agreement == 1.0
         assert by["mars tau=0.5", b].tokens_per_forward > 1.2  # the sharp model accepts several tokens per pass
         cell = by["mars tau=0.5", b]
         assert abs(cell.efficiency - cell.speedup / cell.tokens_per_forward) < 1e-9
@@ -90,6 +91,6 @@ def test_measure_mask_cost():
     """Timed, so only its range can be checked; on a 2-core CPU it reads about 0.18 for the shipped checkpoint."""
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
-    cost = measure_mask_cost(model, batch_size=2, context=32, repeats=3)
-    assert isinstance(cost, float) and 0.0 <= cost < 10.0
-    assert measure_mask_cost(hf_mars.to_mars(make_model("llama"), tok, block_size=1)) == 0.0  # no mask, no cost
+    costs = measure_mask_cost(model, batch_size=2, context=32, repeats=3)
+    assert len(costs) == 3 and all(isinstance(c, float) and 0.0 <= c < 10.0 for c in costs)  # 1, 2, 3 masks
+    assert measure_mask_cost(hf_mars.to_mars(make_model("llama"), tok, block_size=1)) == []  # no mask, no cost

@@ -116,11 +116,12 @@ def generate_mars(model, tau, verify=False, mask_cost=0.0, **inputs):
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
-def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,)) -> dict:
+def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured: dict | None = None) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
     MARS methods are named "mars tau=0.9" and "lossless tau=0.9" (B-1 masks every pass), or "mars cost=0.18 tau=0.9"
-    and "lossless cost=0.18 tau=0.9" with `mars_mask_cost=0.18`. `row_passes` sums, over rows, the forward passes
+    and "lossless cost=0.18 tau=0.9" with `mars_mask_cost=0.18`; "cost=auto" uses `measured["auto"]`, which
+    `run_benchmark` sets to `measure_mask_cost` at each batch size. `row_passes` sums, over rows, the forward passes
     each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
     definition, where it is None; MARS reports it in `mars_stats`).
     """
@@ -133,7 +134,7 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,)) -> dict:
         return out, counter.count * out.shape[0]
 
     def mars(model, counter, tau, verify=False, cost=0.0, **kw):
-        return generate_mars(model, tau, verify, cost, **kw)
+        return generate_mars(model, tau, verify, measured["auto"] if cost == "auto" else cost, **kw)
 
     table = {"ar": ar}
     if prompt_lookup:
@@ -161,16 +162,18 @@ def run_benchmark(
     repeats: int = 3,
     verify: bool = True,
     prompt_lookup: int = 10,
-    mask_costs=(0.0,),
+    mask_costs=(0.0, "auto"),
     progress: bool = True,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
-    `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass); each adds MARS and lossless cells.
+    `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass; "auto": `measure_mask_cost` at each
+    batch size); each adds MARS and lossless cells.
     """
     from tqdm.auto import tqdm
 
-    table = methods(taus, verify, prompt_lookup, mask_costs)
+    measured = {}
+    table = methods(taus, verify, prompt_lookup, mask_costs, measured)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
     eos_ids = eos_token_ids(model, tokenizer)
@@ -179,6 +182,8 @@ def run_benchmark(
     bar = tqdm(total=total, desc="benchmark", disable=not progress)
     try:
         for batch_size in batch_sizes:
+            if "auto" in mask_costs:
+                measured["auto"] = measure_mask_cost(model, batch_size)
             batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
             if not batches:
                 raise ValueError(f"{len(prompts)} prompts are too few for batch size {batch_size}.")
@@ -223,34 +228,33 @@ def run_benchmark(
     return cells
 
 
-def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: int = 7) -> float:
-    """What one mask adds to the time of a decoding pass, as a share of a one-token pass, on this model and machine.
+def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: int = 7) -> list[float]:
+    """What masks add to the time of a decoding pass on this model and machine: `mars_mask_cost` as a list.
 
-    Times forwards over 1 and over B tokens (B = the model's block size) after `context` cached tokens, `repeats`
-    times each in alternation, and returns `(median(t_B) / median(t_1) - 1) / (B - 1)`: the `mars_mask_cost` that
-    describes this hardware at this batch size. About 0.18 on the 2-core CPU this was built on at batch 1.
+    Times forwards over 1 to B tokens (B = the model's block size) after `context` cached tokens, `repeats` times each
+    in alternation, and returns, for k = 1 .. B-1 masks, `median(t_{k+1}) / median(t_1) - 1`. On the 2-core CPU this
+    was built on, at batch 1: about [0.7, 0.95, 0.53]; a pass over 2 or 3 tokens is slower than over 4 there (the
+    matrix kernels for a few rows are), which `MaskSchedule` uses by feeding 3 masks where 1 is offered.
     """
     from transformers import DynamicCache
 
     block = int(model.config.mars_block_size)
-    if block < 2:
-        return 0.0
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (batch_size, context + block), device=model.device)
     cache = DynamicCache(config=model.config)
-    times = {1: [], block: []}
+    times = {width: [] for width in range(1, block + 1)}
     with torch.no_grad():
         model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
         for _ in range(repeats + 1):  # the first round warms up
-            for width in (1, block):
+            for width in times:
                 _sync(model)
                 start = time.perf_counter()
                 model(input_ids=ids[:, context : context + width], past_key_values=cache, use_cache=True, logits_to_keep=width)
                 _sync(model)
                 times[width].append(time.perf_counter() - start)
                 cache.crop(-width)
-    one, full = statistics.median(times[1][1:]), statistics.median(times[block][1:])
-    return max(0.0, (full / one - 1) / (block - 1))
+    one = statistics.median(times[1][1:])
+    return [round(max(0.0, statistics.median(times[w][1:]) / one - 1), 3) for w in range(2, block + 1)]
 
 
 def _sync(model):

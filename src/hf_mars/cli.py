@@ -80,8 +80,8 @@ def cmd_generate(args) -> None:
     if mask_cost == "auto":
         from .bench import measure_mask_cost
 
-        mask_cost = round(measure_mask_cost(model), 3)
-    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=float(mask_cost))
+        mask_cost = measure_mask_cost(model)
+    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=mask_cost)
 
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
@@ -181,9 +181,9 @@ def cmd_bench(args) -> None:
     device = f"{model.device.type} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
     print(f"\n{args.model or 'the shipped checkpoint'} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
     print(format_table(cells))
-    costs = {b: round(measure_mask_cost(model, b), 3) for b in args.batch_sizes}
-    print("\nmars_mask_cost measured here (a mask's share of a one-token pass), by batch size: "
-          + ", ".join(f"{b}: {c}" for b, c in costs.items()))  # fmt: skip
+    costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}
+    print("\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
+          + "; ".join(f"{b}: {c}" for b, c in costs.items()))  # fmt: skip
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(model=args.model or "shipped", device=device, dtype=args.dtype, prompts=len(prompts),
@@ -284,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
     bench.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of the peer (0: skip it)")
     bench.add_argument("--no-lossless", action="store_true", help="skip the lossless (mars_verify) runs")
-    bench.add_argument("--mask-costs", type=float, nargs="+", default=[0.0],
-                       help="values of mars_mask_cost to measure (0: B-1 masks every pass; 0.18 fits a 2-core CPU)")
+    bench.add_argument("--mask-costs", type=_mask_cost, nargs="+", default=[0.0, "auto"],
+                       help="values of mars_mask_cost to measure: 0 (B-1 masks every pass), a cost per mask, or `auto` "
+                            "(measured at each batch size); default: 0 auto")
     bench.add_argument("--revision")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--device", help="e.g. cuda (default: where the model loads)")

@@ -93,41 +93,45 @@ def read_tau(tau) -> float:
 
 
 class MaskSchedule:
-    """How many masks each row is offered in a pass: B-1 always (`cost` 0, the paper), or those that pay (`cost` > 0).
+    """How many masks each row is offered in a pass: B-1 always (cost 0, the paper), or those that pay (cost > 0).
 
     A mask is a token the forward must process. On a GPU at small batch it is nearly free; on a CPU, or at large
-    batch, each one adds a share `cost` of a one-token pass (0.18 on the 2-core CPU this was built on). It pays only
-    when its prediction is accepted. With `cost` > 0 each row keeps `rate[j]`, a running estimate of how often mask j
-    is accepted when masks < j were, and is offered mask j while the tokens it is expected to add are worth its time:
-    `R_j * (1 + cost * j) >= cost * (1 + R_0 + ... + R_{j-1})`, with `R_j = rate[0] * ... * rate[j]` (adding it raises
-    expected tokens per unit of time), and at most one mask more than in its last pass (a mask whose rate was never
-    observed is not trusted with the others at once). A mask a row is not offered drifts back toward "accepted" every
-    few passes, so the row tries it again now and then. The estimates start at 1 and the first pass offers one mask:
-    a row grows to B-1 masks in B-1 passes while they pay.
+    batch, it is not: `cost[k-1]` is what a pass with k masks takes beyond a one-token pass, as a share of it (a number
+    c means `c * k`). Masks pay only when their predictions are accepted. With a cost, each row keeps `rate[j]`, a
+    running estimate of how often mask j is accepted when masks < j were, and is offered the k masks that maximise
+    expected tokens per unit of time, `(1 + R_0 + ... + R_{k-1}) / (1 + cost_k)`, `R_j = rate[0] * ... * rate[j]`.
+    A mask a row is not offered drifts back toward "accepted" every few passes, so the row tries it again now and then.
 
     Everything a row's offer depends on is its own history (its past acceptances, its own pass count), so its tokens
-    never depend on the rest of the batch: batched output equals unbatched. The batch feeds the largest offer; a row
-    ignores the masks past its own (under causal attention they cannot change what it sees). With τ >= 1 no mask is fed.
+    never depend on the rest of the batch: batched output equals unbatched. The batch feeds at least the largest offer
+    (more where a wider pass is cheaper: CPU kernels can be), and a row ignores the masks past its own (under causal
+    attention they cannot change what it sees). With τ >= 1 no mask is fed.
     """
 
-    def __init__(self, cost: float, batch: int, most: int, device):
-        self.cost, self.most = float(cost), most
+    def __init__(self, cost, batch: int, most: int, device):
+        self.most = most
+        costs = [float(cost) * k for k in range(1, most + 1)] if isinstance(cost, (int, float)) else list(cost)
+        self.constant = not any(costs)
+        self.time = torch.tensor([1.0] + [1.0 + c for c in costs], dtype=torch.float64, device=device)  # k masks
         self.rate = torch.full((batch, most), _RATE_START, dtype=torch.float64, device=device)
-        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # masks offered in the last pass
+        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
 
     def offer(self, rows: torch.Tensor) -> torch.Tensor:
         """`(len(rows),)` masks each row may use in this pass."""
-        if self.cost == 0:
+        if self.constant:
             return torch.full_like(rows, self.most)
         reach = self.rate[rows].cumprod(dim=1)  # R_j: expected tokens that mask j adds
-        before = 1 + reach.cumsum(dim=1) - reach  # expected tokens without it (and the masks after it)
-        spent = 1 + self.cost * torch.arange(self.most, device=rows.device)  # time of a pass without it
-        pays = reach * spent >= self.cost * before
-        return torch.minimum(pays.long().cumprod(dim=1).sum(dim=1), self.last[rows] + 1)
+        tokens = torch.cat([torch.ones_like(reach[:, :1]), 1 + reach.cumsum(dim=1)], dim=1)  # with k masks
+        return (tokens / self.time).argmax(dim=1)  # the first maximum: fewer masks on a tie
+
+    def width(self, offered: torch.Tensor) -> int:
+        """Masks to feed for these offers: the cheapest count that covers the largest."""
+        need = int(offered.max()) if offered.numel() else 0
+        return need if self.constant else need + int(self.time[need:].argmin())
 
     def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
         """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
-        if self.cost == 0:
+        if self.constant:
             return
         depth = torch.arange(self.most, device=rows.device)
         seen = depth < torch.minimum(offered, paid + 1)[:, None]  # offered, and every mask before it was accepted
@@ -205,7 +209,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
         mars_verify: bool = False,
-        mars_mask_cost: float | None = None,
+        mars_mask_cost: float | list[float] | None = None,
         streamer=None,
         **kwargs,
     ):
@@ -226,12 +230,13 @@ class MARSGenerationMixin(GenerationMixin):
                 prediction after the last match). The output is exactly greedy `generate()`'s, for any τ; τ only
                 decides how many drafts are proposed. With sampling, drafts are accepted by speculative sampling,
                 so the output is distributed exactly as the model's own samples.
-            mars_mask_cost (`float`, *optional*):
-                What one mask adds to the time of a pass, as a share of a one-token pass. 0 (default): B-1 masks in
-                every pass, as the paper. Above 0, each row is offered only the masks whose expected accepted tokens
-                are worth that time, estimated from its own recent passes (see `MaskSchedule`): on hardware where
-                masks cost (0.18 on a 2-core CPU at batch 1), text the masks cannot predict stays near AR speed.
-                Lossless mode stays exact. Defaults to `generation_config.mars_mask_cost`.
+            mars_mask_cost (`float` or list of `float`, *optional*):
+                What masks add to the time of a pass, as a share of a one-token pass: c per mask, or a list whose
+                (k-1)-th entry is the cost of a pass with k masks (`hf_mars.bench.measure_mask_cost` measures it; on
+                a 2-core CPU it reads about 0.18 per mask). 0 (default): B-1 masks in every pass, as the paper. With
+                a cost, each row is offered only the masks whose expected accepted tokens are worth their time,
+                estimated from its own recent passes (see `MaskSchedule`), so text the masks cannot predict stays near
+                AR speed. Lossless mode stays exact. Defaults to `generation_config.mars_mask_cost`.
 
         With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
@@ -259,8 +264,7 @@ class MARSGenerationMixin(GenerationMixin):
         if measure not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
         mask_cost = _first_set(mars_mask_cost, getattr(base, "mars_mask_cost", None), 0.0)
-        if isinstance(mask_cost, bool) or not isinstance(mask_cost, (int, float)) or not 0 <= mask_cost < math.inf:
-            raise ValueError(f"mars_mask_cost must be a number >= 0 (0 = B-1 masks every pass), got {mask_cost!r}")
+        _check_mask_cost(mask_cost, block_size)
         for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
             if kwargs.get(name) is not None or getattr(base, name, None) is not None:
                 raise ValueError(f"`mars_tau` cannot be combined with assisted decoding (`{name}`).")
@@ -290,6 +294,14 @@ class MARSGenerationMixin(GenerationMixin):
             streamer=streamer,
         )
         return super().generate(inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs)
+
+
+def _check_mask_cost(cost, block_size: int) -> None:
+    costs = list(cost) if isinstance(cost, (list, tuple)) else [cost]
+    if isinstance(cost, (list, tuple)) and len(costs) != block_size - 1:
+        raise ValueError(f"mars_mask_cost as a list needs one cost per mask count 1..B-1 ({block_size - 1}), got {cost!r}")
+    if not all(not isinstance(c, bool) and isinstance(c, (int, float)) and 0 <= c < math.inf for c in costs):
+        raise ValueError(f"mars_mask_cost must be a number >= 0 or a list of them (0 = B-1 masks every pass), got {cost!r}")
 
 
 def _first_set(*values):
@@ -452,7 +464,7 @@ def mars_decode(
     mars_mask_token_id: int,
     mars_confidence: str = "probability",
     mars_verify: bool = False,
-    mars_mask_cost: float = 0.0,
+    mars_mask_cost: float | list[float] = 0.0,
     streamer=None,
     **model_kwargs,
 ):
@@ -503,7 +515,7 @@ def mars_decode(
     while rows.numel() > 0:
         tau = read_tau(mars_tau)
         offered = schedule.offer(rows) if tau < 1.0 else torch.zeros_like(rows)
-        slots = 1 + int(offered.max())
+        slots = 1 + schedule.width(offered)
         num_drafts = drafts.shape[1]
         masks = torch.full((rows.numel(), slots - 1), mars_mask_token_id, dtype=torch.long, device=device)
         mask_2d, position_ids = cache.step_inputs(torch.cat([pending_real, draft_real], dim=1), slots - 1)
