@@ -95,9 +95,9 @@ def read_tau(tau) -> float:
 class MaskSchedule:
     """How many masks each row is offered in a pass: B-1 always (cost 0, the paper), or those that pay (cost > 0).
 
-    A mask is a token the forward must process. On a GPU at small batch it is usually nearly free (not measured here); on a CPU, or at large
-    batch, it is not: `cost[k-1]` is what a pass with k masks takes beyond a one-token pass, as a share of it (a number
-    c means `c * k`). Masks pay only when their predictions are accepted. With a cost, each row keeps `rate[j]`, a
+    A mask is a token the forward must process. On a GPU at small batch it is usually nearly free (not measured
+    here); on a CPU, or at large batch, it is not: `cost[k-1]` is what a pass with k masks takes beyond a one-token
+    pass, as a share of it (a number c means `c * k`). Masks pay only when their predictions are accepted. With a cost, each row keeps `rate[j]`, a
     running estimate of how often mask j is accepted when masks < j were, and is offered the k masks that maximise
     expected tokens per unit of time, `(1 + R_0 + ... + R_{k-1}) / (1 + cost_k)`, `R_j = rate[0] * ... * rate[j]`.
     A mask a row is not offered drifts back toward "accepted" every few passes, so the row tries it again now and then.
