@@ -163,12 +163,13 @@ def run_benchmark(
     verify: bool = True,
     prompt_lookup: int = 10,
     mask_costs=(0.0, "auto"),
+    measured_costs: dict | None = None,
     progress: bool = True,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
-    `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass; "auto": `measure_mask_cost` at each
-    batch size); each adds MARS and lossless cells.
+    `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass; "auto": the cost at each batch size,
+    from `measured_costs` (batch size -> `measure_mask_cost`) or measured here); each adds MARS and lossless cells.
     """
     from tqdm.auto import tqdm
 
@@ -183,7 +184,8 @@ def run_benchmark(
     try:
         for batch_size in batch_sizes:
             if "auto" in mask_costs:
-                measured["auto"] = measure_mask_cost(model, batch_size)
+                known = (measured_costs or {}).get(batch_size)
+                measured["auto"] = known if known is not None else measure_mask_cost(model, batch_size)
             batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
             if not batches:
                 raise ValueError(f"{len(prompts)} prompts are too few for batch size {batch_size}.")

@@ -166,6 +166,7 @@ def cmd_bench(args) -> None:
     if args.device:
         model.to(args.device)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`
     cells = run_benchmark(
         model,
         tokenizer,
@@ -177,11 +178,11 @@ def cmd_bench(args) -> None:
         verify=not args.no_lossless,
         prompt_lookup=args.prompt_lookup,
         mask_costs=args.mask_costs,
+        measured_costs=costs,
     )
     device = f"{model.device.type} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
     print(f"\n{args.model or 'the shipped checkpoint'} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
     print(format_table(cells))
-    costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}
     print("\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
           + "; ".join(f"{b}: {c}" for b, c in costs.items()))  # fmt: skip
     out = Path(args.output)

@@ -516,6 +516,7 @@ def mars_decode(
         tau = read_tau(mars_tau)
         offered = schedule.offer(rows) if tau < 1.0 else torch.zeros_like(rows)
         slots = 1 + schedule.width(offered)
+        within = torch.arange(slots - 1, device=device) < offered[:, None]  # masks each row may use
         num_drafts = drafts.shape[1]
         masks = torch.full((rows.numel(), slots - 1), mars_mask_token_id, dtype=torch.long, device=device)
         mask_2d, position_ids = cache.step_inputs(torch.cat([pending_real, draft_real], dim=1), slots - 1)
@@ -553,7 +554,7 @@ def mars_decode(
             # Slot 0 always; then left to right while confident.
             accepted = torch.ones_like(tokens[:, 0])
             if slots > 1:
-                usable = (confs[:, 1:] >= tau) & (torch.arange(slots - 1, device=device) < offered[:, None])
+                usable = (confs[:, 1:] >= tau) & within
                 accepted += usable.long().cumprod(dim=1).sum(dim=1)
             schedule.update(rows, offered, accepted - 1, passes_per_row[rows])
         schedule.last[rows] = offered
@@ -597,13 +598,13 @@ def mars_decode(
                 if histories is not None:
                     histories.lengths = prompt_length + new_tokens[rows]  # now including this pass's tokens
                 guesses, confs, q = _choose(logits[:, num_drafts + 1 :], histories, do_sample, mars_confidence, True)
-                confident = (confs >= tau) & (torch.arange(slots - 1, device=device) < offered[:, None])
+                confident = (confs >= tau) & within
                 count = confident.long().cumprod(dim=1).sum(dim=1) * all_verified
                 draft_real = torch.arange(slots - 1, device=device) < count[:, None]
                 drafts = guesses.masked_fill(~draft_real, pad_token_id)
                 if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
-                    within = (torch.arange(slots - 1, device=device) < offered[:, None])[..., None]
-                    proposed = (q >= tau) & within if mars_confidence == "probability" else confident[..., None]
+                    by_probability = mars_confidence == "probability"
+                    proposed = (q >= tau) & within[..., None] if by_probability else confident[..., None]
                     reached = torch.arange(slots - 1, device=device) <= count[:, None]
                     q = q * proposed * (reached & all_verified[:, None])[..., None]
                     proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
