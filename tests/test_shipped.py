@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,18 @@ def test_a_changed_delta_triggers_a_rebuild(built, tmp_path, monkeypatch):
     monkeypatch.setattr(shipped, "build_checkpoint", lambda dst: calls.append(dst))
     shipped.default_checkpoint()
     assert calls == [path]
+
+
+def test_the_build_stamp_covers_the_remote_code(built, tmp_path):
+    """A cached checkpoint carries copies of the decoding code: a new hf_mars must rebuild it, not serve stale code."""
+    path, _ = built
+    for name in shipped.REMOTE_CODE:
+        assert (path / name).read_text() == (Path(shipped.__file__).parent / name).read_text()
+        (tmp_path / name).write_text((Path(shipped.__file__).parent / name).read_text())
+    same = shipped._build_stamp(shipped.DELTA_DIR, tmp_path)
+    assert same == shipped._build_stamp(shipped.DELTA_DIR)  # the stamp a build writes (another test spoils the file)
+    (tmp_path / "generation.py").write_text((tmp_path / "generation.py").read_text() + "\n# changed\n")
+    assert shipped._build_stamp(shipped.DELTA_DIR, tmp_path) != same
 
 
 def test_missing_base_package_says_how_to_install(monkeypatch):

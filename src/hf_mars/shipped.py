@@ -108,12 +108,19 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
     return dst
 
 
-def _delta_stamp(delta: Path) -> str:
+REMOTE_CODE = ("modeling.py", "generation.py", "cache.py")  # what save_pretrained copies into the checkpoint
+
+
+def _build_stamp(delta: Path, code: Path = Path(__file__).parent) -> str:
+    """Hash of what a built checkpoint is made of: the delta and the decoding code copied into it (remote code), so
+    that a new delta or a new hf_mars release rebuilds the cached checkpoint instead of serving stale code."""
     import hashlib
 
     digest = hashlib.sha256()
-    for name in ("adapter_model.safetensors", "adapter_config.json", "mars.json"):
-        digest.update((delta / name).read_bytes())
+    for path in [delta / name for name in ("adapter_model.safetensors", "adapter_config.json", "mars.json")] + [
+        code / name for name in REMOTE_CODE
+    ]:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -135,7 +142,7 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
     if mars.get("mars_mask_token_id") not in (None, model.config.mars_mask_token_id):
         raise ValueError(f"The delta was trained with <|mask|> = {mars['mars_mask_token_id']}, the base gives {model.config.mars_mask_token_id}.")
     model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
-    extra = {"hf_mars_delta.txt": _delta_stamp(delta) + "\n"}
+    extra = {"hf_mars_delta.txt": _build_stamp(delta) + "\n"}
     if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
         extra["README.md"] = MODEL_CARD.read_text()
     _save(dst, model, tokenizer, extra)
@@ -158,14 +165,15 @@ def default_checkpoint(rebuild: bool = False) -> Path:
     """Local path of the shipped MARS checkpoint (SmolLM2-135M-Instruct, B = 4), built on first use.
 
     The build (about a minute) dequantizes the base GGUF, merges the shipped delta and saves a float32 checkpoint
-    under `cache_dir()`; later calls return at once. A new delta (a new hf_mars release) triggers a rebuild.
+    under `cache_dir()`; later calls return at once. A new delta or new decoding code (a new hf_mars release) triggers
+    a rebuild.
     `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it.
     """
     if not (DELTA_DIR / "adapter_model.safetensors").is_file():
         raise FileNotFoundError(f"No shipped delta in {DELTA_DIR}: this copy of hf_mars was installed without it.")
     path = cache_dir() / "smollm2-135m-mars"
     stamp = path / "hf_mars_delta.txt"
-    if rebuild or not stamp.is_file() or stamp.read_text().strip() != _delta_stamp(DELTA_DIR):
+    if rebuild or not stamp.is_file() or stamp.read_text().strip() != _build_stamp(DELTA_DIR):
         path.parent.mkdir(parents=True, exist_ok=True)
         build_checkpoint(path)
     return path
