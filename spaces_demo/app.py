@@ -158,7 +158,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
     def set_tau(tau, session: Session):
         session.tau = float(tau)
 
-    def respond(message, history, tau, block_size, max_new_tokens, do_sample, temperature, top_p, session: Session):
+    def respond(message, history, tau, block_size, max_new_tokens, do_sample, temperature, top_p, mask_cost, session: Session):
         """Stream the MARS answer pass by pass; the session's τ is read before every pass."""
         history = list(history or [])
         if not message or not message.strip():
@@ -169,13 +169,14 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         sampling = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p)) if do_sample else dict(do_sample=False)
         settings = dict(max_new_tokens=int(max_new_tokens), **sampling)
         session.tau, taus, stop, streamer = float(tau), [], threading.Event(), ChunkStreamer()
+        cost = dict(mars_mask_cost=float(mask_cost)) if mask_cost else {}  # 0: the default, also of older checkpoints
 
         def tau_now():  # read by the decoder once before every forward pass
             taus.append(session.tau)
             return taus[-1]
 
         job = in_thread(model.generate, streamer.queue, **inputs, **settings, mars_tau=tau_now, mars_block_size=int(block_size),
-                        streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
+                        **cost, streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
         ids, spans, shown, passes, start = [], [], "", 0, time.perf_counter()
         history.append({"role": "user", "content": message})
         try:
@@ -205,6 +206,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         stats = dict(decoder="MARS", done=True, new_tokens=new, forward_passes=mars.forward_passes, seconds=seconds,
                      tokens_per_forward=new / mars.forward_passes, tokens_per_second=new / seconds,
                      tau_per_pass=list(mars.tau_per_step), accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
+                     masks_per_pass=list(getattr(mars, "masks_per_step", [])), mask_cost=float(mask_cost),
                      block_size=int(block_size), prompt_tokens=prompt_tokens)
         mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
         session.runs.append(dict(run=len(session.runs) + 1, decoder="MARS", tau=round(mean_tau, 3),
@@ -264,6 +266,9 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                 block_size = gr.Slider(1, trained_block, value=trained_block, step=1, label="Block size (tokens per pass at most)",
                                        info=f"the model was trained with {trained_block}")
                 max_new = gr.Slider(1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens", elem_id="max-new")
+                mask_cost = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Mask cost (share of a one-token pass)",
+                                      info="0 = B-1 masks every pass (the paper); above 0, a mask is fed only where "
+                                           "its acceptance pays for its compute (about 0.7 on CPU)", elem_id="mask-cost")
                 do_sample = gr.Checkbox(label="Sample", value=False)
                 temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                 top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p")
@@ -287,7 +292,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         tau.change(set_tau, [tau, session], None, api_name="set_tau", concurrency_limit=None, show_progress="hidden")
         plot_outputs = [per_forward, per_second]
         mars_event = gr.on([message.submit, send.click], respond,
-                           [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, session],
+                           [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, mask_cost, session],
                            [message, chatbot, mars_spans, mars_figures, stats, *plot_outputs], api_name="respond")
         ar_event = mars_event.then(compare_ar, [compare, session], [ar_text, ar_figures, *plot_outputs], api_name="compare_ar")
         stop_button.click(None, cancels=[mars_event, ar_event], api_visibility="private")

@@ -87,8 +87,9 @@ def client(url: str) -> Client:
     return Client(url, verbose=False)  # a fresh client is a fresh session: its own τ and runs
 
 
-def ask(c: Client, message="hello", history=(), tau=0.9, block_size=4, max_new_tokens=40, do_sample=False):
-    return c.submit(message, list(history), tau, block_size, max_new_tokens, do_sample, 0.7, 0.95, api_name="/respond")
+def ask(c: Client, message="hello", history=(), tau=0.9, block_size=4, max_new_tokens=40, do_sample=False, mask_cost=0.0):
+    return c.submit(message, list(history), tau, block_size, max_new_tokens, do_sample, 0.7, 0.95, mask_cost,
+                    api_name="/respond")
 
 
 def answer_text(chat) -> str:
@@ -149,7 +150,7 @@ def test_plain_ar_side_by_side_equals_tau_1_and_plot_gains_rows(served):
     assert len(data) == 3 and data[-1][2] == 0.5 and data[-1][3] > 1.2  # (run, decoder, tau, tokens/forward, tokens/s)
     ar_text, ar_figures, plot, _ = c.predict(True, api_name="/compare_ar")
     assert ar_text == answer_text(first[1]) and len(rows(plot)) == 4
-    assert len(rows(client(url).predict("abc", [], 1.0, 4, 5, False, 0.7, 0.95, api_name="/respond")[5])) == 1  # per session
+    assert len(rows(client(url).predict("abc", [], 1.0, 4, 5, False, 0.7, 0.95, 0.0, api_name="/respond")[5])) == 1  # per session
 
 
 def test_limits(served):
@@ -204,7 +205,7 @@ def test_python_app_py_serves_from_env_without_hf_mars(tmp_path):
                 break
             time.sleep(0.2)
         assert proc.poll() is None, "".join(log)[-3000:]
-        out = client(f"http://127.0.0.1:{port}/").predict("hi", [], 0.5, 4, 12, False, 0.7, 0.95, api_name="/respond")
+        out = client(f"http://127.0.0.1:{port}/").predict("hi", [], 0.5, 4, 12, False, 0.7, 0.95, 0.0, api_name="/respond")
         assert out[4]["done"] and out[4]["new_tokens"] == 12
     finally:
         proc.terminate()
@@ -242,3 +243,13 @@ def test_sampling_and_block_size(served):
     assert accepted[:-1] == [2] * (len(accepted) - 1)  # τ = 0 accepts every slot, and a pass has block_size of them
     ar_text, ar_figures, _, _ = c.predict(True, api_name="/compare_ar")
     assert ar_text and "speed-up" in ar_figures
+
+
+def test_mask_cost_slider(served):
+    """Cost 0 feeds B-1 masks every pass; a cost above any possible return (2 per mask) feeds none: plain AR passes."""
+    _, url, _ = served
+    free = ask(client(url), tau=0.5, max_new_tokens=16).result()[4]
+    assert free["masks_per_pass"] == [3] * free["forward_passes"]
+    dear = ask(client(url), tau=0.5, max_new_tokens=16, mask_cost=2.0).result()[4]
+    assert dear["mask_cost"] == 2.0 and dear["masks_per_pass"] == [0] * dear["forward_passes"]
+    assert dear["accepted_per_pass"] == [1] * dear["forward_passes"]
