@@ -98,3 +98,55 @@ def test_cli_generate_defaults_to_the_shipped_checkpoint(built):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip()  # the streamed answer
     assert "tokens/forward" in result.stderr and "MARS speed-up" in result.stderr
+
+
+def test_export_delta_keeps_the_adapter_and_mask_row_in_float16(tmp_path):
+    """A LoRA MARS run's folder -> the shippable delta: LoRA matrices and the <|mask|> row only, float16, MARS
+    settings beside it; merged into a fresh base it gives the trained model's logits (to float16 rounding)."""
+    from conftest import make_model, make_tokenizer
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    import hf_mars
+
+    def mars_base():
+        tok, model = make_tokenizer(), make_model("llama", seed=3)
+        torch.manual_seed(0)
+        return hf_mars.to_mars(model, tok, block_size=4), tok
+
+    model, tok = mars_base()
+    mask_id = model.config.mars_mask_token_id
+    lora = LoraConfig(r=4, target_modules=["v_proj", "q_proj", "down_proj"], init_lora_weights=False,
+                      trainable_token_indices=[mask_id])
+    trained = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "trainable_tokens_delta" in name:
+                p.normal_()  # a "trained" <|mask|> row
+    run = tmp_path / "run"
+    trained.save_pretrained(run)
+    with pytest.raises(FileNotFoundError, match="mars.json"):
+        shipped.export_delta(run, tmp_path / "delta")
+    (run / "mars.json").write_text(json.dumps({"mars_block_size": 4, "mars_mask_token_id": mask_id}))
+
+    delta = shipped.export_delta(run, tmp_path / "delta")
+    config = json.loads((delta / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == shipped.BASE_NAME
+    assert config["target_modules"] == ["down_proj", "q_proj", "v_proj"]
+    assert json.loads((delta / "mars.json").read_text())["mars_mask_token_id"] == mask_id
+    with safe_open(delta / "adapter_model.safetensors", "pt") as f:
+        names = list(f.keys())
+        assert names and all(f.get_tensor(n).dtype == torch.float16 for n in names)
+    assert all("lora_" in n or "trainable_tokens_delta" in n for n in names)
+    assert sum("trainable_tokens_delta" in n for n in names) == 1  # the tied LM head's copy is left out
+
+    ids = torch.tensor([[5, 9, 17, mask_id, mask_id, mask_id]])
+    expected = trained.merge_and_unload()(ids).logits
+    fresh, _ = mars_base()
+    rebuilt = PeftModel.from_pretrained(fresh, delta).merge_and_unload()
+    torch.testing.assert_close(rebuilt(ids).logits, expected, atol=2e-2, rtol=0)
+    assert not torch.allclose(mars_base()[0](ids).logits, expected, atol=2e-2)  # the delta did change the model
+
+    with pytest.raises(ValueError, match="over the"):
+        shipped.export_delta(run, tmp_path / "delta2", max_mb=1e-4)
+    with pytest.raises(FileNotFoundError, match="no LoRA adapter"):
+        shipped.export_delta(tmp_path / "delta_missing", tmp_path / "delta3")

@@ -91,6 +91,8 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
         raise FileNotFoundError(f"{trained} holds no LoRA adapter (adapter_model.safetensors): train with --use_peft.")
     adapter_config = json.loads((trained / "adapter_config.json").read_text())
     adapter_config["base_model_name_or_path"] = BASE_NAME
+    if isinstance(adapter_config.get("target_modules"), list):  # peft writes a set in any order: keep diffs quiet
+        adapter_config["target_modules"] = sorted(adapter_config["target_modules"])
     if not (trained / "mars.json").is_file():
         raise FileNotFoundError(f"{trained}/mars.json is missing: `hf-mars train --use_peft` writes it beside the adapter.")
     mars = json.loads((trained / "mars.json").read_text())
