@@ -22,9 +22,14 @@ hf-mars train --model_name_or_path "$BASE" --dataset_name "$OUT/train.jsonl" --o
     --activation_checkpointing false --logging_steps 5 --save_strategy steps --save_steps 20 --save_total_limit 2 \
     --report_to none --seed 0
 
+# (A second run of 180 steps that continued this adapter with --init_adapter on the same 708 answers raised tokens per
+#  forward by a tenth but lost HumanEval problems at τ = 1 and τ = 0.9; it is not shipped: see model_cards/.)
+
 # 3. The shipped delta: adapter + <|mask|> row in float16 (<= 25 MB), into src/hf_mars/checkpoints/.
 hf-mars export-delta "$OUT/mars-lora"
 
 # 4. The τ table on held-out GSM8K and HumanEval (the base model scored alongside), and the speed benchmark.
-hf-mars eval --base --gsm8k 100 --humaneval 50 --output "$OUT/eval"
-hf-mars bench --prompts heldout --limit 16 --batch-sizes 1 16 --output "$OUT/bench"
+hf-mars eval --base --gsm8k 64 --humaneval 32 --max-new-tokens 192 --dtype bfloat16 --output "$OUT/eval"
+hf-mars bench --prompts heldout --limit 8 --batch-sizes 1 --taus 1.0 0.9 --max-new-tokens 96 --repeats 2 --output "$OUT/bench1"
+hf-mars bench --prompts heldout --limit 16 --batch-sizes 16 --taus 1.0 0.9 --prompt-lookup 0 --max-new-tokens 96 \
+    --repeats 2 --output "$OUT/bench16"
