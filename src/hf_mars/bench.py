@@ -235,7 +235,7 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
 
     Times forwards over 1 to B tokens (B = the model's block size) after `context` cached tokens, `repeats` times each
     in alternation, and returns, for k = 1 .. B-1 masks, `median(t_{k+1}) / median(t_1) - 1`. On the 2-core CPU this
-    was built on, at batch 1: about [0.7, 0.95, 0.53]; a pass over 2 or 3 tokens is slower than over 4 there (the
+    was built on, at batch 1: about [0.7, 1.1, 0.65]; a pass over 2 or 3 tokens is slower than over 4 there (the
     matrix kernels for a few rows are), which `MaskSchedule` uses by feeding 3 masks where 1 is offered.
     """
     from transformers import DynamicCache

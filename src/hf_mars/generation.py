@@ -233,10 +233,10 @@ class MARSGenerationMixin(GenerationMixin):
             mars_mask_cost (`float` or list of `float`, *optional*):
                 What masks add to the time of a pass, as a share of a one-token pass: c per mask, or a list whose
                 (k-1)-th entry is the cost of a pass with k masks (`hf_mars.bench.measure_mask_cost` measures it; on
-                a 2-core CPU it reads about 0.18 per mask). 0 (default): B-1 masks in every pass, as the paper. With
-                a cost, each row is offered only the masks whose expected accepted tokens are worth their time,
-                estimated from its own recent passes (see `MaskSchedule`), so text the masks cannot predict stays near
-                AR speed. Lossless mode stays exact. Defaults to `generation_config.mars_mask_cost`.
+                a 2-core CPU at batch 1 it read [0.70, 1.06, 0.69]). 0 (default): B-1 masks in every pass, as the
+                paper. With a cost, each row is offered only the masks whose expected accepted tokens are worth their
+                time, estimated from its own recent passes (see `MaskSchedule`), so text the masks cannot predict stays
+                near AR speed. Lossless mode stays exact. Defaults to `generation_config.mars_mask_cost`.
 
         With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
