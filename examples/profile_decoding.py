@@ -1,11 +1,13 @@
 """Where a MARS decoding pass spends its time: the forward, token choice and acceptance, cache bookkeeping, the rest.
 
-    python examples/profile_decoding.py [MODEL] [--tau 0.9] [--batch-size 1] [--verify] [--max-new-tokens 128]
+    python examples/profile_decoding.py [MODEL] [--tau 0.9] [--batch-size 1] [--verify] [--max-new-tokens 128] [--ops 12]
 
 Wraps the decoding loop's helpers with timers (nothing is changed in how they run) and times the model's forward
 with hooks; "loop and other" is what remains of the wall-clock time: the Python of the loop itself, tensor
 book-keeping inline in it, stopping checks and output writing. Default model: the shipped checkpoint; prompts:
-the held-out GSM8K/HumanEval mix of `hf-mars bench`.
+the held-out GSM8K/HumanEval mix of `hf-mars bench`. `--ops N` then decodes the first batch again under
+`torch.profiler` and prints the N operators that take the most time, which splits the forward itself (matrix
+multiplies, attention, copies and casts, ...).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--verify", action="store_true", help="lossless mode")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--ops", type=int, default=0, help="also print the N costliest operators (torch.profiler)")
     args = parser.parse_args()
 
     model, tok = _load(args.model, None, args.dtype)
@@ -88,6 +91,16 @@ def main():
           f"({torch.get_num_threads()} threads, {args.dtype})")  # fmt: skip
     for part in ("forward", "choose and accept", "cache bookkeeping", "loop and other"):
         print(f"  {part:<18} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
+    if args.ops:  # a separate run: the profiler's own overhead stays out of the figures above
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = model.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            model.generate(**encode(batches[0]), max_new_tokens=args.max_new_tokens, mars_tau=args.tau,
+                           mars_verify=args.verify)  # fmt: skip
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=args.ops))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""The measurement scripts under examples/ run, on a saved toy MARS checkpoint, and report what they promise."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def toy_folder(trained_toy, tmp_path_factory):
+    model, tok = trained_toy
+    folder = tmp_path_factory.mktemp("toy-checkpoint")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_check_numerics_counts_no_difference_in_float32(toy_folder):
+    out = run("check_numerics.py", toy_folder, "--dtypes", "float32", "--prompts", "2", "--max-new-tokens", "12")
+    line = next(line for line in out.splitlines() if line.startswith("float32:"))
+    differ, total = (int(word) for word in line.split("at ")[1].split(" positions")[0].split(" of "))
+    assert total > 0 and differ == 0, line
+
+
+def test_profile_decoding_splits_the_pass_and_lists_operators(toy_folder):
+    out = run("profile_decoding.py", toy_folder, "--tau", "0.5", "--prompts", "2", "--max-new-tokens", "12", "--ops", "5")
+    shares = {line.split()[0]: float(line.rsplit(None, 1)[1].rstrip("%")) for line in out.splitlines()
+              if line.strip().startswith(("forward", "choose", "cache", "loop"))}  # fmt: skip
+    assert set(shares) == {"forward", "choose", "cache", "loop"}
+    assert abs(sum(shares.values()) - 100) < 1
+    assert "aten::" in out and "Self CPU" in out
