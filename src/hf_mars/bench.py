@@ -235,8 +235,9 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
 
     Times forwards over 1 to B tokens (B = the model's block size) after `context` cached tokens, `repeats` times each
     in alternation, and returns, for k = 1 .. B-1 masks, `median(t_{k+1}) / median(t_1) - 1`. On the 2-core CPU this
-    was built on, at batch 1: about [0.7, 1.1, 0.65]; a pass over 2 or 3 tokens is slower than over 4 there (the
-    matrix kernels for a few rows are), which `MaskSchedule` uses by feeding 3 masks where 1 is offered.
+    was built on, at batch 1: about [0.7, 1.1, 0.65] in float32, where a pass over 2 or 3 tokens is slower than over
+    4 (the float32 matrix kernels for a few rows are; `MaskSchedule` feeds 3 masks where 1 is offered), and about
+    [0.03, 0.0, 0.05] in bfloat16, whose kernels take 1 to 8 rows in the same time (the pass reads the weights).
     """
     from transformers import DynamicCache
 
