@@ -31,6 +31,7 @@ DEMO_OUTPUT = "outputs/mars-demo"
 MAX_INPUT_TOKENS = int(os.environ.get("MARS_MAX_INPUT_TOKENS", 1024))  # longer conversations lose their oldest turns
 MAX_NEW_TOKENS = int(os.environ.get("MARS_MAX_NEW_TOKENS", 512))
 CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once; the model is shared, read-only
+DTYPES = ("float32", "bfloat16", "float16")  # MARS_DTYPE: bfloat16 makes masks nearly free on CPUs that compute it
 COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
 DECODERS = ["MARS", "AR generate()"]
 UPDATE_EVERY = 0.05  # seconds between UI updates at most 20 a second; each carries every pass since the last one
@@ -318,8 +319,12 @@ def load_model(path: str | None = None, revision: str | None = None):
                              "or run `hf-mars demo` to train a toy one into outputs/mars-demo.")
         path = str(local[0])
     revision = revision or os.environ.get("MARS_REVISION") or None
+    dtype = os.environ.get("MARS_DTYPE", "float32")
+    if dtype not in DTYPES:
+        raise SystemExit(f"MARS_DTYPE must be one of {', '.join(DTYPES)}, not {dtype!r}.")
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, trust_remote_code=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, trust_remote_code=True,
+                                                 dtype=getattr(torch, dtype)).eval()  # fmt: skip
     if getattr(model.config, "mars_block_size", None) is None or getattr(model.config, "mars_mask_token_id", None) is None:
         raise SystemExit(f"{path} is not a MARS checkpoint (its config has no mars_block_size / mars_mask_token_id).")
     return model, tokenizer
