@@ -255,21 +255,15 @@ def test_mask_cost_slider(served):
     assert dear["accepted_per_pass"] == [1] * dear["forward_passes"]
 
 
-def test_model_dtype_from_the_environment(tmp_path):
+def test_model_dtype_from_the_environment(tmp_path, monkeypatch):
     """MARS_DTYPE picks the dtype the checkpoint loads in; a value that is not a dtype stops with the list."""
     app = load_app()
-    folder = str(save_checkpoint(tmp_path / "ckpt"))
-    saved = {k: os.environ.get(k) for k in ("MARS_MODEL", "MARS_DTYPE")}
-    try:
-        os.environ["MARS_MODEL"] = folder
-        os.environ["MARS_DTYPE"] = "bfloat16"
-        model, _ = app.load_model()
-        assert model.dtype == torch.bfloat16
-        os.environ.pop("MARS_DTYPE")
-        assert app.load_model()[0].dtype == torch.float32
-        os.environ["MARS_DTYPE"] = "bf16"
-        with pytest.raises(SystemExit, match="MARS_DTYPE must be one of float32, bfloat16, float16"):
-            app.load_model()
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+    monkeypatch.setenv("MARS_MODEL", str(save_checkpoint(tmp_path / "ckpt")))
+    monkeypatch.setenv("MARS_DTYPE", "bfloat16")
+    model, _ = app.load_model()
+    assert model.dtype == torch.bfloat16
+    monkeypatch.delenv("MARS_DTYPE")
+    assert app.load_model()[0].dtype == torch.float32
+    monkeypatch.setenv("MARS_DTYPE", "bf16")
+    with pytest.raises(SystemExit, match="MARS_DTYPE must be one of float32, bfloat16, float16"):
+        app.load_model()

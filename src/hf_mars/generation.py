@@ -98,9 +98,10 @@ class MaskSchedule:
     A mask is a token the forward must process. Where a pass is bound by reading the weights (a GPU at small batch,
     a CPU's bfloat16 kernels at batch 1) it is nearly free; where the kernels for a few rows are slow (float32 on
     CPU) or the batch fills the compute, it is not: `cost[k-1]` is what a pass with k masks takes beyond a one-token
-    pass, as a share of it (a number c means `c * k`). Masks pay only when their predictions are accepted. With a cost, each row keeps `rate[j]`, a
-    running estimate of how often mask j is accepted when masks < j were, and is offered the k masks that maximise
-    expected tokens per unit of time, `(1 + R_0 + ... + R_{k-1}) / (1 + cost_k)`, `R_j = rate[0] * ... * rate[j]`.
+    pass, as a share of it (a number c means `c * k`). Masks pay only when their predictions are accepted. With a
+    cost, each row keeps `rate[j]`, a running estimate of how often mask j is accepted when masks < j were, and is
+    offered the k masks that maximise expected tokens per unit of time, `(1 + R_0 + ... + R_{k-1}) / (1 + cost_k)`,
+    `R_j = rate[0] * ... * rate[j]`.
     A mask a row is not offered drifts back toward "accepted" every few passes, so the row tries it again now and then.
 
     Everything a row's offer depends on is its own history (its past acceptances, its own pass count), so its tokens
@@ -238,10 +239,10 @@ class MARSGenerationMixin(GenerationMixin):
                 What masks add to the time of a pass, as a share of a one-token pass: c per mask, or a list whose
                 (k-1)-th entry is the cost of a pass with k masks (`hf_mars.bench.measure_mask_cost` measures it; on
                 a 2-core CPU at batch 1 it read [0.70, 1.06, 0.69] in float32, [0.03, 0.00, 0.05] in bfloat16).
-                0 (default): B-1 masks in every pass, as the
-                paper. With a cost, each row is offered only the masks whose expected accepted tokens are worth their
-                time, estimated from its own recent passes (see `MaskSchedule`), so text the masks cannot predict stays
-                near AR speed. Lossless mode stays exact. Defaults to `generation_config.mars_mask_cost`.
+                0 (default): B-1 masks in every pass, as the paper. With a cost, each row is offered only the masks
+                whose expected accepted tokens are worth their time, estimated from its own recent passes (see
+                `MaskSchedule`), so text the masks cannot predict stays near AR speed. Lossless mode stays exact.
+                Defaults to `generation_config.mars_mask_cost`.
 
         With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
