@@ -88,9 +88,18 @@ def test_new_tokens_count_the_eos_even_when_it_is_the_pad_token():
 
 
 def test_measure_mask_cost():
-    """Timed, so only its range can be checked; on a 2-core CPU it reads about 0.18 for the shipped checkpoint."""
+    """Timed, so only its range can be checked. What can be checked exactly is what it times: at batch > 1, passes
+    with an attention mask that has holes (as batched decoding's passes have), at batch 1 mask-free passes."""
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
     costs = measure_mask_cost(model, batch_size=2, context=32, repeats=3)
     assert len(costs) == 3 and all(isinstance(c, float) and 0.0 <= c < 10.0 for c in costs)  # 1, 2, 3 masks
+    assert len(seen) == 1 + 4 * 4 and all(m is not None and m.shape[0] == 2 for m in seen)
+    assert all(bool(m[0].all()) and not bool(m[1].all()) for m in seen)  # row 2 left-padded, as in a batch
+    seen.clear()
+    measure_mask_cost(model, batch_size=1, context=32, repeats=1)
+    assert len(seen) == 1 + 2 * 4 and all(m is None for m in seen)
+    hook.remove()
     assert measure_mask_cost(hf_mars.to_mars(make_model("llama"), tok, block_size=1)) == []  # no mask, no cost
