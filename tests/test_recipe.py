@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
-from hf_mars.data import distill, gsm8k_test, humaneval, training_prompts, write_training_set
+from hf_mars.data import distill, gsm8k_test, humaneval, training_prompts, write_reference_set, write_training_set
 from hf_mars.evals import format_tau_table, gsm8k_correct, humaneval_correct, tau_table
 
 
@@ -19,6 +20,23 @@ def test_training_prompts_are_mixed_and_hold_no_evaluation_problem():
     held_out = {p["prompt"].split("\nGive the result")[0][:80] for p in gsm8k_test()}
     held_out |= {p["problem"]["prompt"][:80] for p in humaneval()}
     assert not any(p["prompt"][:80] in held_out for p in prompts)
+    # Each prompt carries its dataset's own answer: a worked solution, a short answer, reference code
+    by_source = {p["source"]: p["reference"] for p in prompts}
+    assert "####" in by_source["gsm_symbolic"] and by_source["mbpp"].startswith("```python\ndef ")
+    assert all(isinstance(p["reference"], str) and p["reference"] for p in prompts)
+
+
+def test_reference_set_has_the_prompts_of_the_training_set(tmp_path):
+    prompts = training_prompts(6, 10, 4, seed=1)
+    train = [{"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": f"own {i}"}]}
+             for i, p in enumerate(prompts[::2])]  # fmt: skip
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    assert write_reference_set(tmp_path / "train.jsonl", prompts, tmp_path / "ref.jsonl") == len(train)
+    ref = [json.loads(line) for line in (tmp_path / "ref.jsonl").open()]
+    assert [r["messages"][0] for r in ref] == [r["messages"][0] for r in train]
+    assert [r["messages"][1]["content"] for r in ref] == [p["reference"] for p in prompts[::2]]
+    with pytest.raises(ValueError, match="not among the given prompts"):
+        write_reference_set(tmp_path / "train.jsonl", prompts[1::2], tmp_path / "ref.jsonl")
 
 
 def test_distill_answers_with_the_model_resumes_and_keeps_finished_answers(tmp_path):

@@ -196,7 +196,7 @@ def cmd_bench(args) -> None:
 def cmd_distill(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .data import distill, training_prompts, write_training_set
+    from .data import distill, training_prompts, write_reference_set, write_training_set
     from .shipped import base_checkpoint
 
     base = base_checkpoint()
@@ -208,6 +208,9 @@ def cmd_distill(args) -> None:
     distill(model, tokenizer, prompts, out / "distilled.jsonl", max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     kept, total = write_training_set(out / "distilled.jsonl", out / "train.jsonl")
     print(f"{kept} of {total} answers finished within {args.max_new_tokens} tokens: wrote {out / 'train.jsonl'}")
+    if args.references:
+        count = write_reference_set(out / "train.jsonl", prompts, out / "train_reference.jsonl")
+        print(f"the same {count} prompts with the datasets' reference answers: wrote {out / 'train_reference.jsonl'}")
 
 
 def cmd_export_delta(args) -> None:
@@ -303,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--batch-size", type=int, default=40)
     dist.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     dist.add_argument("--seed", type=int, default=0)
+    dist.add_argument("--references", action="store_true",
+                      help="also write train_reference.jsonl: the same prompts, answered by the datasets' references")  # fmt: skip
     dist.set_defaults(func=cmd_distill)
 
     exp = sub.add_parser("export-delta", help="recipe step 3: store a LoRA MARS run as the shipped delta (float16, <= 25 MB)")

@@ -57,18 +57,22 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the
 
 
 def training_prompts(n_math: int, n_gym: int, n_code: int, seed: int = 0) -> list[dict]:
-    """User prompts for self-distillation: [{"prompt", "source"}], shuffled."""
+    """User prompts for self-distillation: [{"prompt", "source", "reference"}], shuffled.
+
+    `reference` is the dataset's own answer, kept for the ablation against self-distillation (`write_reference_set`):
+    gsm_symbolic's worked solution, the short answer of the other reasoning-gym tasks, MBPP's reference code.
+    """
     import reasoning_gym
 
-    prompts = [{"prompt": x["question"], "source": "gsm_symbolic"}
+    prompts = [{"prompt": x["question"], "source": "gsm_symbolic", "reference": x["metadata"]["answer_cot"]}
                for x in reasoning_gym.create_dataset("gsm_symbolic", size=n_math, seed=seed)]  # fmt: skip
     per_task = -(-n_gym // len(GYM_TASKS))
     for i, task in enumerate(GYM_TASKS):
         data = reasoning_gym.create_dataset(task, size=per_task, seed=seed + 1 + i)
-        prompts += [{"prompt": x["question"], "source": task} for x in data]
+        prompts += [{"prompt": x["question"], "source": task, "reference": str(x["answer"])} for x in data]
     mbpp = _olmo_task("codex_mbpp", "gold_bpb_0shot")[:n_code]
-    prompts += [{"prompt": f"{d['text']}\nYour code should pass this test:\n{d['test_list'][0]}", "source": "mbpp"}
-                for d in mbpp]  # fmt: skip
+    prompts += [{"prompt": f"{d['text']}\nYour code should pass this test:\n{d['test_list'][0]}", "source": "mbpp",
+                 "reference": f"```python\n{d['code'].strip()}\n```"} for d in mbpp]  # fmt: skip
     random.Random(seed).shuffle(prompts)
     return prompts
 
@@ -117,3 +121,19 @@ def write_training_set(distilled: str | Path, out: str | Path) -> tuple[int, int
     kept = [{"messages": r["messages"]} for r in rows if r["finished"] and r["messages"][1]["content"]]
     Path(out).write_text("".join(json.dumps(r) + "\n" for r in kept))
     return len(kept), len(rows)
+
+
+def write_reference_set(train: str | Path, prompts: list[dict], out: str | Path) -> int:
+    """The prompts of a self-distilled training set with the datasets' reference answers instead: a chat JSONL.
+
+    Same prompts, same count, only the answers differ, so that a run on each measures what self-distillation buys.
+    """
+    references = {p["prompt"]: p["reference"] for p in prompts}
+    rows = [json.loads(line) for line in Path(train).open()]
+    missing = [r["messages"][0]["content"][:60] for r in rows if r["messages"][0]["content"] not in references]
+    if missing:
+        raise ValueError(f"{len(missing)} prompts of {train} are not among the given prompts, e.g. {missing[0]!r}")
+    lines = [json.dumps({"messages": [r["messages"][0], {"role": "assistant", "content": references[r["messages"][0]["content"]]}]})
+             for r in rows]  # fmt: skip
+    Path(out).write_text("".join(line + "\n" for line in lines))
+    return len(lines)
