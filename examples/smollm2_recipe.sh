@@ -22,6 +22,9 @@ hf-mars train --model_name_or_path "$BASE" --dataset_name "$OUT/train.jsonl" --o
     --activation_checkpointing false --logging_steps 5 --save_strategy steps --save_steps 20 --save_total_limit 2 \
     --report_to none --seed 0
 
+# (Ablation, not run here: `hf-mars distill ... --references` also writes $OUT/train_reference.jsonl, the same 708
+#  prompts answered by the datasets' own references; this step with --dataset_name on it and --output_dir
+#  $OUT/mars-lora-ref measures what self-distillation buys. Result in model_cards/.)
 # (A second run of 180 steps that continued this adapter with --init_adapter on the same 708 answers raised tokens per
 #  forward by a tenth but lost HumanEval problems at τ = 1 and τ = 0.9; it is not shipped: see model_cards/.)
 

@@ -9,7 +9,8 @@ Why self-distillation: MARS teaches the masks to predict the tokens the model it
 the model's own greedy answers makes that target exactly the clean stream's continuation, so the clean loss has
 nothing new to learn (AR behaviour is kept) and every mask learns a distribution the model can actually reach.
 Reference answers written by people would pull the clean stream away from the base model and give the masks a
-harder, inconsistent target.
+harder, inconsistent target. Measured on the shipped recipe (`write_reference_set`, model card): the same training on
+the datasets' references gave weaker masks (1.07 against 1.17 tokens per forward at τ = 0.7).
 """
 
 from __future__ import annotations
