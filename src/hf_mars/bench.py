@@ -250,8 +250,11 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (batch_size, context + block), device=model.device)
     real = torch.ones_like(ids)
-    real[1::2, : max(1, context // 8)] = 0  # every other row left-padded (no row at batch 1)
-    mask = (lambda end: real[:, :end]) if batch_size > 1 else (lambda end: None)  # noqa: E731
+    real[1::2, : max(1, context // 8)] = 0  # every other row left-padded, as in a batch of unequal prompts
+
+    def mask(end: int):
+        return real[:, :end] if batch_size > 1 else None
+
     cache = DynamicCache(config=model.config)
     times = {width: [] for width in range(1, block + 1)}
     with torch.no_grad():

@@ -134,7 +134,10 @@ def write_reference_set(train: str | Path, prompts: list[dict], out: str | Path)
     missing = [r["messages"][0]["content"][:60] for r in rows if r["messages"][0]["content"] not in references]
     if missing:
         raise ValueError(f"{len(missing)} prompts of {train} are not among the given prompts, e.g. {missing[0]!r}")
-    lines = [json.dumps({"messages": [r["messages"][0], {"role": "assistant", "content": references[r["messages"][0]["content"]]}]})
-             for r in rows]  # fmt: skip
-    Path(out).write_text("".join(line + "\n" for line in lines))
+    lines = []
+    for row in rows:
+        prompt = row["messages"][0]
+        answer = {"role": "assistant", "content": references[prompt["content"]]}
+        lines.append(json.dumps({"messages": [prompt, answer]}) + "\n")
+    Path(out).write_text("".join(lines))
     return len(lines)
