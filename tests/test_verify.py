@@ -72,6 +72,46 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
                 assert torch.equal(out, reference), (tau, cost, kwargs)
 
 
+@pytest.mark.parametrize("family,attention", [("qwen2", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
+def test_each_group_of_masks_sees_the_text_its_drafts_would_leave(family, attention):
+    """A lossless pass feeds [pending | drafts | one group of masks per possible number of kept drafts]. Group j must
+    compute exactly what a plain pass over the text plus the first j drafts computes at its masks, in every row
+    (rows with fewer drafts and left padding included), and the drafts' own outputs must be plain causal ones."""
+    from hf_mars.cache import MARSCache
+    from hf_mars.generation import _branch_attention
+
+    # float32 for eager: in float64 its padding mask overflows to -inf in its float32 softmax (NaN, transformers 5.23)
+    model = make_model(family, dtype=torch.float64 if attention == "sdpa" else torch.float32)
+    model.set_attn_implementation(attention)
+    mask_id, masks = 260, 2
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    real = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    cache = MARSCache(2, "cpu")
+    with torch.no_grad():
+        mask_2d, positions = cache.step_inputs(real, 0)
+        model(input_ids=ids, attention_mask=mask_2d, position_ids=positions, past_key_values=cache, use_cache=True)
+        cache.commit(real, 0)
+        pending = torch.tensor([[20], [21]])
+        drafts = torch.tensor([[30, 31, 32], [40, 41, 0]])
+        draft_real = torch.tensor([[True, True, True], [True, True, False]])  # row 1 has two drafts
+        new_real = torch.cat([torch.ones_like(pending, dtype=torch.bool), draft_real], dim=1)
+        branches = drafts.shape[1] + 1
+        mask_2d, positions = cache.step_inputs(new_real, masks, branches)
+        mask_4d = _branch_attention(model, cache, mask_2d, new_real.shape[1], masks, branches)
+        fed = torch.cat([pending, drafts, torch.full((2, branches * masks), mask_id)], dim=1)
+        out = model(input_ids=fed, attention_mask=mask_4d, position_ids=positions, past_key_values=cache, use_cache=True)
+        logits = out.logits
+        for row, prompt in enumerate(prompts):
+            for j in range(int(draft_real[row].sum()) + 1):
+                text = prompt + pending[row].tolist() + drafts[row, :j].tolist()
+                plain = model(input_ids=torch.tensor([text + [mask_id] * masks])).logits[0]
+                group = logits[row, 1 + drafts.shape[1] + j * masks :][:masks]
+                assert torch.allclose(group, plain[-masks:], rtol=0, atol=1e-5), (row, j)
+                assert torch.allclose(logits[row, j], plain[len(text) - 1], rtol=0, atol=1e-5), (row, j)  # the verifying output
+
+
 def test_lossless_streams_each_pass(trained_toy):
     from test_generation import Recorder
 

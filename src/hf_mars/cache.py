@@ -31,17 +31,25 @@ class MARSCache(DynamicCache):
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
 
-    def step_inputs(self, new_real: torch.BoolTensor, num_masks: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | num_masks masks]`.
+    def step_inputs(
+        self, new_real: torch.BoolTensor, num_masks: int, branches: int = 1
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | masks]`.
 
-        Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
-        as `generate()` does for unpadded batches.
+        The masks come as `branches` groups of `num_masks`. Group j follows the new token `branches - 1 - j` places
+        from the end (lossless mode: the last `branches - 1` new tokens are drafts, and group j continues the text
+        as if exactly j of them are right); its positions continue from that token. Which tokens each group may
+        see is `branch_visibility`'s business. Returns `None` for the mask when no slot is a hole, so the model
+        takes its fastest (mask-free causal) path, as `generate()` does for unpadded batches.
         """
-        batch = new_real.shape[0]
-        masks = torch.ones(batch, num_masks, dtype=torch.bool, device=new_real.device)
+        batch, width = new_real.shape
+        masks = torch.ones(batch, branches * num_masks, dtype=torch.bool, device=new_real.device)
         real = torch.cat([self.real, new_real, masks], dim=1)
-        steps = torch.cat([new_real, masks], dim=1).long().cumsum(dim=1)
-        position_ids = (self.next_position[:, None] + steps - 1).clamp(min=0)
+        new_positions = self.next_position[:, None] + new_real.long().cumsum(dim=1) - 1
+        anchors = new_positions[:, width - branches :]  # (batch, branches): the token each group follows
+        steps = torch.arange(1, num_masks + 1, device=new_real.device)
+        mask_positions = (anchors[:, :, None] + steps).reshape(batch, -1)
+        position_ids = torch.cat([new_positions, mask_positions], dim=1).clamp(min=0)
         attention_mask = None if bool(real.all()) else real.long()
         return attention_mask, position_ids
 
@@ -76,6 +84,23 @@ class MARSCache(DynamicCache):
             layer.keys = _gather_slots(layer.keys, order)
             layer.values = _gather_slots(layer.values, order)
         self.real = self.real.gather(1, order)
+
+
+def branch_visibility(num_new: int, num_masks: int, branches: int, device=None) -> torch.BoolTensor:
+    """Which tokens of a pass see which, among `[num_new new tokens | branches groups of num_masks masks]`:
+    `(queries, queries)`, on top of causal attention (everything cached is visible, holes aside).
+
+    New tokens see each other causally. Group j sees the new tokens up to the one it follows (the last pending token
+    for j = 0, draft j after it) and the masks of its own group before it: never a later draft, nor another group.
+    """
+    total = num_new + branches * num_masks
+    index = torch.arange(total, device=device)
+    group = torch.where(index < num_new, -1, (index - num_new) // max(num_masks, 1))
+    reach = torch.where(group < 0, index, num_new - branches + group)  # the last new token each query may see
+    is_new = index < num_new
+    sees_new = is_new[None, :] & (index[None, :] <= reach[:, None])
+    sees_own_group = ~is_new[None, :] & (group[None, :] == group[:, None]) & (index[None, :] <= index[:, None])
+    return sees_new | sees_own_group
 
 
 def _gather_slots(states: torch.Tensor, order: torch.LongTensor) -> torch.Tensor:

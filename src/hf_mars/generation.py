@@ -42,8 +42,9 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from .cache import MARSCache
+from .cache import MARSCache, branch_visibility
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Warpers that read only the scores, never the token history: they can score every slot of a pass in one call.
@@ -56,6 +57,8 @@ _HISTORY_FREE = (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
 )
+# Attention implementations that take the 4D masks of lossless passes with several groups of masks (see `mars_decode`)
+_BRANCHING = ("sdpa", "eager")
 # Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
 _COMPACT_AT = 0.5
 # Mask cost model (see `MaskSchedule`): EMA weight of each observed acceptance; pull of an unoffered mask's rate back
@@ -229,8 +232,9 @@ class MARSGenerationMixin(GenerationMixin):
             mars_verify (`bool`, *optional*, defaults to `False`):
                 Lossless mode: the confident mask predictions of a pass are drafts, fed as real tokens in the next
                 pass and kept only where they equal the model's own next-token prediction there (plus that
-                prediction after the last match). The output is exactly greedy `generate()`'s, for any τ; τ only
-                decides how many drafts are proposed. With sampling, drafts are accepted by speculative sampling,
+                prediction after the last match). That pass feeds one group of masks after each possible number of
+                kept drafts, so that whatever it keeps, it proposes the next drafts. The output is exactly greedy
+                `generate()`'s, for any τ; τ only decides how many drafts are proposed (and so how wide a pass is). With sampling, drafts are accepted by speculative sampling,
                 so the output is distributed exactly as the model's own samples. "Exactly" holds as far as a pass
                 over several tokens computes the logits of one-token passes: in float32 it does (no argmax differed
                 in 494 positions measured); in bfloat16 the kernels round differently for a few rows and near-ties
@@ -446,6 +450,30 @@ def _verify(logits, drafts, draft_real, histories, proposals=None):
     return tokens, kept_count + 1, kept
 
 
+def _branch_attention(model, cache, mask_2d, num_new: int, num_masks: int, branches: int):
+    """The 4D attention mask of a lossless pass with several groups of masks: the real slots, seen as
+    `branch_visibility` allows, in the format of the model's attention implementation (the mask builders of
+    `transformers.masking_utils`, with an index-based mask function: no per-pass vmap)."""
+    batch, device, past = cache.real.shape[0], cache.real.device, cache.get_seq_length()
+    visible = branch_visibility(num_new, num_masks, branches, device)  # causal, among the new tokens
+    width = visible.shape[0]
+    seen = torch.cat([visible.new_ones(width, past), visible], dim=1)  # (queries, keys): the cache's holes aside
+    build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    return build(
+        batch_size=batch,
+        q_length=width,
+        kv_length=past + width,
+        q_offset=past,
+        mask_function=lambda b, h, q, kv: seen[q - past, kv],
+        attention_mask=None if mask_2d is None else mask_2d.bool(),
+        allow_is_causal_skip=False,
+        dtype=model.dtype,
+        config=model.config,
+        use_vmap=False,
+        device=device,
+    )
+
+
 def _right_align(tokens, counts, pad_token_id):
     """The first `counts[i]` tokens of each row, right-aligned (left-padded) to a common width: `(tokens, real)`.
 
@@ -478,7 +506,8 @@ def mars_decode(
 
     Each pass feeds `[pending | drafts | masks]`: pending are committed tokens whose K/V are not cached yet
     (right-aligned), drafts are unverified guesses (lossless mode only, left-aligned), masks are up to B-1
-    `<|mask|>` (as many as the largest offer of `MaskSchedule`).
+    `<|mask|>` (as many as the largest offer of `MaskSchedule`). With k drafts, the masks come k + 1 times: group j
+    follows draft j and sees no later draft, so the group after the last kept draft gives the next drafts.
     """
     batch, prompt_length = input_ids.shape
     device = input_ids.device
@@ -514,6 +543,7 @@ def mars_decode(
     do_sample = generation_config.do_sample
     proposals = None  # lossless sampling: the distributions the drafts came from (see `_verify`)
     cache = MARSCache(batch, device)
+    can_branch = getattr(model.config, "_attn_implementation", None) in _BRANCHING
     schedule = MaskSchedule(mars_mask_cost, batch, mars_block_size - 1, device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -524,9 +554,15 @@ def mars_decode(
         slots = 1 + schedule.width(offered)
         within = torch.arange(slots - 1, device=device) < offered[:, None]  # masks each row may use
         num_drafts = drafts.shape[1]
-        masks = torch.full((rows.numel(), slots - 1), mars_mask_token_id, dtype=torch.long, device=device)
-        mask_2d, position_ids = cache.step_inputs(torch.cat([pending_real, draft_real], dim=1), slots - 1)
-        extra = {"logits_to_keep": num_drafts + slots} if logits_to_keep else {}
+        # Lossless mode: one group of masks after each possible end of the accepted drafts (see `branch_visibility`)
+        branches = num_drafts + 1 if slots > 1 and can_branch else 1
+        masks = torch.full((rows.numel(), branches * (slots - 1)), mars_mask_token_id, dtype=torch.long, device=device)
+        new_real = torch.cat([pending_real, draft_real], dim=1)
+        mask_2d, position_ids = cache.step_inputs(new_real, slots - 1, branches)
+        if branches > 1:
+            mask_2d = _branch_attention(model, cache, mask_2d, new_real.shape[1], slots - 1, branches)
+        outputs_needed = num_drafts + 1 + branches * (slots - 1)
+        extra = {"logits_to_keep": outputs_needed} if logits_to_keep else {}
         outputs = model(
             input_ids=torch.cat([pending, drafts, masks], dim=1),
             attention_mask=mask_2d,
@@ -536,7 +572,7 @@ def mars_decode(
             return_dict=True,
             **extra,
         )
-        logits = outputs.logits[:, -(num_drafts + slots) :].float()
+        logits = outputs.logits[:, -outputs_needed:].float()
         del outputs
 
         lengths = prompt_length + new_tokens[rows]
@@ -550,10 +586,11 @@ def mars_decode(
             tokens, accepted, kept = _verify(
                 logits[:, : num_drafts + 1], drafts, draft_real, histories, proposals if do_sample else None
             )
-            all_verified = accepted == draft_real.sum(dim=1) + 1
             # The drafts came from the last pass's masks: they paid what was kept
-            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), passes_per_row[rows])
-            cache.commit(torch.cat([pending_real, kept], dim=1), slots - 1)  # rejected drafts become holes
+            kept_count = kept.sum(dim=1)
+            all_kept = kept_count == draft_real.sum(dim=1)
+            schedule.update(rows, schedule.last[rows], kept_count, passes_per_row[rows])
+            cache.commit(torch.cat([pending_real, kept], dim=1), branches * (slots - 1))  # rejected drafts: holes
         else:
             cache.commit(pending_real, slots - 1)
             tokens, confs = _choose(logits, histories, do_sample, mars_confidence)
@@ -595,24 +632,27 @@ def mars_decode(
             streamer.put(tokens[:, : int(accepted[0])].cpu())
 
         if mars_verify:
-            # Only the last token is new to the cache (kept drafts are in it). Where every draft was right, the
-            # masks (which followed them) propose the next drafts; after a rejection they are void.
+            # Only the last token is new to the cache (kept drafts are in it). The group of masks that followed the
+            # last kept draft saw the text as it now stands: its predictions are the next drafts. (With one group,
+            # which followed every draft, that is only so where every draft was kept.)
             pending = tokens.gather(1, (accepted - 1)[:, None])
             pending_real = torch.ones_like(pending, dtype=torch.bool)
             drafts, draft_real, proposals = drafts[:, :0], draft_real[:, :0], None
-            if slots > 1 and bool(all_verified.any()):
+            if slots > 1:
                 if histories is not None:
                     histories.lengths = prompt_length + new_tokens[rows]  # now including this pass's tokens
-                guesses, confs, q = _choose(logits[:, num_drafts + 1 :], histories, do_sample, mars_confidence, True)
-                confident = (confs >= tau) & within
-                count = confident.long().cumprod(dim=1).sum(dim=1) * all_verified
+                groups = logits[:, num_drafts + 1 :].unflatten(1, (branches, slots - 1))
+                followed = groups[torch.arange(rows.numel(), device=device), kept_count.clamp(max=branches - 1)]
+                guesses, confs, q = _choose(followed, histories, do_sample, mars_confidence, True)
+                confident = (confs >= tau) & within & (all_kept[:, None] | (branches > 1))
+                count = confident.long().cumprod(dim=1).sum(dim=1)
                 draft_real = torch.arange(slots - 1, device=device) < count[:, None]
                 drafts = guesses.masked_fill(~draft_real, pad_token_id)
                 if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
                     by_probability = mars_confidence == "probability"
                     proposed = (q >= tau) & within[..., None] if by_probability else confident[..., None]
                     reached = torch.arange(slots - 1, device=device) <= count[:, None]
-                    q = q * proposed * (reached & all_verified[:, None])[..., None]
+                    q = q * proposed * reached[..., None]
                     proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
         else:
             # Next pass feeds this pass's accepted tokens, right-aligned: shorter rows leave holes in the cache.
