@@ -62,11 +62,12 @@ def test_bench_measures_the_mask_cost_once_and_uses_it(checkpoint, tmp_path):
 
     out = tmp_path / "bench"
     result = hf_mars_cli("bench", str(checkpoint), "--prompts", "toy", "--limit", "2", "--batch-sizes", "1", "--taus",
-                         "1.0", "0.5", "--max-new-tokens", "6", "--repeats", "1", "--prompt-lookup", "0", "--output", str(out))  # fmt: skip
+                         "1.0", "0.5", "--max-new-tokens", "6", "--repeats", "1", "--prompt-lookup", "0", "--lossless-trees", "2x3",
+                         "--output", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "bench.json").read_text())
     costs = data["meta"]["mask_cost"]["1"]  # batch size 1: what 1, 2, 3 masks add to a one-token pass
     assert len(costs) == 3 and all(c >= 0 for c in costs)
     methods = {cell["method"] for cell in data["cells"]}
-    assert {"mars tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5"} <= methods
+    assert {"mars tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5", "lossless B=2 n=3 tau=0.5"} <= methods
     assert "mars_mask_cost measured here" in result.stdout

@@ -29,21 +29,25 @@ def test_lossless_equals_greedy_generate_at_every_tau_on_a_trained_model(trained
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=60)
     speed = {}
     for tau in (1.0, 0.9, 0.7, 0.0):
-        out = model.generate(**enc, mars_tau=tau, mars_verify=True, max_new_tokens=60, return_dict_in_generate=True)
-        assert torch.equal(out.sequences, reference), f"tau={tau}"
-        speed[tau] = tokens_per_forward(out.mars_stats)
-    assert speed[1.0] == 1.0
-    assert speed[0.7] > 1.15 and speed[0.0] > 1.15  # drafts get accepted: more than one token per pass, for free
+        for candidates in (1, 3):
+            out = model.generate(**enc, mars_tau=tau, mars_verify=True, mars_draft_candidates=candidates,
+                                 max_new_tokens=60, return_dict_in_generate=True)  # fmt: skip
+            assert torch.equal(out.sequences, reference), f"tau={tau}, candidates={candidates}"
+            speed[tau, candidates] = tokens_per_forward(out.mars_stats)
+    assert speed[1.0, 1] == speed[1.0, 3] == 1.0
+    assert speed[0.7, 1] > 1.15 and speed[0.0, 1] > 1.15  # drafts get accepted: more than one token per pass
+    assert speed[0.0, 3] > speed[0.0, 1]  # runner-up candidates for the first draft are accepted too
     # τ-mode at the same τ accepts more, but its output may differ from AR; lossless mode never does
     fast = model.generate(**enc, mars_tau=0.0, max_new_tokens=60, return_dict_in_generate=True)
-    assert tokens_per_forward(fast.mars_stats) > speed[0.0]
+    assert tokens_per_forward(fast.mars_stats) > speed[0.0, 1]
 
 
-@pytest.mark.parametrize("mask_cost", [0.0, 0.2])
-def test_lossless_rows_alone_equal_the_batch(trained_toy, mask_cost):
+@pytest.mark.parametrize("mask_cost,candidates", [(0.0, 1), (0.2, 1), (0.0, 3)])
+def test_lossless_rows_alone_equal_the_batch(trained_toy, mask_cost, candidates):
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=77)
-    kwargs = dict(mars_tau=0.5, mars_verify=True, mars_mask_cost=mask_cost, max_new_tokens=50)
+    kwargs = dict(mars_tau=0.2, mars_verify=True, mars_draft_candidates=candidates, mars_mask_cost=mask_cost,
+                  max_new_tokens=50)  # fmt: skip
     batched = model.generate(**enc, **kwargs)
     assert torch.equal(batched, GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=50))
     for i in range(4):
@@ -67,16 +71,17 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
     for kwargs in (dict(), dict(repetition_penalty=1.3)):
         reference = base.generate(**enc, do_sample=False, max_new_tokens=30, **kwargs)
         for tau in (0.9, 0.3, 0.0):
-            for cost in (0.0, 0.3):
-                out = mars.generate(**enc, mars_tau=tau, mars_verify=True, mars_mask_cost=cost, max_new_tokens=30, **kwargs)
-                assert torch.equal(out, reference), (tau, cost, kwargs)
+            for cost, candidates in ((0.0, 1), (0.3, 1), (0.0, 4)):
+                out = mars.generate(**enc, mars_tau=tau, mars_verify=True, mars_mask_cost=cost, max_new_tokens=30,
+                                    mars_draft_candidates=candidates, **kwargs)  # fmt: skip
+                assert torch.equal(out, reference), (tau, cost, candidates, kwargs)
 
 
 @pytest.mark.parametrize("family,attention", [("qwen2", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
-def test_each_group_of_masks_sees_the_text_its_drafts_would_leave(family, attention):
-    """A lossless pass feeds [pending | drafts | one group of masks per possible number of kept drafts]. Group j must
-    compute exactly what a plain pass over the text plus the first j drafts computes at its masks, in every row
-    (rows with fewer drafts and left padding included), and the drafts' own outputs must be plain causal ones."""
+def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(family, attention):
+    """A lossless pass feeds [pending | drafts as a tree | one group of masks after the root and after each draft].
+    Each draft, and each group, must compute exactly what a plain causal pass over the text it continues computes,
+    in every row (a row with a missing draft and a left-padded row included)."""
     from hf_mars.cache import MARSCache
     from hf_mars.generation import _branch_attention
 
@@ -94,22 +99,25 @@ def test_each_group_of_masks_sees_the_text_its_drafts_would_leave(family, attent
         model(input_ids=ids, attention_mask=mask_2d, position_ids=positions, past_key_values=cache, use_cache=True)
         cache.commit(real, 0)
         pending = torch.tensor([[20], [21]])
-        drafts = torch.tensor([[30, 31, 32], [40, 41, 0]])
-        draft_real = torch.tensor([[True, True, True], [True, True, False]])  # row 1 has two drafts
+        parents = [-1, 0, 1, -1]  # a chain of three, and a sibling of its first draft
+        drafts = torch.tensor([[30, 31, 32, 35], [40, 41, 0, 45]])
+        draft_real = torch.tensor([[True, True, True, True], [True, True, False, True]])
         new_real = torch.cat([torch.ones_like(pending, dtype=torch.bool), draft_real], dim=1)
-        branches = drafts.shape[1] + 1
-        mask_2d, positions = cache.step_inputs(new_real, masks, branches)
-        mask_4d = _branch_attention(model, cache, mask_2d, new_real.shape[1], masks, branches)
-        fed = torch.cat([pending, drafts, torch.full((2, branches * masks), mask_id)], dim=1)
-        out = model(input_ids=fed, attention_mask=mask_4d, position_ids=positions, past_key_values=cache, use_cache=True)
-        logits = out.logits
-        for row, prompt in enumerate(prompts):
-            for j in range(int(draft_real[row].sum()) + 1):
-                text = prompt + pending[row].tolist() + drafts[row, :j].tolist()
+        mask_2d, positions = cache.step_inputs(new_real, masks, parents)
+        mask_4d = _branch_attention(model, cache, mask_2d, 1, parents, masks)
+        fed = torch.cat([pending, drafts, torch.full((2, (len(parents) + 1) * masks), mask_id)], dim=1)
+        logits = model(input_ids=fed, attention_mask=mask_4d, position_ids=positions, past_key_values=cache).logits
+    lineage = {-1: []}
+    for i, parent in enumerate(parents):
+        lineage[i] = lineage[parent] + [i]
+    for row, prompt in enumerate(prompts):
+        for node in [-1] + [i for i in range(len(parents)) if draft_real[row, i]]:
+            text = prompt + pending[row].tolist() + drafts[row, lineage[node]].tolist()
+            with torch.no_grad():
                 plain = model(input_ids=torch.tensor([text + [mask_id] * masks])).logits[0]
-                group = logits[row, 1 + drafts.shape[1] + j * masks :][:masks]
-                assert torch.allclose(group, plain[-masks:], rtol=0, atol=1e-5), (row, j)
-                assert torch.allclose(logits[row, j], plain[len(text) - 1], rtol=0, atol=1e-5), (row, j)  # the verifying output
+            group = logits[row, 1 + len(parents) + (node + 1) * masks :][:masks]
+            assert torch.allclose(group, plain[-masks:], rtol=0, atol=1e-5), (row, node)
+            assert torch.allclose(logits[row, node + 1], plain[len(text) - 1], rtol=0, atol=1e-5), (row, node)
 
 
 def test_lossless_streams_each_pass(trained_toy):

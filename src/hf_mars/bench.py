@@ -109,21 +109,22 @@ def generate_ar(model, **inputs):
     return GenerationMixin.generate(model, do_sample=False, **inputs), None
 
 
-def generate_mars(model, tau, verify=False, mask_cost=0.0, **inputs):
+def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=1, **inputs):
     """Greedy MARS decoding: `(sequences, row_passes)`."""
-    out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_cost=mask_cost, do_sample=False,
-                         return_dict_in_generate=True, **inputs)  # fmt: skip
+    out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_cost=mask_cost, mars_block_size=block_size,
+                         mars_draft_candidates=candidates, do_sample=False, return_dict_in_generate=True, **inputs)  # fmt: skip
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
-def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured: dict | None = None) -> dict:
+def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured: dict | None = None, trees=()) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
     MARS methods are named "mars tau=0.9" and "lossless tau=0.9" (B-1 masks every pass), or "mars cost=0.18 tau=0.9"
     and "lossless cost=0.18 tau=0.9" with `mars_mask_cost=0.18`; "cost=auto" uses `measured["auto"]`, which
     `run_benchmark` sets to `measure_mask_cost` at each batch size. `row_passes` sums, over rows, the forward passes
     each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
-    definition, where it is None; MARS reports it in `mars_stats`).
+    definition, where it is None; MARS reports it in `mars_stats`). Each `(B, n)` of `trees` adds lossless methods
+    "lossless B=2 n=3 tau=0.0" with `mars_block_size=B, mars_draft_candidates=n`.
     """
 
     def ar(model, counter, **kw):
@@ -133,8 +134,10 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
         out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
         return out, counter.count * out.shape[0]
 
-    def mars(model, counter, tau, verify=False, cost=0.0, **kw):
-        return generate_mars(model, tau, verify, measured["auto"] if cost == "auto" else cost, **kw)
+    def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=1, **kw):
+        if cost == "auto":  # measured for 1 .. B-1 masks of the model's own B
+            cost = measured["auto"][: block - 1] if block else measured["auto"]
+        return generate_mars(model, tau, verify, cost, block, candidates, **kw)
 
     table = {"ar": ar}
     if prompt_lookup:
@@ -149,6 +152,10 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
                 table[f"lossless{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(
                     m, c, tau, verify=True, cost=cost, **kw
                 )
+                for block, n in trees if tau < 1.0 else ():
+                    table[f"lossless{suffix} B={block} n={n} tau={tau}"] = lambda m, c, tau=tau, cost=cost, b=block, n=n, **kw: mars(
+                        m, c, tau, verify=True, cost=cost, block=b, candidates=n, **kw
+                    )
     return table
 
 
@@ -165,16 +172,18 @@ def run_benchmark(
     mask_costs=(0.0, "auto"),
     measured_costs: dict | None = None,
     progress: bool = True,
+    trees=(),
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
     `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass; "auto": the cost at each batch size,
     from `measured_costs` (batch size -> `measure_mask_cost`) or measured here); each adds MARS and lossless cells.
+    `trees`: `(B, n)` pairs of lossless draft trees to measure besides the default (see `methods`).
     """
     from tqdm.auto import tqdm
 
     measured = {}
-    table = methods(taus, verify, prompt_lookup, mask_costs, measured)
+    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
     eos_ids = eos_token_ids(model, tokenizer)

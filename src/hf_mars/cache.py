@@ -32,24 +32,28 @@ class MARSCache(DynamicCache):
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def step_inputs(
-        self, new_real: torch.BoolTensor, num_masks: int, branches: int = 1
+        self, new_real: torch.BoolTensor, num_masks: int, parents: list[int] = ()
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | masks]`.
 
-        The masks come as `branches` groups of `num_masks`. Group j follows the new token `branches - 1 - j` places
-        from the end (lossless mode: the last `branches - 1` new tokens are drafts, and group j continues the text
-        as if exactly j of them are right); its positions continue from that token. Which tokens each group may
-        see is `branch_visibility`'s business. Returns `None` for the mask when no slot is a hole, so the model
-        takes its fastest (mask-free causal) path, as `generate()` does for unpadded batches.
+        Lossless mode: the last `len(parents)` new tokens are drafts forming a tree, draft i following draft
+        `parents[i]` (-1: the last pending token, the root), so it sits one position past it. The masks then come as
+        `len(parents) + 1` groups of `num_masks`: group 0 follows the root, group i + 1 draft i, and each group's
+        positions continue from the token it follows. Which tokens see which is `branch_visibility`'s business.
+        Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
+        as `generate()` does for unpadded batches.
         """
         batch, width = new_real.shape
-        masks = torch.ones(batch, branches * num_masks, dtype=torch.bool, device=new_real.device)
+        groups = len(parents) + 1
+        pending = new_real[:, : width - len(parents)]
+        pending_positions = self.next_position[:, None] + pending.long().cumsum(dim=1) - 1
+        root = pending_positions[:, -1:]
+        draft_positions = root + draft_depths(parents).to(root.device)
+        anchors = torch.cat([root, draft_positions], dim=1)  # (batch, groups): the token each group follows
+        mask_positions = (anchors[:, :, None] + torch.arange(1, num_masks + 1, device=root.device)).reshape(batch, -1)
+        position_ids = torch.cat([pending_positions, draft_positions, mask_positions], dim=1).clamp(min=0)
+        masks = torch.ones(batch, groups * num_masks, dtype=torch.bool, device=new_real.device)
         real = torch.cat([self.real, new_real, masks], dim=1)
-        new_positions = self.next_position[:, None] + new_real.long().cumsum(dim=1) - 1
-        anchors = new_positions[:, width - branches :]  # (batch, branches): the token each group follows
-        steps = torch.arange(1, num_masks + 1, device=new_real.device)
-        mask_positions = (anchors[:, :, None] + steps).reshape(batch, -1)
-        position_ids = torch.cat([new_positions, mask_positions], dim=1).clamp(min=0)
         attention_mask = None if bool(real.all()) else real.long()
         return attention_mask, position_ids
 
@@ -86,21 +90,38 @@ class MARSCache(DynamicCache):
         self.real = self.real.gather(1, order)
 
 
-def branch_visibility(num_new: int, num_masks: int, branches: int, device=None) -> torch.BoolTensor:
-    """Which tokens of a pass see which, among `[num_new new tokens | branches groups of num_masks masks]`:
-    `(queries, queries)`, on top of causal attention (everything cached is visible, holes aside).
+def draft_depths(parents: list[int]) -> torch.LongTensor:
+    """How many positions past the root each draft of a tree sits (`parents[i] < i`; -1 is the root)."""
+    depths = []
+    for parent in parents:
+        depths.append(1 + (depths[parent] if parent >= 0 else 0))
+    return torch.tensor(depths, dtype=torch.long)
 
-    New tokens see each other causally. Group j sees the new tokens up to the one it follows (the last pending token
-    for j = 0, draft j after it) and the masks of its own group before it: never a later draft, nor another group.
+
+def branch_visibility(num_pending: int, parents: list[int], num_masks: int, device=None) -> torch.BoolTensor:
+    """Which tokens of a lossless pass see which, among `[pending | drafts (a tree) | groups of masks]` (see
+    `MARSCache.step_inputs`): `(queries, queries)`, causal. Everything cached is visible to all (holes aside).
+
+    A draft sees the pending tokens, its ancestors and itself; group 0 sees the pending tokens, group i + 1 those and
+    draft i's lineage; a mask sees the masks of its own group before it. So every draft and every group computes
+    what a plain causal pass over the text it continues would compute.
     """
-    total = num_new + branches * num_masks
-    index = torch.arange(total, device=device)
-    group = torch.where(index < num_new, -1, (index - num_new) // max(num_masks, 1))
-    reach = torch.where(group < 0, index, num_new - branches + group)  # the last new token each query may see
-    is_new = index < num_new
-    sees_new = is_new[None, :] & (index[None, :] <= reach[:, None])
-    sees_own_group = ~is_new[None, :] & (group[None, :] == group[:, None]) & (index[None, :] <= index[:, None])
-    return sees_new | sees_own_group
+    k, pending = len(parents), num_pending
+    lineage = torch.eye(k + 1, dtype=torch.bool)[:, 1:]  # row 0: the root; row i + 1: draft i and its ancestors
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            lineage[i + 1] |= lineage[parent + 1]
+    total = pending + k + (k + 1) * num_masks
+    sees = torch.zeros(total, total, dtype=torch.bool)
+    sees[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    sees[pending:, :pending] = True
+    sees[pending : pending + k, pending : pending + k] = lineage[1:]
+    for group in range(k + 1):
+        start = pending + k + group * num_masks
+        own = slice(start, start + num_masks)
+        sees[own, pending : pending + k] = lineage[group]
+        sees[own, own] = torch.ones(num_masks, num_masks, dtype=torch.bool).tril()
+    return sees.to(device)
 
 
 def _gather_slots(states: torch.Tensor, order: torch.LongTensor) -> torch.Tensor:

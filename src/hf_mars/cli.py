@@ -70,6 +70,14 @@ def _mask_cost(text: str):
     return value
 
 
+def _tree(text: str) -> tuple[int, int]:
+    """`BxN` for `bench --lossless-trees`: block size B >= 2, N >= 1 candidates for the first draft."""
+    block, _, n = text.partition("x")
+    if not (block.isdigit() and n.isdigit() and int(block) >= 2 and int(n) >= 1):
+        raise argparse.ArgumentTypeError(f"BxN with B >= 2 and N >= 1 (e.g. 2x3), not {text!r}")
+    return int(block), int(n)
+
+
 def cmd_generate(args) -> None:
     from transformers import GenerationMixin, TextStreamer
 
@@ -179,6 +187,7 @@ def cmd_bench(args) -> None:
         prompt_lookup=args.prompt_lookup,
         mask_costs=args.mask_costs,
         measured_costs=costs,
+        trees=args.lossless_trees,
     )
     device = f"{model.device.type} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
     print(f"\n{args.model or 'the shipped checkpoint'} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
@@ -291,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mask-costs", type=_mask_cost, nargs="+", default=[0.0, "auto"],
                        help="values of mars_mask_cost to measure: 0 (B-1 masks every pass), a cost per mask, or `auto` "
                             "(measured at each batch size); default: 0 auto")
+    bench.add_argument("--lossless-trees", type=_tree, nargs="+", default=[], metavar="BxN",
+                       help="also measure lossless mode with mars_block_size=B and mars_draft_candidates=N, e.g. 2x3")
     bench.add_argument("--revision")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--device", help="e.g. cuda (default: where the model loads)")

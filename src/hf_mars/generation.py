@@ -7,6 +7,10 @@ mask would only feed the unused output after the last slot, so it is not fed.) S
 are accepted left to right while their confidence is at least τ. With τ >= 1 no mask is fed at all: that is exactly
 greedy (or sampled) autoregressive decoding, at its cost.
 
+Lossless mode (`mars_verify`) feeds a pass's mask predictions back as drafts, a tree of them, which the next pass
+verifies against the model's own predictions; that pass also carries one group of masks after each draft, so it
+proposes the next drafts whatever it keeps (see `mars_decode` and `cache.branch_visibility`).
+
 τ is read before every pass, so it may be a number, a callable, or a `TauController` that a UI or a server changes
 while a generation runs. The KV cache keeps real tokens only (see `cache.py`). Rows that finish leave the batch.
 
@@ -44,7 +48,7 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from .cache import MARSCache, branch_visibility
+from .cache import MARSCache, branch_visibility, draft_depths
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Warpers that read only the scores, never the token history: they can score every slot of a pass in one call.
@@ -57,7 +61,7 @@ _HISTORY_FREE = (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
 )
-# Attention implementations that take the 4D masks of lossless passes with several groups of masks (see `mars_decode`)
+# Attention implementations that take the 4D masks of lossless passes (drafts in a tree, groups of masks; see `mars_decode`)
 _BRANCHING = ("sdpa", "eager")
 # Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
 _COMPACT_AT = 0.5
@@ -214,6 +218,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
         mars_verify: bool = False,
+        mars_draft_candidates: int = 1,
         mars_mask_cost: float | list[float] | None = None,
         streamer=None,
         **kwargs,
@@ -239,6 +244,11 @@ class MARSGenerationMixin(GenerationMixin):
                 over several tokens computes the logits of one-token passes: in float32 it does (no argmax differed
                 in 494 positions measured); in bfloat16 the kernels round differently for a few rows and near-ties
                 flip (9 of 484 positions), so long outputs can part from `generate()`'s, as with prompt lookup.
+            mars_draft_candidates (`int`, *optional*, defaults to 1):
+                Lossless mode, greedy: how many candidates the first draft gets (the first mask's top tokens), each
+                verified in the same pass with its own group of masks. More make a wider pass that accepts more
+                tokens: on a 2-core CPU in bfloat16, `mars_block_size=2, mars_draft_candidates=3` was fastest. With
+                sampling, or a logits processor that reads the history, drafts stay a chain (1).
             mars_mask_cost (`float` or list of `float`, *optional*):
                 What masks add to the time of a pass, as a share of a one-token pass: c per mask, or a list whose
                 (k-1)-th entry is the cost of a pass with k masks (`hf_mars.bench.measure_mask_cost` measures it; on
@@ -273,6 +283,8 @@ class MARSGenerationMixin(GenerationMixin):
         measure = _first_set(mars_confidence, getattr(base, "mars_confidence", None), "probability")
         if measure not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
+        if isinstance(mars_draft_candidates, bool) or not isinstance(mars_draft_candidates, int) or mars_draft_candidates < 1:
+            raise ValueError(f"mars_draft_candidates must be an integer >= 1, got {mars_draft_candidates!r}")
         mask_cost = _first_set(mars_mask_cost, getattr(base, "mars_mask_cost", None), 0.0)
         _check_mask_cost(mask_cost, block_size)
         for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
@@ -296,6 +308,7 @@ class MARSGenerationMixin(GenerationMixin):
         decode = functools.partial(
             mars_decode,
             mars_verify=bool(mars_verify),
+            mars_draft_candidates=mars_draft_candidates,
             mars_tau=tau,
             mars_block_size=block_size,
             mars_mask_token_id=mask_token_id,
@@ -418,44 +431,57 @@ def _choose(logits, histories: _Histories | None, do_sample: bool, measure: str,
     return (tokens, confs, probs) if with_probs else (tokens, confs)
 
 
-def _verify(logits, drafts, draft_real, histories, proposals=None):
-    """Verification of drafts: `(tokens, accepted, kept)`.
+def _verify(logits, drafts, draft_real, parents: list[int], histories, proposals=None):
+    """Verification of drafts: `(tokens, accepted, kept, end)`.
 
-    `logits[:, j]` is the output after the drafts `< j`: the model's own next-token prediction there.
-    - Greedy (`proposals` None): drafts are kept while they equal its argmax; the argmax after the last kept draft
-      follows them (the correction, or a bonus token when every draft was right). Each pass yields exact greedy tokens.
-    - Sampling: `proposals[:, j]` is q'_j, the distribution draft j was drawn from, zeroed where it would not have
-      been proposed (confidence below τ); a zero row where nothing was. Draft j is kept with probability
-      min(1, p_j(d) / q_j(d)); the token after the last kept one is drawn from max(0, p - q') renormalised. This is
-      speculative sampling with a partial proposal, and the tokens are distributed exactly as the model samples them.
+    `logits[:, 0]` is the output at the last pending token (the root), `logits[:, 1 + i]` the output at draft i.
+    Draft i was proposed to follow `parents[i]` (-1: the root), so the output there is the model's own prediction of
+    it. `end` is where the kept drafts end: 0 for the root, 1 + i for draft i.
+    - Greedy: a draft is kept when it equals the argmax at its parent and its parent is kept. The kept drafts form a
+      path (sibling drafts differ, so at most one of them matches); the argmax at its end follows it (the
+      correction, or a bonus token when the path is the longest). Each pass yields exact greedy tokens.
+    - Sampling (the drafts are a chain): `proposals[:, j]` is q'_j, the distribution draft j was drawn from, zeroed
+      where it would not have been proposed (confidence below τ); a zero row where nothing was. Draft j is kept with
+      probability min(1, p_j(d) / q_j(d)); the token after the last kept one is drawn from max(0, p - q')
+      renormalised. This is speculative sampling with a partial proposal: the tokens are distributed exactly as the
+      model samples them.
     """
-    scores = _processed(logits, histories, drafts)
+    scores = _processed(logits, histories, drafts)  # histories that read prefixes only come with chains
     if proposals is None:
-        target = scores.argmax(dim=-1)  # (batch, drafts + 1)
-        match = (drafts == target[:, :-1]) & draft_real
-    else:
-        p = torch.softmax(scores, dim=-1)
-        p_draft = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
-        q_draft = proposals[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
-        match = (torch.rand_like(p_draft) * q_draft < p_draft) & draft_real
-    kept_count = match.long().cumprod(dim=1).sum(dim=1)
-    if proposals is not None:
-        at = kept_count[:, None, None].expand(-1, 1, p.shape[-1])
-        p_next, q_next = p.gather(1, at).squeeze(1), proposals.gather(1, at).squeeze(1)
-        residual = (p_next - q_next).clamp(min=0)
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-        target = torch.multinomial(residual, num_samples=1).expand(-1, drafts.shape[1] + 1)
-    tokens = torch.cat([drafts, target[:, -1:]], dim=1).scatter(1, kept_count[:, None], target.gather(1, kept_count[:, None]))
-    kept = draft_real & (torch.arange(drafts.shape[1], device=drafts.device) < kept_count[:, None])
-    return tokens, kept_count + 1, kept
+        target = scores.argmax(dim=-1)  # (batch, 1 + drafts)
+        at_parent = torch.tensor(parents, dtype=torch.long, device=drafts.device) + 1
+        match = (drafts == target[:, at_parent]) & draft_real
+        kept = match
+        for _ in range(len(parents) - 1):  # a kept draft needs a kept parent
+            kept = match & torch.cat([torch.ones_like(kept[:, :1]), kept], dim=1)[:, at_parent]
+        depth = draft_depths(parents).to(drafts.device)
+        count = kept.sum(dim=1)  # the path's length, hence the depth of its end
+        end = (kept * (1 + torch.arange(len(parents), device=drafts.device)) * (depth == count[:, None])).sum(dim=1)
+        path = [(drafts * (kept & (depth == d))).sum(dim=1) for d in range(1, max(depth.tolist(), default=0) + 1)]
+        tokens = torch.stack([*path, torch.zeros_like(count)], dim=1)
+        tokens.scatter_(1, count[:, None], target.gather(1, end[:, None]))
+        return tokens, count + 1, kept, end
+    p = torch.softmax(scores, dim=-1)
+    p_draft = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
+    q_draft = proposals[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
+    match = (torch.rand_like(p_draft) * q_draft < p_draft) & draft_real
+    count = match.long().cumprod(dim=1).sum(dim=1)
+    at = count[:, None, None].expand(-1, 1, p.shape[-1])
+    p_next, q_next = p.gather(1, at).squeeze(1), proposals.gather(1, at).squeeze(1)
+    residual = (p_next - q_next).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    target = torch.multinomial(residual, num_samples=1)
+    tokens = torch.cat([drafts, target], dim=1).scatter(1, count[:, None], target)
+    kept = draft_real & (torch.arange(drafts.shape[1], device=drafts.device) < count[:, None])
+    return tokens, count + 1, kept, count
 
 
-def _branch_attention(model, cache, mask_2d, num_new: int, num_masks: int, branches: int):
-    """The 4D attention mask of a lossless pass with several groups of masks: the real slots, seen as
-    `branch_visibility` allows, in the format of the model's attention implementation (the mask builders of
-    `transformers.masking_utils`, with an index-based mask function: no per-pass vmap)."""
+def _branch_attention(model, cache, mask_2d, num_pending: int, parents: list[int], num_masks: int):
+    """The 4D attention mask of a lossless pass with drafts: the real slots, seen as `branch_visibility` allows, in
+    the format of the model's attention implementation (the mask builders of `transformers.masking_utils`, with an
+    index-based mask function: no per-pass vmap)."""
     batch, device, past = cache.real.shape[0], cache.real.device, cache.get_seq_length()
-    visible = branch_visibility(num_new, num_masks, branches, device)  # causal, among the new tokens
+    visible = branch_visibility(num_pending, parents, num_masks, device)  # causal, among the new tokens
     width = visible.shape[0]
     seen = torch.cat([visible.new_ones(width, past), visible], dim=1)  # (queries, keys): the cache's holes aside
     build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
@@ -498,6 +524,7 @@ def mars_decode(
     mars_mask_token_id: int,
     mars_confidence: str = "probability",
     mars_verify: bool = False,
+    mars_draft_candidates: int = 1,
     mars_mask_cost: float | list[float] = 0.0,
     streamer=None,
     **model_kwargs,
@@ -506,14 +533,21 @@ def mars_decode(
 
     Each pass feeds `[pending | drafts | masks]`: pending are committed tokens whose K/V are not cached yet
     (right-aligned), drafts are unverified guesses (lossless mode only, left-aligned), masks are up to B-1
-    `<|mask|>` (as many as the largest offer of `MaskSchedule`). With k drafts, the masks come k + 1 times: group j
-    follows draft j and sees no later draft, so the group after the last kept draft gives the next drafts.
+    `<|mask|>` (as many as the largest offer of `MaskSchedule`). The drafts form a tree (`parents`): a chain from
+    the masks' top tokens, plus `mars_draft_candidates - 1` runner-ups of the first as its siblings. The masks come
+    once after the last pending token and once after each draft; the group after the last kept draft saw exactly
+    the text as it now stands, so its predictions are the next drafts.
     """
     batch, prompt_length = input_ids.shape
     device = input_ids.device
     _check_decodable(model, generation_config, prompt_length, mars_block_size)
     if streamer is not None and batch > 1:
         raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
+    if mars_verify and getattr(model.config, "_attn_implementation", None) not in _BRANCHING:
+        raise ValueError(
+            f"Lossless mode (`mars_verify`) feeds drafts as a tree, which needs an attention implementation that takes "
+            f"a 4D mask: one of {_BRANCHING}, not {model.config._attn_implementation!r}."
+        )
     cached = model_kwargs.get("past_key_values")
     if cached is not None and cached.get_seq_length() > 0:
         raise ValueError("MARS decoding starts from an empty cache; do not pass a filled `past_key_values`.")
@@ -538,12 +572,16 @@ def mars_decode(
     attention_mask = model_kwargs.get("attention_mask")
     pending = input_ids  # committed tokens not yet in the cache, right-aligned: the prompt, then each pass's news
     pending_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    drafts = torch.empty(batch, 0, dtype=torch.long, device=device)  # lossless mode: unverified, left-aligned
+    drafts = torch.empty(batch, 0, dtype=torch.long, device=device)  # lossless mode: unverified guesses
     draft_real = torch.empty(batch, 0, dtype=torch.bool, device=device)
+    parents = []  # the drafts' tree, shared by the rows: draft i follows draft parents[i] (-1: the last pending token)
     do_sample = generation_config.do_sample
     proposals = None  # lossless sampling: the distributions the drafts came from (see `_verify`)
     cache = MARSCache(batch, device)
-    can_branch = getattr(model.config, "_attn_implementation", None) in _BRANCHING
+    # More than one candidate for the first draft (siblings in the tree) needs greedy verification, whose processors
+    # (if any) read no history: with sampling, or a history-reading processor, drafts stay a chain
+    histories_free = not logits_processor or _history_free(logits_processor)
+    candidates = mars_draft_candidates if not do_sample and histories_free else 1
     schedule = MaskSchedule(mars_mask_cost, batch, mars_block_size - 1, device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -554,14 +592,13 @@ def mars_decode(
         slots = 1 + schedule.width(offered)
         within = torch.arange(slots - 1, device=device) < offered[:, None]  # masks each row may use
         num_drafts = drafts.shape[1]
-        # Lossless mode: one group of masks after each possible end of the accepted drafts (see `branch_visibility`)
-        branches = num_drafts + 1 if slots > 1 and can_branch else 1
-        masks = torch.full((rows.numel(), branches * (slots - 1)), mars_mask_token_id, dtype=torch.long, device=device)
-        new_real = torch.cat([pending_real, draft_real], dim=1)
-        mask_2d, position_ids = cache.step_inputs(new_real, slots - 1, branches)
-        if branches > 1:
-            mask_2d = _branch_attention(model, cache, mask_2d, new_real.shape[1], slots - 1, branches)
-        outputs_needed = num_drafts + 1 + branches * (slots - 1)
+        # Lossless mode: one group of masks after the root and after each draft (see `MARSCache.step_inputs`)
+        groups = num_drafts + 1
+        masks = torch.full((rows.numel(), groups * (slots - 1)), mars_mask_token_id, dtype=torch.long, device=device)
+        mask_2d, position_ids = cache.step_inputs(torch.cat([pending_real, draft_real], dim=1), slots - 1, parents)
+        if num_drafts:
+            mask_2d = _branch_attention(model, cache, mask_2d, pending.shape[1], parents, slots - 1)
+        outputs_needed = num_drafts + 1 + groups * (slots - 1)
         extra = {"logits_to_keep": outputs_needed} if logits_to_keep else {}
         outputs = model(
             input_ids=torch.cat([pending, drafts, masks], dim=1),
@@ -583,14 +620,12 @@ def mars_decode(
             # Outputs at the last pending token and at each draft verify the drafts; the masks propose new ones.
             if do_sample and (proposals is None or proposals.shape[1] != num_drafts + 1):
                 proposals = logits.new_zeros(rows.numel(), num_drafts + 1, logits.shape[-1])  # no drafts: sample p
-            tokens, accepted, kept = _verify(
-                logits[:, : num_drafts + 1], drafts, draft_real, histories, proposals if do_sample else None
+            tokens, accepted, kept, end = _verify(
+                logits[:, : num_drafts + 1], drafts, draft_real, parents, histories, proposals if do_sample else None
             )
             # The drafts came from the last pass's masks: they paid what was kept
-            kept_count = kept.sum(dim=1)
-            all_kept = kept_count == draft_real.sum(dim=1)
-            schedule.update(rows, schedule.last[rows], kept_count, passes_per_row[rows])
-            cache.commit(torch.cat([pending_real, kept], dim=1), branches * (slots - 1))  # rejected drafts: holes
+            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), passes_per_row[rows])
+            cache.commit(torch.cat([pending_real, kept], dim=1), groups * (slots - 1))  # rejected drafts: holes
         else:
             cache.commit(pending_real, slots - 1)
             tokens, confs = _choose(logits, histories, do_sample, mars_confidence)
@@ -633,27 +668,37 @@ def mars_decode(
 
         if mars_verify:
             # Only the last token is new to the cache (kept drafts are in it). The group of masks that followed the
-            # last kept draft saw the text as it now stands: its predictions are the next drafts. (With one group,
-            # which followed every draft, that is only so where every draft was kept.)
+            # last kept draft saw the text as it now stands: its predictions are the next drafts, a chain (mask j's
+            # top token follows mask j-1's), plus the runner-up tokens of its first mask as siblings of the first.
             pending = tokens.gather(1, (accepted - 1)[:, None])
             pending_real = torch.ones_like(pending, dtype=torch.bool)
-            drafts, draft_real, proposals = drafts[:, :0], draft_real[:, :0], None
+            drafts, draft_real, parents, proposals = drafts[:, :0], draft_real[:, :0], [], None
             if slots > 1:
                 if histories is not None:
                     histories.lengths = prompt_length + new_tokens[rows]  # now including this pass's tokens
-                groups = logits[:, num_drafts + 1 :].unflatten(1, (branches, slots - 1))
-                followed = groups[torch.arange(rows.numel(), device=device), kept_count.clamp(max=branches - 1)]
+                followed = logits[:, num_drafts + 1 :].unflatten(1, (groups, slots - 1))
+                followed = followed[torch.arange(rows.numel(), device=device), end]
                 guesses, confs, q = _choose(followed, histories, do_sample, mars_confidence, True)
-                confident = (confs >= tau) & within & (all_kept[:, None] | (branches > 1))
+                confident = (confs >= tau) & within
                 count = confident.long().cumprod(dim=1).sum(dim=1)
-                draft_real = torch.arange(slots - 1, device=device) < count[:, None]
-                drafts = guesses.masked_fill(~draft_real, pad_token_id)
+                chain = int(count.max())  # drafts that no row proposes are not fed
+                draft_real = torch.arange(chain, device=device) < count[:, None]
+                drafts = guesses[:, :chain].masked_fill(~draft_real, pad_token_id)
+                parents = list(range(-1, chain - 1))
+                if candidates > 1 and chain:
+                    rest = q[:, 0].scatter(1, guesses[:, :1], -1.0)  # not the first draft again (ties happen)
+                    probs, others = rest.topk(candidates - 1, dim=-1)
+                    other_real = (probs >= tau) & draft_real[:, :1]
+                    if bool(other_real.any()):
+                        drafts = torch.cat([drafts, others.masked_fill(~other_real, pad_token_id)], dim=1)
+                        draft_real = torch.cat([draft_real, other_real], dim=1)
+                        parents += [-1] * (candidates - 1)
                 if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
                     by_probability = mars_confidence == "probability"
                     proposed = (q >= tau) & within[..., None] if by_probability else confident[..., None]
                     reached = torch.arange(slots - 1, device=device) <= count[:, None]
                     q = q * proposed * reached[..., None]
-                    proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)
+                    proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[:, : chain + 1]
         else:
             # Next pass feeds this pass's accepted tokens, right-aligned: shorter rows leave holes in the cache.
             pending, pending_real = _right_align(tokens, accepted, pad_token_id)
