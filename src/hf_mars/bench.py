@@ -153,8 +153,10 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
                     m, c, tau, verify=True, cost=cost, **kw
                 )
                 for block, n in trees if tau < 1.0 else ():
-                    table[f"lossless{suffix} B={block} n={n} tau={tau}"] = lambda m, c, tau=tau, cost=cost, b=block, n=n, **kw: mars(
-                        m, c, tau, verify=True, cost=cost, block=b, candidates=n, **kw
+                    table[f"lossless{suffix} B={block} n={n} tau={tau}"] = (
+                        lambda m, c, tau=tau, cost=cost, b=block, n=n, **kw: mars(
+                            m, c, tau, verify=True, cost=cost, block=b, candidates=n, **kw
+                        )
                     )
     return table
 

@@ -61,7 +61,7 @@ _HISTORY_FREE = (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
 )
-# Attention implementations that take the 4D masks of lossless passes (drafts in a tree, groups of masks; see `mars_decode`)
+# Attention implementations that take the 4D masks of lossless passes (a tree of drafts; see `mars_decode`)
 _BRANCHING = ("sdpa", "eager")
 # Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
 _COMPACT_AT = 0.5
@@ -239,8 +239,9 @@ class MARSGenerationMixin(GenerationMixin):
                 pass and kept only where they equal the model's own next-token prediction there (plus that
                 prediction after the last match). That pass feeds one group of masks after each possible number of
                 kept drafts, so that whatever it keeps, it proposes the next drafts. The output is exactly greedy
-                `generate()`'s, for any τ; τ only decides how many drafts are proposed (and so how wide a pass is). With sampling, drafts are accepted by speculative sampling,
-                so the output is distributed exactly as the model's own samples. "Exactly" holds as far as a pass
+                `generate()`'s, for any τ; τ only decides how many drafts are proposed (and so how wide a pass is).
+                With sampling, drafts are accepted by speculative sampling, so the output is distributed exactly as
+                the model's own samples. "Exactly" holds as far as a pass
                 over several tokens computes the logits of one-token passes: in float32 it does (no argmax differed
                 in 494 positions measured); in bfloat16 the kernels round differently for a few rows and near-ties
                 flip (9 of 484 positions), so long outputs can part from `generate()`'s, as with prompt lookup.
@@ -283,7 +284,8 @@ class MARSGenerationMixin(GenerationMixin):
         measure = _first_set(mars_confidence, getattr(base, "mars_confidence", None), "probability")
         if measure not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
-        if isinstance(mars_draft_candidates, bool) or not isinstance(mars_draft_candidates, int) or mars_draft_candidates < 1:
+        candidates = mars_draft_candidates
+        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
             raise ValueError(f"mars_draft_candidates must be an integer >= 1, got {mars_draft_candidates!r}")
         mask_cost = _first_set(mars_mask_cost, getattr(base, "mars_mask_cost", None), 0.0)
         _check_mask_cost(mask_cost, block_size)
