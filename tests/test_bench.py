@@ -20,11 +20,12 @@ def test_benchmark_cells_and_files(tmp_path):
     prompts = load_prompts(None, tok, limit=4)
     assert all(p["answer"] and p["text"].endswith("assistant\n") for p in prompts)
     cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.5), batch_sizes=(1, 2), max_new_tokens=12, repeats=2,
-                          mask_costs=(0.0, 0.2, "auto"), trees=[(2, 3)], progress=False)  # fmt: skip
+                          mask_costs=(0.0, 0.2, "auto"), trees=[(2, 3, 0), (2, 2, 4)], progress=False)  # fmt: skip
     by = {(c.method, c.batch_size): c for c in cells}
     names = ("ar", "mars tau=1.0", "lossless tau=1.0", "mars tau=0.5", "lossless tau=0.5")
     names += ("mars cost=0.2 tau=0.5", "lossless cost=0.2 tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5")
-    names += ("lossless B=2 n=3 tau=0.5", "lossless cost=0.2 B=2 n=3 tau=0.5", "lossless cost=auto B=2 n=3 tau=0.5")
+    for tree in ("B=2 n=3", "B=2 n=2 L=4"):
+        names += (f"lossless {tree} tau=0.5", f"lossless cost=0.2 {tree} tau=0.5", f"lossless cost=auto {tree} tau=0.5")
     # τ = 1 feeds no mask: no cell with a cost
     assert set(by) == {(m, b) for m in names for b in (1, 2)} | {("prompt-lookup", 1)}  # prompt lookup: batch 1 only
     for b in (1, 2):
@@ -33,6 +34,7 @@ def test_benchmark_cells_and_files(tmp_path):
         assert by["lossless tau=0.5", b].agreement == 1.0  # lossless mode: same text as AR, whatever the schedule
         assert by["lossless cost=0.2 tau=0.5", b].agreement == by["lossless cost=auto tau=0.5", b].agreement == 1.0
         assert by["lossless B=2 n=3 tau=0.5", b].agreement == 1.0  # a draft tree: still AR's text
+        assert by["lossless B=2 n=2 L=4 tau=0.5", b].agreement == 1.0  # with a prompt-lookup branch too
         assert by["mars tau=0.5", b].tokens_per_forward > 1.2  # the sharp model accepts several tokens per pass
         cell = by["mars tau=0.5", b]
         assert abs(cell.efficiency - cell.speedup / cell.tokens_per_forward) < 1e-9

@@ -46,11 +46,18 @@ def test_generate_streams_and_compares_with_ar(checkpoint):
     costs = result.stderr.split("mask cost [")[1].split("]")[0].split(", ")  # measured on this machine: 3 numbers
     assert len(costs) == 3 and all(0.0 <= float(c) < 10.0 for c in costs)
     assert "output identical to AR: True" in result.stderr
+    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.0", "--max-new-tokens", "24",
+                         "--lossless", "--block-size", "2", "--draft-candidates", "3", "--lookup", "4")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "block size 2, 3 draft candidates, lookup 4" in result.stderr
+    assert "output identical to AR: True" in result.stderr
 
 
 def test_cli_refuses_bad_input(checkpoint, tmp_path):
     assert "--tau must be in [0, 1]" in hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--tau", "2").stderr
     assert "a number >= 0 or `auto`" in hf_mars_cli("generate", str(checkpoint), "--mask-cost", "cheap").stderr
+    assert "add --lossless" in hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--lookup", "4").stderr
+    assert "BxN or BxN+L" in hf_mars_cli("bench", str(checkpoint), "--lossless-trees", "2x3+x").stderr
     make_model("llama").save_pretrained(tmp_path / "plain")
     make_tokenizer().save_pretrained(tmp_path / "plain")
     assert "not a MARS checkpoint" in hf_mars_cli("generate", str(tmp_path / "plain"), "--prompt", "x").stderr
@@ -62,12 +69,12 @@ def test_bench_measures_the_mask_cost_once_and_uses_it(checkpoint, tmp_path):
 
     out = tmp_path / "bench"
     result = hf_mars_cli("bench", str(checkpoint), "--prompts", "toy", "--limit", "2", "--batch-sizes", "1", "--taus",
-                         "1.0", "0.5", "--max-new-tokens", "6", "--repeats", "1", "--prompt-lookup", "0", "--lossless-trees", "2x3",
+                         "1.0", "0.5", "--max-new-tokens", "6", "--repeats", "1", "--prompt-lookup", "0", "--lossless-trees", "2x3+4",
                          "--output", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "bench.json").read_text())
     costs = data["meta"]["mask_cost"]["1"]  # batch size 1: what 1, 2, 3 masks add to a one-token pass
     assert len(costs) == 3 and all(c >= 0 for c in costs)
     methods = {cell["method"] for cell in data["cells"]}
-    assert {"mars tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5", "lossless B=2 n=3 tau=0.5"} <= methods
+    assert {"mars tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5", "lossless B=2 n=3 L=4 tau=0.5"} <= methods
     assert "mars_mask_cost measured here" in result.stdout

@@ -433,6 +433,8 @@ def test_clear_errors():
         (dict(mars_tau=0.9, mars_mask_cost=[0.1, 0.2]), "one cost per mask count"),
         (dict(mars_tau=0.9, stop_strings="x"), "tokenizer"),
         (dict(mars_tau=0.9, mars_verify=True, mars_draft_candidates=0), "mars_draft_candidates"),
+        (dict(mars_tau=0.9, mars_verify=True, mars_lookup=-1), "mars_lookup"),
+        (dict(mars_tau=0.9, mars_lookup=3), "mars_verify=True"),
     ]
     for kwargs, words in bad:
         with pytest.raises(ValueError, match=words):

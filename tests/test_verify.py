@@ -29,25 +29,25 @@ def test_lossless_equals_greedy_generate_at_every_tau_on_a_trained_model(trained
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=60)
     speed = {}
     for tau in (1.0, 0.9, 0.7, 0.0):
-        for candidates in (1, 3):
+        for candidates, lookup in ((1, 0), (3, 0), (3, 4)):
             out = model.generate(**enc, mars_tau=tau, mars_verify=True, mars_draft_candidates=candidates,
-                                 max_new_tokens=60, return_dict_in_generate=True)  # fmt: skip
-            assert torch.equal(out.sequences, reference), f"tau={tau}, candidates={candidates}"
-            speed[tau, candidates] = tokens_per_forward(out.mars_stats)
-    assert speed[1.0, 1] == speed[1.0, 3] == 1.0
-    assert speed[0.7, 1] > 1.15 and speed[0.0, 1] > 1.15  # drafts get accepted: more than one token per pass
-    assert speed[0.0, 3] > speed[0.0, 1]  # runner-up candidates for the first draft are accepted too
+                                 mars_lookup=lookup, max_new_tokens=60, return_dict_in_generate=True)  # fmt: skip
+            assert torch.equal(out.sequences, reference), f"tau={tau}, candidates={candidates}, lookup={lookup}"
+            speed[tau, candidates, lookup] = tokens_per_forward(out.mars_stats)
+    assert speed[1.0, 1, 0] == speed[1.0, 3, 0] == 1.0
+    assert speed[0.7, 1, 0] > 1.15 and speed[0.0, 1, 0] > 1.15  # drafts get accepted: more than one token per pass
+    assert speed[0.0, 3, 0] > speed[0.0, 1, 0]  # runner-up candidates for the first draft are accepted too
     # τ-mode at the same τ accepts more, but its output may differ from AR; lossless mode never does
     fast = model.generate(**enc, mars_tau=0.0, max_new_tokens=60, return_dict_in_generate=True)
-    assert tokens_per_forward(fast.mars_stats) > speed[0.0, 1]
+    assert tokens_per_forward(fast.mars_stats) > speed[0.0, 1, 0]
 
 
-@pytest.mark.parametrize("mask_cost,candidates", [(0.0, 1), (0.2, 1), (0.0, 3)])
-def test_lossless_rows_alone_equal_the_batch(trained_toy, mask_cost, candidates):
+@pytest.mark.parametrize("mask_cost,candidates,lookup", [(0.0, 1, 0), (0.2, 1, 0), (0.0, 3, 0), (0.0, 3, 4)])
+def test_lossless_rows_alone_equal_the_batch(trained_toy, mask_cost, candidates, lookup):
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=77)
-    kwargs = dict(mars_tau=0.2, mars_verify=True, mars_draft_candidates=candidates, mars_mask_cost=mask_cost,
-                  max_new_tokens=50)  # fmt: skip
+    kwargs = dict(mars_tau=0.2, mars_verify=True, mars_draft_candidates=candidates, mars_lookup=lookup,
+                  mars_mask_cost=mask_cost, max_new_tokens=50)  # fmt: skip
     batched = model.generate(**enc, **kwargs)
     assert torch.equal(batched, GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=50))
     for i in range(4):
@@ -71,10 +71,67 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
     for kwargs in (dict(), dict(repetition_penalty=1.3)):
         reference = base.generate(**enc, do_sample=False, max_new_tokens=30, **kwargs)
         for tau in (0.9, 0.3, 0.0):
-            for cost, candidates in ((0.0, 1), (0.3, 1), (0.0, 4)):
+            for cost, candidates, lookup in ((0.0, 1, 0), (0.3, 1, 0), (0.0, 4, 0), (0.0, 2, 5)):
                 out = mars.generate(**enc, mars_tau=tau, mars_verify=True, mars_mask_cost=cost, max_new_tokens=30,
-                                    mars_draft_candidates=candidates, **kwargs)  # fmt: skip
-                assert torch.equal(out, reference), (tau, cost, candidates, kwargs)
+                                    mars_draft_candidates=candidates, mars_lookup=lookup, **kwargs)  # fmt: skip
+                assert torch.equal(out, reference), (tau, cost, candidates, lookup, kwargs)
+
+
+def test_prompt_lookup_finds_what_followed_the_latest_longest_match():
+    from hf_mars.generation import _lookup
+
+    pad = 0
+    sequences = torch.tensor(
+        [
+            [pad, 1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3, pad, pad],  # "2 3" last followed by 7 8 5 (latest match)
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 4, 5],  # 3-gram "7 4 5" is new; "4 5" last came before 6 7 4
+            [5, 6, 7, 8, 6, 7, pad, pad, pad, pad, pad, pad, pad, pad, pad],  # "6 7" at the end of the text: 8 6 7
+            [1, 2, 3, 4, pad, pad, pad, pad, pad, pad, pad, pad, pad, pad, pad],  # nothing repeats
+        ]
+    )
+    lengths = torch.tensor([13, 15, 6, 4])
+    found, real = _lookup(sequences, lengths, 4)
+    assert found[0, :3].tolist() == [7, 8, 5] and real[0].tolist() == [True] * 4  # then "2" (reaches the last token)
+    assert found[1, :3].tolist() == [6, 7, 4] and real[1].all()
+    assert found[2, :3].tolist() == [8, 6, 7] and real[2].tolist() == [True, True, True, False]  # the text ends
+    assert not real[3].any()
+
+
+def test_lossless_with_prompt_lookup_accepts_repeated_text_exactly():
+    """Text that repeats is what lookup drafts: at τ = 1 (no masks, no mask drafts) they alone give more than one
+    token per pass, with the output still exactly greedy `generate()`'s. The model here repeats its last token: its
+    layers add nothing to the residual stream and its output head is its embedding."""
+    tok = make_tokenizer()
+    model = make_model("llama", dtype=torch.float64)
+    hf_mars.to_mars(model, tok, block_size=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    enc = tok(["one two three one two three one two", "abc abc abc"], return_tensors="pt", padding=True)
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
+    out = model.generate(**enc, mars_tau=1.0, mars_verify=True, mars_lookup=4, max_new_tokens=40,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, reference)
+    assert tokens_per_forward(out.mars_stats) > 1.5
+
+
+def test_verification_keeps_the_deepest_path_when_sibling_drafts_are_equal():
+    """A lookup draft may equal a mask's: both siblings match, and the path through the one with a matching child
+    must be kept (its tokens, and its end, whose group of masks proposes the next drafts)."""
+    from hf_mars.generation import _verify
+
+    vocab, parents = 10, [-1, -1, 1]  # drafts 0 and 1 both follow the root; draft 2 follows draft 1
+    drafts = torch.tensor([[4, 4, 6], [4, 4, 6]])
+    draft_real = torch.tensor([[True, True, True], [True, True, False]])
+    targets = torch.tensor([[4, 6, 6, 2], [4, 6, 6, 2]])  # argmax at the root, then at drafts 0, 1 (equal), 2
+    logits = torch.nn.functional.one_hot(targets, vocab).float()
+    tokens, accepted, kept, end = _verify(logits, drafts, draft_real, parents, None)
+    assert accepted.tolist() == [3, 2]
+    assert tokens[0, :3].tolist() == [4, 6, 2] and tokens[1, :2].tolist() == [4, 6]
+    assert end[0] == 3 and kept[0].tolist() == [False, True, True]
+    assert end[1] in (1, 2) and kept[1].sum() == 1 and not kept[1, 2]  # either equal sibling, alone
 
 
 @pytest.mark.parametrize("family,attention", [("qwen2", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])

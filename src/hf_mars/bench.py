@@ -109,10 +109,11 @@ def generate_ar(model, **inputs):
     return GenerationMixin.generate(model, do_sample=False, **inputs), None
 
 
-def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=1, **inputs):
+def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=1, lookup=0, **inputs):
     """Greedy MARS decoding: `(sequences, row_passes)`."""
     out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_cost=mask_cost, mars_block_size=block_size,
-                         mars_draft_candidates=candidates, do_sample=False, return_dict_in_generate=True, **inputs)  # fmt: skip
+                         mars_draft_candidates=candidates, mars_lookup=lookup, do_sample=False,
+                         return_dict_in_generate=True, **inputs)  # fmt: skip
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
@@ -123,8 +124,9 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
     and "lossless cost=0.18 tau=0.9" with `mars_mask_cost=0.18`; "cost=auto" uses `measured["auto"]`, which
     `run_benchmark` sets to `measure_mask_cost` at each batch size. `row_passes` sums, over rows, the forward passes
     each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
-    definition, where it is None; MARS reports it in `mars_stats`). Each `(B, n)` of `trees` adds lossless methods
-    "lossless B=2 n=3 tau=0.0" with `mars_block_size=B, mars_draft_candidates=n`.
+    definition, where it is None; MARS reports it in `mars_stats`). Each `(B, n, L)` of `trees` adds lossless methods
+    "lossless B=2 n=3 L=4 tau=0.0" with `mars_block_size=B, mars_draft_candidates=n, mars_lookup=L` (no "L=" when
+    L is 0).
     """
 
     def ar(model, counter, **kw):
@@ -134,10 +136,10 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
         out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
         return out, counter.count * out.shape[0]
 
-    def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=1, **kw):
+    def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=1, lookup=0, **kw):
         if cost == "auto":  # measured for 1 .. B-1 masks of the model's own B
             cost = measured["auto"][: block - 1] if block else measured["auto"]
-        return generate_mars(model, tau, verify, cost, block, candidates, **kw)
+        return generate_mars(model, tau, verify, cost, block, candidates, lookup, **kw)
 
     table = {"ar": ar}
     if prompt_lookup:
@@ -152,10 +154,11 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
                 table[f"lossless{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(
                     m, c, tau, verify=True, cost=cost, **kw
                 )
-                for block, n in trees if tau < 1.0 else ():
-                    table[f"lossless{suffix} B={block} n={n} tau={tau}"] = (
-                        lambda m, c, tau=tau, cost=cost, b=block, n=n, **kw: mars(
-                            m, c, tau, verify=True, cost=cost, block=b, candidates=n, **kw
+                for block, n, lookup in trees if tau < 1.0 else ():
+                    tree = f"B={block} n={n}" + (f" L={lookup}" if lookup else "")
+                    table[f"lossless{suffix} {tree} tau={tau}"] = (
+                        lambda m, c, tau=tau, cost=cost, b=block, n=n, L=lookup, **kw: mars(
+                            m, c, tau, verify=True, cost=cost, block=b, candidates=n, lookup=L, **kw
                         )
                     )
     return table
@@ -180,7 +183,7 @@ def run_benchmark(
 
     `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass; "auto": the cost at each batch size,
     from `measured_costs` (batch size -> `measure_mask_cost`) or measured here); each adds MARS and lossless cells.
-    `trees`: `(B, n)` pairs of lossless draft trees to measure besides the default (see `methods`).
+    `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`).
     """
     from tqdm.auto import tqdm
 

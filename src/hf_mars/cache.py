@@ -98,6 +98,16 @@ def draft_depths(parents: list[int]) -> torch.LongTensor:
     return torch.tensor(depths, dtype=torch.long)
 
 
+def draft_lineage(parents: list[int]) -> torch.BoolTensor:
+    """`(len(parents) + 1, len(parents))`: row 0 is the root (no draft); row i + 1 marks draft i and its ancestors,
+    i.e. the path of drafts that ends at draft i."""
+    lineage = torch.eye(len(parents) + 1, dtype=torch.bool)[:, 1:]
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            lineage[i + 1] |= lineage[parent + 1]
+    return lineage
+
+
 def branch_visibility(num_pending: int, parents: list[int], num_masks: int, device=None) -> torch.BoolTensor:
     """Which tokens of a lossless pass see which, among `[pending | drafts (a tree) | groups of masks]` (see
     `MARSCache.step_inputs`): `(queries, queries)`, causal. Everything cached is visible to all (holes aside).
@@ -107,10 +117,7 @@ def branch_visibility(num_pending: int, parents: list[int], num_masks: int, devi
     what a plain causal pass over the text it continues would compute.
     """
     k, pending = len(parents), num_pending
-    lineage = torch.eye(k + 1, dtype=torch.bool)[:, 1:]  # row 0: the root; row i + 1: draft i and its ancestors
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            lineage[i + 1] |= lineage[parent + 1]
+    lineage = draft_lineage(parents)
     total = pending + k + (k + 1) * num_masks
     sees = torch.zeros(total, total, dtype=torch.bool)
     sees[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()

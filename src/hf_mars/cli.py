@@ -2,7 +2,7 @@
 
     hf-mars train --model_name_or_path M --dataset_name D --output_dir O [TRL SFT arguments] [--mars_block_size 4]
     hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
-    hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless] [--max-new-tokens 256] [--no-compare]
+    hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless [--draft-candidates N] [--lookup L]] [--no-compare]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
     hf-mars push DIR REPO_ID [--private] [--revision BRANCH] [--tau-table FILE] [--base-model ID] [--license L]
     hf-mars push-space SPACE_ID --model REPO_ID [--folder DIR] [--model-revision REV] [--private]
@@ -70,12 +70,15 @@ def _mask_cost(text: str):
     return value
 
 
-def _tree(text: str) -> tuple[int, int]:
-    """`BxN` for `bench --lossless-trees`: block size B >= 2, N >= 1 candidates for the first draft."""
-    block, _, n = text.partition("x")
-    if not (block.isdigit() and n.isdigit() and int(block) >= 2 and int(n) >= 1):
-        raise argparse.ArgumentTypeError(f"BxN with B >= 2 and N >= 1 (e.g. 2x3), not {text!r}")
-    return int(block), int(n)
+def _tree(text: str) -> tuple[int, int, int]:
+    """`BxN` or `BxN+L` for `bench --lossless-trees`: block size B >= 2, N >= 1 candidates for the first draft, L
+    tokens drafted by prompt lookup (default 0)."""
+    tree, _, lookup = text.partition("+")
+    block, _, n = tree.partition("x")
+    lookup = lookup or "0"
+    if not (block.isdigit() and n.isdigit() and lookup.isdigit() and int(block) >= 2 and int(n) >= 1):
+        raise argparse.ArgumentTypeError(f"BxN or BxN+L with B >= 2, N >= 1, L >= 0 (e.g. 2x3+4), not {text!r}")
+    return int(block), int(n), int(lookup)
 
 
 def cmd_generate(args) -> None:
@@ -89,14 +92,20 @@ def cmd_generate(args) -> None:
         from .bench import measure_mask_cost
 
         mask_cost = measure_mask_cost(model)
-    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=mask_cost)
+    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=mask_cost, mars_block_size=args.block_size)
+    if args.lossless:
+        mars.update(mars_draft_candidates=args.draft_candidates, mars_lookup=args.lookup)
+    elif args.draft_candidates != 1 or args.lookup:
+        raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
 
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
         model.generate(**inputs, max_new_tokens=4, **mars)
 
     mode = "lossless " if args.lossless else ""
-    print(f"[MARS {mode}τ={args.tau}, block size {model.config.mars_block_size}, mask cost {mask_cost}]", file=sys.stderr)
+    block = args.block_size or model.config.mars_block_size
+    tree = f", {args.draft_candidates} draft candidates, lookup {args.lookup}" if args.lossless else ""
+    print(f"[MARS {mode}τ={args.tau}, block size {block}{tree}, mask cost {mask_cost}]", file=sys.stderr)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     out = model.generate(**inputs, **common, **mars, streamer=streamer, return_dict_in_generate=True)
@@ -271,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
     gen.add_argument("--lossless", action="store_true",
                      help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts")
+    gen.add_argument("--block-size", type=int, help="mars_block_size: at most B tokens per pass (default: the model's)")
+    gen.add_argument("--draft-candidates", type=int, default=1,
+                     help="lossless: candidates for the first draft (mars_draft_candidates; 3 was fastest on a CPU)")
+    gen.add_argument("--lookup", type=int, default=0,
+                     help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; 4 was fastest on a CPU)")
     gen.add_argument("--mask-cost", type=_mask_cost, default=0.0,
                      help="mars_mask_cost: a mask's share of a pass's time (0 = B-1 masks every pass), or `auto`: "
                           "measure it on this machine first")
@@ -300,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mask-costs", type=_mask_cost, nargs="+", default=[0.0, "auto"],
                        help="values of mars_mask_cost to measure: 0 (B-1 masks every pass), a cost per mask, or `auto` "
                             "(measured at each batch size); default: 0 auto")
-    bench.add_argument("--lossless-trees", type=_tree, nargs="+", default=[], metavar="BxN",
-                       help="also measure lossless mode with mars_block_size=B and mars_draft_candidates=N, e.g. 2x3")
+    bench.add_argument("--lossless-trees", type=_tree, nargs="+", default=[], metavar="BxN[+L]",
+                       help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
+                            "mars_lookup=L, e.g. 2x3 or 2x3+4")
     bench.add_argument("--revision")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     bench.add_argument("--device", help="e.g. cuda (default: where the model loads)")
