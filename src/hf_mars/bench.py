@@ -330,14 +330,15 @@ def _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forw
 
 
 def format_table(cells: list[Cell]) -> str:
-    head = (f"{'method':<26} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} "
+    name = max([26] + [len(c.method) for c in cells])
+    head = (f"{'method':<{name}} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} "
             f"{'acc':>6} {'in fwd':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for c in cells:
         acc = "" if c.accuracy is None else f"{c.accuracy:.0%}"
         share = "" if c.forward_share is None else f"{c.forward_share:.0%}"
         lines.append(
-            f"{c.method:<26} {c.batch_size:>5} {c.tokens_per_forward:>8.2f} {c.tokens_per_second:>9.1f} "
+            f"{c.method:<{name}} {c.batch_size:>5} {c.tokens_per_forward:>8.2f} {c.tokens_per_second:>9.1f} "
             f"{c.speedup:>8.2f}x {c.efficiency:>10.2f} {c.agreement:>6.0%} {acc:>6} {share:>7}"
         )
     return "\n".join(lines)

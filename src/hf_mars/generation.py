@@ -618,6 +618,7 @@ def mars_decode(
     drafts = torch.empty(batch, 0, dtype=torch.long, device=device)  # lossless mode: unverified guesses
     draft_real = torch.empty(batch, 0, dtype=torch.bool, device=device)
     parents = []  # the drafts' tree, shared by the rows: draft i follows draft parents[i] (-1: the last pending token)
+    from_masks = 0  # drafts[:, :from_masks] came from masks, the rest from prompt lookup
     do_sample = generation_config.do_sample
     proposals = None  # lossless sampling: the distributions the drafts came from (see `_verify`)
     cache = MARSCache(batch, device)
@@ -667,8 +668,8 @@ def mars_decode(
             tokens, accepted, kept, end = _verify(
                 logits[:, : num_drafts + 1], drafts, draft_real, parents, histories, proposals if do_sample else None
             )
-            # The drafts came from the last pass's masks: they paid what was kept
-            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), passes_per_row[rows])
+            # The drafts before `from_masks` came from the last pass's masks: they paid what of them was kept
+            schedule.update(rows, schedule.last[rows], kept[:, :from_masks].sum(dim=1), passes_per_row[rows])
             cache.commit(torch.cat([pending_real, kept], dim=1), groups * (slots - 1))  # rejected drafts: holes
         else:
             cache.commit(pending_real, slots - 1)
@@ -743,14 +744,14 @@ def mars_decode(
                     reached = torch.arange(slots - 1, device=device) <= count[:, None]
                     q = q * proposed * reached[..., None]
                     proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[:, : chain + 1]
+            from_masks = drafts.shape[1]
             if lookup:  # one more branch: what followed the text's last n-gram where it occurred before
                 found, found_real = _lookup(sequences[rows], prompt_length + new_tokens[rows], lookup)
                 reach = int(found_real.sum(dim=1).max())
                 if reach:
-                    first = drafts.shape[1]
                     drafts = torch.cat([drafts, found[:, :reach].masked_fill(~found_real[:, :reach], pad_token_id)], 1)
                     draft_real = torch.cat([draft_real, found_real[:, :reach]], dim=1)
-                    parents += [-1] + list(range(first, first + reach - 1))
+                    parents += [-1] + list(range(from_masks, from_masks + reach - 1))
         else:
             # Next pass feeds this pass's accepted tokens, right-aligned: shorter rows leave holes in the cache.
             pending, pending_real = _right_align(tokens, accepted, pad_token_id)
