@@ -34,6 +34,8 @@ CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once;
 DTYPES = ("float32", "bfloat16", "float16")  # MARS_DTYPE: bfloat16 makes masks nearly free on CPUs that compute it
 COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
 DECODERS = ["MARS", "AR generate()"]
+# Lossless mode's draft tree: runner-ups of the first draft, and tokens drafted by prompt lookup (fastest on a CPU)
+LOSSLESS = dict(mars_verify=True, mars_draft_candidates=3, mars_lookup=4)
 UPDATE_EVERY = 0.05  # seconds between UI updates at most 20 a second; each carries every pass since the last one
 CSS = ".mars-pass{border-radius:3px;padding:1px 0;border-right:1px solid rgba(0,0,0,.2);white-space:pre-wrap}"
 
@@ -159,8 +161,10 @@ def build_demo(model, tokenizer) -> gr.Blocks:
     def set_tau(tau, session: Session):
         session.tau = float(tau)
 
-    def respond(message, history, tau, block_size, max_new_tokens, do_sample, temperature, top_p, mask_cost, session: Session):
-        """Stream the MARS answer pass by pass; the session's τ is read before every pass."""
+    def respond(message, history, tau, block_size, max_new_tokens, do_sample, temperature, top_p, mask_cost, lossless,
+                session: Session):
+        """Stream the MARS answer pass by pass; the session's τ is read before every pass. Lossless: drafts verified
+        by the model itself, so the text is plain AR's (greedy) or distributed as its samples."""
         history = list(history or [])
         if not message or not message.strip():
             raise gr.Error("Type a message first.")
@@ -171,13 +175,15 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         settings = dict(max_new_tokens=int(max_new_tokens), **sampling)
         session.tau, taus, stop, streamer = float(tau), [], threading.Event(), ChunkStreamer()
         cost = dict(mars_mask_cost=float(mask_cost)) if mask_cost else {}  # 0: the default, also of older checkpoints
+        verify = LOSSLESS if lossless else {}  # likewise
+        most = max(int(block_size) - 1, LOSSLESS["mars_lookup"]) + 1 if lossless else int(block_size)  # tokens per pass
 
         def tau_now():  # read by the decoder once before every forward pass
             taus.append(session.tau)
             return taus[-1]
 
         job = in_thread(model.generate, streamer.queue, **inputs, **settings, mars_tau=tau_now, mars_block_size=int(block_size),
-                        **cost, streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
+                        **cost, **verify, streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
         ids, spans, shown, passes, start = [], [], "", 0, time.perf_counter()
         history.append({"role": "user", "content": message})
         try:
@@ -193,8 +199,8 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                 elapsed = time.perf_counter() - start
                 stats = dict(decoder="MARS", done=False, new_tokens=len(ids), forward_passes=passes, seconds=elapsed,
                              tokens_per_second=len(ids) / elapsed, tau_per_pass=taus[:passes], block_size=int(block_size),
-                             prompt_tokens=prompt_tokens)
-                yield ("", history + [{"role": "assistant", "content": shown}], spans_html(spans, int(block_size)),
+                             lossless=bool(lossless), prompt_tokens=prompt_tokens)
+                yield ("", history + [{"role": "assistant", "content": shown}], spans_html(spans, most),
                        figures("MARS", len(ids), passes, elapsed, f" · τ now {session.tau:.2f}"), stats, gr.skip(), gr.skip())
         finally:
             stop.set()  # cancelled or disconnected: the generation thread stops at its next pass
@@ -208,7 +214,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                      tokens_per_forward=new / mars.forward_passes, tokens_per_second=new / seconds,
                      tau_per_pass=list(mars.tau_per_step), accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
                      masks_per_pass=list(getattr(mars, "masks_per_step", [])), mask_cost=float(mask_cost),
-                     block_size=int(block_size), prompt_tokens=prompt_tokens)
+                     block_size=int(block_size), lossless=bool(lossless), prompt_tokens=prompt_tokens)
         mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
         session.runs.append(dict(run=len(session.runs) + 1, decoder="MARS", tau=round(mean_tau, 3),
                                  tokens_per_forward=stats["tokens_per_forward"], tokens_per_second=stats["tokens_per_second"]))
@@ -216,7 +222,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         if spans and answer.startswith(shown) and answer != shown:  # a held-back incomplete character at the end
             spans[-1] = (spans[-1][0] + answer[len(shown):], spans[-1][1])
         session.last = dict(inputs=inputs, settings=settings, ids=out.sequences[0].tolist(), tokens_per_second=stats["tokens_per_second"])
-        yield ("", history + [{"role": "assistant", "content": answer}], spans_html(spans, int(block_size)),
+        yield ("", history + [{"role": "assistant", "content": answer}], spans_html(spans, most),
                figures("MARS", new, mars.forward_passes, seconds, f" · mean τ {mean_tau:.2f}"), stats, *[runs_frame(session)] * 2)
 
     def compare_ar(compare, session: Session):
@@ -270,6 +276,9 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                 mask_cost = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Mask cost (share of a one-token pass)",
                                       info="0 = B-1 masks every pass (the paper); above 0, a mask is fed only where "
                                            "its acceptance pays for its compute (CPU: about 0.7 in float32, near 0 in bfloat16)", elem_id="mask-cost")
+                lossless = gr.Checkbox(label="Lossless: verify the drafts (exactly the AR text)", value=False, elem_id="lossless",
+                                       info="the masks' guesses, and text that repeats, are checked by the model in the "
+                                            "next pass: τ sets how many are drafted, not the text")
                 do_sample = gr.Checkbox(label="Sample", value=False)
                 temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                 top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p")
@@ -293,7 +302,8 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         tau.change(set_tau, [tau, session], None, api_name="set_tau", concurrency_limit=None, show_progress="hidden")
         plot_outputs = [per_forward, per_second]
         mars_event = gr.on([message.submit, send.click], respond,
-                           [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, mask_cost, session],
+                           [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, mask_cost, lossless,
+                            session],
                            [message, chatbot, mars_spans, mars_figures, stats, *plot_outputs], api_name="respond")
         ar_event = mars_event.then(compare_ar, [compare, session], [ar_text, ar_figures, *plot_outputs], api_name="compare_ar")
         stop_button.click(None, cancels=[mars_event, ar_event], api_visibility="private")

@@ -87,8 +87,9 @@ def client(url: str) -> Client:
     return Client(url, verbose=False)  # a fresh client is a fresh session: its own τ and runs
 
 
-def ask(c: Client, message="hello", history=(), tau=0.9, block_size=4, max_new_tokens=40, do_sample=False, mask_cost=0.0):
-    return c.submit(message, list(history), tau, block_size, max_new_tokens, do_sample, 0.7, 0.95, mask_cost,
+def ask(c: Client, message="hello", history=(), tau=0.9, block_size=4, max_new_tokens=40, do_sample=False, mask_cost=0.0,
+        lossless=False):
+    return c.submit(message, list(history), tau, block_size, max_new_tokens, do_sample, 0.7, 0.95, mask_cost, lossless,
                     api_name="/respond")
 
 
@@ -150,7 +151,21 @@ def test_plain_ar_side_by_side_equals_tau_1_and_plot_gains_rows(served):
     assert len(data) == 3 and data[-1][2] == 0.5 and data[-1][3] > 1.2  # (run, decoder, tau, tokens/forward, tokens/s)
     ar_text, ar_figures, plot, _ = c.predict(True, api_name="/compare_ar")
     assert ar_text == answer_text(first[1]) and len(rows(plot)) == 4
-    assert len(rows(client(url).predict("abc", [], 1.0, 4, 5, False, 0.7, 0.95, 0.0, api_name="/respond")[5])) == 1  # per session
+    assert len(rows(client(url).predict("abc", [], 1.0, 4, 5, False, 0.7, 0.95, 0.0, False, api_name="/respond")[5])) == 1  # per session
+
+
+def test_lossless_checkbox_gives_the_ar_text(served):
+    """τ = 0 takes every guess of the masks, a text of its own; ticked, the same τ drafts them, the model verifies
+    them, and the answer is plain AR's."""
+    _, url, _ = served
+    c = client(url)
+    fast = ask(c, "abc", tau=0.0, max_new_tokens=24).result()
+    ar_text, _, _, _ = c.predict(True, api_name="/compare_ar")
+    assert answer_text(fast[1]) != ar_text
+    exact = ask(c, "abc", tau=0.0, max_new_tokens=24, lossless=True).result()
+    assert exact[4]["lossless"] and exact[4]["done"] and answer_text(exact[1]) == ar_text
+    _, ar_figures, _, _ = c.predict(True, api_name="/compare_ar")
+    assert "identical to MARS" in ar_figures
 
 
 def test_limits(served):
@@ -205,7 +220,7 @@ def test_python_app_py_serves_from_env_without_hf_mars(tmp_path):
                 break
             time.sleep(0.2)
         assert proc.poll() is None, "".join(log)[-3000:]
-        out = client(f"http://127.0.0.1:{port}/").predict("hi", [], 0.5, 4, 12, False, 0.7, 0.95, 0.0, api_name="/respond")
+        out = client(f"http://127.0.0.1:{port}/").predict("hi", [], 0.5, 4, 12, False, 0.7, 0.95, 0.0, False, api_name="/respond")
         assert out[4]["done"] and out[4]["new_tokens"] == 12
     finally:
         proc.terminate()
