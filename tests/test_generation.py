@@ -469,3 +469,10 @@ def test_sliding_window_models_are_exact_or_refused():
     mars.config.sliding_window = 16
     with pytest.raises(ValueError, match="Sliding-window"):
         mars.generate(**enc, mars_tau=0.9, max_new_tokens=10)
+    # A window that holds τ-mode's cache (B slots per token at most) but not a lossless tree's (1 + its drafts)
+    block = mars.config.mars_block_size
+    mars.config.sliding_window = base.config.sliding_window = enc.input_ids.shape[1] + 10 * block
+    reference = base.generate(**enc, do_sample=False, max_new_tokens=10)
+    assert torch.equal(mars.generate(**enc, mars_tau=0.0, mars_verify=True, max_new_tokens=10), reference)
+    with pytest.raises(ValueError, match="Sliding-window"):
+        mars.generate(**enc, mars_tau=0.0, mars_verify=True, mars_lookup=4, max_new_tokens=10)

@@ -348,8 +348,9 @@ def _first_set(*values):
     return next((v for v in values if v is not None), None)
 
 
-def _check_decodable(model, generation_config, prompt_length: int, block_size: int) -> None:
-    """Refuse, with a reason, what MARS decoding cannot do exactly."""
+def _check_decodable(model, generation_config, prompt_length: int, slots_per_token: int) -> None:
+    """Refuse, with a reason, what MARS decoding cannot do exactly. `slots_per_token`: the most cache slots a pass
+    may fill per token it yields (holes included)."""
     mode = generation_config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"`mars_tau` works with greedy decoding and sampling, not {mode.value} (e.g. num_beams > 1).")
@@ -367,8 +368,8 @@ def _check_decodable(model, generation_config, prompt_length: int, block_size: i
     if any(getattr(probe, "is_linear", [])) or any(getattr(probe, "is_dummy", [])):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks.")
     windows = [layer.sliding_window for layer in probe.layers if getattr(layer, "is_sliding", False)]
-    # Holes (at most block_size - 1 per pass) push cache indices apart: a window would then see fewer real tokens.
-    longest = prompt_length + (generation_config.max_length - prompt_length) * block_size
+    # Holes push cache indices apart: a window would then see fewer real tokens.
+    longest = prompt_length + (generation_config.max_length - prompt_length) * slots_per_token
     if windows and min(windows) < longest:
         raise ValueError(
             f"Sliding-window attention ({min(windows)} tokens) is only exact with MARS while the whole generation "
@@ -577,13 +578,16 @@ def mars_decode(
     (right-aligned), drafts are unverified guesses (lossless mode only, left-aligned), masks are up to B-1
     `<|mask|>` (as many as the largest offer of `MaskSchedule`). The drafts form a tree (`parents`): a chain from
     the masks' top tokens, plus `mars_draft_candidates - 1` runner-ups of the first as its siblings, plus a chain of
-    up to `mars_lookup` tokens found by prompt lookup (`_lookup`). The masks come
-    once after the last pending token and once after each draft; the group after the last kept draft saw exactly
-    the text as it now stands, so its predictions are the next drafts.
+    up to `mars_lookup` tokens found by prompt lookup (`_lookup`). The masks come once after the last pending token
+    and once after each draft; the group after the last kept draft saw exactly the text as it now stands, so its
+    predictions are the next drafts.
     """
     batch, prompt_length = input_ids.shape
     device = input_ids.device
-    _check_decodable(model, generation_config, prompt_length, mars_block_size)
+    # A pass yields at least one token and fills a cache slot for each fed token but the masks: in τ-mode at most B
+    # (holes where a row accepted fewer), in lossless mode 1 + its drafts (holes where they were rejected)
+    drafted = mars_block_size - 1 + mars_draft_candidates - 1 + mars_lookup if mars_verify else mars_block_size - 1
+    _check_decodable(model, generation_config, prompt_length, 1 + drafted)
     if streamer is not None and batch > 1:
         raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
     if mars_verify and getattr(model.config, "_attn_implementation", None) not in _BRANCHING:
