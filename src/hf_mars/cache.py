@@ -90,22 +90,19 @@ class MARSCache(DynamicCache):
         self.real = self.real.gather(1, order)
 
 
-def draft_depths(parents: list[int]) -> torch.LongTensor:
-    """How many positions past the root each draft of a tree sits (`parents[i] < i`; -1 is the root)."""
-    depths = []
-    for parent in parents:
-        depths.append(1 + (depths[parent] if parent >= 0 else 0))
-    return torch.tensor(depths, dtype=torch.long)
-
-
 def draft_lineage(parents: list[int]) -> torch.BoolTensor:
-    """`(len(parents) + 1, len(parents))`: row 0 is the root (no draft); row i + 1 marks draft i and its ancestors,
-    i.e. the path of drafts that ends at draft i."""
+    """`(len(parents) + 1, len(parents))` for a tree of drafts, draft i following draft `parents[i] < i` (-1: the
+    root): row 0 is the root (no draft); row i + 1 marks draft i and its ancestors, the path of drafts to draft i."""
     lineage = torch.eye(len(parents) + 1, dtype=torch.bool)[:, 1:]
     for i, parent in enumerate(parents):
         if parent >= 0:
             lineage[i + 1] |= lineage[parent + 1]
     return lineage
+
+
+def draft_depths(parents: list[int]) -> torch.LongTensor:
+    """How many positions past the root each draft of a tree sits: the length of its path."""
+    return draft_lineage(parents)[1:].sum(dim=1)
 
 
 def branch_visibility(num_pending: int, parents: list[int], num_masks: int, device=None) -> torch.BoolTensor:

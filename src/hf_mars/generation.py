@@ -49,7 +49,7 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from .cache import MARSCache, branch_visibility, draft_depths, draft_lineage
+from .cache import MARSCache, branch_visibility, draft_lineage
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Warpers that read only the scores, never the token history: they can score every slot of a pass in one call.
@@ -469,15 +469,14 @@ def _verify(logits, drafts, draft_real, parents: list[int], histories, proposals
         target = scores.argmax(dim=-1)  # (batch, 1 + drafts)
         at_parent = torch.tensor(parents, dtype=torch.long, device=drafts.device) + 1
         match = (drafts == target[:, at_parent]) & draft_real
-        kept = match
-        for _ in range(len(parents) - 1):  # a kept draft needs a kept parent
-            kept = match & torch.cat([torch.ones_like(kept[:, :1]), kept], dim=1)[:, at_parent]
-        depth = draft_depths(parents).to(drafts.device)
+        paths = draft_lineage(parents).to(drafts.device)  # row 1 + i: the drafts on the path to draft i
+        kept = (match[:, None, :] | ~paths[1:]).all(dim=2)  # every draft on its path matches
+        depth = paths[1:].sum(dim=1)
         count, end = torch.zeros_like(target[:, 0]), torch.zeros_like(target[:, 0])
         if parents:  # the path ends at the deepest kept draft (equal siblings are equal paths: either will do)
             count, deepest = (kept * depth).max(dim=1)
             end = torch.where(count > 0, deepest + 1, 0)
-        kept = draft_lineage(parents).to(drafts.device)[end]
+        kept = paths[end]
         path = [(drafts * (kept & (depth == d))).sum(dim=1) for d in range(1, max(depth.tolist(), default=0) + 1)]
         tokens = torch.stack([*path, torch.zeros_like(count)], dim=1)
         tokens.scatter_(1, count[:, None], target.gather(1, end[:, None]))
@@ -626,11 +625,11 @@ def mars_decode(
     do_sample = generation_config.do_sample
     proposals = None  # lossless sampling: the distributions the drafts came from (see `_verify`)
     cache = MARSCache(batch, device)
-    # More than one candidate for the first draft (siblings in the tree) needs greedy verification, whose processors
-    # (if any) read no history: with sampling, or a history-reading processor, drafts stay a chain
-    histories_free = not logits_processor or _history_free(logits_processor)
-    candidates = mars_draft_candidates if not do_sample and histories_free else 1
-    lookup = mars_lookup if mars_verify and not do_sample and histories_free else 0
+    # Sibling drafts (candidates, a lookup branch) need greedy verification, whose processors (if any) read no
+    # history: with sampling, or a history-reading processor, drafts stay a chain
+    branching = not do_sample and (not logits_processor or _history_free(logits_processor))
+    candidates = mars_draft_candidates if branching else 1
+    lookup = mars_lookup if mars_verify and branching else 0
     schedule = MaskSchedule(mars_mask_cost, batch, mars_block_size - 1, device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
