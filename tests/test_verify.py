@@ -42,6 +42,35 @@ def test_lossless_equals_greedy_generate_at_every_tau_on_a_trained_model(trained
     assert tokens_per_forward(fast.mars_stats) > speed[0.0, 1, 0]
 
 
+def test_lossless_defaults_come_from_the_generation_config_preset(trained_toy):
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=99)
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
+    # No τ anywhere: lossless mode runs at τ = 0 (its text does not depend on τ); before, this was plain generate()
+    out = model.generate(**enc, mars_verify=True, max_new_tokens=40, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    assert set(out.mars_stats.tau_per_step) == {0.0} and max(out.mars_stats.masks_per_step) == 3  # the model's B = 4
+    preset = dict(mars_tau=0.5, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4)
+    model.generation_config.mars_lossless = preset
+    try:
+        settings = hf_mars.mars_settings(model, mars_verify=True)
+        assert {k: settings[k] for k in preset} == preset
+        out = model.generate(**enc, mars_verify=True, max_new_tokens=40, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, reference)
+        assert set(out.mars_stats.tau_per_step) == {0.5} and max(out.mars_stats.masks_per_step) == 1  # B = 2
+        # Explicit arguments win; τ-mode ignores the preset
+        assert hf_mars.mars_settings(model, mars_verify=True, mars_lookup=0, mars_tau=0.9)["mars_lookup"] == 0
+        tau_mode = hf_mars.mars_settings(model, mars_tau=0.9)
+        assert (tau_mode["mars_block_size"], tau_mode["mars_lookup"], tau_mode["mars_draft_candidates"]) == (4, 0, 1)
+        assert hf_mars.mars_settings(model) is None  # no τ, no lossless mode: plain generate()
+        for bad, words in (({"mars_lookahead": 2}, "mars_lossless"), ({"mars_lookup": -1}, "mars_lookup")):
+            model.generation_config.mars_lossless = bad
+            with pytest.raises(ValueError, match=words):
+                model.generate(**enc, mars_verify=True, max_new_tokens=4)
+    finally:
+        del model.generation_config.mars_lossless
+
+
 @pytest.mark.parametrize("mask_cost,candidates,lookup", [(0.0, 1, 0), (0.2, 1, 0), (0.0, 3, 0), (0.0, 3, 4)])
 def test_lossless_rows_alone_equal_the_batch(trained_toy, mask_cost, candidates, lookup):
     model, tok = trained_toy

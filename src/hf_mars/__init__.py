@@ -8,7 +8,7 @@ at least τ; τ = 1 is exactly the original autoregressive model.
 __version__ = "0.1.0"
 
 from .cache import MARSCache
-from .generation import MARSGenerationMixin, MARSGenerateOutput, MARSStats, TauController
+from .generation import MARSGenerationMixin, MARSGenerateOutput, MARSStats, TauController, mars_settings
 from .convert import convert_checkpoint, to_mars
 from .modeling import MASK_TOKEN, mars_class
 from .shipped import default_checkpoint
@@ -40,6 +40,7 @@ __all__ = [
     "convert_checkpoint",
     "default_checkpoint",
     "mars_class",
+    "mars_settings",
     "push_space",
     "push_to_hub",
     "to_mars",

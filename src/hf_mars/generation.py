@@ -221,8 +221,8 @@ class MARSGenerationMixin(GenerationMixin):
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
         mars_verify: bool = False,
-        mars_draft_candidates: int = 1,
-        mars_lookup: int = 0,
+        mars_draft_candidates: int | None = None,
+        mars_lookup: int | None = None,
         mars_mask_cost: float | list[float] | None = None,
         streamer=None,
         **kwargs,
@@ -233,7 +233,7 @@ class MARSGenerationMixin(GenerationMixin):
             mars_tau (`float` or callable, *optional*):
                 Confidence threshold in [0, 1]; 1 is exactly autoregressive decoding. A callable (e.g.
                 `TauController`) is read before every forward pass. Defaults to `generation_config.mars_tau`; when
-                neither is set, this is the base model's `generate()`, untouched.
+                neither is set, this is the base model's `generate()`, untouched (in lossless mode: τ = 0).
             mars_block_size (`int`, *optional*):
                 B: at most B tokens per forward pass. Defaults to the value the model was trained with.
             mars_confidence (`str`, *optional*):
@@ -249,17 +249,17 @@ class MARSGenerationMixin(GenerationMixin):
                 over several tokens computes the logits of one-token passes: in float32 it does (no argmax differed
                 in 494 positions measured); in bfloat16 the kernels round differently for a few rows and near-ties
                 flip (9 of 484 positions), so long outputs can part from `generate()`'s, as with prompt lookup.
-            mars_draft_candidates (`int`, *optional*, defaults to 1):
+            mars_draft_candidates (`int`, *optional*):
                 Lossless mode, greedy: how many candidates the first draft gets (the first mask's top tokens), each
                 verified in the same pass with its own group of masks. More make a wider pass that accepts more
                 tokens: on a 2-core CPU in bfloat16, `mars_block_size=2, mars_draft_candidates=3` was fastest. With
-                sampling, or a logits processor that reads the history, drafts stay a chain (1).
-            mars_lookup (`int`, *optional*, defaults to 0):
+                sampling, or a logits processor that reads the history, drafts stay a chain (1). Default: 1.
+            mars_lookup (`int`, *optional*):
                 Lossless mode, greedy: also draft up to this many tokens by prompt lookup, i.e. the tokens that
                 followed the last occurrence of the text's final n-gram (n = 3, 2, 1) earlier in the prompt or the
                 output, as one more branch of the draft tree, verified in the same pass. It pays where text repeats
                 (code, maths, quotes of the prompt); on a 2-core CPU in bfloat16, `mars_block_size=2,
-                mars_draft_candidates=3, mars_lookup=4` was fastest. Ignored where drafts stay a chain.
+                mars_draft_candidates=3, mars_lookup=4` was fastest. Ignored where drafts stay a chain. Default: 0.
             mars_mask_cost (`float` or list of `float`, *optional*):
                 What masks add to the time of a pass, as a share of a one-token pass: c per mask, or a list whose
                 (k-1)-th entry is the cost of a pass with k masks (`hf_mars.bench.measure_mask_cost` measures it; on
@@ -273,36 +273,19 @@ class MARSGenerationMixin(GenerationMixin):
         passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
         and the other logits processors), EOS ids, `max_new_tokens`, `stop_strings` (pass `tokenizer=`) and
         streamers (each pass's accepted tokens arrive as one chunk).
+
+        In lossless mode, `mars_tau`, `mars_block_size`, `mars_draft_candidates`, `mars_lookup` and `mars_mask_cost`
+        not given come first from `generation_config.mars_lossless` (a dict: `hf-mars tune` measures the fastest tree
+        for a machine and saves it there), then from the defaults above (see `mars_settings`).
         """
         base = generation_config if generation_config is not None else self.generation_config
-        tau = mars_tau if mars_tau is not None else getattr(base, "mars_tau", None)
-        if tau is None:
+        settings = mars_settings(self, base, mars_tau=mars_tau, mars_block_size=mars_block_size,
+                                 mars_confidence=mars_confidence, mars_verify=mars_verify,
+                                 mars_draft_candidates=mars_draft_candidates, mars_lookup=mars_lookup,
+                                 mars_mask_cost=mars_mask_cost)  # fmt: skip
+        if settings is None:
             extra = {"streamer": streamer} if streamer is not None else {}
             return super().generate(inputs, generation_config, logits_processor, stopping_criteria, **extra, **kwargs)
-
-        if not callable(tau):
-            check_tau(tau)
-        mask_token_id = getattr(self.config, "mars_mask_token_id", None)
-        if mask_token_id is None:
-            raise ValueError(
-                "This model has no `<|mask|>` token id (config.mars_mask_token_id); convert it with "
-                "`hf_mars.to_mars(model, tokenizer)` before decoding with `mars_tau`."
-            )
-        block_size = _first_set(mars_block_size, getattr(base, "mars_block_size", None), getattr(self.config, "mars_block_size", None))
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"mars_block_size must be an integer >= 1, got {block_size!r}")
-        measure = _first_set(mars_confidence, getattr(base, "mars_confidence", None), "probability")
-        if measure not in CONFIDENCE_MEASURES:
-            raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
-        candidates = mars_draft_candidates
-        if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
-            raise ValueError(f"mars_draft_candidates must be an integer >= 1, got {mars_draft_candidates!r}")
-        if isinstance(mars_lookup, bool) or not isinstance(mars_lookup, int) or mars_lookup < 0:
-            raise ValueError(f"mars_lookup must be an integer >= 0, got {mars_lookup!r}")
-        if mars_lookup and not mars_verify:
-            raise ValueError("mars_lookup drafts tokens for lossless mode: it needs mars_verify=True.")
-        mask_cost = _first_set(mars_mask_cost, getattr(base, "mars_mask_cost", None), 0.0)
-        _check_mask_cost(mask_cost, block_size)
         for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
             if kwargs.get(name) is not None or getattr(base, name, None) is not None:
                 raise ValueError(f"`mars_tau` cannot be combined with assisted decoding (`{name}`).")
@@ -321,19 +304,62 @@ class MARSGenerationMixin(GenerationMixin):
                 generation_config = copy.deepcopy(base)
                 generation_config.stop_strings = None
 
-        decode = functools.partial(
-            mars_decode,
-            mars_verify=bool(mars_verify),
-            mars_draft_candidates=mars_draft_candidates,
-            mars_lookup=mars_lookup,
-            mars_tau=tau,
-            mars_block_size=block_size,
-            mars_mask_token_id=mask_token_id,
-            mars_confidence=measure,
-            mars_mask_cost=mask_cost,
-            streamer=streamer,
-        )
+        decode = functools.partial(mars_decode, **settings, streamer=streamer)
         return super().generate(inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs)
+
+
+# Lossless mode's own defaults, read from `generation_config.mars_lossless` (see `mars_settings`)
+LOSSLESS_KEYS = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup", "mars_mask_cost")
+
+
+def mars_settings(model, generation_config=None, **kwargs) -> dict | None:
+    """The MARS settings `generate()` runs with for these `mars_*` arguments, validated; `None`: plain `generate()`.
+
+    Each argument not given (None) falls back to the generation config's key of the same name, then to a built-in
+    default. In lossless mode (`mars_verify=True`), `generation_config.mars_lossless`, a dict over `LOSSLESS_KEYS`,
+    comes first: the draft tree that is fastest depends on the machine (`hf-mars tune` measures it and saves it
+    there), and it is not τ-mode's B. Lossless mode's output does not depend on τ, so it runs without one (τ = 0:
+    every draft is proposed, the tree's shape bounds the pass). Without τ anywhere, τ-mode is plain `generate()`.
+    """
+    base = generation_config if generation_config is not None else model.generation_config
+    verify = bool(kwargs.get("mars_verify"))
+    preset = (getattr(base, "mars_lossless", None) or {}) if verify else {}
+    if not isinstance(preset, dict) or not set(preset) <= set(LOSSLESS_KEYS):
+        raise ValueError(f"generation_config.mars_lossless must be a dict over {LOSSLESS_KEYS}, got {preset!r}")
+
+    def setting(name, default=None):
+        return _first_set(kwargs.get(name), preset.get(name), getattr(base, name, None), default)
+
+    tau = setting("mars_tau", 0.0 if verify else None)
+    if tau is None:
+        return None
+    if not callable(tau):
+        check_tau(tau)
+    mask_token_id = getattr(model.config, "mars_mask_token_id", None)
+    if mask_token_id is None:
+        raise ValueError(
+            "This model has no `<|mask|>` token id (config.mars_mask_token_id); convert it with "
+            "`hf_mars.to_mars(model, tokenizer)` before decoding with `mars_tau`."
+        )
+    block_size = setting("mars_block_size", getattr(model.config, "mars_block_size", None))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"mars_block_size must be an integer >= 1, got {block_size!r}")
+    measure = setting("mars_confidence", "probability")
+    if measure not in CONFIDENCE_MEASURES:
+        raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
+    candidates = setting("mars_draft_candidates", 1)
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+        raise ValueError(f"mars_draft_candidates must be an integer >= 1, got {candidates!r}")
+    lookup = setting("mars_lookup", 0)
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+        raise ValueError(f"mars_lookup must be an integer >= 0, got {lookup!r}")
+    if lookup and not verify:
+        raise ValueError("mars_lookup drafts tokens for lossless mode: it needs mars_verify=True.")
+    mask_cost = setting("mars_mask_cost", 0.0)
+    _check_mask_cost(mask_cost, block_size)
+    return dict(mars_tau=tau, mars_block_size=block_size, mars_confidence=measure, mars_verify=verify,
+                mars_draft_candidates=candidates, mars_lookup=lookup, mars_mask_cost=mask_cost,
+                mars_mask_token_id=mask_token_id)  # fmt: skip
 
 
 def _check_mask_cost(cost, block_size: int) -> None:
