@@ -78,3 +78,30 @@ def test_bench_measures_the_mask_cost_once_and_uses_it(checkpoint, tmp_path):
     methods = {cell["method"] for cell in data["cells"]}
     assert {"mars tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5", "lossless B=2 n=3 L=4 tau=0.5"} <= methods
     assert "mars_mask_cost measured here" in result.stdout
+
+
+def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
+    import ast
+    import json
+
+    result = hf_mars_cli("tune", str(checkpoint), "--prompts", "toy", "--limit", "2", "--max-new-tokens", "8",
+                         "--trees", "2x1", "2x3+4", "--save")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name in ("ar", "lossless tau=0.0", "lossless B=2 n=1 tau=0.0", "lossless B=2 n=3 L=4 tau=0.0"):
+        assert f"\n{name} " in result.stdout
+    assert "mars tau=" not in result.stdout  # τ-mode is not what tune measures
+    saved = json.loads((checkpoint / "generation_config.json").read_text())["mars_lossless"]
+    trees = [(4, 1, 0), (2, 1, 0), (2, 3, 4)]  # the checkpoint's default (B = 4 chain), then --trees
+    tree = (saved["mars_block_size"], saved["mars_draft_candidates"], saved["mars_lookup"])
+    assert saved["mars_tau"] == 0.0 and tree in trees
+    assert ast.literal_eval(result.stdout.split("mars_lossless = ")[1].split("\n")[0]) == saved  # printed = saved
+    # generate --lossless now runs the saved tree, still with AR's text
+    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "16", "--lossless")
+    assert result.returncode == 0, result.stderr
+    assert f"block size {tree[0]}, {tree[1]} draft candidates, lookup {tree[2]}" in result.stderr
+    assert "MARS lossless τ=0.0" in result.stderr and "output identical to AR: True" in result.stderr
+    # --mask-cost auto measures the model's B (4) and keeps what the saved tree's B uses
+    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "8", "--lossless",
+                         "--mask-cost", "auto", "--no-compare")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(result.stderr.split("mask cost [")[1].split("]")[0].split(", ")) == tree[0] - 1

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationMixin
 
+from .generation import mars_settings
+
 
 @dataclass
 class Cell:
@@ -109,24 +111,26 @@ def generate_ar(model, **inputs):
     return GenerationMixin.generate(model, do_sample=False, **inputs), None
 
 
-def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=1, lookup=0, **inputs):
-    """Greedy MARS decoding: `(sequences, row_passes)`."""
+def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=None, lookup=None, **inputs):
+    """Greedy MARS decoding: `(sequences, row_passes)`. `None`: the model's default (lossless: its `mars_lossless`)."""
     out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_cost=mask_cost, mars_block_size=block_size,
                          mars_draft_candidates=candidates, mars_lookup=lookup, do_sample=False,
                          return_dict_in_generate=True, **inputs)  # fmt: skip
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
-def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured: dict | None = None, trees=()) -> dict:
+def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured: dict | None = None, trees=(),
+            tau_mode: bool = True) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
-    MARS methods are named "mars tau=0.9" and "lossless tau=0.9" (B-1 masks every pass), or "mars cost=0.18 tau=0.9"
+    MARS methods are named "mars tau=0.9" and "lossless tau=0.9" (B-1 masks every pass; lossless mode's tree is the
+    model's default, i.e. its generation config's `mars_lossless` if any), or "mars cost=0.18 tau=0.9"
     and "lossless cost=0.18 tau=0.9" with `mars_mask_cost=0.18`; "cost=auto" uses `measured["auto"]`, which
     `run_benchmark` sets to `measure_mask_cost` at each batch size. `row_passes` sums, over rows, the forward passes
     each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
     definition, where it is None; MARS reports it in `mars_stats`). Each `(B, n, L)` of `trees` adds lossless methods
     "lossless B=2 n=3 L=4 tau=0.0" with `mars_block_size=B, mars_draft_candidates=n, mars_lookup=L` (no "L=" when
-    L is 0).
+    L is 0). `tau_mode=False` leaves out the "mars" (τ-mode) methods.
     """
 
     def ar(model, counter, **kw):
@@ -136,9 +140,10 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
         out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
         return out, counter.count * out.shape[0]
 
-    def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=1, lookup=0, **kw):
-        if cost == "auto":  # measured for 1 .. B-1 masks of the model's own B
-            cost = measured["auto"][: block - 1] if block else measured["auto"]
+    def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=None, lookup=None, **kw):
+        if cost == "auto":  # measured for 1 .. B-1 masks of the model's own B; this run's B may be smaller
+            block = block or mars_settings(model, mars_tau=tau, mars_verify=verify)["mars_block_size"]
+            cost = measured["auto"][: block - 1]
         return generate_mars(model, tau, verify, cost, block, candidates, lookup, **kw)
 
     table = {"ar": ar}
@@ -149,19 +154,69 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
             suffix = f" cost={cost}" if cost else ""
             if tau >= 1.0 and suffix:  # no mask is fed at τ = 1: the cost changes nothing
                 continue
-            table[f"mars{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(m, c, tau, cost=cost, **kw)
+            if tau_mode:
+                table[f"mars{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(m, c, tau, cost=cost, **kw)
             if verify:
                 table[f"lossless{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(
                     m, c, tau, verify=True, cost=cost, **kw
                 )
                 for block, n, lookup in trees if tau < 1.0 else ():
-                    tree = f"B={block} n={n}" + (f" L={lookup}" if lookup else "")
-                    table[f"lossless{suffix} {tree} tau={tau}"] = (
+                    table[f"lossless{suffix} {tree_name(block, n, lookup)} tau={tau}"] = (
                         lambda m, c, tau=tau, cost=cost, b=block, n=n, L=lookup, **kw: mars(
                             m, c, tau, verify=True, cost=cost, block=b, candidates=n, lookup=L, **kw
                         )
                     )
     return table
+
+
+def tree_name(block: int, candidates: int, lookup: int) -> str:
+    """How bench names a lossless draft tree: "B=2 n=3 L=4" (no "L=" when lookup is 0)."""
+    return f"B={block} n={candidates}" + (f" L={lookup}" if lookup else "")
+
+
+# Lossless draft trees `tune_lossless` tries, (B, candidates, lookup): from a short chain of masks to wide trees with a
+# prompt-lookup branch. On a 2-core CPU in bfloat16 narrow ones won; where a pass costs the same over tens of tokens
+# (a GPU at small batch) wide ones should.
+TUNE_TREES = ((2, 1, 0), (2, 3, 0), (2, 3, 4), (2, 2, 6), (3, 2, 4), (4, 1, 4), (4, 3, 8))
+
+
+def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batch_size: int = 1,
+                  max_new_tokens: int = 96, repeats: int = 1, progress: bool = True) -> tuple[dict, list[Cell]]:  # fmt: skip
+    """Find the fastest lossless draft tree for this model and machine: `(best, cells)`.
+
+    Runs plain `generate()` and lossless mode with the model's current default tree and with each `(B, n, L)` of
+    `trees` at each τ, on `prompts`, side by side (`run_benchmark`, mask cost 0). `best` is the `mars_lossless` dict
+    of the fastest (`save_lossless_preset` writes it into a checkpoint, where `generate(mars_verify=True)` reads it);
+    `cells` are all the measurements, to print. Lossless mode's text is the same for every tree (up to rounding), so
+    speed alone decides.
+    """
+    cells = run_benchmark(model, tokenizer, prompts, taus=taus, batch_sizes=(batch_size,), max_new_tokens=max_new_tokens,
+                          repeats=repeats, verify=True, prompt_lookup=0, mask_costs=(0.0,), progress=progress,
+                          trees=trees, tau_mode=False)  # fmt: skip
+    presets = {}
+    for tau in taus:
+        default = mars_settings(model, mars_tau=tau, mars_verify=True)
+        keys = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup")
+        presets[f"lossless tau={tau}"] = {key: default[key] for key in keys}
+        for block, n, lookup in trees:
+            presets[f"lossless {tree_name(block, n, lookup)} tau={tau}"] = dict(
+                mars_tau=tau, mars_block_size=block, mars_draft_candidates=n, mars_lookup=lookup
+            )
+    best = max((c for c in cells if c.method in presets), key=lambda c: c.speedup)
+    return presets[best.method], cells
+
+
+def save_lossless_preset(folder: str | Path, preset: dict) -> Path:
+    """Write `preset` as `mars_lossless` into the checkpoint folder's generation config: its lossless defaults."""
+    from transformers import GenerationConfig
+
+    folder = Path(folder)
+    if not (folder / "generation_config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no generation_config.json: pass a local MARS checkpoint folder.")
+    config = GenerationConfig.from_pretrained(folder)
+    config.mars_lossless = dict(preset)
+    config.save_pretrained(folder)
+    return folder / "generation_config.json"
 
 
 def run_benchmark(
@@ -178,17 +233,19 @@ def run_benchmark(
     measured_costs: dict | None = None,
     progress: bool = True,
     trees=(),
+    tau_mode: bool = True,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
     `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass; "auto": the cost at each batch size,
     from `measured_costs` (batch size -> `measure_mask_cost`) or measured here); each adds MARS and lossless cells.
-    `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`).
+    `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`); `tau_mode=False`: no
+    τ-mode cells.
     """
     from tqdm.auto import tqdm
 
     measured = {}
-    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees)
+    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
     eos_ids = eos_token_ids(model, tokenizer)

@@ -3,6 +3,7 @@
     hf-mars train --model_name_or_path M --dataset_name D --output_dir O [TRL SFT arguments] [--mars_block_size 4]
     hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
     hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless [--draft-candidates N] [--lookup L]] [--no-compare]
+    hf-mars tune [MODEL] [--limit 8] [--trees 2x3+4 ...] [--save]    (the fastest lossless draft tree on this machine)
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
     hf-mars push DIR REPO_ID [--private] [--revision BRANCH] [--tau-table FILE] [--base-model ID] [--license L]
     hf-mars push-space SPACE_ID --model REPO_ID [--folder DIR] [--model-revision REV] [--private]
@@ -84,28 +85,32 @@ def _tree(text: str) -> tuple[int, int, int]:
 def cmd_generate(args) -> None:
     from transformers import GenerationMixin, TextStreamer
 
+    from .generation import mars_settings
+
     model, tokenizer = _load(args.model, args.revision, args.dtype)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    if not args.lossless and (args.draft_candidates is not None or args.lookup is not None):
+        raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
+    tau = args.tau if args.tau is not None or args.lossless else 0.9  # lossless: the checkpoint's mars_lossless
+    mars = dict(mars_tau=tau, mars_verify=args.lossless, mars_block_size=args.block_size,
+                mars_draft_candidates=args.draft_candidates, mars_lookup=args.lookup)  # fmt: skip
     mask_cost = args.mask_cost
-    if mask_cost == "auto":
+    if mask_cost == "auto":  # measured for 1 .. B-1 masks of the model's B; this run's B may be smaller
         from .bench import measure_mask_cost
 
-        mask_cost = measure_mask_cost(model)
-    mars = dict(mars_tau=args.tau, mars_verify=args.lossless, mars_mask_cost=mask_cost, mars_block_size=args.block_size)
-    if args.lossless:
-        mars.update(mars_draft_candidates=args.draft_candidates, mars_lookup=args.lookup)
-    elif args.draft_candidates != 1 or args.lookup:
-        raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
+        mask_cost = measure_mask_cost(model)[: mars_settings(model, **mars)["mars_block_size"] - 1]
+    mars["mars_mask_cost"] = mask_cost
+    settings = mars_settings(model, **mars)  # what generate() will run with, defaults resolved
 
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
         model.generate(**inputs, max_new_tokens=4, **mars)
 
     mode = "lossless " if args.lossless else ""
-    block = args.block_size or model.config.mars_block_size
-    tree = f", {args.draft_candidates} draft candidates, lookup {args.lookup}" if args.lossless else ""
-    print(f"[MARS {mode}τ={args.tau}, block size {block}{tree}, mask cost {mask_cost}]", file=sys.stderr)
+    tree = f", {settings['mars_draft_candidates']} draft candidates, lookup {settings['mars_lookup']}" if args.lossless else ""
+    print(f"[MARS {mode}τ={settings['mars_tau']}, block size {settings['mars_block_size']}{tree}, "
+          f"mask cost {settings['mars_mask_cost']}]", file=sys.stderr)  # fmt: skip
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
     out = model.generate(**inputs, **common, **mars, streamer=streamer, return_dict_in_generate=True)
@@ -211,6 +216,32 @@ def cmd_bench(args) -> None:
     print(f"\nWrote {out / 'bench.json'} and {out / 'bench.png'}")
 
 
+def cmd_tune(args) -> None:
+    from .bench import format_table, load_prompts, save_lossless_preset, tune_lossless
+
+    model, tokenizer = _load(args.model, args.revision, args.dtype)
+    if args.device:
+        model.to(args.device)
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    best, cells = tune_lossless(model, tokenizer, prompts, trees=args.trees, taus=args.taus, batch_size=args.batch_size,
+                                max_new_tokens=args.max_new_tokens, repeats=args.repeats)  # fmt: skip
+    device = model.device.type if model.device.type != "cpu" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"\nLossless draft trees on {device}, {args.dtype}, batch {args.batch_size}, {len(prompts)} prompts:\n")
+    print(format_table(cells))
+    ar = next(c for c in cells if c.method == "ar")
+    fastest = max((c for c in cells if c.method != "ar"), key=lambda c: c.speedup)
+    print(f"\nFastest: {fastest.method}, {fastest.speedup:.2f}x plain generate() ({ar.tokens_per_second:.1f} tokens/s)"
+          f" -> mars_lossless = {best}")  # fmt: skip
+    if fastest.speedup < 1.0:
+        print("No draft tree beat plain generate() here: passes over several tokens cost too much on this machine.")
+    if args.save:
+        path = Path(_model_path(args.model))
+        if not path.is_dir():
+            raise SystemExit(f"--save writes into a local checkpoint folder; {args.model} is not one.")
+        written = save_lossless_preset(path, best)
+        print(f"Saved to {written}: generate(mars_verify=True) now uses it by default.")
+
+
 def cmd_distill(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -266,24 +297,28 @@ def cmd_eval(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench import TUNE_TREES
+
     parser = argparse.ArgumentParser(prog="hf-mars", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream an answer with MARS decoding, then compare with plain AR generate()")
     gen.add_argument("model", nargs="?", help="MARS checkpoint: a local folder or a Hub repo id (default: the shipped one)")
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
-    gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold in [0, 1]; 1 = plain AR (default 0.9)")
+    gen.add_argument("--tau", type=float,
+                     help="confidence threshold in [0, 1]; 1 = plain AR (default 0.9; lossless: the checkpoint's)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
     gen.add_argument("--lossless", action="store_true",
-                     help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts")
+                     help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts; "
+                          "the draft tree defaults to the checkpoint's mars_lossless (see `tune`)")
     gen.add_argument("--block-size", type=int, help="mars_block_size: at most B tokens per pass (default: the model's)")
-    gen.add_argument("--draft-candidates", type=int, default=1,
+    gen.add_argument("--draft-candidates", type=int,
                      help="lossless: candidates for the first draft (mars_draft_candidates; 3 was fastest on a CPU)")
-    gen.add_argument("--lookup", type=int, default=0,
+    gen.add_argument("--lookup", type=int,
                      help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; 4 was fastest on a CPU)")
     gen.add_argument("--mask-cost", type=_mask_cost, default=0.0,
                      help="mars_mask_cost: a mask's share of a pass's time (0 = B-1 masks every pass), or `auto`: "
@@ -322,6 +357,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", help="e.g. cuda (default: where the model loads)")
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
     bench.set_defaults(func=cmd_bench)
+
+    tune = sub.add_parser("tune", help="measure lossless draft trees against plain generate() and pick the fastest")
+    tune.add_argument("model", nargs="?", help="MARS checkpoint: a local folder or a Hub repo id (default: the shipped one)")
+    tune.add_argument("--prompts", default="heldout", help="JSONL file, or `heldout` (default) or `toy` (see bench)")
+    tune.add_argument("--limit", type=int, default=8, help="use the first N prompts (default 8)")
+    tune.add_argument("--trees", type=_tree, nargs="+", metavar="BxN[+L]", default=list(TUNE_TREES),
+                      help="draft trees to try: block size B, N candidates for the first draft, L prompt-lookup tokens "
+                           "(default: " + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES) + ")")
+    tune.add_argument("--taus", type=float, nargs="+", default=[0.0], help="τ values to try (default 0: every draft)")
+    tune.add_argument("--batch-size", type=int, default=1)
+    tune.add_argument("--max-new-tokens", type=int, default=96)
+    tune.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported")
+    tune.add_argument("--save", action="store_true",
+                      help="write the fastest into the checkpoint's generation_config.json as mars_lossless")
+    tune.add_argument("--revision")
+    tune.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="tune in the dtype you decode in: the fastest tree depends on it")
+    tune.add_argument("--device", help="e.g. cuda (default: where the model loads)")
+    tune.set_defaults(func=cmd_tune)
 
     dist = sub.add_parser("distill", help="recipe step 1: training prompts answered by the base model itself (greedy)")
     dist.add_argument("--output-dir", default="outputs/recipe", help="writes distilled.jsonl (all) and train.jsonl (finished)")
