@@ -41,3 +41,12 @@ def test_profile_decoding_splits_the_pass_and_lists_operators(toy_folder):
     assert set(shares) == {"forward", "choose", "cache", "loop"}
     assert abs(sum(shares.values()) - 100) < 1
     assert "aten::" in out and "Self CPU" in out
+
+
+def test_check_numerics_names_where_a_wide_pass_parts_from_a_one_token_pass(toy_folder):
+    same = run("check_numerics.py", toy_folder, "--dtypes", "float32", "--first-difference", "--width", "1")
+    assert "float32: no module's output differs between a 1-token and a 1-token pass" in same  # no false alarm
+    wide = run("check_numerics.py", toy_folder, "--dtypes", "float32", "bfloat16", "--first-difference", "--width", "8")
+    for dtype in ("float32", "bfloat16"):
+        line = next(line for line in wide.splitlines() if line.startswith(f"{dtype}:"))
+        assert "first difference at model." in line or "no module's output differs" in line, line
