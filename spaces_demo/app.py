@@ -34,8 +34,6 @@ CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once;
 DTYPES = ("float32", "bfloat16", "float16")  # MARS_DTYPE: bfloat16 makes masks nearly free on CPUs that compute it
 COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
 DECODERS = ["MARS", "AR generate()"]
-# Lossless mode's draft tree: runner-ups of the first draft, and tokens drafted by prompt lookup (fastest on a CPU)
-LOSSLESS = dict(mars_verify=True, mars_draft_candidates=3, mars_lookup=4)
 UPDATE_EVERY = 0.05  # seconds between UI updates at most 20 a second; each carries every pass since the last one
 CSS = ".mars-pass{border-radius:3px;padding:1px 0;border-right:1px solid rgba(0,0,0,.2);white-space:pre-wrap}"
 
@@ -154,6 +152,12 @@ def runs_frame(session: Session) -> pd.DataFrame:
     return pd.DataFrame(legend + session.runs, columns=list(types)).astype(types)
 
 
+def lossless_tree(model) -> dict:
+    """The draft tree `generate(mars_verify=True)` uses on this checkpoint: its `mars_lossless`, else B-1 masks' chain."""
+    tree = dict(mars_block_size=int(model.config.mars_block_size), mars_draft_candidates=1, mars_lookup=0)
+    return {**tree, **(getattr(model.generation_config, "mars_lossless", None) or {})}
+
+
 def build_demo(model, tokenizer) -> gr.Blocks:
     """The app around a loaded MARS model (shared read-only by every session); `launch()` it, or test it."""
     trained_block = int(model.config.mars_block_size)
@@ -175,15 +179,17 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         settings = dict(max_new_tokens=int(max_new_tokens), **sampling)
         session.tau, taus, stop, streamer = float(tau), [], threading.Event(), ChunkStreamer()
         cost = dict(mars_mask_cost=float(mask_cost)) if mask_cost else {}  # 0: the default, also of older checkpoints
-        verify = LOSSLESS if lossless else {}  # likewise
-        most = max(int(block_size) - 1, LOSSLESS["mars_lookup"]) + 1 if lossless else int(block_size)  # tokens per pass
+        # Lossless mode drafts with the checkpoint's own tree (generation_config.mars_lossless: block size, candidates
+        # for the first draft, prompt lookup; `hf-mars tune` measures it), τ still from the slider
+        tree = lossless_tree(model) if lossless else dict(mars_block_size=int(block_size), mars_lookup=0)
+        verify = dict(mars_verify=True) if lossless else dict(mars_block_size=int(block_size))
+        most = max(tree["mars_block_size"] - 1, tree["mars_lookup"]) + 1  # the most tokens a pass can yield
 
         def tau_now():  # read by the decoder once before every forward pass
             taus.append(session.tau)
             return taus[-1]
 
-        job = in_thread(model.generate, streamer.queue, **inputs, **settings, mars_tau=tau_now, mars_block_size=int(block_size),
-                        **cost, **verify, streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
+        job = in_thread(model.generate, streamer.queue, **inputs, **settings, mars_tau=tau_now, **cost, **verify, streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
         ids, spans, shown, passes, start = [], [], "", 0, time.perf_counter()
         history.append({"role": "user", "content": message})
         try:
@@ -198,7 +204,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                     continue
                 elapsed = time.perf_counter() - start
                 stats = dict(decoder="MARS", done=False, new_tokens=len(ids), forward_passes=passes, seconds=elapsed,
-                             tokens_per_second=len(ids) / elapsed, tau_per_pass=taus[:passes], block_size=int(block_size),
+                             tokens_per_second=len(ids) / elapsed, tau_per_pass=taus[:passes], block_size=tree["mars_block_size"],
                              lossless=bool(lossless), prompt_tokens=prompt_tokens)
                 yield ("", history + [{"role": "assistant", "content": shown}], spans_html(spans, most),
                        figures("MARS", len(ids), passes, elapsed, f" · τ now {session.tau:.2f}"), stats, gr.skip(), gr.skip())
@@ -214,7 +220,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                      tokens_per_forward=new / mars.forward_passes, tokens_per_second=new / seconds,
                      tau_per_pass=list(mars.tau_per_step), accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
                      masks_per_pass=list(getattr(mars, "masks_per_step", [])), mask_cost=float(mask_cost),
-                     block_size=int(block_size), lossless=bool(lossless), prompt_tokens=prompt_tokens)
+                     block_size=tree["mars_block_size"], lossless=bool(lossless), prompt_tokens=prompt_tokens)
         mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
         session.runs.append(dict(run=len(session.runs) + 1, decoder="MARS", tau=round(mean_tau, 3),
                                  tokens_per_forward=stats["tokens_per_forward"], tokens_per_second=stats["tokens_per_second"]))
@@ -271,7 +277,8 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                 tau = gr.Slider(0.0, 1.0, value=0.9, step=0.05, label="τ (confidence threshold)",
                                 info="1 = plain AR; change it mid-answer", elem_id="tau")
                 block_size = gr.Slider(1, trained_block, value=trained_block, step=1, label="Block size (tokens per pass at most)",
-                                       info=f"the model was trained with {trained_block}")
+                                       info=f"the model was trained with {trained_block}; lossless mode uses the "
+                                            f"checkpoint's draft tree (B = {lossless_tree(model)['mars_block_size']})")
                 max_new = gr.Slider(1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens", elem_id="max-new")
                 mask_cost = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Mask cost (share of a one-token pass)",
                                       info="0 = B-1 masks every pass (the paper); above 0, a mask is fed only where "

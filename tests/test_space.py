@@ -39,6 +39,7 @@ def save_checkpoint(path: Path) -> Path:
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     hf_mars.to_mars(model, tok, block_size=4)
+    model.generation_config.mars_lossless = dict(mars_block_size=2, mars_draft_candidates=3, mars_lookup=4)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -164,6 +165,7 @@ def test_lossless_checkbox_gives_the_ar_text(served):
     assert answer_text(fast[1]) != ar_text
     exact = ask(c, "abc", tau=0.0, max_new_tokens=24, lossless=True).result()
     assert exact[4]["lossless"] and exact[4]["done"] and answer_text(exact[1]) == ar_text
+    assert exact[4]["block_size"] == 2 and max(exact[4]["masks_per_pass"]) == 1  # the checkpoint's tree, not the slider's 4
     _, ar_figures, _, _ = c.predict(True, api_name="/compare_ar")
     assert "identical to MARS" in ar_figures
 
