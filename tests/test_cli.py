@@ -58,6 +58,7 @@ def test_cli_refuses_bad_input(checkpoint, tmp_path):
     assert "a number >= 0 or `auto`" in hf_mars_cli("generate", str(checkpoint), "--mask-cost", "cheap").stderr
     assert "add --lossless" in hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--lookup", "4").stderr
     assert "BxN or BxN+L" in hf_mars_cli("bench", str(checkpoint), "--lossless-trees", "2x3+x").stderr
+    assert "local checkpoint folder" in hf_mars_cli("tune", "no-such-org/no-such-repo", "--save").stderr
     make_model("llama").save_pretrained(tmp_path / "plain")
     make_tokenizer().save_pretrained(tmp_path / "plain")
     assert "not a MARS checkpoint" in hf_mars_cli("generate", str(tmp_path / "plain"), "--prompt", "x").stderr

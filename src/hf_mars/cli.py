@@ -219,6 +219,9 @@ def cmd_bench(args) -> None:
 def cmd_tune(args) -> None:
     from .bench import format_table, load_prompts, save_lossless_preset, tune_lossless
 
+    folder = Path(_model_path(args.model))
+    if args.save and not folder.is_dir():  # say so before minutes of measuring
+        raise SystemExit(f"--save writes into a local checkpoint folder; {args.model} is not one.")
     model, tokenizer = _load(args.model, args.revision, args.dtype)
     if args.device:
         model.to(args.device)
@@ -235,10 +238,7 @@ def cmd_tune(args) -> None:
     if fastest.speedup < 1.0:
         print("No draft tree beat plain generate() here: passes over several tokens cost too much on this machine.")
     if args.save:
-        path = Path(_model_path(args.model))
-        if not path.is_dir():
-            raise SystemExit(f"--save writes into a local checkpoint folder; {args.model} is not one.")
-        written = save_lossless_preset(path, best)
+        written = save_lossless_preset(folder, best)
         print(f"Saved to {written}: generate(mars_verify=True) now uses it by default.")
 
 
