@@ -36,3 +36,7 @@ hf-mars eval --base --gsm8k 64 --humaneval 32 --max-new-tokens 192 --dtype bfloa
 hf-mars bench --prompts heldout --limit 8 --batch-sizes 1 --taus 1.0 0.9 --max-new-tokens 96 --repeats 2 --output "$OUT/bench1"
 hf-mars bench --prompts heldout --limit 16 --batch-sizes 16 --taus 1.0 0.9 --prompt-lookup 0 --max-new-tokens 96 \
     --repeats 2 --output "$OUT/bench16"
+
+# 5. Lossless mode's draft tree: the fastest on this machine (its dict is `LOSSLESS` in src/hf_mars/shipped.py, which the
+#    build writes into the checkpoint's generation config as mars_lossless; `--save` writes it into a checkpoint folder).
+hf-mars tune --dtype bfloat16 --limit 8
