@@ -63,7 +63,15 @@ def test_lossless_defaults_come_from_the_generation_config_preset(trained_toy):
         tau_mode = hf_mars.mars_settings(model, mars_tau=0.9)
         assert (tau_mode["mars_block_size"], tau_mode["mars_lookup"], tau_mode["mars_draft_candidates"]) == (4, 0, 1)
         assert hf_mars.mars_settings(model) is None  # no τ, no lossless mode: plain generate()
-        for bad, words in (({"mars_lookahead": 2}, "mars_lossless"), ({"mars_lookup": -1}, "mars_lookup")):
+        # By batch size: a batch takes the entry of the largest size it reaches, else the smallest
+        model.generation_config.mars_lossless = {"2": preset, "4": dict(mars_block_size=3)}
+        blocks = [hf_mars.mars_settings(model, None, n, mars_verify=True)["mars_block_size"] for n in (1, 2, 3, 4, 8)]
+        assert blocks == [2, 2, 2, 3, 3]
+        out = model.generate(**enc, mars_verify=True, max_new_tokens=40, return_dict_in_generate=True)  # 4 rows
+        assert torch.equal(out.sequences, reference) and max(out.mars_stats.masks_per_step) == 2  # B = 3
+        assert model.mars_settings(batch_size=4, mars_verify=True)["mars_block_size"] == 3  # also a method
+        for bad, words in (({"mars_lookahead": 2}, "mars_lossless"), ({"mars_lookup": -1}, "mars_lookup"),
+                           ({"1": {"mars_lookahead": 2}}, "by batch size")):  # fmt: skip
             model.generation_config.mars_lossless = bad
             with pytest.raises(ValueError, match=words):
                 model.generate(**enc, mars_verify=True, max_new_tokens=4)

@@ -275,11 +275,14 @@ class MARSGenerationMixin(GenerationMixin):
         streamers (each pass's accepted tokens arrive as one chunk).
 
         In lossless mode, `mars_tau`, `mars_block_size`, `mars_draft_candidates`, `mars_lookup` and `mars_mask_cost`
-        not given come first from `generation_config.mars_lossless` (a dict: `hf-mars tune` measures the fastest tree
-        for a machine and saves it there), then from the defaults above (see `mars_settings`).
+        not given come first from `generation_config.mars_lossless` (a dict, or dicts by batch size: `hf-mars tune`
+        measures the fastest tree for a machine and saves it there), then from the defaults above (see
+        `mars_settings`; `model.mars_settings(...)` shows what a call will run with).
         """
         base = generation_config if generation_config is not None else self.generation_config
-        settings = mars_settings(self, base, mars_tau=mars_tau, mars_block_size=mars_block_size,
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
+        settings = mars_settings(self, base, batch_size, mars_tau=mars_tau, mars_block_size=mars_block_size,
                                  mars_confidence=mars_confidence, mars_verify=mars_verify,
                                  mars_draft_candidates=mars_draft_candidates, mars_lookup=mars_lookup,
                                  mars_mask_cost=mars_mask_cost)  # fmt: skip
@@ -307,25 +310,29 @@ class MARSGenerationMixin(GenerationMixin):
         decode = functools.partial(mars_decode, **settings, streamer=streamer)
         return super().generate(inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs)
 
+    def mars_settings(self, generation_config=None, batch_size: int = 1, **mars_kwargs) -> dict | None:
+        """What `generate(**mars_kwargs)` runs with at this batch size, defaults resolved (see `mars_settings`)."""
+        return mars_settings(self, generation_config, batch_size, **mars_kwargs)
+
 
 # Lossless mode's own defaults, read from `generation_config.mars_lossless` (see `mars_settings`)
 LOSSLESS_KEYS = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup", "mars_mask_cost")
 
 
-def mars_settings(model, generation_config=None, **kwargs) -> dict | None:
+def mars_settings(model, generation_config=None, batch_size: int = 1, **kwargs) -> dict | None:
     """The MARS settings `generate()` runs with for these `mars_*` arguments, validated; `None`: plain `generate()`.
 
     Each argument not given (None) falls back to the generation config's key of the same name, then to a built-in
-    default. In lossless mode (`mars_verify=True`), `generation_config.mars_lossless`, a dict over `LOSSLESS_KEYS`,
-    comes first: the draft tree that is fastest depends on the machine (`hf-mars tune` measures it and saves it
-    there), and it is not τ-mode's B. Lossless mode's output does not depend on τ, so it runs without one (τ = 0:
-    every draft is proposed, the tree's shape bounds the pass). Without τ anywhere, τ-mode is plain `generate()`.
+    default. In lossless mode (`mars_verify=True`), `generation_config.mars_lossless` comes first: the draft tree
+    that is fastest depends on the machine and the batch size (`hf-mars tune` measures it and saves it there), and it
+    is not τ-mode's B. It is a dict over `LOSSLESS_KEYS`, or such dicts by batch size (`{"1": {...}, "4": {...}}`:
+    a batch uses the entry of the largest size it reaches, else the smallest). Lossless mode's output does not depend
+    on τ, so it runs without one (τ = 0: every draft is proposed, the tree's shape bounds the pass). Without τ
+    anywhere, τ-mode is plain `generate()`.
     """
     base = generation_config if generation_config is not None else model.generation_config
     verify = bool(kwargs.get("mars_verify"))
-    preset = (getattr(base, "mars_lossless", None) or {}) if verify else {}
-    if not isinstance(preset, dict) or not set(preset) <= set(LOSSLESS_KEYS):
-        raise ValueError(f"generation_config.mars_lossless must be a dict over {LOSSLESS_KEYS}, got {preset!r}")
+    preset = lossless_preset(base, batch_size) if verify else {}
 
     def setting(name, default=None):
         return _first_set(kwargs.get(name), preset.get(name), getattr(base, name, None), default)
@@ -360,6 +367,18 @@ def mars_settings(model, generation_config=None, **kwargs) -> dict | None:
     return dict(mars_tau=tau, mars_block_size=block_size, mars_confidence=measure, mars_verify=verify,
                 mars_draft_candidates=candidates, mars_lookup=lookup, mars_mask_cost=mask_cost,
                 mars_mask_token_id=mask_token_id)  # fmt: skip
+
+
+def lossless_preset(generation_config, batch_size: int = 1) -> dict:
+    """`generation_config.mars_lossless` for this batch size (see `mars_settings`), checked; {} when there is none."""
+    preset = getattr(generation_config, "mars_lossless", None) or {}
+    if isinstance(preset, dict) and preset and all(isinstance(k, str) and k.isdigit() for k in preset):
+        sizes = sorted(int(k) for k in preset)
+        preset = preset[str(max([n for n in sizes if n <= batch_size] or sizes[:1]))]
+    if not isinstance(preset, dict) or not set(preset) <= set(LOSSLESS_KEYS):
+        raise ValueError(f"generation_config.mars_lossless must be a dict over {LOSSLESS_KEYS} (or such dicts by "
+                         f"batch size), got {getattr(generation_config, 'mars_lossless', None)!r}")  # fmt: skip
+    return preset
 
 
 def _check_mask_cost(cost, block_size: int) -> None:
