@@ -91,7 +91,7 @@ def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
     for name in ("ar", "lossless tau=0.0", "lossless B=2 n=1 tau=0.0", "lossless B=2 n=3 L=4 tau=0.0"):
         assert f"\n{name} " in result.stdout
     assert "mars tau=" not in result.stdout  # τ-mode is not what tune measures
-    saved = json.loads((checkpoint / "generation_config.json").read_text())["mars_lossless"]
+    saved = json.loads((checkpoint / "generation_config.json").read_text())["mars_lossless"]["1"]  # batch 1 and up
     trees = [(4, 1, 0), (2, 1, 0), (2, 3, 4)]  # the checkpoint's default (B = 4 chain), then --trees
     tree = (saved["mars_block_size"], saved["mars_draft_candidates"], saved["mars_lookup"])
     assert saved["mars_tau"] == 0.0 and tree in trees
@@ -106,3 +106,9 @@ def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
                          "--mask-cost", "auto", "--no-compare")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert len(result.stderr.split("mask cost [")[1].split("]")[0].split(", ")) == tree[0] - 1
+    # Tuning another batch size adds its entry and keeps batch 1's
+    result = hf_mars_cli("tune", str(checkpoint), "--prompts", "toy", "--limit", "4", "--max-new-tokens", "6",
+                         "--trees", "2x1", "--batch-size", "2", "--save")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    entries = json.loads((checkpoint / "generation_config.json").read_text())["mars_lossless"]
+    assert set(entries) == {"1", "2"} and entries["1"] == saved and "batch 2" in result.stdout

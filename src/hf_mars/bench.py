@@ -142,7 +142,8 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
 
     def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=None, lookup=None, **kw):
         if cost == "auto":  # measured for 1 .. B-1 masks of the model's own B; this run's B may be smaller
-            block = block or mars_settings(model, mars_tau=tau, mars_verify=verify)["mars_block_size"]
+            batch = kw["input_ids"].shape[0]
+            block = block or mars_settings(model, None, batch, mars_tau=tau, mars_verify=verify)["mars_block_size"]
             cost = measured["auto"][: block - 1]
         return generate_mars(model, tau, verify, cost, block, candidates, lookup, **kw)
 
@@ -185,8 +186,9 @@ def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batc
     """Find the fastest lossless draft tree for this model and machine: `(best, cells)`.
 
     Runs plain `generate()` and lossless mode with the model's current default tree and with each `(B, n, L)` of
-    `trees` at each τ, on `prompts`, side by side (`run_benchmark`, mask cost 0). `best` is the `mars_lossless` dict
-    of the fastest (`save_lossless_preset` writes it into a checkpoint, where `generate(mars_verify=True)` reads it);
+    `trees` at each τ, on `prompts`, at `batch_size`, side by side (`run_benchmark`, mask cost 0). `best` is the
+    `mars_lossless` entry of the fastest (`save_lossless_preset` writes it into a checkpoint for that batch size, where
+    `generate(mars_verify=True)` reads it);
     `cells` are all the measurements, to print. Lossless mode's text is the same for every tree (up to rounding), so
     speed alone decides.
     """
@@ -195,7 +197,7 @@ def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batc
                           trees=trees, tau_mode=False)  # fmt: skip
     presets = {}
     for tau in taus:
-        default = mars_settings(model, mars_tau=tau, mars_verify=True)
+        default = mars_settings(model, None, batch_size, mars_tau=tau, mars_verify=True)
         keys = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup")
         presets[f"lossless tau={tau}"] = {key: default[key] for key in keys}
         for block, n, lookup in trees:
@@ -206,15 +208,19 @@ def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batc
     return presets[best.method], cells
 
 
-def save_lossless_preset(folder: str | Path, preset: dict) -> Path:
-    """Write `preset` as `mars_lossless` into the checkpoint folder's generation config: its lossless defaults."""
+def save_lossless_preset(folder: str | Path, preset: dict, batch_size: int = 1) -> Path:
+    """Write `preset` into the checkpoint folder's generation config as `mars_lossless`'s entry for `batch_size`: its
+    lossless defaults from that batch size up. Entries for other batch sizes stay; a flat one counts as batch 1's."""
     from transformers import GenerationConfig
 
     folder = Path(folder)
     if not (folder / "generation_config.json").is_file():
         raise FileNotFoundError(f"{folder} has no generation_config.json: pass a local MARS checkpoint folder.")
     config = GenerationConfig.from_pretrained(folder)
-    config.mars_lossless = dict(preset)
+    entries = getattr(config, "mars_lossless", None) or {}
+    if entries and not all(str(key).isdigit() for key in entries):
+        entries = {"1": entries}
+    config.mars_lossless = {**entries, str(batch_size): dict(preset)}
     config.save_pretrained(folder)
     return folder / "generation_config.json"
 

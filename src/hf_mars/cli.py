@@ -238,8 +238,8 @@ def cmd_tune(args) -> None:
     if fastest.speedup < 1.0:
         print("No draft tree beat plain generate() here: passes over several tokens cost too much on this machine.")
     if args.save:
-        written = save_lossless_preset(folder, best)
-        print(f"Saved to {written}: generate(mars_verify=True) now uses it by default.")
+        written = save_lossless_preset(folder, best, args.batch_size)
+        print(f"Saved to {written} for batch size {args.batch_size} and up: generate(mars_verify=True) now uses it.")
 
 
 def cmd_distill(args) -> None:
@@ -366,7 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draft trees to try: block size B, N candidates for the first draft, L prompt-lookup tokens "
                            "(default: " + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES) + ")")
     tune.add_argument("--taus", type=float, nargs="+", default=[0.0], help="τ values to try (default 0: every draft)")
-    tune.add_argument("--batch-size", type=int, default=1)
+    tune.add_argument("--batch-size", type=int, default=1,
+                      help="batch size to tune for; --save keeps other batch sizes' trees (a batch uses the entry of "
+                           "the largest size it reaches)")
     tune.add_argument("--max-new-tokens", type=int, default=96)
     tune.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported")
     tune.add_argument("--save", action="store_true",
