@@ -153,9 +153,10 @@ def runs_frame(session: Session) -> pd.DataFrame:
 
 
 def lossless_tree(model) -> dict:
-    """The draft tree `generate(mars_verify=True)` uses on this checkpoint: its `mars_lossless`, else B-1 masks' chain."""
-    tree = dict(mars_block_size=int(model.config.mars_block_size), mars_draft_candidates=1, mars_lookup=0)
-    return {**tree, **(getattr(model.generation_config, "mars_lossless", None) or {})}
+    """The draft tree `generate(mars_verify=True)` runs on this checkpoint, one chat at a time: its `mars_lossless`."""
+    if not hasattr(model, "mars_settings"):  # a checkpoint whose remote code predates mars_lossless: B-1 masks' chain
+        return dict(mars_block_size=int(model.config.mars_block_size), mars_lookup=0)
+    return model.mars_settings(mars_verify=True)
 
 
 def build_demo(model, tokenizer) -> gr.Blocks:

