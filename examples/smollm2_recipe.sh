@@ -37,6 +37,7 @@ hf-mars bench --prompts heldout --limit 8 --batch-sizes 1 --taus 1.0 0.9 --max-n
 hf-mars bench --prompts heldout --limit 16 --batch-sizes 16 --taus 1.0 0.9 --prompt-lookup 0 --max-new-tokens 96 \
     --repeats 2 --output "$OUT/bench16"
 
-# 5. Lossless mode's draft tree: the fastest on this machine (its dict is `LOSSLESS` in src/hf_mars/shipped.py, which the
-#    build writes into the checkpoint's generation config as mars_lossless; `--save` writes it into a checkpoint folder).
+# 5. Lossless mode's draft trees: the fastest on this machine at batch 1 and 4 (`LOSSLESS` in src/hf_mars/shipped.py,
+#    which the build writes into the checkpoint's generation config as mars_lossless; `--save` writes into a folder).
 hf-mars tune --dtype bfloat16 --limit 8
+hf-mars tune --dtype bfloat16 --limit 16 --batch-size 4 --trees 2x1 2x3+4 --repeats 3
