@@ -14,6 +14,8 @@ This file is copied into MARS checkpoints (trust_remote_code): it depends on tor
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import DynamicCache
 
@@ -92,7 +94,15 @@ class MARSCache(DynamicCache):
 
 def draft_lineage(parents: list[int]) -> torch.BoolTensor:
     """`(len(parents) + 1, len(parents))` for a tree of drafts, draft i following draft `parents[i] < i` (-1: the
-    root): row 0 is the root (no draft); row i + 1 marks draft i and its ancestors, the path of drafts to draft i."""
+    root): row 0 is the root (no draft); row i + 1 marks draft i and its ancestors, the path of drafts to draft i.
+
+    A pass reads it three times (positions, attention, verification) and most passes repeat a tree of the last
+    ones, so it is built once per tree and shared: read it, do not write into it."""
+    return _lineage(tuple(parents))
+
+
+@functools.lru_cache(maxsize=256)
+def _lineage(parents: tuple[int, ...]) -> torch.BoolTensor:
     lineage = torch.eye(len(parents) + 1, dtype=torch.bool)[:, 1:]
     for i, parent in enumerate(parents):
         if parent >= 0:
@@ -111,8 +121,13 @@ def branch_visibility(num_pending: int, parents: list[int], num_masks: int, devi
 
     A draft sees the pending tokens, its ancestors and itself; group 0 sees the pending tokens, group i + 1 those and
     draft i's lineage; a mask sees the masks of its own group before it. So every draft and every group computes
-    what a plain causal pass over the text it continues would compute.
+    what a plain causal pass over the text it continues would compute. Built once per tree shape (see `draft_lineage`).
     """
+    return _visibility(num_pending, tuple(parents), num_masks).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _visibility(num_pending: int, parents: tuple[int, ...], num_masks: int) -> torch.BoolTensor:
     k, pending = len(parents), num_pending
     lineage = draft_lineage(parents)
     total = pending + k + (k + 1) * num_masks
@@ -125,7 +140,7 @@ def branch_visibility(num_pending: int, parents: list[int], num_masks: int, devi
         own = slice(start, start + num_masks)
         sees[own, pending : pending + k] = lineage[group]
         sees[own, own] = torch.ones(num_masks, num_masks, dtype=torch.bool).tril()
-    return sees.to(device)
+    return sees
 
 
 def _gather_slots(states: torch.Tensor, order: torch.LongTensor) -> torch.Tensor:
