@@ -182,30 +182,28 @@ TUNE_TREES = ((2, 1, 0), (2, 3, 0), (2, 3, 4), (2, 2, 6), (3, 2, 4), (4, 1, 4), 
 
 
 def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batch_size: int = 1,
-                  max_new_tokens: int = 96, repeats: int = 1, progress: bool = True) -> tuple[dict, list[Cell]]:  # fmt: skip
-    """Find the fastest lossless draft tree for this model and machine: `(best, cells)`.
+                  max_new_tokens: int = 96, repeats: int = 1, progress: bool = True) -> tuple[dict, Cell, list[Cell]]:  # fmt: skip
+    """Find the fastest lossless draft tree for this model and machine: `(best, fastest, cells)`.
 
     Runs plain `generate()` and lossless mode with the model's current default tree and with each `(B, n, L)` of
     `trees` at each τ, on `prompts`, at `batch_size`, side by side (`run_benchmark`, mask cost 0). `best` is the
     `mars_lossless` entry of the fastest (`save_lossless_preset` writes it into a checkpoint for that batch size, where
-    `generate(mars_verify=True)` reads it);
-    `cells` are all the measurements, to print. Lossless mode's text is the same for every tree (up to rounding), so
-    speed alone decides.
+    `generate(mars_verify=True)` reads it), `fastest` its measurement, `cells` all of them, to print. Lossless mode's
+    text is the same for every tree (up to rounding), so speed alone decides.
     """
     cells = run_benchmark(model, tokenizer, prompts, taus=taus, batch_sizes=(batch_size,), max_new_tokens=max_new_tokens,
                           repeats=repeats, verify=True, prompt_lookup=0, mask_costs=(0.0,), progress=progress,
                           trees=trees, tau_mode=False)  # fmt: skip
-    presets = {}
+    presets, keys = {}, ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup")
     for tau in taus:
         default = mars_settings(model, None, batch_size, mars_tau=tau, mars_verify=True)
-        keys = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup")
         presets[f"lossless tau={tau}"] = {key: default[key] for key in keys}
         for block, n, lookup in trees:
             presets[f"lossless {tree_name(block, n, lookup)} tau={tau}"] = dict(
                 mars_tau=tau, mars_block_size=block, mars_draft_candidates=n, mars_lookup=lookup
             )
-    best = max((c for c in cells if c.method in presets), key=lambda c: c.speedup)
-    return presets[best.method], cells
+    fastest = max((c for c in cells if c.method in presets), key=lambda c: c.speedup)
+    return presets[fastest.method], fastest, cells
 
 
 def save_lossless_preset(folder: str | Path, preset: dict, batch_size: int = 1) -> Path:

@@ -226,13 +226,12 @@ def cmd_tune(args) -> None:
     if args.device:
         model.to(args.device)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
-    best, cells = tune_lossless(model, tokenizer, prompts, trees=args.trees, taus=args.taus, batch_size=args.batch_size,
+    best, fastest, cells = tune_lossless(model, tokenizer, prompts, trees=args.trees, taus=args.taus, batch_size=args.batch_size,
                                 max_new_tokens=args.max_new_tokens, repeats=args.repeats)  # fmt: skip
     device = model.device.type if model.device.type != "cpu" else f"cpu, {torch.get_num_threads()} threads"
     print(f"\nLossless draft trees on {device}, {args.dtype}, batch {args.batch_size}, {len(prompts)} prompts:\n")
     print(format_table(cells))
     ar = next(c for c in cells if c.method == "ar")
-    fastest = max((c for c in cells if c.method != "ar"), key=lambda c: c.speedup)
     print(f"\nFastest: {fastest.method}, {fastest.speedup:.2f}x plain generate() ({ar.tokens_per_second:.1f} tokens/s)"
           f" -> mars_lossless = {best}")  # fmt: skip
     if fastest.speedup < 1.0:
