@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 from trl import SFTConfig, SFTTrainer
 
-from hf_mars.trainer import MARSConfig, MARSTrainer, pad_to_blocks, two_stream_batch
+from hf_mars.training.trainer import MARSConfig, MARSTrainer, pad_to_blocks, two_stream_batch
 
 
 def make_batch(args, vocab_size: int, eos_id: int, pad_id: int) -> dict:

@@ -20,7 +20,7 @@ import argparse
 import torch
 from transformers import GenerationMixin
 
-from hf_mars.bench import load_prompts
+from hf_mars.tools.bench import load_prompts
 from hf_mars.cli import _load
 
 

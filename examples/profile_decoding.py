@@ -18,9 +18,9 @@ from collections import defaultdict
 
 import torch
 
-from hf_mars import cache as cache_module
-from hf_mars import generation
-from hf_mars.bench import load_prompts
+from hf_mars.decoding import cache as cache_module
+from hf_mars.decoding import generate as generation
+from hf_mars.tools.bench import load_prompts
 from hf_mars.cli import _load
 
 GROUPS = {

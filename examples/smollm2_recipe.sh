@@ -6,7 +6,7 @@
 #   bash examples/smollm2_recipe.sh [OUT]
 set -euo pipefail
 OUT=${1:-outputs/recipe}
-BASE=$(python -c "from hf_mars.shipped import base_checkpoint; print(base_checkpoint())")  # GGUF -> float32, once
+BASE=$(python -c "from hf_mars.tools.shipped import base_checkpoint; print(base_checkpoint())")  # GGUF -> float32, once
 
 # 1. Self-distillation: 1,000 training prompts (reasoning-gym GSM-style and short tasks, MBPP) answered greedily by
 #    the base model itself; answers cut at --max-new-tokens are dropped (train.jsonl keeps the finished ones).

@@ -6,7 +6,7 @@
 The same as `hf-mars train`; the logic and more examples are in `hf_mars/train.py`.
 """
 
-from hf_mars.train import run
+from hf_mars.training.train import run
 
 if __name__ == "__main__":
     run()

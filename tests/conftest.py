@@ -6,23 +6,11 @@ import os
 
 import pytest
 import torch
-
-from hf_mars.toy import CONFIGS as FAMILIES  # noqa: F401  (re-exported for tests)
-from hf_mars.toy import toy_model, toy_tokenizer
+from helpers import make_tokenizer
 
 # Tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads of concurrent jobs spin
 # against each other (tests ran 30x slower). HF_MARS_TEST_THREADS overrides.
 torch.set_num_threads(int(os.environ.get("HF_MARS_TEST_THREADS", "1")))
-
-
-def make_tokenizer():
-    return toy_tokenizer()
-
-
-def make_model(family: str = "qwen2", vocab_size: int = 272, seed: int = 0, dtype=torch.float32, **overrides):
-    """A 2-layer `family` model; initializer_range 0.2 gives peaked distributions, so confidences spread over (0, 1)."""
-    overrides.setdefault("initializer_range", 0.2)
-    return toy_model(family, vocab_size=vocab_size, seed=seed, dtype=dtype, **overrides)
 
 
 @pytest.fixture
@@ -34,6 +22,6 @@ def tokenizer():
 def trained_toy(tmp_path_factory):
     """A toy MARS model actually trained (200 MARSTrainer steps, ~1 CPU minute): its masks predict real tokens, so
     multi-token passes and draft acceptance are exercised, not just possible."""
-    from hf_mars.demo import train_toy
+    from hf_mars.tools.demo import train_toy
 
     return train_toy(steps=200, block_size=4, output_dir=tmp_path_factory.mktemp("toy"))

@@ -7,18 +7,18 @@ at least τ; τ = 1 is exactly the original autoregressive model.
 
 __version__ = "0.1.0"
 
-from .cache import MARSCache
-from .generation import MARSGenerationMixin, MARSGenerateOutput, MARSStats, TauController, mars_settings
+from .decoding.cache import MARSCache
+from .decoding.generate import MARSGenerationMixin, MARSGenerateOutput, MARSStats, TauController, mars_settings
 from .convert import convert_checkpoint, to_mars
-from .modeling import MASK_TOKEN, mars_class
-from .shipped import default_checkpoint
+from .decoding.modeling import MASK_TOKEN, mars_class
+from .tools.shipped import default_checkpoint
 
 
 def __getattr__(name):
     # The trainer pulls in TRL (and datasets), the Hub helpers huggingface_hub's upload machinery; decoding users
     # should not pay for those imports.
     if name in ("MARSTrainer", "MARSConfig"):
-        from . import trainer
+        from .training import trainer
 
         return getattr(trainer, name)
     if name in ("push_to_hub", "push_space"):

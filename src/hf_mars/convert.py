@@ -8,8 +8,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .generation import CONFIDENCE_MEASURES, check_tau
-from .modeling import MASK_TOKEN, mars_class
+from .decoding.generate import CONFIDENCE_MEASURES, check_tau
+from .decoding.modeling import MASK_TOKEN, mars_class
 
 logger = logging.getLogger(__name__)
 

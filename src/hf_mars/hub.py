@@ -2,7 +2,7 @@
 
 `push_to_hub(folder, repo_id)` uploads what a MARS checkpoint needs to load with
 `AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True)` and nothing else: safetensors weights (never
-pickles: `.bin`/`.pt` files execute code when loaded), the remote-code trio (modeling.py, generation.py, cache.py),
+pickles: `.bin`/`.pt` files execute code when loaded), the remote code (`decoding.REMOTE_FILES`),
 the configs with their MARS defaults, the tokenizer, and a model card rendered from `model_cards/mars_model_card.md`.
 Everything goes in one commit, so a repo never holds weights without their card or code.
 
@@ -25,17 +25,18 @@ from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData,
 from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.utils import filter_repo_objects
 
+from .decoding import REMOTE_FILES
+
 logger = logging.getLogger(__name__)
 
 PROJECT = Path(__file__).resolve().parents[2]  # the repository root (model_cards/, spaces_demo/) in a source checkout
 MODEL_CARD_TEMPLATE = PROJECT / "model_cards" / "mars_model_card.md"
 SPACE_FOLDER = PROJECT / "spaces_demo"
-REMOTE_CODE_FILES = ("modeling.py", "generation.py", "cache.py")
 TAGS = ["mars", "multi-token-prediction"]
 # What a loadable MARS checkpoint consists of. Anything else in the folder (optimizer states, logs, a README of its
 # own) stays local and is listed as skipped.
 UPLOAD_PATTERNS = [
-    "*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json", *REMOTE_CODE_FILES,
+    "*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json", *REMOTE_FILES,
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
     "additional_chat_templates/*.jinja",
@@ -93,7 +94,7 @@ def check_mars_folder(folder: str | Path) -> dict:
     auto = (config.get("auto_map") or {}).get("AutoModelForCausalLM", "")
     if not auto.startswith("modeling."):
         raise ValueError(f"{folder}/config.json has no auto_map entry for AutoModelForCausalLM into modeling.py: {hint}")
-    missing = [name for name in REMOTE_CODE_FILES if not (folder / name).is_file()]
+    missing = [name for name in REMOTE_FILES if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"{folder} lacks the remote-code files {missing}: trust_remote_code could not load it. {hint}")
     gen = folder / "generation_config.json"
@@ -305,7 +306,7 @@ def push_to_hub(
         card_template: a Jinja markdown template instead of `model_cards/mars_model_card.md`.
         commit_message: defaults to "Upload MARS checkpoint".
 
-    Uploaded: `*.safetensors` (+ index), config.json, generation_config.json, modeling.py, generation.py, cache.py,
+    Uploaded: `*.safetensors` (+ index), config.json, generation_config.json, the remote code (`decoding.REMOTE_FILES`),
     tokenizer files, and README.md (the card). Skipped, and listed in the result: pickles (`.bin`, `.pt`, ...), a
     README.md of the folder's own, and anything else. One commit. Returns a `PushResult`; print `.summary()`.
     """

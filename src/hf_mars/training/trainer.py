@@ -31,7 +31,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.data_utils import is_conversational_from_value, maybe_convert_to_chatml
 
 from .masking import SUPPORTED_ATTENTION, create_two_stream_mask, two_stream_position_ids
-from .modeling import MASK_TOKEN
+from ..decoding.modeling import MASK_TOKEN
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import transformers
 
-from .generation import MARSGenerationMixin
+from .generate import MARSGenerationMixin
 
 MASK_TOKEN = "<|mask|>"
 _classes: dict[str, type] = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationMixin
 
-from .generation import mars_settings
+from ..decoding.generate import mars_settings
 
 
 @dataclass

@@ -6,17 +6,10 @@ import collections
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
-from hf_mars.toy import counting_dataset
-
-
-def toy_prompts(tok, n=8, seed=4321):
-    test = counting_dataset(n, seed=seed)
-    prompts = [tok.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=False) for ex in test]
-    return tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
 def tokens_per_forward(stats):
@@ -115,7 +108,7 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
 
 
 def test_prompt_lookup_finds_what_followed_the_latest_longest_match():
-    from hf_mars.generation import _lookup
+    from hf_mars.decoding.generate import _lookup
 
     pad = 0
     sequences = torch.tensor(
@@ -157,7 +150,7 @@ def test_lossless_with_prompt_lookup_accepts_repeated_text_exactly():
 def test_verification_keeps_the_deepest_path_when_sibling_drafts_are_equal():
     """A lookup draft may equal a mask's: both siblings match, and the path through the one with a matching child
     must be kept (its tokens, and its end, whose group of masks proposes the next drafts)."""
-    from hf_mars.generation import _verify
+    from hf_mars.decoding.generate import _verify
 
     vocab, parents = 10, [-1, -1, 1]  # drafts 0 and 1 both follow the root; draft 2 follows draft 1
     drafts = torch.tensor([[4, 4, 6], [4, 4, 6]])
@@ -176,8 +169,8 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
     """A lossless pass feeds [pending | drafts as a tree | one group of masks after the root and after each draft].
     Each draft, and each group, must compute exactly what a plain causal pass over the text it continues computes,
     in every row (a row with a missing draft and a left-padded row included)."""
-    from hf_mars.cache import MARSCache
-    from hf_mars.generation import _branch_attention
+    from hf_mars.decoding.cache import MARSCache
+    from hf_mars.decoding.generate import _branch_attention
 
     # float32 for eager: in float64 its padding mask overflows to -inf in its float32 softmax (NaN, transformers 5.23)
     model = make_model(family, dtype=torch.float64 if attention == "sdpa" else torch.float32)

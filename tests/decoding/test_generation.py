@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
-from test_verify import toy_prompts
-from transformers import MistralConfig, AutoModelForCausalLM, StoppingCriteria
+from helpers import make_model, make_tokenizer, toy_prompts
+from transformers import AutoModelForCausalLM, MistralConfig, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import hf_mars
-from hf_mars import generation as mars_generation
+from hf_mars.decoding import generate as mars_generation
 
 PROMPTS = ["hello world, how", "a", "the quick brown fox jumps"]
 FAMILIES = ["qwen2", "qwen3", "llama"]
@@ -407,7 +406,7 @@ def test_other_confidence_measures(measure):
     for i, row in enumerate(rows_alone(model, tok, enc, mars_tau=0.3, mars_confidence=measure, max_new_tokens=24)):
         assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
     probs = torch.tensor([[0.7, 0.2, 0.1]])
-    value = hf_mars.generation.confidence(probs, torch.tensor([0]), measure)
+    value = mars_generation.confidence(probs, torch.tensor([0]), measure)
     expected = 0.5 if measure == "margin" else 1 - float(torch.special.entr(probs).sum() / torch.log(torch.tensor(3.0)))
     assert value.item() == pytest.approx(expected)
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer
 
 import hf_mars
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationMixin
 
-from .convert import to_mars
+from ..convert import to_mars
 from .toy import counting_dataset, toy_model, toy_tokenizer
 
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
@@ -24,7 +24,7 @@ def train_toy(steps: int, block_size: int, output_dir: str | Path, seed: int = 0
     """A ~0.9M-parameter MARS model trained on `steps` batches of 16 counting examples."""
     from datasets import Dataset
 
-    from .trainer import MARSConfig, MARSTrainer
+    from ..training.trainer import MARSConfig, MARSTrainer
 
     tokenizer = toy_tokenizer()
     model = toy_model("llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, seed=seed)

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
-from hf_mars.toy import counting_dataset
+from hf_mars.tools.toy import counting_dataset
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_mars.py"  # a thin wrapper of hf_mars.train
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mars.py"  # a thin wrapper of hf_mars.train
 
 
 def train(tmp_path, *extra, cli=False):
@@ -39,7 +39,7 @@ def test_full_training_saves_a_mars_checkpoint(tmp_path):
     log = train(tmp_path, "--output_dir", str(tmp_path / "out"), "--max_steps", "4", "--save_strategy", "no", cli=True)
     assert "'mask_loss'" in log and "'clean_loss'" in log and "'mask_acc_0'" in log
     out = tmp_path / "out"
-    assert {"modeling.py", "generation.py", "cache.py", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert {"modeling.py", "generate.py", "cache.py", "model.safetensors"} <= {p.name for p in out.iterdir()}
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert model.config.mars_block_size == 4
     result = model.generate(input_ids=torch.tensor([[1, 80, 81]]), mars_tau=0.5, max_new_tokens=6, return_dict_in_generate=True)

@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer
 
 import hf_mars
-from hf_mars.bench import format_table, load_prompts, measure_mask_cost, run_benchmark, save
+from hf_mars.tools.bench import (
+    format_table,
+    load_prompts,
+    measure_mask_cost,
+    run_benchmark,
+    save,
+)
 
 
 def test_benchmark_cells_and_files(tmp_path):
@@ -68,7 +74,7 @@ def test_prompts_from_jsonl(tmp_path):
 
 
 def test_heldout_prompts_are_scored_by_task():
-    from hf_mars.data import gsm8k_test, humaneval
+    from hf_mars.tools.data import gsm8k_test, humaneval
 
     tok = make_tokenizer()
     prompts = load_prompts("heldout", tok, limit=4)
@@ -83,7 +89,7 @@ def test_heldout_prompts_are_scored_by_task():
 def test_new_tokens_count_the_eos_even_when_it_is_the_pad_token():
     from types import SimpleNamespace
 
-    from hf_mars.bench import _count_new
+    from hf_mars.tools.bench import _count_new
 
     generated = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
     assert _count_new(generated, SimpleNamespace(pad_token_id=2), [2]) == 3 + 5 + 1

@@ -27,7 +27,7 @@ def _model_path(model: str | None) -> str:
     """The given checkpoint, or the shipped one (built on first use)."""
     if model is not None:
         return model
-    from .shipped import default_checkpoint
+    from ..tools.shipped import default_checkpoint
 
     return str(default_checkpoint())
 
@@ -41,7 +41,7 @@ def _load(model_path: str | None, revision: str | None, dtype: str):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .modeling import mars_class
+    from ..decoding.modeling import mars_class
 
     model_path = _model_path(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=revision)
@@ -85,7 +85,7 @@ def _tree(text: str) -> tuple[int, int, int]:
 def cmd_generate(args) -> None:
     from transformers import GenerationMixin, TextStreamer
 
-    from .generation import mars_settings
+    from ..decoding.generate import mars_settings
 
     model, tokenizer = _load(args.model, args.revision, args.dtype)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
@@ -97,7 +97,7 @@ def cmd_generate(args) -> None:
                 mars_draft_candidates=args.draft_candidates, mars_lookup=args.lookup)  # fmt: skip
     mask_cost = args.mask_cost
     if mask_cost == "auto":  # measured for 1 .. B-1 masks of the model's B; this run's B may be smaller
-        from .bench import measure_mask_cost
+        from ..tools.bench import measure_mask_cost
 
         mask_cost = measure_mask_cost(model)[: mars_settings(model, **mars)["mars_block_size"] - 1]
     mars["mars_mask_cost"] = mask_cost
@@ -138,7 +138,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    from .convert import convert_checkpoint
+    from ..convert import convert_checkpoint
 
     dst = convert_checkpoint(args.src, args.dst, block_size=args.block_size, tau=args.tau)
     print(f"Wrote {dst}: load it with AutoModelForCausalLM.from_pretrained({str(dst)!r}, trust_remote_code=True)")
@@ -155,7 +155,7 @@ def _hub_errors(push):
 
 
 def cmd_push(args) -> None:
-    from .hub import push_to_hub
+    from ..hub import push_to_hub
 
     result = _hub_errors(lambda: push_to_hub(
         args.folder, args.repo_id, private=args.private or None, revision=args.revision, base_model=args.base_model,
@@ -167,7 +167,7 @@ def cmd_push(args) -> None:
 
 
 def cmd_push_space(args) -> None:
-    from .hub import push_space
+    from ..hub import push_space
 
     result = _hub_errors(lambda: push_space(args.space_id, args.model, folder=args.folder, private=args.private or None,
                                             model_revision=args.model_revision, commit_message=args.commit_message))
@@ -176,13 +176,13 @@ def cmd_push_space(args) -> None:
 
 
 def cmd_demo(args) -> None:
-    from .demo import run_demo
+    from ..tools.demo import run_demo
 
     run_demo(steps=args.steps, block_size=args.block_size, output_dir=args.output_dir, tau=args.tau)
 
 
 def cmd_bench(args) -> None:
-    from .bench import format_table, load_prompts, measure_mask_cost, run_benchmark, save
+    from ..tools.bench import format_table, load_prompts, measure_mask_cost, run_benchmark, save
 
     model, tokenizer = _load(args.model, args.revision, args.dtype)
     if args.device:
@@ -217,7 +217,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_tune(args) -> None:
-    from .bench import format_table, load_prompts, save_lossless_preset, tune_lossless
+    from ..tools.bench import format_table, load_prompts, save_lossless_preset, tune_lossless
 
     folder = Path(_model_path(args.model))
     if args.save and not folder.is_dir():  # say so before minutes of measuring
@@ -244,8 +244,8 @@ def cmd_tune(args) -> None:
 def cmd_distill(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .data import distill, training_prompts, write_reference_set, write_training_set
-    from .shipped import base_checkpoint
+    from ..tools.data import distill, training_prompts, write_reference_set, write_training_set
+    from ..tools.shipped import base_checkpoint
 
     base = base_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -262,7 +262,7 @@ def cmd_distill(args) -> None:
 
 
 def cmd_export_delta(args) -> None:
-    from .shipped import DELTA_DIR, export_delta
+    from ..tools.shipped import DELTA_DIR, export_delta
 
     dst = export_delta(args.trained, args.output or DELTA_DIR)
     size = sum(f.stat().st_size for f in dst.iterdir()) / 2**20
@@ -274,8 +274,8 @@ def cmd_eval(args) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from .evals import eval_prompts, format_tau_table, tau_table
-    from .shipped import base_checkpoint
+    from ..tools.evals import eval_prompts, format_tau_table, tau_table
+    from ..tools.shipped import base_checkpoint
 
     model, tokenizer = _load(args.model, None, args.dtype)
     base = None
@@ -296,7 +296,7 @@ def cmd_eval(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import TUNE_TREES
+    from ..tools.bench import TUNE_TREES
 
     parser = argparse.ArgumentParser(prog="hf-mars", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:  # TRL's own parser takes the rest (argparse would claim --help and friends)
-        from .train import run
+        from ..training.train import run
 
         return run(argv[1:])
     args = build_parser().parse_args(argv)

@@ -9,14 +9,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
-from hf_mars import shipped
+from hf_mars.decoding import REMOTE_DIR, REMOTE_FILES
+from hf_mars.tools import shipped
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +80,12 @@ def test_a_changed_delta_triggers_a_rebuild(built, tmp_path, monkeypatch):
 def test_the_build_stamp_covers_the_remote_code(built, tmp_path):
     """A cached checkpoint carries copies of the decoding code: a new hf_mars must rebuild it, not serve stale code."""
     path, _ = built
-    for name in shipped.REMOTE_CODE:
-        assert (path / name).read_text() == (Path(shipped.__file__).parent / name).read_text()
-        (tmp_path / name).write_text((Path(shipped.__file__).parent / name).read_text())
+    for name in REMOTE_FILES:
+        assert (path / name).read_text() == (REMOTE_DIR / name).read_text()
+        (tmp_path / name).write_text((REMOTE_DIR / name).read_text())
     same = shipped._build_stamp(shipped.DELTA_DIR, tmp_path)
     assert same == shipped._build_stamp(shipped.DELTA_DIR)  # the stamp a build writes (another test spoils the file)
-    (tmp_path / "generation.py").write_text((tmp_path / "generation.py").read_text() + "\n# changed\n")
+    (tmp_path / "generate.py").write_text((tmp_path / "generate.py").read_text() + "\n# changed\n")
     assert shipped._build_stamp(shipped.DELTA_DIR, tmp_path) != same
 
 
@@ -108,7 +108,7 @@ def test_cli_generate_defaults_to_the_shipped_checkpoint(built):
 def test_export_delta_keeps_the_adapter_and_mask_row_in_float16(tmp_path):
     """A LoRA MARS run's folder -> the shippable delta: LoRA matrices and the <|mask|> row only, float16, MARS
     settings beside it; merged into a fresh base it gives the trained model's logits (to float16 rounding)."""
-    from conftest import make_model, make_tokenizer
+    from helpers import make_model, make_tokenizer
     from peft import LoraConfig, PeftModel, get_peft_model
 
     import hf_mars

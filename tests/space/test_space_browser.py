@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect, sync_playwright
-from test_space import running_app
+from space_app import running_app
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
-SCREENSHOT = Path(__file__).resolve().parent.parent / "outputs" / "space_screenshot.png"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "outputs" / "space_screenshot.png"
 
 
 @pytest.fixture(scope="module")

@@ -14,19 +14,26 @@ import sys
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
 from fake_hub import FakeHub
+from helpers import make_model, make_tokenizer
 from huggingface_hub import HfApi, ModelCard, constants
 
 import hf_mars
-from hf_mars.hub import (SPACE_FOLDER, check_mars_folder, load_tau_table, push_space, push_to_hub, render_model_card,
-                         tau_table_markdown)
+from hf_mars.hub import (
+    SPACE_FOLDER,
+    check_mars_folder,
+    load_tau_table,
+    push_space,
+    push_to_hub,
+    render_model_card,
+    tau_table_markdown,
+)
 
 TOKEN = "hf_fake_test_token"
 TAU_TABLE = {"setup": "toy counting task, CPU, batch 1",
              "rows": [{"tau": 1.0, "tokens_per_forward": 1.0, "accuracy": 0.5, "speedup": 1.0},
                       {"tau": 0.9, "tokens_per_forward": 2.0, "accuracy": 0.44, "speedup": 1.68}]}
-CHECKPOINT_FILES = {"model.safetensors", "config.json", "generation_config.json", "modeling.py", "generation.py",
+CHECKPOINT_FILES = {"model.safetensors", "config.json", "generation_config.json", "modeling.py", "generate.py",
                     "cache.py", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 
 
@@ -177,7 +184,7 @@ def _sharded_missing(path):
 @pytest.mark.parametrize("damage, message", [
     (_edit_json("config.json", mars_mask_token_id=None), "not a MARS checkpoint"),
     (_edit_json("config.json", auto_map=None), "no auto_map entry"),
-    (lambda p: _remove(p, "generation.py"), r"remote-code files \['generation.py'\]"),
+    (lambda p: _remove(p, "generate.py"), r"remote-code files \['generation.py'\]"),
     (_edit_json("generation_config.json", mars_block_size=None), "MARS defaults"),
     (_pickled_weights, r"no safetensors weights \(found pickle files \[.*'pytorch_model.bin'.*never uploaded"),
     (_sharded_missing, "shards that are not there"),

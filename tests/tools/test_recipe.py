@@ -6,10 +6,22 @@ import json
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer
 
-from hf_mars.data import distill, gsm8k_test, humaneval, training_prompts, write_reference_set, write_training_set
-from hf_mars.evals import format_tau_table, gsm8k_correct, humaneval_correct, tau_table
+from hf_mars.tools.data import (
+    distill,
+    gsm8k_test,
+    humaneval,
+    training_prompts,
+    write_reference_set,
+    write_training_set,
+)
+from hf_mars.tools.evals import (
+    format_tau_table,
+    gsm8k_correct,
+    humaneval_correct,
+    tau_table,
+)
 
 
 def test_training_prompts_are_mixed_and_hold_no_evaluation_problem():
@@ -77,7 +89,7 @@ def test_scoring():
 
 def test_tau_table_on_a_trained_toy(trained_toy):
     model, tok = trained_toy
-    from hf_mars.toy import counting_dataset
+    from hf_mars.tools.toy import counting_dataset
 
     rows = [{"prompt": ex["messages"][0]["content"], "task": "gsm8k", "answer": ex["messages"][1]["content"].split()[-1]}
             for ex in counting_dataset(8, seed=77)]  # fmt: skip

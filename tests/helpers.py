@@ -1,0 +1,24 @@
+"""Builders the tests share (tiny models, a tokenizer, toy prompts), all made offline. Tests import these; fixtures
+live in conftest.py. No test module imports another."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_mars.tools.toy import counting_dataset, toy_model, toy_tokenizer
+
+
+def make_tokenizer():
+    return toy_tokenizer()
+
+
+def make_model(family: str = "qwen2", vocab_size: int = 272, seed: int = 0, dtype=torch.float32, **overrides):
+    """A 2-layer `family` model; initializer_range 0.2 gives peaked distributions, so confidences spread over (0, 1)."""
+    overrides.setdefault("initializer_range", 0.2)
+    return toy_model(family, vocab_size=vocab_size, seed=seed, dtype=dtype, **overrides)
+
+
+def toy_prompts(tok, n=8, seed=4321):
+    test = counting_dataset(n, seed=seed)
+    prompts = [tok.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=False) for ex in test]
+    return tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
