@@ -3,11 +3,13 @@
 `push_to_hub(folder, repo_id)` uploads what a MARS checkpoint needs to load with
 `AutoModelForCausalLM.from_pretrained(repo_id, trust_remote_code=True)` and nothing else: safetensors weights (never
 pickles: `.bin`/`.pt` files execute code when loaded), the remote code (`decoding.REMOTE_FILES`),
-the configs with their MARS defaults, the tokenizer, and a model card rendered from `model_cards/mars_model_card.md`.
+the configs with their MARS defaults, the tokenizer, and a model card rendered from the package's
+`templates/model_card.md` (`MODEL_CARD_TEMPLATE`, read through importlib.resources, so it works from a wheel).
 Everything goes in one commit, so a repo never holds weights without their card or code.
 
-`push_space(space_id, model_repo)` uploads a Space folder (default `spaces_demo/`) and sets its `MARS_MODEL`
-variable, which the app reads to pick the checkpoint.
+`push_space(space_id, model_repo)` uploads a Space folder and sets its `MARS_MODEL` variable, which the app reads to
+pick the checkpoint. The default folder is the source checkout's `spaces_demo/`, which is not package data: an
+installed wheel has none, and `push_space` then asks for `folder=` (`hf-mars push-space --folder DIR`).
 
 Authentication is huggingface_hub's: `token=None` means the `HF_TOKEN` environment variable, else the token saved
 by `hf auth login`. Nothing here reads or overrides a token itself.
@@ -19,6 +21,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData, SpaceCard
@@ -29,8 +32,10 @@ from .decoding import REMOTE_FILES
 
 logger = logging.getLogger(__name__)
 
-PROJECT = Path(__file__).resolve().parents[2]  # the repository root (model_cards/, spaces_demo/) in a source checkout
-MODEL_CARD_TEMPLATE = PROJECT / "model_cards" / "mars_model_card.md"
+# The Jinja template of every pushed model card: package data (pyproject's package-data), so an installed wheel has it.
+MODEL_CARD_TEMPLATE = resources.files(__package__) / "templates" / "model_card.md"
+# The Gradio Space: a folder of the source checkout (the repository root's spaces_demo/), not shipped in the wheel.
+PROJECT = Path(__file__).resolve().parents[2]
 SPACE_FOLDER = PROJECT / "spaces_demo"
 TAGS = ["mars", "multi-token-prediction"]
 # What a loadable MARS checkpoint consists of. Anything else in the folder (optimizer states, logs, a README of its
@@ -230,7 +235,7 @@ def render_model_card(
         raise ValueError(f"Model card template {template} not found: pass template= (a Jinja markdown file).")
     return ModelCard.from_template(
         data,
-        template_path=str(template),
+        template_str=template.read_text(encoding="utf-8"),
         repo_id=repo_id,
         revision=revision or "main",
         architecture=config["auto_map"]["AutoModelForCausalLM"].split(".", 1)[1],
@@ -303,7 +308,7 @@ def push_to_hub(
         base_model, license, datasets: Hub metadata; when None, taken from a README.md in the folder, else (base
             model) from `_name_or_path` in config.json; left out when unknown.
         tau_table: measured speed/quality per τ, shown in the card: a JSON file or rows (see `load_tau_table`).
-        card_template: a Jinja markdown template instead of `model_cards/mars_model_card.md`.
+        card_template: a Jinja markdown template instead of the package's `templates/model_card.md`.
         commit_message: defaults to "Upload MARS checkpoint".
 
     Uploaded: `*.safetensors` (+ index), config.json, generation_config.json, the remote code (`decoding.REMOTE_FILES`),
@@ -346,10 +351,19 @@ def push_space(
 
     The Space gets the variable `MARS_MODEL=model_repo` and, when `model_revision` is given, `MARS_REVISION` (pin
     one: the checkpoint's remote code runs in the Space; without it a previous pin is removed). Both are set before
-    the upload, so the first build already has them. The folder (default: the project's `spaces_demo/`) is uploaded
-    as it is, caches and hidden files excepted; its README.md carries the Space's YAML.
+    the upload, so the first build already has them. The folder (default: the source checkout's `spaces_demo/`,
+    which an installed wheel does not have) is uploaded as it is, caches and hidden files excepted; its README.md
+    carries the Space's YAML.
     """
-    folder = Path(folder) if folder is not None else SPACE_FOLDER
+    if folder is None:
+        if not (SPACE_FOLDER / "app.py").is_file():
+            raise ValueError(
+                f"No Space folder given and the default, the source checkout's spaces_demo/ ({SPACE_FOLDER}), is not "
+                "there (an installed hf_mars does not ship it): pass folder= (hf-mars push-space --folder DIR), e.g. "
+                "the spaces_demo/ folder of the hf_mars repository."
+            )
+        folder = SPACE_FOLDER
+    folder = Path(folder)
     if not folder.is_dir() or not any(folder.iterdir()):
         raise ValueError(f"{folder} is not a Space folder (missing or empty).")
     readme = folder / "README.md"
