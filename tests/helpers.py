@@ -4,6 +4,7 @@ live in conftest.py. No test module imports another."""
 from __future__ import annotations
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from hf_mars.tools.toy import counting_dataset, toy_model, toy_tokenizer
 
@@ -22,3 +23,14 @@ def toy_prompts(tok, n=8, seed=4321):
     test = counting_dataset(n, seed=seed)
     prompts = [tok.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=False) for ex in test]
     return tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.view(-1).tolist())
+
+    def end(self):
+        self.ended = True

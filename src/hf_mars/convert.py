@@ -8,7 +8,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .decoding.generate import CONFIDENCE_MEASURES, check_tau
+from .decoding.settings import CONFIDENCE_MEASURES, check_tau
 from .decoding.modeling import MASK_TOKEN, mars_class
 
 logger = logging.getLogger(__name__)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_model, make_tokenizer, toy_prompts
+from helpers import Recorder, make_model, make_tokenizer, toy_prompts
 from transformers import AutoModelForCausalLM, MistralConfig, StoppingCriteria
-from transformers.generation.streamers import BaseStreamer
 
 import hf_mars
 from hf_mars.decoding import generate as mars_generation
+from hf_mars.decoding import schedule
+from hf_mars.decoding.scoring import confidence
 
 PROMPTS = ["hello world, how", "a", "the quick brown fox jumps"]
 FAMILIES = ["qwen2", "qwen3", "llama"]
@@ -52,8 +53,8 @@ def naive_mars_decode(model, ids, tau, block_size, mask_id, max_new_tokens, eos_
     ids = list(ids)
     new = []
     most = block_size - 1
-    step, recover, every = mars_generation._RATE_STEP, mars_generation._RECOVER, mars_generation._PROBE_EVERY
-    rate, passes = [mars_generation._RATE_START] * most, 0
+    step, recover, every = schedule.RATE_STEP, schedule.RECOVER, schedule.PROBE_EVERY
+    rate, passes = [schedule.RATE_START] * most, 0
     costs = mask_cost if isinstance(mask_cost, list) else [mask_cost * k for k in range(1, most + 1)]
     while len(new) < max_new_tokens:
         masks = most
@@ -341,17 +342,6 @@ def test_stop_strings_and_custom_criteria():
 # --- streaming ---------------------------------------------------------------------------------------------------
 
 
-class Recorder(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.view(-1).tolist())
-
-    def end(self):
-        self.ended = True
-
-
 def test_streamer_gets_one_chunk_per_pass():
     model, tok = sharp_mars_model("llama", dtype=torch.float32)
     enc = encode(tok, ["hello world"])
@@ -406,7 +396,7 @@ def test_other_confidence_measures(measure):
     for i, row in enumerate(rows_alone(model, tok, enc, mars_tau=0.3, mars_confidence=measure, max_new_tokens=24)):
         assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
     probs = torch.tensor([[0.7, 0.2, 0.1]])
-    value = mars_generation.confidence(probs, torch.tensor([0]), measure)
+    value = confidence(probs, torch.tensor([0]), measure)
     expected = 0.5 if measure == "margin" else 1 - float(torch.special.entr(probs).sum() / torch.log(torch.tensor(3.0)))
     assert value.item() == pytest.approx(expected)
 

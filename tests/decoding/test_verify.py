@@ -6,7 +6,7 @@ import collections
 
 import pytest
 import torch
-from helpers import make_model, make_tokenizer, toy_prompts
+from helpers import Recorder, make_model, make_tokenizer, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
@@ -108,7 +108,7 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
 
 
 def test_prompt_lookup_finds_what_followed_the_latest_longest_match():
-    from hf_mars.decoding.generate import _lookup
+    from hf_mars.decoding.tree import lookup as _lookup
 
     pad = 0
     sequences = torch.tensor(
@@ -150,14 +150,15 @@ def test_lossless_with_prompt_lookup_accepts_repeated_text_exactly():
 def test_verification_keeps_the_deepest_path_when_sibling_drafts_are_equal():
     """A lookup draft may equal a mask's: both siblings match, and the path through the one with a matching child
     must be kept (its tokens, and its end, whose group of masks proposes the next drafts)."""
-    from hf_mars.decoding.generate import _verify
+    from hf_mars.decoding.tree import DraftTree
+    from hf_mars.decoding.verify import Drafts, verify
 
-    vocab, parents = 10, [-1, -1, 1]  # drafts 0 and 1 both follow the root; draft 2 follows draft 1
+    vocab, parents = 10, (-1, -1, 1)  # drafts 0 and 1 both follow the root; draft 2 follows draft 1
     drafts = torch.tensor([[4, 4, 6], [4, 4, 6]])
     draft_real = torch.tensor([[True, True, True], [True, True, False]])
     targets = torch.tensor([[4, 6, 6, 2], [4, 6, 6, 2]])  # argmax at the root, then at drafts 0, 1 (equal), 2
     logits = torch.nn.functional.one_hot(targets, vocab).float()
-    tokens, accepted, kept, end = _verify(logits, drafts, draft_real, parents, None)
+    tokens, accepted, kept, end = verify(logits, Drafts(drafts, draft_real, DraftTree.of(parents)), None, False)
     assert accepted.tolist() == [3, 2]
     assert tokens[0, :3].tolist() == [4, 6, 2] and tokens[1, :2].tolist() == [4, 6]
     assert end[0] == 3 and kept[0].tolist() == [False, True, True]
@@ -170,7 +171,7 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
     Each draft, and each group, must compute exactly what a plain causal pass over the text it continues computes,
     in every row (a row with a missing draft and a left-padded row included)."""
     from hf_mars.decoding.cache import MARSCache
-    from hf_mars.decoding.generate import _branch_attention
+    from hf_mars.decoding.tree import DraftTree, tree_attention
 
     # float32 for eager: in float64 its padding mask overflows to -inf in its float32 softmax (NaN, transformers 5.23)
     model = make_model(family, dtype=torch.float64 if attention == "sdpa" else torch.float32)
@@ -190,8 +191,9 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
         drafts = torch.tensor([[30, 31, 32, 35], [40, 41, 0, 45]])
         draft_real = torch.tensor([[True, True, True, True], [True, True, False, True]])
         new_real = torch.cat([torch.ones_like(pending, dtype=torch.bool), draft_real], dim=1)
-        mask_2d, positions = cache.step_inputs(new_real, masks, parents)
-        mask_4d = _branch_attention(model, cache, mask_2d, 1, parents, masks)
+        tree = DraftTree.of(tuple(parents))
+        mask_2d, positions = cache.step_inputs(new_real, masks, tree)
+        mask_4d = tree_attention(model, cache, tree, mask_2d, 1, masks)
         fed = torch.cat([pending, drafts, torch.full((2, (len(parents) + 1) * masks), mask_id)], dim=1)
         logits = model(input_ids=fed, attention_mask=mask_4d, position_ids=positions, past_key_values=cache).logits
     lineage = {-1: []}
@@ -208,7 +210,6 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
 
 
 def test_lossless_streams_each_pass(trained_toy):
-    from test_generation import Recorder
 
     model, tok = trained_toy
     enc = toy_prompts(tok, n=1)

@@ -8,5 +8,15 @@ hub uploads, the shipped checkpoint's build stamp and the tests read it from her
 
 from pathlib import Path
 
-REMOTE_FILES = ("modeling.py", "generate.py", "cache.py")
+REMOTE_FILES = (
+    "modeling.py",  # the MARS<Base> classes that a checkpoint's auto_map names
+    "generate.py",  # MARSGenerationMixin.generate and the decoding loop
+    "settings.py",  # MARSSettings: the validated mars_* arguments of one call
+    "scoring.py",  # logits processors, token choice, confidence
+    "schedule.py",  # MaskSchedule: how many masks each row is offered
+    "cache.py",  # MARSCache: a DynamicCache that keeps real tokens only
+    "tree.py",  # DraftTree: lossless mode's draft tree, its attention pattern, prompt lookup
+    "verify.py",  # lossless mode: verification of drafts, proposal of the next ones
+    "stopping.py",  # stopping criteria called exactly as generate() calls them
+)
 REMOTE_DIR = Path(__file__).parent

@@ -9,15 +9,15 @@ a left-padded prompt is), so a row that accepted fewer leaves holes: cache slots
 which slots hold tokens; it becomes the 2D attention mask, and position ids count real tokens only. `compact()`
 squeezes the holes out when they grow to a large share of the cache.
 
-This file is copied into MARS checkpoints (trust_remote_code): it depends on torch and transformers only.
+This file is copied into MARS checkpoints (trust_remote_code): it imports torch, transformers and `tree.py` only.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from transformers import DynamicCache
+
+from .tree import DraftTree
 
 
 class MARSCache(DynamicCache):
@@ -34,23 +34,23 @@ class MARSCache(DynamicCache):
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def step_inputs(
-        self, new_real: torch.BoolTensor, num_masks: int, parents: list[int] = ()
+        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = DraftTree()
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | masks]`.
 
-        Lossless mode: the last `len(parents)` new tokens are drafts forming a tree, draft i following draft
-        `parents[i]` (-1: the last pending token, the root), so it sits one position past it. The masks then come as
-        `len(parents) + 1` groups of `num_masks`: group 0 follows the root, group i + 1 draft i, and each group's
-        positions continue from the token it follows. Which tokens see which is `branch_visibility`'s business.
+        Lossless mode: the last `len(tree)` new tokens are drafts forming a tree (`DraftTree`), each one position
+        past the token it follows. The masks then come as `len(tree) + 1` groups of `num_masks`: group 0 follows the
+        root, group i + 1 draft i, and each group's positions continue from the token it follows. Which tokens see
+        which is `DraftTree.visibility`'s business.
         Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
         as `generate()` does for unpadded batches.
         """
         batch, width = new_real.shape
-        groups = len(parents) + 1
-        pending = new_real[:, : width - len(parents)]
+        groups = len(tree) + 1
+        pending = new_real[:, : width - len(tree)]
         pending_positions = self.next_position[:, None] + pending.long().cumsum(dim=1) - 1
         root = pending_positions[:, -1:]
-        draft_positions = root + draft_depths(parents).to(root.device)
+        draft_positions = root + tree.on(root.device)[1]
         anchors = torch.cat([root, draft_positions], dim=1)  # (batch, groups): the token each group follows
         mask_positions = (anchors[:, :, None] + torch.arange(1, num_masks + 1, device=root.device)).reshape(batch, -1)
         position_ids = torch.cat([pending_positions, draft_positions, mask_positions], dim=1).clamp(min=0)
@@ -90,57 +90,6 @@ class MARSCache(DynamicCache):
             layer.keys = _gather_slots(layer.keys, order)
             layer.values = _gather_slots(layer.values, order)
         self.real = self.real.gather(1, order)
-
-
-def draft_lineage(parents: list[int]) -> torch.BoolTensor:
-    """`(len(parents) + 1, len(parents))` for a tree of drafts, draft i following draft `parents[i] < i` (-1: the
-    root): row 0 is the root (no draft); row i + 1 marks draft i and its ancestors, the path of drafts to draft i.
-
-    A pass reads it three times (positions, attention, verification) and most passes repeat a tree of the last
-    ones, so it is built once per tree and shared: read it, do not write into it."""
-    return _lineage(tuple(parents))
-
-
-@functools.lru_cache(maxsize=256)
-def _lineage(parents: tuple[int, ...]) -> torch.BoolTensor:
-    lineage = torch.eye(len(parents) + 1, dtype=torch.bool)[:, 1:]
-    for i, parent in enumerate(parents):
-        if parent >= 0:
-            lineage[i + 1] |= lineage[parent + 1]
-    return lineage
-
-
-def draft_depths(parents: list[int]) -> torch.LongTensor:
-    """How many positions past the root each draft of a tree sits: the length of its path."""
-    return draft_lineage(parents)[1:].sum(dim=1)
-
-
-def branch_visibility(num_pending: int, parents: list[int], num_masks: int, device=None) -> torch.BoolTensor:
-    """Which tokens of a lossless pass see which, among `[pending | drafts (a tree) | groups of masks]` (see
-    `MARSCache.step_inputs`): `(queries, queries)`, causal. Everything cached is visible to all (holes aside).
-
-    A draft sees the pending tokens, its ancestors and itself; group 0 sees the pending tokens, group i + 1 those and
-    draft i's lineage; a mask sees the masks of its own group before it. So every draft and every group computes
-    what a plain causal pass over the text it continues would compute. Built once per tree shape (see `draft_lineage`).
-    """
-    return _visibility(num_pending, tuple(parents), num_masks).to(device)
-
-
-@functools.lru_cache(maxsize=256)
-def _visibility(num_pending: int, parents: tuple[int, ...], num_masks: int) -> torch.BoolTensor:
-    k, pending = len(parents), num_pending
-    lineage = draft_lineage(parents)
-    total = pending + k + (k + 1) * num_masks
-    sees = torch.zeros(total, total, dtype=torch.bool)
-    sees[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
-    sees[pending:, :pending] = True
-    sees[pending : pending + k, pending : pending + k] = lineage[1:]
-    for group in range(k + 1):
-        start = pending + k + group * num_masks
-        own = slice(start, start + num_masks)
-        sees[own, pending : pending + k] = lineage[group]
-        sees[own, own] = torch.ones(num_masks, num_masks, dtype=torch.bool).tril()
-    return sees
 
 
 def _gather_slots(states: torch.Tensor, order: torch.LongTensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ same weights, same forward, one new `generate()` argument. A checkpoint saved by
 and names `modeling.MARS<Base>` in `auto_map`, so it loads as the MARS class with `trust_remote_code=True` and as the
 plain base model without it.
 
-This file is copied into MARS checkpoints (trust_remote_code): it depends on transformers and `generation.py` only.
+This file is copied into MARS checkpoints (trust_remote_code): it imports transformers and `generate.py` only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""How many masks each row is offered in a pass: B-1 always (the paper), or only those worth their time.
+
+A mask is a token the forward must process. Where a pass is bound by reading the weights (a GPU at small batch, a
+CPU's bfloat16 kernels at batch 1) it is nearly free; where the kernels for a few rows are slow (float32 on CPU) or the
+batch fills the compute, it is not. `mars_mask_cost` says what masks cost; `MaskSchedule` then offers each row the
+masks whose expected accepted tokens pay for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# EMA weight of each observed acceptance; pull of an unoffered mask's rate back toward 1 (every PROBE_EVERY-th pass
+# of a row), which is how a row that stopped offering a mask tries it again.
+RATE_START, RATE_STEP, RECOVER, PROBE_EVERY = 0.5, 0.25, 0.05, 8
+
+
+class MaskSchedule:
+    """How many masks each row is offered in a pass: B-1 always (cost 0, the paper), or those that pay (cost > 0).
+
+    A mask is a token the forward must process. Where a pass is bound by reading the weights (a GPU at small batch,
+    a CPU's bfloat16 kernels at batch 1) it is nearly free; where the kernels for a few rows are slow (float32 on
+    CPU) or the batch fills the compute, it is not: `cost[k-1]` is what a pass with k masks takes beyond a one-token
+    pass, as a share of it (a number c means `c * k`). Masks pay only when their predictions are accepted. With a
+    cost, each row keeps `rate[j]`, a running estimate of how often mask j is accepted when masks < j were, and is
+    offered the k masks that maximise expected tokens per unit of time, `(1 + R_0 + ... + R_{k-1}) / (1 + cost_k)`,
+    `R_j = rate[0] * ... * rate[j]`.
+    A mask a row is not offered drifts back toward "accepted" every few passes, so the row tries it again now and then.
+
+    Everything a row's offer depends on is its own history (its past acceptances, its own pass count), so its tokens
+    never depend on the rest of the batch: batched output equals unbatched. The batch feeds at least the largest offer
+    (more where a wider pass is cheaper: CPU kernels can be), and a row ignores the masks past its own (under causal
+    attention they cannot change what it sees). With τ >= 1 no mask is fed.
+    """
+
+    def __init__(self, cost, batch: int, most: int, device):
+        self.most = most
+        costs = [float(cost) * k for k in range(1, most + 1)] if isinstance(cost, (int, float)) else list(cost)
+        self.constant = not any(costs)
+        self.time = torch.tensor([1.0] + [1.0 + c for c in costs], dtype=torch.float64, device=device)  # k masks
+        self.rate = torch.full((batch, most), RATE_START, dtype=torch.float64, device=device)
+        self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
+
+    def offer(self, rows: torch.Tensor) -> torch.Tensor:
+        """`(len(rows),)` masks each row may use in this pass."""
+        if self.constant:
+            return torch.full_like(rows, self.most)
+        reach = self.rate[rows].cumprod(dim=1)  # R_j: expected tokens that mask j adds
+        tokens = torch.cat([torch.ones_like(reach[:, :1]), 1 + reach.cumsum(dim=1)], dim=1)  # with k masks
+        return (tokens / self.time).argmax(dim=1)  # the first maximum: fewer masks on a tie
+
+    def width(self, offered: torch.Tensor) -> int:
+        """Masks to feed for these offers: the cheapest count that covers the largest."""
+        need = int(offered.max()) if offered.numel() else 0
+        return need if self.constant else need + int(self.time[need:].argmin())
+
+    def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
+        """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
+        if self.constant:
+            return
+        depth = torch.arange(self.most, device=rows.device)
+        seen = depth < torch.minimum(offered, paid + 1)[:, None]  # offered, and every mask before it was accepted
+        rate = self.rate[rows]
+        rate = torch.where(seen, (1 - RATE_STEP) * rate + RATE_STEP * (depth < paid[:, None]).double(), rate)
+        recover = (depth >= offered[:, None]) & (passes % PROBE_EVERY == 0)[:, None]
+        self.rate[rows] = torch.where(recover, rate + RECOVER * (1 - rate), rate)

@@ -1,0 +1,123 @@
+"""Scoring the slots of a pass: logits processors with the history each slot would have, token choice, confidence.
+
+A pass scores several slots at once. Logits processors that read the token history (repetition penalty, n-gram bans)
+must see, for each slot, the text that slot would continue if it is accepted; `Histories` lays it out exactly as
+`generate()` does. Processors that read only the scores score every slot in one call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from .settings import CONFIDENCE_MEASURES
+
+# Warpers that read only the scores, never the token history: they can score every slot of a pass in one call.
+HISTORY_FREE = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+
+
+def confidence(probs: torch.Tensor, tokens: torch.Tensor, measure: str = "probability") -> torch.Tensor:
+    """Confidence in [0, 1] of each chosen token, compared with τ.
+
+    - "probability": the chosen token's probability (the paper's default);
+    - "margin": top-1 minus top-2 probability;
+    - "entropy": 1 - H(p) / log|V|, so that accepting `>= τ` means normalised entropy `<= 1 - τ`.
+    """
+    if measure == "probability":
+        return probs.gather(-1, tokens[..., None]).squeeze(-1)
+    if measure == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if measure == "entropy":
+        return 1.0 - torch.special.entr(probs).sum(-1) / math.log(probs.shape[-1])
+    raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {measure!r}")
+
+
+class Histories:
+    """What logits processors read: each active row's tokens laid out exactly as `generate()` lays them out (its
+    left-padded prompt, then its generated tokens), within a batch as wide as at the start.
+
+    Rows that accepted different numbers of tokens differ in length, so they are processed in groups of equal
+    length; rows that finished, or are in another group, are filled with dummies and their scores dropped. This keeps
+    position-aware processors (repetition penalty's `prompt_ignore_length`, n-gram bans) and those with per-row
+    state exact. In the common case (no finished row, equal lengths) it is one call on `generate()`'s own input.
+    """
+
+    def __init__(self, processors, sequences, rows, lengths):
+        self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
+
+    def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix`."""
+        batch, out = self.sequences.shape[0], torch.empty_like(scores)
+        for length in self.lengths.unique().tolist():
+            group = (self.lengths == length).nonzero().view(-1)
+            rows = self.rows[group]
+            ids = self.sequences.new_zeros((batch, length + prefix.shape[1]))
+            ids[rows] = torch.cat([self.sequences[rows, :length], prefix[group]], dim=1)
+            full = scores.new_zeros((batch, scores.shape[1])).index_copy(0, rows, scores[group])
+            out[group] = self.processors(ids, full)[rows]
+        return out
+
+
+def history_free(processors) -> bool:
+    return all(isinstance(p, HISTORY_FREE) for p in processors)
+
+
+def processed(logits, histories: Histories | None, prefix):
+    """Processed scores of every slot, slot j seeing the history plus `prefix[:, :j]` (tokens already fed)."""
+    if histories is None:
+        return logits
+    batch, slots, vocab = logits.shape
+    if history_free(histories.processors):  # one call for every slot of every row
+        dummy = torch.zeros(batch * slots, 1, dtype=torch.long, device=logits.device)
+        return histories.processors(dummy, logits.reshape(-1, vocab)).view(batch, slots, vocab)
+    return torch.stack([histories(prefix[:, :j], logits[:, j]) for j in range(slots)], dim=1)
+
+
+def choose(logits, histories: Histories | None, do_sample: bool, measure: str, with_probs: bool = False):
+    """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`,
+    plus the `(batch, slots, vocab)` distributions they were drawn from when `with_probs`.
+
+    Processors that read the token history see, for slot i, the history plus the tokens chosen for slots < i: exactly
+    what they would see if those slots are accepted (and slot i matters only if they are).
+    """
+    vocab = logits.shape[-1]
+
+    def pick(scores):
+        if not do_sample and not with_probs and logits.shape[1] == 1:  # one slot, always accepted: plain greedy cost
+            return scores.argmax(dim=-1), None, None
+        probs = torch.softmax(scores, dim=-1)
+        if do_sample:
+            tokens = torch.multinomial(probs.reshape(-1, vocab), num_samples=1).view(probs.shape[:-1])
+        else:
+            tokens = scores.argmax(dim=-1)
+        return tokens, confidence(probs, tokens, measure), probs
+
+    if histories is None or history_free(histories.processors):
+        tokens, confs, probs = pick(processed(logits, histories, None))
+    else:
+        tokens = logits.new_zeros(logits.shape[:2], dtype=torch.long)
+        confs, probs = logits.new_zeros(logits.shape[:2]), torch.zeros_like(logits)
+        for i in range(logits.shape[1]):
+            tokens[:, i], conf, prob = pick(histories(tokens[:, :i], logits[:, i]))
+            if conf is not None:
+                confs[:, i], probs[:, i] = conf, prob
+    return (tokens, confs, probs) if with_probs else (tokens, confs)

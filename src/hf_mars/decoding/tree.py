@@ -1,0 +1,138 @@
+"""Lossless mode's drafts as a tree: its shape, who sees whom in a pass, and prompt lookup's branch.
+
+A pass of lossless mode feeds `[pending | drafts | groups of masks]`. The drafts form a tree shared by the rows:
+draft i follows draft `parents[i] < i`, or the last pending token (the root) when `parents[i] == -1`. One group of
+masks follows the root and one follows each draft, so whatever a pass keeps, the group after its last kept draft
+has seen exactly the text as it now stands. Most passes repeat the shape of earlier ones, so a `DraftTree` and
+everything derived from it are built once per shape and shared: read them, never write into them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+# Prompt lookup (`mars_lookup`): the longest n-gram it matches
+LOOKUP_NGRAM = 3
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """The shape of a pass's drafts: `parents[i]` is the draft that draft i follows (-1: the root).
+
+    `from_masks` drafts come first, proposed by the last pass's masks; the rest came from prompt lookup (a pass
+    credits its masks only for drafts they proposed).
+    """
+
+    parents: tuple[int, ...] = ()
+    from_masks: int = 0
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(parents: tuple[int, ...], from_masks: int | None = None) -> DraftTree:
+        """The shared tree of this shape (built once)."""
+        return DraftTree(parents, len(parents) if from_masks is None else from_masks)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @functools.cached_property
+    def lineage(self) -> torch.BoolTensor:
+        """`(len + 1, len)`: row 0 is the root (no draft); row i + 1 marks draft i and its ancestors."""
+        lineage = torch.eye(len(self) + 1, dtype=torch.bool)[:, 1:]
+        for i, parent in enumerate(self.parents):
+            if parent >= 0:
+                lineage[i + 1] |= lineage[parent + 1]
+        return lineage
+
+    @functools.cached_property
+    def depths(self) -> torch.LongTensor:
+        """How many positions past the root each draft sits: the length of its path."""
+        return self.lineage[1:].sum(dim=1)
+
+    def on(self, device) -> tuple[torch.BoolTensor, torch.LongTensor, torch.LongTensor]:
+        """`(lineage, depths, parent slots)` on `device`, copied there once per tree. Parent slot of draft i: its
+        parent's index among `[root, drafts]`."""
+        return _on_device(self, str(device))
+
+    def visibility(self, num_pending: int, num_masks: int) -> torch.BoolTensor:
+        """Which tokens of a pass see which, among `[pending | drafts | groups of masks]`: `(queries, queries)`.
+
+        A draft sees the pending tokens, its ancestors and itself; group 0 sees the pending tokens, group i + 1 those
+        and draft i's lineage; a mask sees the masks of its own group before it. So every draft and every group
+        computes what a plain causal pass over the text it continues would compute. Everything cached is visible.
+        """
+        return _visibility(self, num_pending, num_masks)
+
+
+@functools.lru_cache(maxsize=256)
+def _on_device(tree: DraftTree, device: str):
+    parent_slots = torch.tensor(tree.parents, dtype=torch.long) + 1
+    return tree.lineage.to(device), tree.depths.to(device), parent_slots.to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _visibility(tree: DraftTree, num_pending: int, num_masks: int) -> torch.BoolTensor:
+    k, pending, lineage = len(tree), num_pending, tree.lineage
+    total = pending + k + (k + 1) * num_masks
+    sees = torch.zeros(total, total, dtype=torch.bool)
+    sees[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    sees[pending:, :pending] = True
+    sees[pending : pending + k, pending : pending + k] = lineage[1:]
+    for group in range(k + 1):
+        start = pending + k + group * num_masks
+        own = slice(start, start + num_masks)
+        sees[own, pending : pending + k] = lineage[group]
+        sees[own, own] = torch.ones(num_masks, num_masks, dtype=torch.bool).tril()
+    return sees
+
+
+def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num_masks: int):
+    """The 4D attention mask of a pass with drafts, in the format of the model's attention implementation.
+
+    Built by the mask builders of `transformers.masking_utils` from `DraftTree.visibility` and the cache's holes
+    (`mask_2d`), with an index-based mask function (no per-pass vmap).
+    """
+    batch, device, past = cache.real.shape[0], cache.real.device, cache.get_seq_length()
+    visible = tree.visibility(num_pending, num_masks)
+    width = visible.shape[0]
+    seen = torch.cat([visible.new_ones(width, past), visible], dim=1).to(device)  # (queries, keys), holes aside
+    build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    return build(
+        batch_size=batch,
+        q_length=width,
+        kv_length=past + width,
+        q_offset=past,
+        mask_function=lambda b, h, q, kv: seen[q - past, kv],
+        attention_mask=None if mask_2d is None else mask_2d.bool(),
+        allow_is_causal_skip=False,
+        dtype=model.dtype,
+        config=model.config,
+        use_vmap=False,
+        device=device,
+    )
+
+
+def lookup(sequences, lengths, num_tokens: int, longest_ngram: int = LOOKUP_NGRAM):
+    """Prompt lookup: for each row, the `num_tokens` tokens that followed the latest earlier occurrence of its last
+    n tokens (n from `longest_ngram` down to 1, the longest that occurs), `(found, real)`; `real` is False past the
+    row's text and where nothing matched. Rows are `sequences[:, :lengths]`."""
+    batch, width = sequences.shape
+    device = sequences.device
+    found = sequences.new_zeros(batch, num_tokens)
+    real = torch.zeros(batch, num_tokens, dtype=torch.bool, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    for n in range(longest_ngram, 0, -1):
+        last = sequences.gather(1, (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
+        starts = torch.arange(width - n + 1, device=device)
+        hit = (sequences.unfold(1, n, 1) == last[:, None]).all(dim=2) & (starts + n < lengths[:, None])
+        start = torch.where(hit, starts, -1).amax(dim=1)
+        new = (start >= 0) & ~done
+        index = start[:, None] + n + torch.arange(num_tokens, device=device)
+        found = torch.where(new[:, None], sequences.gather(1, index.clamp(0, width - 1)), found)
+        real = torch.where(new[:, None], index < lengths[:, None], real)
+        done |= new
+    return found, real

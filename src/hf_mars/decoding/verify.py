@@ -1,0 +1,145 @@
+"""Lossless mode (`mars_verify`): mask predictions become drafts, which the next pass verifies.
+
+Each pass feeds the drafts of the last one as real tokens and keeps those equal to the model's own prediction at
+their parent (greedy), or accepts them by speculative sampling; the output is then exactly the model's own. The same
+pass proposes the next drafts from the group of masks that followed its last kept draft: a chain (mask j's top token
+follows mask j-1's), the runner-ups of the first mask as siblings of the first draft (`mars_draft_candidates`), and
+a branch of prompt lookup (`mars_lookup`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .scoring import choose, processed
+from .tree import DraftTree, lookup
+
+
+@dataclass
+class Drafts:
+    """The unverified guesses a pass feeds after its pending tokens, for the rows still decoding.
+
+    Attributes:
+        tokens (`(rows, len(tree))`): the drafts, pad where a row has none in that slot.
+        real (`(rows, len(tree))`): which slots hold a draft of that row.
+        tree: their shape, shared by the rows.
+        proposals (`(rows, len(tree) + 1, vocab)`, sampling only): the distribution each draft was drawn from
+            (zero where it would not have been proposed), and the next position's.
+    """
+
+    tokens: torch.Tensor
+    real: torch.Tensor
+    tree: DraftTree = DraftTree()
+    proposals: torch.Tensor | None = None
+
+    @classmethod
+    def none(cls, rows: int, device) -> Drafts:
+        return cls(torch.empty(rows, 0, dtype=torch.long, device=device), torch.empty(rows, 0, dtype=torch.bool, device=device))
+
+    def select(self, alive: torch.Tensor) -> Drafts:
+        proposals = None if self.proposals is None else self.proposals[alive]
+        return Drafts(self.tokens[alive], self.real[alive], self.tree, proposals)
+
+
+def verify(logits, drafts: Drafts, histories, do_sample: bool):
+    """Verify the drafts: `(tokens, accepted, kept, end)`.
+
+    `logits[:, 0]` is the output at the last pending token (the root), `logits[:, 1 + i]` the output at draft i, so
+    the output at a draft's parent is the model's own prediction of it. `tokens[:, :accepted]` are the row's new
+    tokens; `kept` marks the kept drafts (whose K/V the cache keeps); `end` is where they end (0: the root).
+    """
+    scores = processed(logits, histories, drafts.tokens)  # histories that read prefixes only come with chains
+    if do_sample:
+        return _verify_sampled(scores, drafts)
+    return _verify_greedy(scores, drafts)
+
+
+def _verify_greedy(scores, drafts: Drafts):
+    """A draft matches when it equals the argmax at its parent and its parent matches. The path to the deepest match
+    is kept (equal siblings give equal paths); the argmax at its end follows it (the correction, or a bonus token)."""
+    target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
+    count, end = torch.zeros_like(target[:, 0]), torch.zeros_like(target[:, 0])
+    if not len(drafts.tree):
+        return target[:, :1], count + 1, drafts.real, end
+    lineage, depths, parent_slots = drafts.tree.on(target.device)
+    match = (drafts.tokens == target[:, parent_slots]) & drafts.real
+    kept = (match[:, None, :] | ~lineage[1:]).all(dim=2)  # every draft on its path matches
+    count, deepest = (kept * depths).max(dim=1)
+    end = torch.where(count > 0, deepest + 1, 0)
+    kept = lineage[end]
+    most = int(drafts.tree.depths.max())  # the tree's own (host) copy: no device round trip
+    depth_slots = depths[None, :] == torch.arange(1, most + 1, device=depths.device)[:, None]
+    path = (drafts.tokens[:, None, :] * (kept[:, None, :] & depth_slots)).sum(dim=2)  # (rows, max depth)
+    tokens = torch.cat([path, torch.zeros_like(count)[:, None]], dim=1)
+    tokens.scatter_(1, count[:, None], target.gather(1, end[:, None]))
+    return tokens, count + 1, kept, end
+
+
+def _verify_sampled(scores, drafts: Drafts):
+    """Speculative sampling with a partial proposal (the drafts are a chain): draft j is kept with probability
+    min(1, p_j(d) / q'_j(d)); the token after the last kept one is drawn from max(0, p - q') renormalised. So the
+    tokens are distributed exactly as the model samples them."""
+    tokens, proposals = drafts.tokens, drafts.proposals
+    if proposals is None or proposals.shape[1] != tokens.shape[1] + 1:  # no drafts: sample p
+        proposals = scores.new_zeros(tokens.shape[0], tokens.shape[1] + 1, scores.shape[-1])
+    p = torch.softmax(scores, dim=-1)
+    p_draft = p[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
+    q_draft = proposals[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
+    match = (torch.rand_like(p_draft) * q_draft < p_draft) & drafts.real
+    count = match.long().cumprod(dim=1).sum(dim=1)
+    at = count[:, None, None].expand(-1, 1, p.shape[-1])
+    p_next, q_next = p.gather(1, at).squeeze(1), proposals.gather(1, at).squeeze(1)
+    residual = (p_next - q_next).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    target = torch.multinomial(residual, num_samples=1)
+    out = torch.cat([tokens, target], dim=1).scatter(1, count[:, None], target)
+    kept = drafts.real & (torch.arange(tokens.shape[1], device=tokens.device) < count[:, None])
+    return out, count + 1, kept, count
+
+
+def propose(followed, histories, tau: float, within, settings, do_sample: bool, candidates: int, pad_token_id: int):
+    """The next drafts from the masks that followed each row's last kept token (`followed`: `(rows, masks, vocab)`).
+
+    A chain of the masks' confident tokens, plus the first mask's confident runner-ups as siblings of the first
+    draft (greedy, `candidates - 1` of them). With sampling, each draft keeps the distribution it was drawn from,
+    zeroed where it would not have been proposed, which is what speculative sampling needs.
+    """
+    device = followed.device
+    guesses, confs, q = choose(followed, histories, do_sample, settings.confidence, True)
+    confident = (confs >= tau) & within
+    count = confident.long().cumprod(dim=1).sum(dim=1)
+    chain = int(count.max())  # drafts that no row proposes are not fed
+    real = torch.arange(chain, device=device) < count[:, None]
+    tokens = guesses[:, :chain].masked_fill(~real, pad_token_id)
+    parents = tuple(range(-1, chain - 1))
+    if candidates > 1 and chain:
+        rest = q[:, 0].scatter(1, guesses[:, :1], -1.0)  # not the first draft again (ties happen)
+        probs, others = rest.topk(candidates - 1, dim=-1)
+        other_real = (probs >= tau) & real[:, :1]
+        if bool(other_real.any()):
+            tokens = torch.cat([tokens, others.masked_fill(~other_real, pad_token_id)], dim=1)
+            real = torch.cat([real, other_real], dim=1)
+            parents += (-1,) * (candidates - 1)
+    proposals = None
+    if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
+        by_probability = settings.confidence == "probability"
+        proposed = (q >= tau) & within[..., None] if by_probability else confident[..., None]
+        reached = torch.arange(q.shape[1], device=device) <= count[:, None]
+        q = q * proposed * reached[..., None]
+        proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[:, : chain + 1]
+    return Drafts(tokens, real, DraftTree.of(parents), proposals)
+
+
+def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int) -> Drafts:
+    """One more branch: what followed the text's last n-gram where it occurred before (`tree.lookup`)."""
+    found, found_real = lookup(sequences, lengths, num_tokens)
+    reach = int(found_real.sum(dim=1).max())
+    if not reach:
+        return drafts
+    start = len(drafts.tree)
+    tokens = torch.cat([drafts.tokens, found[:, :reach].masked_fill(~found_real[:, :reach], pad_token_id)], dim=1)
+    real = torch.cat([drafts.real, found_real[:, :reach]], dim=1)
+    parents = drafts.tree.parents + (-1,) + tuple(range(start, start + reach - 1))
+    return Drafts(tokens, real, DraftTree.of(parents, start), drafts.proposals)
