@@ -184,7 +184,7 @@ def _sharded_missing(path):
 @pytest.mark.parametrize("damage, message", [
     (_edit_json("config.json", mars_mask_token_id=None), "not a MARS checkpoint"),
     (_edit_json("config.json", auto_map=None), "no auto_map entry"),
-    (lambda p: _remove(p, "generate.py"), r"remote-code files \['generation.py'\]"),
+    (lambda p: _remove(p, "generate.py"), r"remote-code files \['generate.py'\]"),
     (_edit_json("generation_config.json", mars_block_size=None), "MARS defaults"),
     (_pickled_weights, r"no safetensors weights \(found pickle files \[.*'pytorch_model.bin'.*never uploaded"),
     (_sharded_missing, "shards that are not there"),
