@@ -277,6 +277,16 @@ def test_push_space_publishes_the_projects_space_folder_by_default(hub):
     assert all(files[name] == (SPACE_FOLDER / name).read_bytes() for name in expected)
 
 
+
+def test_push_space_without_a_folder_outside_a_checkout_names_what_is_missing(hub, monkeypatch, tmp_path):
+    """An installed wheel has no spaces_demo/ (tests/hub/test_wheel.py runs it for real): one clear error, nothing sent."""
+    import hf_mars.hub
+
+    monkeypatch.setattr(hf_mars.hub, "SPACE_FOLDER", tmp_path / "site-packages" / "spaces_demo")
+    with pytest.raises(ValueError, match=r"spaces_demo/ \(.*\), is not there.*pass folder= \(hf-mars push-space --folder DIR\)"):
+        push_space("me/demo", "me/model")
+    assert repo_requests(hub) == []
+
 def test_cli_push_space(hub, tmp_path):
     HfApi().create_repo("me/model")
     folder = space_folder(tmp_path)
