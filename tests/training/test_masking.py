@@ -156,6 +156,7 @@ def test_noisy_block_sees_only_earlier_clean_blocks(model):
         assert not torch.allclose(new, base[:, length + k * B : length + (k + 1) * B])
 
 
+@pytest.mark.slow  # torch.compile of the BlockMask: ~54 s with a cold inductor cache (CI), ~10 s warm
 def test_flex_attention_block_mask():
     """flex on CPU runs through a BlockMask (compiled once, so this test takes a few seconds)."""
     from torch.nn.attention.flex_attention import BlockMask

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
@@ -46,6 +47,7 @@ def test_full_training_saves_a_mars_checkpoint(tmp_path):
     assert result.mars_stats.forward_passes >= 1
 
 
+@pytest.mark.slow  # two training subprocesses: 20-31 s on 2 cores
 def test_lora_and_resume(tmp_path):
     out = tmp_path / "lora"
     lora = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
@@ -59,6 +61,7 @@ def test_lora_and_resume(tmp_path):
     assert log.count("'mask_loss'") == 2  # the resumed run trained steps 3 and 4 only
 
 
+@pytest.mark.slow  # two training subprocesses: 30-46 s on 2 cores
 def test_init_adapter_continues_a_finished_lora_run(tmp_path):
     from safetensors.torch import load_file
 
