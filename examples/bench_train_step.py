@@ -1,7 +1,7 @@
 """Time one MARSTrainer training step against one SFTTrainer step on the same batch and model.
 
-MARS runs one forward over `[clean | noisy tail]`, so its step costs more than an SFT step on the same batch; the
-authors' full two-stream layout paid 2.0-2.2x. This prints both medians and their ratio.
+MARS runs one forward over `[clean | noisy tail]`, so its step costs more than an SFT step on the same batch (the
+authors' full two-stream layout costs more still). This prints both medians and their ratio.
 
     python examples/bench_train_step.py                  # 31M-param Llama, batch 4 x 256-512 tokens, 40 % prompt
     python examples/bench_train_step.py --vocab 32000 --hidden 384 --layers 6 --threads 1

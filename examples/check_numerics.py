@@ -20,8 +20,8 @@ import argparse
 import torch
 from transformers import GenerationMixin
 
-from hf_mars.tools.bench import load_prompts
-from hf_mars.cli import _load
+from hf_mars.tools.evals import load_prompts
+from hf_mars.tools.loading import load_checkpoint
 
 
 def main():
@@ -35,7 +35,7 @@ def main():
     args = parser.parse_args()
 
     for dtype in args.dtypes:
-        model, tok = _load(args.model, None, dtype)
+        model, tok = load_checkpoint(args.model, dtype=dtype)
         if args.first_difference:
             print(f"{dtype}: {first_difference(model, tok, args.width)}")
             continue

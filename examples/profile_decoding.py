@@ -20,8 +20,8 @@ import torch
 
 from hf_mars.decoding import cache as cache_module
 from hf_mars.decoding import generate as generation
-from hf_mars.tools.bench import load_prompts
-from hf_mars.cli import _load
+from hf_mars.tools.evals import load_prompts
+from hf_mars.tools.loading import load_checkpoint
 
 GROUPS = {
     "choose and accept": [(generation, "_choose"), (generation, "_verify"), (generation, "_Histories")],
@@ -57,7 +57,7 @@ def main():
     parser.add_argument("--ops", type=int, default=0, help="also print the N costliest operators (torch.profiler)")
     args = parser.parse_args()
 
-    model, tok = _load(args.model, None, args.dtype)
+    model, tok = load_checkpoint(args.model, dtype=args.dtype)
     tok.padding_side = "left"
     prompts = [p["text"] for p in load_prompts("heldout", tok, limit=args.prompts)]
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]

@@ -7,41 +7,33 @@ at least τ; τ = 1 is exactly the original autoregressive model.
 
 __version__ = "0.1.0"
 
-from .decoding.cache import MARSCache
-from .decoding.generate import MARSGenerationMixin, MARSGenerateOutput, MARSStats, TauController, mars_settings
-from .convert import convert_checkpoint, to_mars
-from .decoding.modeling import MASK_TOKEN, mars_class
-from .tools.shipped import default_checkpoint
+import importlib
+
+# Every public name loads on first use (PEP 562): `import hf_mars` and `hf-mars --help` pull in no torch, the decoding
+# names no TRL (the trainer) and no huggingface_hub upload machinery (the Hub helpers).
+_NAMES = {
+    ".decoding.cache": ("MARSCache",),
+    ".decoding.generate": ("MARSGenerationMixin", "MARSGenerateOutput", "MARSStats", "TauController", "mars_settings"),
+    ".decoding.modeling": ("MASK_TOKEN", "mars_class"),
+    ".convert": ("convert_checkpoint", "to_mars"),
+    ".tools.shipped": ("default_checkpoint",),
+    ".tools.loading": ("CheckpointError", "load_checkpoint"),
+    ".training.trainer": ("MARSConfig", "MARSTrainer"),
+    ".hub": ("push_to_hub", "push_space"),
+}
+_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
 
 
 def __getattr__(name):
-    # The trainer pulls in TRL (and datasets), the Hub helpers huggingface_hub's upload machinery; decoding users
-    # should not pay for those imports.
-    if name in ("MARSTrainer", "MARSConfig"):
-        from .training import trainer
-
-        return getattr(trainer, name)
-    if name in ("push_to_hub", "push_space"):
-        from . import hub
-
-        return getattr(hub, name)
-    raise AttributeError(f"module 'hf_mars' has no attribute {name!r}")
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'hf_mars' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
 
 
-__all__ = [
-    "MASK_TOKEN",
-    "MARSCache",
-    "MARSConfig",
-    "MARSGenerateOutput",
-    "MARSGenerationMixin",
-    "MARSStats",
-    "MARSTrainer",
-    "TauController",
-    "convert_checkpoint",
-    "default_checkpoint",
-    "mars_class",
-    "mars_settings",
-    "push_space",
-    "push_to_hub",
-    "to_mars",
-]
+def __dir__():
+    return sorted(set(globals()) | set(_MODULE_OF))
+
+
+__all__ = sorted(_MODULE_OF)

@@ -8,13 +8,8 @@ import torch
 from helpers import make_model, make_tokenizer
 
 import hf_mars
-from hf_mars.tools.bench import (
-    format_table,
-    load_prompts,
-    measure_mask_cost,
-    run_benchmark,
-    save,
-)
+from hf_mars.tools.bench import format_table, measure_mask_cost, run_benchmark, save
+from hf_mars.tools.evals import load_prompts
 
 
 def test_benchmark_cells_and_files(tmp_path):
@@ -89,12 +84,12 @@ def test_heldout_prompts_are_scored_by_task():
 def test_new_tokens_count_the_eos_even_when_it_is_the_pad_token():
     from types import SimpleNamespace
 
-    from hf_mars.tools.bench import _count_new
+    from hf_mars.tools.bench import count_new_tokens
 
     generated = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
-    assert _count_new(generated, SimpleNamespace(pad_token_id=2), [2]) == 3 + 5 + 1
+    assert count_new_tokens(generated, SimpleNamespace(pad_token_id=2), [2]) == 3 + 5 + 1
     padded = torch.tensor([[5, 3, 0, 0], [5, 6, 7, 8], [5, 6, 0, 0]])  # pad 0, EOS 3; row 3 stopped by a criterion
-    assert _count_new(padded, SimpleNamespace(pad_token_id=0), [3]) == 2 + 4 + 2
+    assert count_new_tokens(padded, SimpleNamespace(pad_token_id=0), [3]) == 2 + 4 + 2
 
 
 def test_measure_mask_cost():

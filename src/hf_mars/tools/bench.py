@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationMixin
 
 from ..decoding.generate import mars_settings
+from .trees import TUNE_TREES, tree_name
 
 
 @dataclass
@@ -34,47 +35,6 @@ class Cell:
     agreement: float | None = None  # share of outputs identical to plain AR greedy
     accuracy: float | None = None
     forward_share: float | None = None  # time inside the model's forward / total time; the rest is overhead
-
-
-def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -> list[dict]:
-    """Prompts as `{"text": chat-formatted prompt, "answer": str | None, "check": output -> bool, or None}`.
-
-    `path` is a JSONL file, one object per line with `prompt` (a user message) or `messages` (a chat; the last
-    assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
-    shipped checkpoint's held-out sets, GSM8K test and HumanEval, alternating (answer match, executed tests); or
-    `None`/`"toy"`: held-out prompts of the toy task.
-    """
-    if path == "heldout":
-        from .evals import checker, eval_prompts
-
-        n = limit or 64
-        gsm, code = eval_prompts(n, 0), eval_prompts(0, n)
-        mixed = [row for pair in zip(gsm, code) for row in pair][:n]
-        return [{"text": chat_text(tokenizer, [{"role": "user", "content": r["prompt"]}]), "answer": r.get("answer"),
-                 "check": checker(r)} for r in mixed]  # fmt: skip
-    if path in (None, "toy"):
-        from .toy import counting_dataset
-
-        rows = [{"messages": ex["messages"][:1], "answer": ex["messages"][1]["content"]} for ex in counting_dataset(64, seed=2024)]
-    else:
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    prompts = []
-    for i, row in enumerate(rows[:limit]):
-        messages = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
-        answer = row.get("answer")
-        if messages[-1]["role"] == "assistant":
-            answer, messages = answer or messages[-1]["content"], messages[:-1]
-        if not messages or not messages[-1].get("content"):
-            raise ValueError(f"{path}: line {i + 1} has neither `prompt` nor `messages`.")
-        check = None if answer is None else (lambda output, answer=answer: output.strip() == answer.strip())
-        prompts.append({"text": chat_text(tokenizer, messages), "answer": answer, "check": check})
-    return prompts
-
-
-def chat_text(tokenizer, messages) -> str:
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return messages[-1]["content"]
 
 
 class ForwardCounter:
@@ -168,17 +128,6 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
                         )
                     )
     return table
-
-
-def tree_name(block: int, candidates: int, lookup: int) -> str:
-    """How bench names a lossless draft tree: "B=2 n=3 L=4" (no "L=" when lookup is 0)."""
-    return f"B={block} n={candidates}" + (f" L={lookup}" if lookup else "")
-
-
-# Lossless draft trees `tune_lossless` tries, (B, candidates, lookup): from a short chain of masks to wide trees with a
-# prompt-lookup branch. On a 2-core CPU in bfloat16 narrow ones won; where a pass costs the same over tens of tokens
-# (a GPU at small batch) wide ones should.
-TUNE_TREES = ((2, 1, 0), (2, 3, 0), (2, 3, 4), (2, 2, 6), (3, 2, 4), (4, 1, 4), (4, 3, 8))
 
 
 def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batch_size: int = 1,
@@ -290,7 +239,7 @@ def run_benchmark(
                         forward_repeat[name] += counter.seconds
                         generated = sequences[:, inputs["input_ids"].shape[1] :]
                         if repeat == 0:
-                            new = _count_new(generated, tokenizer, eos_ids)
+                            new = count_new_tokens(generated, tokenizer, eos_ids)
                             tokens[name] += new
                             passes[name] += new if row_passes is None else row_passes
                             outputs[name] += tokenizer.batch_decode(generated, skip_special_tokens=True)
@@ -309,15 +258,13 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
     """What masks add to the time of a decoding pass on this model and machine: `mars_mask_cost` as a list.
 
     Times forwards over 1 to B tokens (B = the model's block size) after `context` cached tokens, `repeats` times each
-    in alternation, and returns, for k = 1 .. B-1 masks, `median(t_{k+1}) / median(t_1) - 1`. On the 2-core CPU this
-    was built on, at batch 1: about [0.7, 1.1, 0.65] in float32, where a pass over 2 or 3 tokens is slower than over
-    4 (the float32 matrix kernels for a few rows are; `MaskSchedule` feeds 3 masks where 1 is offered), and about
-    [0.03, 0.0, 0.05] in bfloat16, whose kernels take 1 to 8 rows in the same time (the pass reads the weights).
+    in alternation, and returns, for k = 1 .. B-1 masks, `median(t_{k+1}) / median(t_1) - 1`. Measured, not assumed:
+    the cost depends on the dtype's matrix kernels (a pass over a few rows may cost as much as over eight, or a pass
+    over 2 tokens more than over 4) and so differs between machines.
 
     At batch > 1 the passes carry an attention mask with holes, as batched decoding's do (left-padded prompts, rows
-    that accepted fewer tokens): the mask-free path is not what decoding runs, and it is not the same speed. On that
-    CPU, in bfloat16 at batch 16, sdpa took 175 ms for a mask-free one-token pass and 108 ms with a mask, while a
-    4-token pass took 224 ms either way: timed without a mask, three masks looked nearly free ([0.0, 0.17, 0.04]).
+    that accepted fewer tokens): attention without a mask takes another path at another speed, so timing it would
+    misjudge what decoding pays.
     """
     from transformers import DynamicCache
 
@@ -357,7 +304,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids or [tokenizer.eos_token_id])
 
 
-def _count_new(generated, tokenizer, eos_ids) -> int:
+def count_new_tokens(generated, tokenizer, eos_ids) -> int:
     """Generated tokens up to and including each row's first EOS (rows that stopped early are right-padded).
 
     Counting non-pad tokens instead would miss the EOS where it doubles as the pad token (SmolLM2, Qwen).

