@@ -2,9 +2,9 @@
 
     python examples/profile_decoding.py [MODEL] [--tau 0.9] [--batch-size 1] [--verify] [--max-new-tokens 128] [--ops 12]
 
-Wraps the decoding loop's helpers with timers (nothing is changed in how they run) and times the model's forward
-with hooks; "loop and other" is what remains of the wall-clock time: the Python of the loop itself, tensor
-book-keeping inline in it, stopping checks and output writing. Default model: the shipped checkpoint; prompts:
+Wraps the phases of the decoding loop with timers (nothing is changed in how they run) and times the model's forward
+with hooks; "loop and other" is what remains of the wall-clock time: the Python of the loop itself and the mask
+schedule. Default model: the shipped checkpoint; prompts:
 the held-out GSM8K/HumanEval mix of `hf-mars bench`. `--ops N` then decodes the first batch again under
 `torch.profiler` and prints the N operators that take the most time, which splits the forward itself (matrix
 multiplies, attention, copies and casts, ...).
@@ -23,11 +23,13 @@ from hf_mars.decoding import generate as generation
 from hf_mars.tools.evals import load_prompts
 from hf_mars.tools.loading import load_checkpoint
 
+# The phases of the decoding loop (see `hf_mars.decoding.generate.mars_decode`), timed apart from the model's forward
 GROUPS = {
-    "choose and accept": [(generation, "_choose"), (generation, "_verify"), (generation, "_Histories")],
-    "cache bookkeeping": [(cache_module.MARSCache, "step_inputs"), (cache_module.MARSCache, "commit"),
-                          (cache_module.MARSCache, "keep_rows"), (cache_module.MARSCache, "compact"),
-                          (generation, "_right_align")],  # fmt: skip
+    "inputs (masks, positions)": [(cache_module.MARSCache, "step_inputs"), (generation, "tree_attention")],
+    "accept (choice, verification)": [(generation, "_accept")],
+    "commit (write, stop, stream)": [(generation, "_commit")],
+    "propose (next inputs, drafts)": [(generation, "_next_inputs")],
+    "retire (rows leave, compact)": [(generation, "_retire")],
 }
 
 
@@ -89,8 +91,8 @@ def main():
     print(f"{mode} τ={args.tau}, batch {args.batch_size}: {passes} passes, {tokens} tokens, "
           f"{tokens / row_passes:.2f} tokens/forward, {1000 * wall / passes:.2f} ms per pass "
           f"({torch.get_num_threads()} threads, {args.dtype})")  # fmt: skip
-    for part in ("forward", "choose and accept", "cache bookkeeping", "loop and other"):
-        print(f"  {part:<18} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
+    for part in ("forward", *GROUPS, "loop and other"):
+        print(f"  {part:<30} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
     if args.ops:  # a separate run: the profiler's own overhead stays out of the figures above
         from torch.profiler import ProfilerActivity, profile
 
