@@ -30,4 +30,3 @@ def client_checkpoint(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
-

@@ -51,7 +51,7 @@ def generate(model, tok, prompt: str, **kwargs) -> str:
     enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=MAX_GEN, do_sample=False, **kwargs)
-    return tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def pick_stop(texts: list[str]) -> tuple[str, int]:
@@ -68,8 +68,10 @@ def pick_stop(texts: list[str]) -> tuple[str, int]:
 @pytest.fixture(scope="module")
 def toy_task(client_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("lm_eval_task")
-    docs = [{"question": ex["messages"][0]["content"], "answer": ex["messages"][1]["content"]}
-            for ex in counting_dataset(DOCS, seed=7)]
+    docs = [
+        {"question": ex["messages"][0]["content"], "answer": ex["messages"][1]["content"]}
+        for ex in counting_dataset(DOCS, seed=7)
+    ]
     (folder / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     prompts = [d["question"] + "\n" for d in docs]
     model = AutoModelForCausalLM.from_pretrained(client_checkpoint, trust_remote_code=True)
@@ -153,11 +155,29 @@ def test_mars_tau_09(client_checkpoint, toy_task, batch_size):
 def test_cli(client_checkpoint, toy_task, tmp_path, batch_size):
     """The documented command line (docs/clients.md), lossless mode: the saved answers are greedy's."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf",
-           "--model_args", f"pretrained={client_checkpoint},trust_remote_code=True,dtype=float32",
-           "--tasks", TASK, "--include_path", str(toy_task.folder), "--device", "cpu",
-           "--batch_size", str(batch_size), "--gen_kwargs", "mars_verify=True",
-           "--log_samples", "--output_path", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={client_checkpoint},trust_remote_code=True,dtype=float32",
+        "--tasks",
+        TASK,
+        "--include_path",
+        str(toy_task.folder),
+        "--device",
+        "cpu",
+        "--batch_size",
+        str(batch_size),
+        "--gen_kwargs",
+        "mars_verify=True",
+        "--log_samples",
+        "--output_path",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"|{TASK}|" in proc.stdout.replace(" ", "")

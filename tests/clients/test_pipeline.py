@@ -43,7 +43,7 @@ def direct(generator, prompts, **kwargs):
     enc = tok(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
         out = generator.model.generate(**enc, max_new_tokens=NEW, do_sample=False, **kwargs)
-    return tok.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    return tok.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_pipeline_is_the_mars_model(generator):
@@ -64,7 +64,7 @@ def test_string_tau_09(generator, passes):
     mars, mars_passes = run(generator, passes, PROMPT, mars_tau=0.9)
     text = mars[0]["generated_text"]
     assert text.startswith(PROMPT)
-    assert text[len(PROMPT):] == direct(generator, [PROMPT], mars_tau=0.9)[0]
+    assert text[len(PROMPT) :] == direct(generator, [PROMPT], mars_tau=0.9)[0]
     assert mars_passes < plain_passes == NEW  # several tokens accepted in some passes
 
 

@@ -29,8 +29,9 @@ def loaded(client_checkpoint):
 
 def stream(model, tok, calls, **kwargs):
     """(streamed chunks, decoded output of the same call, forward passes)."""
-    text = tok.apply_chat_template([{"role": "user", "content": "Count from 3 to 9."}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Count from 3 to 9."}], add_generation_prompt=True, tokenize=False
+    )
     inputs = tok(text, return_tensors="pt", add_special_tokens=False)
     streamer = TextIteratorStreamer(tok, skip_prompt=True, timeout=120)
     result = {}
@@ -44,7 +45,7 @@ def stream(model, tok, calls, **kwargs):
     thread.start()
     chunks = list(streamer)
     thread.join()
-    decoded = tok.decode(result["out"][0, inputs.input_ids.shape[1]:])
+    decoded = tok.decode(result["out"][0, inputs.input_ids.shape[1] :])
     return chunks, decoded, calls[0]
 
 
