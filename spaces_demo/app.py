@@ -22,8 +22,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationMixin, StoppingCriteria,
-                          TextIteratorStreamer)
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, StoppingCriteria, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 DEFAULT_MODEL = None  # the project's published checkpoint, once there is one; until then `hf-mars demo`'s output
@@ -115,10 +114,14 @@ def text_of(content) -> str:
 def encode(tokenizer, history: list[dict], message: str) -> dict:
     """The conversation as model inputs, dropping the oldest turns past MAX_INPUT_TOKENS; a single message that is
     too long on its own is refused, never silently cut."""
-    messages = [{"role": m["role"], "content": text_of(m["content"])} for m in history] + [{"role": "user", "content": message}]
+    messages = [{"role": m["role"], "content": text_of(m["content"])} for m in history] + [
+        {"role": "user", "content": message}
+    ]
     while True:
         if tokenizer.chat_template:
-            inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            inputs = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
         else:
             inputs = tokenizer(message, return_tensors="pt")
         length = inputs["input_ids"].shape[1]
@@ -131,24 +134,33 @@ def encode(tokenizer, history: list[dict], message: str) -> dict:
 
 def spans_html(spans: list[tuple[str, int]], block_size: int) -> str:
     """Each pass's text as one span, colored by how many tokens that pass accepted."""
-    legend = "".join(f'<span class="mars-pass" style="background:{COLORS[min(n, len(COLORS)) - 1]}">&nbsp;{n}&nbsp;</span>'
-                     for n in range(1, block_size + 1))
-    body = "".join(f'<span class="mars-pass" data-n="{n}" title="{n} token(s) in one forward pass" '
-                   f'style="background:{COLORS[min(n, len(COLORS)) - 1]}">{html.escape(text)}</span>' for text, n in spans)
-    return f'<div class="mars-legend">MARS answer, one span per forward pass; tokens in the pass: {legend}</div><div class="mars-text">{body}</div>'
+    legend = "".join(
+        f'<span class="mars-pass" style="background:{COLORS[min(n, len(COLORS)) - 1]}">&nbsp;{n}&nbsp;</span>'
+        for n in range(1, block_size + 1)
+    )
+    body = "".join(
+        f'<span class="mars-pass" data-n="{n}" title="{n} token(s) in one forward pass" '
+        f'style="background:{COLORS[min(n, len(COLORS)) - 1]}">{html.escape(text)}</span>'
+        for text, n in spans
+    )
+    legend = f'<div class="mars-legend">MARS answer, one span per forward pass; tokens in the pass: {legend}</div>'
+    return f'{legend}<div class="mars-text">{body}</div>'
 
 
 def figures(name: str, tokens: int, passes: int | None, seconds: float, extra: str = "") -> str:
     per_forward = f" · **{tokens / passes:.2f}** tokens/forward" if passes else ""
     rate = tokens / seconds if seconds > 0 else 0.0
-    return f"**{name}**: **{tokens}** tokens · **{passes or tokens}** forward passes{per_forward} · **{rate:.1f}** tokens/s{extra}"
+    passes = f"**{passes or tokens}** forward passes{per_forward}"
+    return f"**{name}**: **{tokens}** tokens · {passes} · **{rate:.1f}** tokens/s{extra}"
 
 
 def runs_frame(session: Session) -> pd.DataFrame:
     """The session's runs, one row each, after one empty (NaN, not drawn) row per decoder: Gradio's plot fixes its
     color legend from the first data it is given, so both decoders must be in it before any run."""
     types = {"run": int, "decoder": str, "tau": float, "tokens_per_forward": float, "tokens_per_second": float}
-    legend = [dict(run=0, decoder=name, tau=None, tokens_per_forward=None, tokens_per_second=None) for name in DECODERS]
+    legend = [
+        dict(run=0, decoder=name, tau=None, tokens_per_forward=None, tokens_per_second=None) for name in DECODERS
+    ]
     return pd.DataFrame(legend + session.runs, columns=list(types)).astype(types)
 
 
@@ -166,8 +178,19 @@ def build_demo(model, tokenizer) -> gr.Blocks:
     def set_tau(tau, session: Session):
         session.tau = float(tau)
 
-    def respond(message, history, tau, block_size, max_new_tokens, do_sample, temperature, top_p, mask_cost, lossless,
-                session: Session):
+    def respond(
+        message,
+        history,
+        tau,
+        block_size,
+        max_new_tokens,
+        do_sample,
+        temperature,
+        top_p,
+        mask_cost,
+        lossless,
+        session: Session,
+    ):
         """Stream the MARS answer pass by pass; the session's τ is read before every pass. Lossless: drafts verified
         by the model itself, so the text is plain AR's (greedy) or distributed as its samples."""
         history = list(history or [])
@@ -176,7 +199,11 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         # Block size and max new tokens: their sliders' bounds, which Gradio enforces on every request, API included.
         inputs = encode(tokenizer, history, message)
         prompt_tokens = inputs["input_ids"].shape[1]
-        sampling = dict(do_sample=True, temperature=float(temperature), top_p=float(top_p)) if do_sample else dict(do_sample=False)
+        sampling = (
+            dict(do_sample=True, temperature=float(temperature), top_p=float(top_p))
+            if do_sample
+            else dict(do_sample=False)
+        )
         settings = dict(max_new_tokens=int(max_new_tokens), **sampling)
         session.tau, taus, stop, streamer = float(tau), [], threading.Event(), ChunkStreamer()
         cost = dict(mars_mask_cost=float(mask_cost)) if mask_cost else {}  # 0: the default, also of older checkpoints
@@ -190,7 +217,18 @@ def build_demo(model, tokenizer) -> gr.Blocks:
             taus.append(session.tau)
             return taus[-1]
 
-        job = in_thread(model.generate, streamer.queue, **inputs, **settings, mars_tau=tau_now, **cost, **verify, streamer=streamer, stopping_criteria=[StopOn(stop)], return_dict_in_generate=True)
+        job = in_thread(
+            model.generate,
+            streamer.queue,
+            **inputs,
+            **settings,
+            mars_tau=tau_now,
+            **cost,
+            **verify,
+            streamer=streamer,
+            stopping_criteria=[StopOn(stop)],
+            return_dict_in_generate=True,
+        )
         ids, spans, shown, passes, start = [], [], "", 0, time.perf_counter()
         history.append({"role": "user", "content": message})
         try:
@@ -199,16 +237,32 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                     ids, passes = ids + chunk, passes + 1  # one chunk per forward pass
                     text = tokenizer.decode(ids, skip_special_tokens=True)
                     if not text.endswith("\ufffd"):  # a character still incomplete waits for the next pass
-                        spans.append((text[len(shown):], len(chunk)))
+                        spans.append((text[len(shown) :], len(chunk)))
                         shown = text
                 if not batch:
                     continue
                 elapsed = time.perf_counter() - start
-                stats = dict(decoder="MARS", done=False, new_tokens=len(ids), forward_passes=passes, seconds=elapsed,
-                             tokens_per_second=len(ids) / elapsed, tau_per_pass=taus[:passes], block_size=tree["mars_block_size"],
-                             lossless=bool(lossless), prompt_tokens=prompt_tokens)
-                yield ("", history + [{"role": "assistant", "content": shown}], spans_html(spans, most),
-                       figures("MARS", len(ids), passes, elapsed, f" · τ now {session.tau:.2f}"), stats, gr.skip(), gr.skip())
+                stats = dict(
+                    decoder="MARS",
+                    done=False,
+                    new_tokens=len(ids),
+                    forward_passes=passes,
+                    seconds=elapsed,
+                    tokens_per_second=len(ids) / elapsed,
+                    tau_per_pass=taus[:passes],
+                    block_size=tree["mars_block_size"],
+                    lossless=bool(lossless),
+                    prompt_tokens=prompt_tokens,
+                )
+                yield (
+                    "",
+                    history + [{"role": "assistant", "content": shown}],
+                    spans_html(spans, most),
+                    figures("MARS", len(ids), passes, elapsed, f" · τ now {session.tau:.2f}"),
+                    stats,
+                    gr.skip(),
+                    gr.skip(),
+                )
         finally:
             stop.set()  # cancelled or disconnected: the generation thread stops at its next pass
         job["thread"].join()
@@ -217,20 +271,49 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         seconds, out = job["seconds"], job["out"]
         mars = out.mars_stats
         new = int(mars.new_tokens[0])
-        stats = dict(decoder="MARS", done=True, new_tokens=new, forward_passes=mars.forward_passes, seconds=seconds,
-                     tokens_per_forward=new / mars.forward_passes, tokens_per_second=new / seconds,
-                     tau_per_pass=list(mars.tau_per_step), accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
-                     masks_per_pass=list(getattr(mars, "masks_per_step", [])), mask_cost=float(mask_cost),
-                     block_size=tree["mars_block_size"], lossless=bool(lossless), prompt_tokens=prompt_tokens)
+        stats = dict(
+            decoder="MARS",
+            done=True,
+            new_tokens=new,
+            forward_passes=mars.forward_passes,
+            seconds=seconds,
+            tokens_per_forward=new / mars.forward_passes,
+            tokens_per_second=new / seconds,
+            tau_per_pass=list(mars.tau_per_step),
+            accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
+            masks_per_pass=list(getattr(mars, "masks_per_step", [])),
+            mask_cost=float(mask_cost),
+            block_size=tree["mars_block_size"],
+            lossless=bool(lossless),
+            prompt_tokens=prompt_tokens,
+        )
         mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
-        session.runs.append(dict(run=len(session.runs) + 1, decoder="MARS", tau=round(mean_tau, 3),
-                                 tokens_per_forward=stats["tokens_per_forward"], tokens_per_second=stats["tokens_per_second"]))
+        session.runs.append(
+            dict(
+                run=len(session.runs) + 1,
+                decoder="MARS",
+                tau=round(mean_tau, 3),
+                tokens_per_forward=stats["tokens_per_forward"],
+                tokens_per_second=stats["tokens_per_second"],
+            )
+        )
         answer = tokenizer.decode(out.sequences[0, prompt_tokens:], skip_special_tokens=True)
         if spans and answer.startswith(shown) and answer != shown:  # a held-back incomplete character at the end
-            spans[-1] = (spans[-1][0] + answer[len(shown):], spans[-1][1])
-        session.last = dict(inputs=inputs, settings=settings, ids=out.sequences[0].tolist(), tokens_per_second=stats["tokens_per_second"])
-        yield ("", history + [{"role": "assistant", "content": answer}], spans_html(spans, most),
-               figures("MARS", new, mars.forward_passes, seconds, f" · mean τ {mean_tau:.2f}"), stats, *[runs_frame(session)] * 2)
+            spans[-1] = (spans[-1][0] + answer[len(shown) :], spans[-1][1])
+        session.last = dict(
+            inputs=inputs,
+            settings=settings,
+            ids=out.sequences[0].tolist(),
+            tokens_per_second=stats["tokens_per_second"],
+        )
+        yield (
+            "",
+            history + [{"role": "assistant", "content": answer}],
+            spans_html(spans, most),
+            figures("MARS", new, mars.forward_passes, seconds, f" · mean τ {mean_tau:.2f}"),
+            stats,
+            *[runs_frame(session)] * 2,
+        )
 
     def compare_ar(compare, session: Session):
         """The same inputs through transformers' own `GenerationMixin.generate` (plain AR, its own KV cache)."""
@@ -239,13 +322,24 @@ def build_demo(model, tokenizer) -> gr.Blocks:
             return
         last, stop = session.last, threading.Event()
         streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        job = in_thread(functools.partial(GenerationMixin.generate, model), streamer.text_queue, **last["inputs"], **last["settings"],
-                        streamer=streamer, stopping_criteria=[StopOn(stop)])
+        job = in_thread(
+            functools.partial(GenerationMixin.generate, model),
+            streamer.text_queue,
+            **last["inputs"],
+            **last["settings"],
+            streamer=streamer,
+            stopping_criteria=[StopOn(stop)],
+        )
         text, start = "", time.perf_counter()
         try:
             for batch in batches(streamer.text_queue):  # None: the streamer's end, or `in_thread`'s on error
                 text += "".join(batch)
-                yield text, f"**plain AR generate()**: {time.perf_counter() - start:.2f} s so far", gr.skip(), gr.skip()
+                yield (
+                    text,
+                    f"**plain AR generate()**: {time.perf_counter() - start:.2f} s so far",
+                    gr.skip(),
+                    gr.skip(),
+                )
         finally:
             stop.set()
         job["thread"].join()
@@ -255,38 +349,89 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         new = len(ids) - last["inputs"]["input_ids"].shape[1]
         rate = new / seconds
         same = "identical to" if ids == last["ids"] else "differs from"
-        session.runs.append(dict(run=len(session.runs) + 1, decoder="AR generate()", tau=1.0, tokens_per_forward=1.0,
-                                 tokens_per_second=rate))
+        session.runs.append(
+            dict(
+                run=len(session.runs) + 1,
+                decoder="AR generate()",
+                tau=1.0,
+                tokens_per_forward=1.0,
+                tokens_per_second=rate,
+            )
+        )
         extra = f" · MARS speed-up **{last['tokens_per_second'] / rate:.2f}x** · output {same} MARS"
-        yield (tokenizer.decode(ids[-new:] if new else [], skip_special_tokens=True),
-               figures("plain AR generate()", new, None, seconds, extra), *[runs_frame(session)] * 2)
+        yield (
+            tokenizer.decode(ids[-new:] if new else [], skip_special_tokens=True),
+            figures("plain AR generate()", new, None, seconds, extra),
+            *[runs_frame(session)] * 2,
+        )
 
     with gr.Blocks(title="MARS: several tokens per forward pass") as demo:
         session = gr.State(Session())  # deep-copied for each browser session
         gr.Markdown(
-            "# MARS: Mask AutoRegression\nThe model appends `<|mask|>` tokens and keeps the predictions it is at least "
+            "# MARS: Mask AutoRegression\n"
+            "The model appends `<|mask|>` tokens and keeps the predictions it is at least "
             "τ sure of: several tokens per forward pass. **τ = 1 is the plain autoregressive model**; move the slider "
             "while an answer is written and watch the passes change."
         )
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="Chat", height=320, elem_id="chat")
-                message = gr.Textbox(label="Message", placeholder="Ask something, then press Enter", max_length=4 * MAX_INPUT_TOKENS, elem_id="message")
+                message = gr.Textbox(
+                    label="Message",
+                    placeholder="Ask something, then press Enter",
+                    max_length=4 * MAX_INPUT_TOKENS,
+                    elem_id="message",
+                )
                 with gr.Row():
-                    send, stop_button, clear = gr.Button("Send", variant="primary"), gr.Button("Stop"), gr.Button("New chat")
+                    send, stop_button, clear = (
+                        gr.Button("Send", variant="primary"),
+                        gr.Button("Stop"),
+                        gr.Button("New chat"),
+                    )
             with gr.Column(scale=2):
-                tau = gr.Slider(0.0, 1.0, value=0.9, step=0.05, label="τ (confidence threshold)",
-                                info="1 = plain AR; change it mid-answer", elem_id="tau")
-                block_size = gr.Slider(1, trained_block, value=trained_block, step=1, label="Block size (tokens per pass at most)",
-                                       info=f"the model was trained with {trained_block}; lossless mode uses the "
-                                            f"checkpoint's draft tree (B = {lossless_tree(model)['mars_block_size']})")
-                max_new = gr.Slider(1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens", elem_id="max-new")
-                mask_cost = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Mask cost (share of a one-token pass)",
-                                      info="0 = B-1 masks every pass (the paper); above 0, a mask is fed only where "
-                                           "its acceptance pays for its compute (CPU: about 0.7 in float32, near 0 in bfloat16)", elem_id="mask-cost")
-                lossless = gr.Checkbox(label="Lossless: verify the drafts (exactly the AR text)", value=False, elem_id="lossless",
-                                       info="the masks' guesses, and text that repeats, are checked by the model in the "
-                                            "next pass: τ sets how many are drafted, not the text")
+                tau = gr.Slider(
+                    0.0,
+                    1.0,
+                    value=0.9,
+                    step=0.05,
+                    label="τ (confidence threshold)",
+                    info="1 = plain AR; change it mid-answer",
+                    elem_id="tau",
+                )
+                block_size = gr.Slider(
+                    1,
+                    trained_block,
+                    value=trained_block,
+                    step=1,
+                    label="Block size (tokens per pass at most)",
+                    info=f"the model was trained with {trained_block}; lossless mode uses the "
+                    f"checkpoint's draft tree (B = {lossless_tree(model)['mars_block_size']})",
+                )
+                max_new = gr.Slider(
+                    1,
+                    MAX_NEW_TOKENS,
+                    value=min(128, MAX_NEW_TOKENS),
+                    step=1,
+                    label="Max new tokens",
+                    elem_id="max-new",
+                )
+                mask_cost = gr.Slider(
+                    0.0,
+                    2.0,
+                    value=0.0,
+                    step=0.05,
+                    label="Mask cost (share of a one-token pass)",
+                    info="0 = B-1 masks every pass (the paper); above 0, a mask is fed only where "
+                    "its acceptance pays for its compute (CPU: about 0.7 in float32, near 0 in bfloat16)",
+                    elem_id="mask-cost",
+                )
+                lossless = gr.Checkbox(
+                    label="Lossless: verify the drafts (exactly the AR text)",
+                    value=False,
+                    elem_id="lossless",
+                    info="the masks' guesses, and text that repeats, are checked by the model in the "
+                    "next pass: τ sets how many are drafted, not the text",
+                )
                 do_sample = gr.Checkbox(label="Sample", value=False)
                 temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
                 top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p")
@@ -299,21 +444,39 @@ def build_demo(model, tokenizer) -> gr.Blocks:
                 ar_figures = gr.Markdown("**plain AR generate()**: runs after MARS", elem_id="ar-figures")
                 ar_text = gr.Textbox(label="plain AR answer", lines=6, interactive=False, elem_id="ar-text")
         with gr.Row():
-            plot_kw = dict(value=runs_frame(Session()), x="tau", color="decoder", x_lim=[0, 1.05], height=240,
-                           color_map=dict(zip(DECODERS, ["#f97316", "#475569"])))
-            per_forward = gr.ScatterPlot(y="tokens_per_forward", title="tokens per forward vs τ (your runs)", elem_id="plot-forward",
-                                         y_lim=[0, trained_block], **plot_kw)
-            per_second = gr.ScatterPlot(y="tokens_per_second", title="tokens/s vs τ (your runs)", elem_id="plot-speed", **plot_kw)
+            plot_kw = dict(
+                value=runs_frame(Session()),
+                x="tau",
+                color="decoder",
+                x_lim=[0, 1.05],
+                height=240,
+                color_map=dict(zip(DECODERS, ["#f97316", "#475569"])),
+            )
+            per_forward = gr.ScatterPlot(
+                y="tokens_per_forward",
+                title="tokens per forward vs τ (your runs)",
+                elem_id="plot-forward",
+                y_lim=[0, trained_block],
+                **plot_kw,
+            )
+            per_second = gr.ScatterPlot(
+                y="tokens_per_second", title="tokens/s vs τ (your runs)", elem_id="plot-speed", **plot_kw
+            )
         with gr.Accordion("Per-pass details", open=False):
             stats = gr.JSON(label="last MARS run")
 
         tau.change(set_tau, [tau, session], None, api_name="set_tau", concurrency_limit=None, show_progress="hidden")
         plot_outputs = [per_forward, per_second]
-        mars_event = gr.on([message.submit, send.click], respond,
-                           [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, mask_cost, lossless,
-                            session],
-                           [message, chatbot, mars_spans, mars_figures, stats, *plot_outputs], api_name="respond")
-        ar_event = mars_event.then(compare_ar, [compare, session], [ar_text, ar_figures, *plot_outputs], api_name="compare_ar")
+        mars_event = gr.on(
+            [message.submit, send.click],
+            respond,
+            [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, mask_cost, lossless, session],
+            [message, chatbot, mars_spans, mars_figures, stats, *plot_outputs],
+            api_name="respond",
+        )
+        ar_event = mars_event.then(
+            compare_ar, [compare, session], [ar_text, ar_figures, *plot_outputs], api_name="compare_ar"
+        )
         stop_button.click(None, cancels=[mars_event, ar_event], api_visibility="private")
         clear.click(lambda: ([], "", "", None), None, [chatbot, mars_spans, ar_text, stats], api_visibility="private")
     return demo
@@ -333,17 +496,23 @@ def load_model(path: str | None = None, revision: str | None = None):
     if path is None:
         local = [p for p in (Path(DEMO_OUTPUT), Path(__file__).resolve().parent.parent / DEMO_OUTPUT) if p.is_dir()]
         if not local:
-            raise SystemExit("No MARS checkpoint: set MARS_MODEL to a Hub repo id or folder (or pass --model), "
-                             "or run `hf-mars demo` to train a toy one into outputs/mars-demo.")
+            raise SystemExit(
+                "No MARS checkpoint: set MARS_MODEL to a Hub repo id or folder (or pass --model), "
+                "or run `hf-mars demo` to train a toy one into outputs/mars-demo."
+            )
         path = str(local[0])
     revision = revision or os.environ.get("MARS_REVISION") or None
     dtype = os.environ.get("MARS_DTYPE", "float32")
     if dtype not in DTYPES:
         raise SystemExit(f"MARS_DTYPE must be one of {', '.join(DTYPES)}, not {dtype!r}.")
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, trust_remote_code=True,
-                                                 dtype=getattr(torch, dtype)).eval()  # fmt: skip
-    if getattr(model.config, "mars_block_size", None) is None or getattr(model.config, "mars_mask_token_id", None) is None:
+    model = AutoModelForCausalLM.from_pretrained(
+        path, revision=revision, trust_remote_code=True, dtype=getattr(torch, dtype)
+    ).eval()
+    if (
+        getattr(model.config, "mars_block_size", None) is None
+        or getattr(model.config, "mars_mask_token_id", None) is None
+    ):
         raise SystemExit(f"{path} is not a MARS checkpoint (its config has no mars_block_size / mars_mask_token_id).")
     return model, tokenizer
 
@@ -351,7 +520,9 @@ def load_model(path: str | None = None, revision: str | None = None):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="MARS checkpoint: Hub repo id or folder (default: $MARS_MODEL)")
-    parser.add_argument("--revision", help="pin a Hub revision: the checkpoint's code runs here (default: $MARS_REVISION)")
+    parser.add_argument(
+        "--revision", help="pin a Hub revision: the checkpoint's code runs here (default: $MARS_REVISION)"
+    )
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, args.revision)
     warm_up(model, tokenizer)

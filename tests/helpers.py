@@ -14,7 +14,7 @@ def make_tokenizer():
 
 
 def make_model(family: str = "qwen2", vocab_size: int = 272, seed: int = 0, dtype=torch.float32, **overrides):
-    """A 2-layer `family` model; initializer_range 0.2 gives peaked distributions, so confidences spread over (0, 1)."""
+    """A 2-layer `family` model; initializer_range 0.2 gives peaked distributions: confidences spread over (0, 1)."""
     overrides.setdefault("initializer_range", 0.2)
     return toy_model(family, vocab_size=vocab_size, seed=seed, dtype=dtype, **overrides)
 

@@ -21,8 +21,9 @@ def toy_folder(trained_toy, tmp_path_factory):
 
 
 def run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -38,9 +39,14 @@ PHASES = ("forward", "inputs", "accept", "commit", "propose", "retire", "loop")
 
 
 def test_profile_decoding_splits_the_pass_and_lists_operators(toy_folder):
-    out = run("profile_decoding.py", toy_folder, "--tau", "0.5", "--prompts", "2", "--max-new-tokens", "12", "--ops", "5")
-    shares = {line.split()[0]: float(line.rsplit(None, 1)[1].rstrip("%")) for line in out.splitlines()
-              if line.strip().startswith(PHASES)}  # fmt: skip
+    out = run(
+        "profile_decoding.py", toy_folder, "--tau", "0.5", "--prompts", "2", "--max-new-tokens", "12", "--ops", "5"
+    )
+    shares = {
+        line.split()[0]: float(line.rsplit(None, 1)[1].rstrip("%"))
+        for line in out.splitlines()
+        if line.strip().startswith(PHASES)
+    }
     assert set(shares) == set(PHASES)
     assert abs(sum(shares.values()) - 100) < 1
     assert "aten::" in out and "Self CPU" in out
@@ -49,7 +55,9 @@ def test_profile_decoding_splits_the_pass_and_lists_operators(toy_folder):
 def test_check_numerics_names_where_a_wide_pass_parts_from_a_one_token_pass(toy_folder):
     same = run("check_numerics.py", toy_folder, "--dtypes", "float32", "--first-difference", "--width", "1")
     assert "float32: no module's output differs between a 1-token and a 1-token pass" in same  # no false alarm
-    wide = run("check_numerics.py", toy_folder, "--dtypes", "float32", "bfloat16", "--first-difference", "--width", "8")
+    wide = run(
+        "check_numerics.py", toy_folder, "--dtypes", "float32", "bfloat16", "--first-difference", "--width", "8"
+    )
     for dtype in ("float32", "bfloat16"):
         line = next(line for line in wide.splitlines() if line.startswith(f"{dtype}:"))
         assert "first difference at model." in line or "no module's output differs" in line, line

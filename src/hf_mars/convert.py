@@ -8,8 +8,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from .decoding.settings import CONFIDENCE_MEASURES, check_tau
 from .decoding.modeling import MASK_TOKEN, mars_class
+from .decoding.settings import CONFIDENCE_MEASURES, check_tau
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,11 @@ def add_mask_token(model: PreTrainedModel, tokenizer) -> int:
     mask_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
     rows = model.get_input_embeddings().weight.shape[0]
     if mask_id >= rows:
-        logger.warning("%s has no spare embedding row for %s: resizing the embeddings by one row.", type(model).__name__, MASK_TOKEN)
+        logger.warning(
+            "%s has no spare embedding row for %s: resizing the embeddings by one row.",
+            type(model).__name__,
+            MASK_TOKEN,
+        )
         model.resize_token_embeddings(mask_id + 1)
     return mask_id
 
@@ -78,7 +82,9 @@ def to_mars(
     return model
 
 
-def convert_checkpoint(src: str | Path, dst: str | Path, block_size: int | None = None, tau: float | None = None) -> Path:
+def convert_checkpoint(
+    src: str | Path, dst: str | Path, block_size: int | None = None, tau: float | None = None
+) -> Path:
     """Convert a MARS checkpoint published by the paper's authors into a self-contained hf_mars folder.
 
     The authors' checkpoints declare `model_type: a2d-qwen2` (code that transformers does not have) over standard

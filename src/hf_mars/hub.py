@@ -41,9 +41,22 @@ TAGS = ["mars", "multi-token-prediction"]
 # What a loadable MARS checkpoint consists of. Anything else in the folder (optimizer states, logs, a README of its
 # own) stays local and is listed as skipped.
 UPLOAD_PATTERNS = [
-    "*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json", *REMOTE_FILES,
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    *REMOTE_FILES,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
     "additional_chat_templates/*.jinja",
 ]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
@@ -98,10 +111,14 @@ def check_mars_folder(folder: str | Path) -> dict:
         raise ValueError(f"{folder} is not a MARS checkpoint (no mars_mask_token_id in config.json): {hint}")
     auto = (config.get("auto_map") or {}).get("AutoModelForCausalLM", "")
     if not auto.startswith("modeling."):
-        raise ValueError(f"{folder}/config.json has no auto_map entry for AutoModelForCausalLM into modeling.py: {hint}")
+        raise ValueError(
+            f"{folder}/config.json has no auto_map entry for AutoModelForCausalLM into modeling.py: {hint}"
+        )
     missing = [name for name in REMOTE_FILES if not (folder / name).is_file()]
     if missing:
-        raise ValueError(f"{folder} lacks the remote-code files {missing}: trust_remote_code could not load it. {hint}")
+        raise ValueError(
+            f"{folder} lacks the remote-code files {missing}: trust_remote_code could not load it. {hint}"
+        )
     gen = folder / "generation_config.json"
     if not gen.is_file() or "mars_block_size" not in json.loads(gen.read_text()):
         raise ValueError(f"{folder} has no generation_config.json with the MARS defaults (mars_block_size): {hint}")
@@ -120,7 +137,11 @@ def _check_weights(folder: Path) -> None:
             raise ValueError(f"{folder}: model.safetensors.index.json lists shards that are not there: {missing}")
     elif not (folder / "model.safetensors").is_file():
         pickles = sorted(p.name for p in folder.iterdir() if any(p.match(pat) for pat in PICKLE_PATTERNS))
-        found = f" (found pickle files {pickles}, which are never uploaded: loading a pickle runs arbitrary code)" if pickles else ""
+        found = (
+            f" (found pickle files {pickles}, which are never uploaded: loading a pickle runs arbitrary code)"
+            if pickles
+            else ""
+        )
         raise ValueError(
             f"{folder} has no safetensors weights{found}. Re-save with model.save_pretrained(folder), which writes "
             "model.safetensors."
@@ -157,7 +178,9 @@ def load_tau_table(tau_table: str | Path | list[dict] | dict | None) -> dict | N
         raise ValueError("The τ table must be a non-empty list of rows, or {'setup': ..., 'rows': [...]}.")
     for i, row in enumerate(tau_table):
         if not isinstance(row, dict) or "tau" not in row or "tokens_per_forward" not in row:
-            raise ValueError(f"τ table row {i} must be a dict with at least 'tau' and 'tokens_per_forward', got {row!r}")
+            raise ValueError(
+                f"τ table row {i} must be a dict with at least 'tau' and 'tokens_per_forward', got {row!r}"
+            )
         tau, tpf = row["tau"], row["tokens_per_forward"]
         if not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
             raise ValueError(f"τ table row {i}: tau must be a number in [0, 1], got {tau!r}")
@@ -178,8 +201,10 @@ def tau_table_markdown(table: dict) -> str:
             return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
         return "" if value is None else str(value)
 
-    lines = ["| " + " | ".join(names.get(c, c.replace("_", " ")) for c in columns) + " |",
-             "| " + " | ".join("---" for _ in columns) + " |"]
+    lines = [
+        "| " + " | ".join(names.get(c, c.replace("_", " ")) for c in columns) + " |",
+        "| " + " | ".join("---" for _ in columns) + " |",
+    ]
     lines += ["| " + " | ".join(cell(c, row.get(c)) for c in columns) + " |" for row in table["rows"]]
     return "\n".join(lines)
 
@@ -268,8 +293,9 @@ def select_files(folder: str | Path) -> tuple[list[str], list[tuple[str, str]]]:
     return upload, skipped
 
 
-def _prepare_repo(api: HfApi, repo_id: str, *, repo_type: str, private: bool | None, revision: str | None,
-                  token, **create_kwargs) -> None:
+def _prepare_repo(
+    api: HfApi, repo_id: str, *, repo_type: str, private: bool | None, revision: str | None, token, **create_kwargs
+) -> None:
     """Create the repo (or reuse it) and the target branch; refuse to upload into a public repo asked to be private."""
     api.create_repo(repo_id, repo_type=repo_type, private=private, exist_ok=True, token=token, **create_kwargs)
     if private and not api.repo_info(repo_id, repo_type=repo_type, token=token).private:
@@ -311,13 +337,22 @@ def push_to_hub(
         card_template: a Jinja markdown template instead of the package's `templates/model_card.md`.
         commit_message: defaults to "Upload MARS checkpoint".
 
-    Uploaded: `*.safetensors` (+ index), config.json, generation_config.json, the remote code (`decoding.REMOTE_FILES`),
+    Uploaded: `*.safetensors` (+ index), config.json, generation_config.json, the remote code
+    (`decoding.REMOTE_FILES`),
     tokenizer files, and README.md (the card). Skipped, and listed in the result: pickles (`.bin`, `.pt`, ...), a
     README.md of the folder's own, and anything else. One commit. Returns a `PushResult`; print `.summary()`.
     """
     folder = Path(folder)
-    card = render_model_card(folder, repo_id, base_model=base_model, license=license, datasets=datasets,
-                             tau_table=tau_table, revision=revision, template=card_template)
+    card = render_model_card(
+        folder,
+        repo_id,
+        base_model=base_model,
+        license=license,
+        datasets=datasets,
+        tau_table=tau_table,
+        revision=revision,
+        template=card_template,
+    )
     upload, skipped = select_files(folder)
     for path, why in skipped:
         if "pickle" in why:
@@ -328,8 +363,9 @@ def push_to_hub(
 
     api = HfApi(token=token)
     _prepare_repo(api, repo_id, repo_type="model", private=private, revision=revision, token=token)
-    info = api.create_commit(repo_id, operations, commit_message=commit_message or "Upload MARS checkpoint",
-                             revision=revision, token=token)
+    info = api.create_commit(
+        repo_id, operations, commit_message=commit_message or "Upload MARS checkpoint", revision=revision, token=token
+    )
     sizes = [(path, (folder / path).stat().st_size) for path in upload] + [("README.md", len(card_bytes))]
     return PushResult(repo_id, "model", revision or "main", info.commit_url, info.oid, sizes, skipped)
 
@@ -378,15 +414,25 @@ def push_space(
     try:  # a typo here would only show as a Space that fails to start
         api.repo_info(model_repo, revision=model_revision, token=token)
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise ValueError(f"Model repo {model_repo} (revision {model_revision or 'main'}) not found on the Hub: push it first.") from err
+        raise ValueError(
+            f"Model repo {model_repo} (revision {model_revision or 'main'}) not found on the Hub: push it first."
+        ) from err
     _prepare_repo(api, space_id, repo_type="space", private=private, revision=None, token=token, space_sdk="gradio")
-    api.add_space_variable(space_id, "MARS_MODEL", model_repo, description="MARS checkpoint the demo loads", token=token)
+    api.add_space_variable(
+        space_id, "MARS_MODEL", model_repo, description="MARS checkpoint the demo loads", token=token
+    )
     if model_revision:
         api.add_space_variable(space_id, "MARS_REVISION", model_revision, token=token)
     elif "MARS_REVISION" in api.get_space_variables(space_id, token=token):  # a stale pin would outlive the model
         api.delete_space_variable(space_id, "MARS_REVISION", token=token)
-    info = api.upload_folder(repo_id=space_id, folder_path=folder, repo_type="space", ignore_patterns=list(SPACE_IGNORE),
-                             commit_message=commit_message or f"MARS demo for {model_repo}", token=token)
+    info = api.upload_folder(
+        repo_id=space_id,
+        folder_path=folder,
+        repo_type="space",
+        ignore_patterns=list(SPACE_IGNORE),
+        commit_message=commit_message or f"MARS demo for {model_repo}",
+        token=token,
+    )
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     uploaded = list(filter_repo_objects(files, ignore_patterns=SPACE_IGNORE))
     sizes = [(path, (folder / path).stat().st_size) for path in uploaded]

@@ -58,7 +58,9 @@ def naive_mars_decode(model, ids, tau, block_size, mask_id, max_new_tokens, eos_
     costs = mask_cost if isinstance(mask_cost, list) else [mask_cost * k for k in range(1, most + 1)]
     while len(new) < max_new_tokens:
         masks = most
-        if any(costs):  # the k masks with the most expected tokens per unit of time, (1 + R_0 + ... + R_{k-1}) / (1 + cost_k)
+        if any(
+            costs
+        ):  # the k masks with the most expected tokens per unit of time, (1 + R_0 + ... + R_{k-1}) / (1 + cost_k)
             reach, cumulative, masks, best = 1.0, 0.0, 0, 1.0
             for k in range(1, most + 1):
                 reach *= rate[k - 1]
@@ -140,7 +142,9 @@ def test_without_tau_generate_is_the_base_models():
     mars = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)
     enc = encode(tok)
     for kwargs in (dict(do_sample=False), dict(num_beams=3, do_sample=False)):
-        assert torch.equal(mars.generate(**enc, max_new_tokens=12, **kwargs), base.generate(**enc, max_new_tokens=12, **kwargs))
+        assert torch.equal(
+            mars.generate(**enc, max_new_tokens=12, **kwargs), base.generate(**enc, max_new_tokens=12, **kwargs)
+        )
     torch.manual_seed(0)
     ref = base.generate(**enc, do_sample=True, max_new_tokens=12)
     torch.manual_seed(0)
@@ -176,7 +180,8 @@ def test_mask_cost_batched_equals_unbatched_and_naive(family):
     enc = encode(tok)
     mask_id = model.config.mars_mask_token_id
     fed = set()
-    # [0.7, 0.96, 0.53]: a pass with 3 masks cheaper than with 1 or 2 (as on this CPU): the batch feeds 3, rows ignore them
+    # [0.7, 0.96, 0.53]: a pass with 3 masks cheaper than with 1 or 2 (as on this CPU): the batch feeds 3, rows
+    # ignore them
     for tau, cost in ((1.0, 0.2), (0.7, 0.2), (0.5, 0.1), (0.5, 0.4), (0.0, 0.3), (0.6, [0.7, 0.96, 0.53])):
         kwargs = dict(mars_tau=tau, mars_mask_cost=cost, max_new_tokens=40)
         out = model.generate(**enc, return_dict_in_generate=True, **kwargs)
@@ -191,21 +196,28 @@ def test_mask_cost_batched_equals_unbatched_and_naive(family):
 
 
 def test_mask_cost_drops_masks_that_fail_and_keeps_those_that_pay(trained_toy):
-    """On a trained toy, one prompt at a time: where masks are rarely confident (τ = 0.9) most are dropped at no loss of
+    """On a trained toy, one prompt at a time: where masks are rarely confident (τ = 0.9) most are dropped at no loss
+    of
     tokens per forward; where they pay (counting, τ = 0.5) the tokens per forward stay; and by the cost model's own
     measure (tokens per unit of time, a mask costing 0.2 of a pass) the cost-aware decoder beats B-1 masks every pass.
     (In a batch the widest offer is fed to every row; the offers stay per row, so that batching changes no token.)"""
     model, tok = trained_toy
     counting = [[{"role": "user", "content": f"Count from {a} to {a + 30}."}] for a in (3, 40)]
-    counting = [tok.apply_chat_template(m, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-                for m in counting]  # fmt: skip
+    counting = [
+        tok.apply_chat_template(m, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        for m in counting
+    ]
     enc = toy_prompts(tok)
     toy = [enc.input_ids[i : i + 1, enc.attention_mask[i].bool()] for i in range(enc.input_ids.shape[0])]
     for prompts, tau in ((toy, 0.9), (counting, 0.5), (toy, 0.5)):
         tokens, passes, masks = {}, {}, {}
         for cost in (0.0, 0.2):
-            runs = [model.generate(input_ids=ids, mars_tau=tau, mars_mask_cost=cost, max_new_tokens=60,
-                                   return_dict_in_generate=True).mars_stats for ids in prompts]  # fmt: skip
+            runs = [
+                model.generate(
+                    input_ids=ids, mars_tau=tau, mars_mask_cost=cost, max_new_tokens=60, return_dict_in_generate=True
+                ).mars_stats
+                for ids in prompts
+            ]
             tokens[cost] = sum(int(r.new_tokens.sum()) for r in runs)
             passes[cost] = sum(r.forward_passes for r in runs)
             masks[cost] = sum(sum(r.masks_per_step) for r in runs)
@@ -258,7 +270,9 @@ def test_cache_keeps_real_tokens_only():
         hf_mars.MARSCache.commit = original
     prompt = enc.input_ids.shape[1]
     # After each pass the cache holds exactly the prompt and the tokens committed before that pass: no masks.
-    committed = [prompt] + [prompt + int(sum(a[0] for a in out.mars_stats.accepted_per_step[:k])) for k in range(1, len(seen))]
+    committed = [prompt] + [
+        prompt + int(sum(a[0] for a in out.mars_stats.accepted_per_step[:k])) for k in range(1, len(seen))
+    ]
     assert [s for s, _ in seen] == committed and [r for _, r in seen] == committed
 
 
@@ -363,7 +377,9 @@ def test_text_iterator_streamer():
     enc = encode(tok, ["hello"])
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
     result = {}
-    thread = Thread(target=lambda: result.update(out=model.generate(**enc, mars_tau=0.5, max_new_tokens=20, streamer=streamer)))
+    thread = Thread(
+        target=lambda: result.update(out=model.generate(**enc, mars_tau=0.5, max_new_tokens=20, streamer=streamer))
+    )
     thread.start()
     text = "".join(streamer)
     thread.join()
@@ -376,7 +392,9 @@ def test_text_iterator_streamer():
 def test_sampling_with_tau_is_seeded_and_batched():
     model, tok = sharp_mars_model("qwen2")
     enc = encode(tok)
-    kwargs = dict(mars_tau=0.7, do_sample=True, temperature=0.7, top_k=20, max_new_tokens=20, return_dict_in_generate=True)
+    kwargs = dict(
+        mars_tau=0.7, do_sample=True, temperature=0.7, top_k=20, max_new_tokens=20, return_dict_in_generate=True
+    )
     torch.manual_seed(1)
     a = model.generate(**enc, **kwargs)
     torch.manual_seed(1)
@@ -397,7 +415,9 @@ def test_other_confidence_measures(measure):
         assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
     probs = torch.tensor([[0.7, 0.2, 0.1]])
     value = confidence(probs, torch.tensor([0]), measure)
-    expected = 0.5 if measure == "margin" else 1 - float(torch.special.entr(probs).sum() / torch.log(torch.tensor(3.0)))
+    expected = (
+        0.5 if measure == "margin" else 1 - float(torch.special.entr(probs).sum() / torch.log(torch.tensor(3.0)))
+    )
     assert value.item() == pytest.approx(expected)
 
 
@@ -447,14 +467,24 @@ def test_clear_errors():
 
 def test_sliding_window_models_are_exact_or_refused():
     tok = make_tokenizer()
-    common = dict(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    common = dict(
+        vocab_size=272,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(MistralConfig(sliding_window=4096, **common)).eval()
     mars = hf_mars.to_mars(AutoModelForCausalLM.from_config(MistralConfig(sliding_window=4096, **common)).eval(), tok)
     mars.load_state_dict(base.state_dict())
     enc = encode(tok)
-    assert torch.equal(mars.generate(**enc, mars_tau=1.0, max_new_tokens=10), base.generate(**enc, do_sample=False, max_new_tokens=10))
+    assert torch.equal(
+        mars.generate(**enc, mars_tau=1.0, max_new_tokens=10), base.generate(**enc, do_sample=False, max_new_tokens=10)
+    )
     mars.config.sliding_window = 16
     with pytest.raises(ValueError, match="Sliding-window"):
         mars.generate(**enc, mars_tau=0.9, max_new_tokens=10)

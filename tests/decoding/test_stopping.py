@@ -68,10 +68,17 @@ NEVER = 271
 def generate_both(mars, plain, enc, make_criterion, eos_token_id=NEVER, **mars_kwargs):
     kwargs = dict(max_new_tokens=24, eos_token_id=eos_token_id)
     ref_criterion = make_criterion()
-    reference = plain.generate(**enc, do_sample=False, stopping_criteria=StoppingCriteriaList([ref_criterion]), **kwargs)
+    reference = plain.generate(
+        **enc, do_sample=False, stopping_criteria=StoppingCriteriaList([ref_criterion]), **kwargs
+    )
     criterion = make_criterion()
-    out = mars.generate(**enc, stopping_criteria=StoppingCriteriaList([criterion]), return_dict_in_generate=True,
-                        **mars_kwargs, **kwargs)  # fmt: skip  (the keyword groups read as a pair)
+    out = mars.generate(
+        **enc,
+        stopping_criteria=StoppingCriteriaList([criterion]),
+        return_dict_in_generate=True,
+        **mars_kwargs,
+        **kwargs,
+    )
     return reference, ref_criterion, out, criterion
 
 
@@ -99,8 +106,14 @@ def test_rows_running_ahead_are_held_to_generates_steps():
     mars, _, tok = models()
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     criterion = StopRowAfterCalls([3, 7, 11, 15])
-    out = mars.generate(**enc, mars_tau=0.3, max_new_tokens=24, eos_token_id=NEVER, return_dict_in_generate=True,
-                        stopping_criteria=StoppingCriteriaList([criterion]))  # fmt: skip
+    out = mars.generate(
+        **enc,
+        mars_tau=0.3,
+        max_new_tokens=24,
+        eos_token_id=NEVER,
+        return_dict_in_generate=True,
+        stopping_criteria=StoppingCriteriaList([criterion]),
+    )
     assert max(out.mars_stats.accepted_per_step[0].tolist()) > 1  # several tokens in a pass
     assert len(set(torch.stack(out.mars_stats.accepted_per_step).sum(dim=0).tolist())) > 1  # rows at different speeds
     prompt = enc.input_ids.shape[1]

@@ -23,8 +23,15 @@ def test_lossless_equals_greedy_generate_at_every_tau_on_a_trained_model(trained
     speed = {}
     for tau in (1.0, 0.9, 0.7, 0.0):
         for candidates, lookup in ((1, 0), (3, 0), (3, 4)):
-            out = model.generate(**enc, mars_tau=tau, mars_verify=True, mars_draft_candidates=candidates,
-                                 mars_lookup=lookup, max_new_tokens=60, return_dict_in_generate=True)  # fmt: skip
+            out = model.generate(
+                **enc,
+                mars_tau=tau,
+                mars_verify=True,
+                mars_draft_candidates=candidates,
+                mars_lookup=lookup,
+                max_new_tokens=60,
+                return_dict_in_generate=True,
+            )
             assert torch.equal(out.sequences, reference), f"tau={tau}, candidates={candidates}, lookup={lookup}"
             speed[tau, candidates, lookup] = tokens_per_forward(out.mars_stats)
     assert speed[1.0, 1, 0] == speed[1.0, 3, 0] == 1.0
@@ -63,8 +70,11 @@ def test_lossless_defaults_come_from_the_generation_config_preset(trained_toy):
         out = model.generate(**enc, mars_verify=True, max_new_tokens=40, return_dict_in_generate=True)  # 4 rows
         assert torch.equal(out.sequences, reference) and max(out.mars_stats.masks_per_step) == 2  # B = 3
         assert model.mars_settings(batch_size=4, mars_verify=True)["mars_block_size"] == 3  # also a method
-        for bad, words in (({"mars_lookahead": 2}, "mars_lossless"), ({"mars_lookup": -1}, "mars_lookup"),
-                           ({"1": {"mars_lookahead": 2}}, "by batch size")):  # fmt: skip
+        for bad, words in (
+            ({"mars_lookahead": 2}, "mars_lossless"),
+            ({"mars_lookup": -1}, "mars_lookup"),
+            ({"1": {"mars_lookahead": 2}}, "by batch size"),
+        ):
             model.generation_config.mars_lossless = bad
             with pytest.raises(ValueError, match=words):
                 model.generate(**enc, mars_verify=True, max_new_tokens=4)
@@ -76,8 +86,14 @@ def test_lossless_defaults_come_from_the_generation_config_preset(trained_toy):
 def test_lossless_rows_alone_equal_the_batch(trained_toy, mask_cost, candidates, lookup):
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=77)
-    kwargs = dict(mars_tau=0.2, mars_verify=True, mars_draft_candidates=candidates, mars_lookup=lookup,
-                  mars_mask_cost=mask_cost, max_new_tokens=50)  # fmt: skip
+    kwargs = dict(
+        mars_tau=0.2,
+        mars_verify=True,
+        mars_draft_candidates=candidates,
+        mars_lookup=lookup,
+        mars_mask_cost=mask_cost,
+        max_new_tokens=50,
+    )
     batched = model.generate(**enc, **kwargs)
     assert torch.equal(batched, GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=50))
     for i in range(4):
@@ -102,8 +118,16 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
         reference = base.generate(**enc, do_sample=False, max_new_tokens=30, **kwargs)
         for tau in (0.9, 0.3, 0.0):
             for cost, candidates, lookup in ((0.0, 1, 0), (0.3, 1, 0), (0.0, 4, 0), (0.0, 2, 5)):
-                out = mars.generate(**enc, mars_tau=tau, mars_verify=True, mars_mask_cost=cost, max_new_tokens=30,
-                                    mars_draft_candidates=candidates, mars_lookup=lookup, **kwargs)  # fmt: skip
+                out = mars.generate(
+                    **enc,
+                    mars_tau=tau,
+                    mars_verify=True,
+                    mars_mask_cost=cost,
+                    max_new_tokens=30,
+                    mars_draft_candidates=candidates,
+                    mars_lookup=lookup,
+                    **kwargs,
+                )
                 assert torch.equal(out, reference), (tau, cost, candidates, lookup, kwargs)
 
 
@@ -141,8 +165,9 @@ def test_lossless_with_prompt_lookup_accepts_repeated_text_exactly():
         model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     enc = tok(["one two three one two three one two", "abc abc abc"], return_tensors="pt", padding=True)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
-    out = model.generate(**enc, mars_tau=1.0, mars_verify=True, mars_lookup=4, max_new_tokens=40,
-                         return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        **enc, mars_tau=1.0, mars_verify=True, mars_lookup=4, max_new_tokens=40, return_dict_in_generate=True
+    )
     assert torch.equal(out.sequences, reference)
     assert tokens_per_forward(out.mars_stats) > 1.5
 
@@ -214,7 +239,9 @@ def test_lossless_streams_each_pass(trained_toy):
     model, tok = trained_toy
     enc = toy_prompts(tok, n=1)
     streamer = Recorder()
-    out = model.generate(**enc, mars_tau=0.0, mars_verify=True, max_new_tokens=40, streamer=streamer, return_dict_in_generate=True)
+    out = model.generate(
+        **enc, mars_tau=0.0, mars_verify=True, max_new_tokens=40, streamer=streamer, return_dict_in_generate=True
+    )
     _, *chunks = streamer.chunks
     assert [len(c) for c in chunks] == [int(a) for a in out.mars_stats.accepted_per_step]
     assert sum(chunks, []) == out.sequences[0, enc.input_ids.shape[1] :].tolist()
@@ -240,7 +267,9 @@ def plain_samples(model, ids, seed):
 
 def mars_samples(model, ids, seed, **kwargs):
     torch.manual_seed(seed)
-    out = model.generate(input_ids=ids, do_sample=True, max_new_tokens=3, eos_token_id=None, return_dict_in_generate=True, **kwargs)
+    out = model.generate(
+        input_ids=ids, do_sample=True, max_new_tokens=3, eos_token_id=None, return_dict_in_generate=True, **kwargs
+    )
     return first_tokens(out.sequences, ids.shape[1]), out.mars_stats
 
 
@@ -270,7 +299,9 @@ def test_lossless_sampling_keeps_the_distribution_when_drafts_are_rejected():
 def test_lossless_sampling_keeps_the_distribution_when_drafts_are_accepted(trained_toy):
     model, tok = trained_toy
     messages = [{"role": "user", "content": "Count from 12 to 30."}]
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     check_distribution(model, ids.repeat(2000, 1), accepted_more_than=1.2)
 
 
@@ -284,6 +315,10 @@ def test_lossless_sampling_anchors():
     torch.manual_seed(5)
     reference = base.generate(**enc, do_sample=True, top_k=30, max_new_tokens=15)
     torch.manual_seed(5)  # τ = 1 proposes nothing: plain sampling, draw for draw
-    assert torch.equal(model.generate(**enc, do_sample=True, top_k=30, mars_tau=1.0, mars_verify=True, max_new_tokens=15), reference)
+    assert torch.equal(
+        model.generate(**enc, do_sample=True, top_k=30, mars_tau=1.0, mars_verify=True, max_new_tokens=15), reference
+    )
     greedy = model.generate(**enc, mars_tau=0.3, mars_verify=True, max_new_tokens=15)  # top_k = 1 sampling is greedy
-    assert torch.equal(model.generate(**enc, do_sample=True, top_k=1, mars_tau=0.3, mars_verify=True, max_new_tokens=15), greedy)
+    assert torch.equal(
+        model.generate(**enc, do_sample=True, top_k=1, mars_tau=0.3, mars_verify=True, max_new_tokens=15), greedy
+    )

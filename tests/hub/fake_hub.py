@@ -24,7 +24,9 @@ from urllib.parse import unquote, urlsplit
 
 GITATTRIBUTES = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
 PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/"}
-API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)(?:/(preupload|commit|revision|branch|tree|variables)(?:/([^/]+))?(?:/(.*))?)?$")
+API = re.compile(
+    r"^/api/(models|datasets|spaces)/([^/]+/[^/]+)(?:/(preupload|commit|revision|branch|tree|variables)(?:/([^/]+))?(?:/(.*))?)?$"
+)
 RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 
 
@@ -58,7 +60,9 @@ class Repo:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # the Hub's format, as huggingface_hub parses it
+    return datetime.now(timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%S.%fZ"
+    )  # the Hub's format, as huggingface_hub parses it
 
 
 class FakeHub:
@@ -113,8 +117,12 @@ def _handler(hub: FakeHub):
             self._send(status, json.dumps(obj).encode(), headers)
 
         def _not_found(self, error_code: str, message: str, head: bool = False):
-            self._send(404, json.dumps({"error": message}).encode(),
-                       {"X-Error-Code": error_code, "X-Error-Message": message, "Content-Type": "application/json"}, head)
+            self._send(
+                404,
+                json.dumps({"error": message}).encode(),
+                {"X-Error-Code": error_code, "X-Error-Message": message, "Content-Type": "application/json"},
+                head,
+            )
 
         def _repo(self, repo_type: str, repo_id: str) -> Repo | None:
             repo = hub.repos.get((repo_type, repo_id))
@@ -170,8 +178,17 @@ def _handler(hub: FakeHub):
                 if sha is None:
                     return self._json(404, {"error": f"Invalid rev id: {revision}"}, "RevisionNotFound")
                 siblings = [{"rfilename": p, "size": len(c)} for p, c in sorted(repo.snapshots[sha].items())]
-                return self._json(200, {"id": repo_id, "sha": sha, "private": repo.private, "sdk": repo.sdk,
-                                        "siblings": siblings, "lastModified": _now()})
+                return self._json(
+                    200,
+                    {
+                        "id": repo_id,
+                        "sha": sha,
+                        "private": repo.private,
+                        "sdk": repo.sdk,
+                        "siblings": siblings,
+                        "lastModified": _now(),
+                    },
+                )
             if action == "branch" and method == "POST":
                 start = json.loads(body or b"{}").get("startingPoint") or "main"
                 if revision in repo.branches:
@@ -191,14 +208,24 @@ def _handler(hub: FakeHub):
                 return self._json(404, {"error": f"Invalid rev id: {revision}"}, "RevisionNotFound")
             if action == "preupload":  # everything "regular": the content comes base64-encoded in the commit
                 files = json.loads(body)["files"]
-                return self._json(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                                                   "oid": None} for f in files]})
+                return self._json(
+                    200,
+                    {
+                        "files": [
+                            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False, "oid": None}
+                            for f in files
+                        ]
+                    },
+                )
             if action == "commit":
                 return self._commit(repo, revision, body)
             if action == "tree":
                 prefix = (rest or "").strip("/")
-                entries = [{"type": "file", "path": p, "size": len(c), "oid": hashlib.sha1(c).hexdigest()}
-                           for p, c in sorted(repo.snapshots[sha].items()) if not prefix or p.startswith(prefix + "/")]
+                entries = [
+                    {"type": "file", "path": p, "size": len(c), "oid": hashlib.sha1(c).hexdigest()}
+                    for p, c in sorted(repo.snapshots[sha].items())
+                    if not prefix or p.startswith(prefix + "/")
+                ]
                 if prefix and not entries:
                     return self._json(404, {"error": f"{prefix} does not exist"}, "EntryNotFound")
                 return self._json(200, entries)
@@ -236,7 +263,8 @@ def _handler(hub: FakeHub):
             if content is None:
                 return self._not_found("EntryNotFound", f"{filename} does not exist at {revision}", head)
             etag = f'"{hashlib.sha1(content).hexdigest()}"'
-            self._send(200, content, {"X-Repo-Commit": sha, "ETag": etag, "Content-Type": "application/octet-stream"},
-                       head)
+            self._send(
+                200, content, {"X-Repo-Commit": sha, "ETag": etag, "Content-Type": "application/octet-stream"}, head
+            )
 
     return Handler

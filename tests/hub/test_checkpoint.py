@@ -17,7 +17,6 @@ import hf_mars
 from hf_mars.decoding import REMOTE_DIR, REMOTE_FILES
 
 
-
 def saved_mars(tmp_path, family="qwen2", tau=0.7, block_size=4):
     tok = make_tokenizer()
     model = make_model(family)
@@ -33,7 +32,9 @@ def saved_mars(tmp_path, family="qwen2", tau=0.7, block_size=4):
 def run_without_hf_mars(code: str) -> str:
     """Run `code` in a fresh interpreter in which `import hf_mars` fails, as on a machine without the package."""
     prelude = "import sys; sys.modules['hf_mars'] = None\n"
-    result = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -114,7 +115,10 @@ def test_resaving_a_remote_code_model_keeps_it_self_contained(tmp_path):
         """
     )
     assert {p.name for p in again.glob("*.py")} == set(REMOTE_FILES)
-    assert json.loads((again / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == "modeling.MARSQwen2ForCausalLM"
+    assert (
+        json.loads((again / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+        == "modeling.MARSQwen2ForCausalLM"
+    )
 
 
 def test_mask_token_takes_a_spare_row_or_resizes(caplog):
@@ -155,7 +159,9 @@ def test_convert_authors_checkpoint(tmp_path):
     tok = AutoTokenizer.from_pretrained(dst)
     ref = make_model("qwen2")
     enc = tok(["hello"], return_tensors="pt")
-    assert torch.equal(model.generate(**enc, mars_tau=1.0, max_new_tokens=8), ref.generate(**enc, do_sample=False, max_new_tokens=8))
+    assert torch.equal(
+        model.generate(**enc, mars_tau=1.0, max_new_tokens=8), ref.generate(**enc, do_sample=False, max_new_tokens=8)
+    )
     assert model.config.mars_mask_token_id == tok.convert_tokens_to_ids("<|mask|>")
 
 

@@ -30,11 +30,24 @@ from hf_mars.hub import (
 )
 
 TOKEN = "hf_fake_test_token"
-TAU_TABLE = {"setup": "toy counting task, CPU, batch 1",
-             "rows": [{"tau": 1.0, "tokens_per_forward": 1.0, "accuracy": 0.5, "speedup": 1.0},
-                      {"tau": 0.9, "tokens_per_forward": 2.0, "accuracy": 0.44, "speedup": 1.68}]}
-CHECKPOINT_FILES = {"model.safetensors", "config.json", "generation_config.json", "modeling.py", "generate.py",
-                    "cache.py", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
+TAU_TABLE = {
+    "setup": "toy counting task, CPU, batch 1",
+    "rows": [
+        {"tau": 1.0, "tokens_per_forward": 1.0, "accuracy": 0.5, "speedup": 1.0},
+        {"tau": 0.9, "tokens_per_forward": 2.0, "accuracy": 0.44, "speedup": 1.68},
+    ],
+}
+CHECKPOINT_FILES = {
+    "model.safetensors",
+    "config.json",
+    "generation_config.json",
+    "modeling.py",
+    "generate.py",
+    "cache.py",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+}
 
 
 def save_checkpoint(path, extras=True):
@@ -69,8 +82,13 @@ def hub(monkeypatch, tmp_path):
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
         env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-        fake.env = env | {"HF_ENDPOINT": fake.url, "HF_HOME": str(tmp_path / "hf_home"), "HF_TOKEN": TOKEN,
-                          "NO_PROXY": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+        fake.env = env | {
+            "HF_ENDPOINT": fake.url,
+            "HF_HOME": str(tmp_path / "hf_home"),
+            "HF_TOKEN": TOKEN,
+            "NO_PROXY": "127.0.0.1",
+            "OMP_NUM_THREADS": "1",
+        }
         yield fake
 
 
@@ -85,8 +103,15 @@ def repo_requests(hub):
 
 def test_push_uploads_a_checkpoint_that_loads_from_the_hub(hub, checkpoint):
     path, model, tok = checkpoint
-    result = push_to_hub(path, "me/tiny-mars", private=True, revision="v1", license="apache-2.0", datasets=["gsm8k"],
-                         tau_table=TAU_TABLE)
+    result = push_to_hub(
+        path,
+        "me/tiny-mars",
+        private=True,
+        revision="v1",
+        license="apache-2.0",
+        datasets=["gsm8k"],
+        tau_table=TAU_TABLE,
+    )
 
     repo = hub.repo("me/tiny-mars")
     files = repo.files("v1")
@@ -95,14 +120,18 @@ def test_push_uploads_a_checkpoint_that_loads_from_the_hub(hub, checkpoint):
     assert [c["summary"] for c in repo.commits] == ["initial commit", "Upload MARS checkpoint"]  # one commit
     for name in CHECKPOINT_FILES:
         assert files[name] == (path / name).read_bytes()
-    assert hub.create_payloads == [{"name": "tiny-mars", "organization": "me", "visibility": "private", "type": "model"}]
+    assert hub.create_payloads == [
+        {"name": "tiny-mars", "organization": "me", "visibility": "private", "type": "model"}
+    ]
     assert repo.private
     assert all(auth == f"Bearer {TOKEN}" for _, _, auth in repo_requests(hub))  # HF_TOKEN, as huggingface_hub reads it
     assert hub.unhandled == []
 
     # What the result (and the CLI) reports is what arrived.
     assert dict(result.uploaded) == {name: len(files[name]) for name in CHECKPOINT_FILES | {"README.md"}}
-    assert result.commit_sha == repo.branches["v1"] and result.commit_url.endswith(f"/me/tiny-mars/commit/{result.commit_sha}")
+    assert result.commit_sha == repo.branches["v1"] and result.commit_url.endswith(
+        f"/me/tiny-mars/commit/{result.commit_sha}"
+    )
     skipped = dict(result.skipped)
     assert "pickle" in skipped["training_args.bin"] and "pickle" in skipped["optimizer.pt"]
     assert set(skipped) == {"training_args.bin", "optimizer.pt", "trainer_state.json", "README.md"}
@@ -113,7 +142,9 @@ def test_push_uploads_a_checkpoint_that_loads_from_the_hub(hub, checkpoint):
     assert card.data.tags == ["mars", "multi-token-prediction"]
     assert card.data.license == "apache-2.0" and card.data.datasets == ["gsm8k"]
     assert card.data.base_model == "some-org/base-model"
-    assert "| τ | tokens / forward | accuracy | speedup |" in card.text and "| 0.90 | 2.00 | 0.44 | 1.68 |" in card.text
+    assert (
+        "| τ | tokens / forward | accuracy | speedup |" in card.text and "| 0.90 | 2.00 | 0.44 | 1.68 |" in card.text
+    )
     assert "toy counting task, CPU, batch 1" in card.text and "pin a revision" in card.text.lower()
     snippet = re.search(r"```python\n(.*?)```", card.text, re.S)[1]
     assert 'revision = "v1"' in snippet and "trust_remote_code=True" in snippet and "mars_tau=0.9" in snippet
@@ -123,8 +154,12 @@ def test_push_uploads_a_checkpoint_that_loads_from_the_hub(hub, checkpoint):
     loaded = run(None, hub.env, "import sys; sys.modules['hf_mars'] = None\n" + snippet + check)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     out = json.loads(loaded.stdout.strip().splitlines()[-1])
-    expected = model.generate(**tok("The capital of France is", return_tensors="pt"), mars_tau=0.9, max_new_tokens=64,
-                              return_dict_in_generate=True)
+    expected = model.generate(
+        **tok("The capital of France is", return_tensors="pt"),
+        mars_tau=0.9,
+        max_new_tokens=64,
+        return_dict_in_generate=True,
+    )
     assert out["cls"] == "MARSQwen2ForCausalLM" and out["seq"] == expected.sequences[0].tolist()
     assert expected.mars_stats.forward_passes < 64  # several tokens per pass: the test exercises MARS decoding
     assert "tokens per forward pass" in loaded.stdout
@@ -137,8 +172,9 @@ def test_push_uploads_a_checkpoint_that_loads_from_the_hub(hub, checkpoint):
 def test_cli_push_prints_what_was_uploaded(hub, checkpoint, tmp_path):
     path = checkpoint[0]
     (tmp_path / "tau.json").write_text(json.dumps(TAU_TABLE["rows"]))
-    result = run(["push", str(path), "me/cli-mars", "--tau-table", str(tmp_path / "tau.json"), "--base-model", "org/x"],
-                 hub.env)
+    result = run(
+        ["push", str(path), "me/cli-mars", "--tau-table", str(tmp_path / "tau.json"), "--base-model", "org/x"], hub.env
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     repo = hub.repo("me/cli-mars")
     sha = repo.branches["main"]
@@ -170,6 +206,7 @@ def _edit_json(name, **changes):
         for key, value in changes.items():
             data.pop(key) if value is None else data.__setitem__(key, value)
         (path / name).write_text(json.dumps(data))
+
     return edit
 
 
@@ -178,19 +215,24 @@ def _pickled_weights(path):
 
 
 def _sharded_missing(path):
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+    )
 
 
-@pytest.mark.parametrize("damage, message", [
-    (_edit_json("config.json", mars_mask_token_id=None), "not a MARS checkpoint"),
-    (_edit_json("config.json", auto_map=None), "no auto_map entry"),
-    (lambda p: _remove(p, "generate.py"), r"remote-code files \['generate.py'\]"),
-    (_edit_json("generation_config.json", mars_block_size=None), "MARS defaults"),
-    (_pickled_weights, r"no safetensors weights \(found pickle files \[.*'pytorch_model.bin'.*never uploaded"),
-    (_sharded_missing, "shards that are not there"),
-    (lambda p: _remove(p, "tokenizer.json"), "no tokenizer"),
-    (lambda p: _remove(p, "config.json"), "no config.json"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_edit_json("config.json", mars_mask_token_id=None), "not a MARS checkpoint"),
+        (_edit_json("config.json", auto_map=None), "no auto_map entry"),
+        (lambda p: _remove(p, "generate.py"), r"remote-code files \['generate.py'\]"),
+        (_edit_json("generation_config.json", mars_block_size=None), "MARS defaults"),
+        (_pickled_weights, r"no safetensors weights \(found pickle files \[.*'pytorch_model.bin'.*never uploaded"),
+        (_sharded_missing, "shards that are not there"),
+        (lambda p: _remove(p, "tokenizer.json"), "no tokenizer"),
+        (lambda p: _remove(p, "config.json"), "no config.json"),
+    ],
+)
 def test_push_refuses_incomplete_folders_before_sending_anything(hub, checkpoint, damage, message):
     path = checkpoint[0]
     damage(path)
@@ -214,7 +256,12 @@ def test_card_metadata_is_never_invented(checkpoint):
     card = render_model_card(path, "me/x")
     assert card.data.base_model is None and card.data.license is None and card.data.datasets is None
     assert "base_model" not in str(card) and "license" not in str(card) and "Measured speed" not in str(card)
-    for name_or_path, expected in [(str(path), None), ("./local", None), ("me/x", None), ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B")]:
+    for name_or_path, expected in [
+        (str(path), None),
+        ("./local", None),
+        ("me/x", None),
+        ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B"),
+    ]:
         _edit_json("config.json", _name_or_path=name_or_path)(path)
         assert render_model_card(path, "me/x").data.base_model == expected
 
@@ -225,9 +272,17 @@ def test_tau_table_forms_and_errors(tmp_path):
     assert table == {"rows": TAU_TABLE["rows"], "setup": TAU_TABLE["setup"]} == load_tau_table(TAU_TABLE)
     assert load_tau_table(TAU_TABLE["rows"])["setup"] is None
     markdown = tau_table_markdown(load_tau_table([{"tokens_per_forward": 3.25, "tau": 0.7, "same_as_ar": "59%"}]))
-    assert markdown.splitlines()[0] == "| τ | tokens / forward | same as ar |" and markdown.splitlines()[2] == "| 0.70 | 3.25 | 59% |"
-    for bad, message in [([], "non-empty"), ([{"tau": 0.9}], "tokens_per_forward"), ([{"tau": 1.5, "tokens_per_forward": 1}], "tau must"),
-                         ([{"tau": 0.9, "tokens_per_forward": 0}], "positive"), (tmp_path / "missing.json", "Cannot read")]:
+    assert (
+        markdown.splitlines()[0] == "| τ | tokens / forward | same as ar |"
+        and markdown.splitlines()[2] == "| 0.70 | 3.25 | 59% |"
+    )
+    for bad, message in [
+        ([], "non-empty"),
+        ([{"tau": 0.9}], "tokens_per_forward"),
+        ([{"tau": 1.5, "tokens_per_forward": 1}], "tau must"),
+        ([{"tau": 0.9, "tokens_per_forward": 0}], "positive"),
+        (tmp_path / "missing.json", "Cannot read"),
+    ]:
         with pytest.raises(ValueError, match=message):
             load_tau_table(bad)
 
@@ -271,21 +326,27 @@ def test_push_space_publishes_the_projects_space_folder_by_default(hub):
     HfApi().create_repo("me/model")
     push_space("me/live", "me/model")
     files = hub.repo("me/live", "space").files()
-    expected = {p.relative_to(SPACE_FOLDER).as_posix() for p in SPACE_FOLDER.rglob("*")
-                if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".") and p.suffix != ".pyc"}
+    expected = {
+        p.relative_to(SPACE_FOLDER).as_posix()
+        for p in SPACE_FOLDER.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".") and p.suffix != ".pyc"
+    }
     assert {"app.py", "README.md"} <= expected and set(files) == expected | {".gitattributes"}
     assert all(files[name] == (SPACE_FOLDER / name).read_bytes() for name in expected)
 
 
-
 def test_push_space_without_a_folder_outside_a_checkout_names_what_is_missing(hub, monkeypatch, tmp_path):
-    """An installed wheel has no spaces_demo/ (tests/hub/test_wheel.py runs it for real): one clear error, nothing sent."""
+    """An installed wheel has no spaces_demo/ (tests/hub/test_wheel.py runs it for real): one clear error, nothing
+    sent."""
     import hf_mars.hub
 
     monkeypatch.setattr(hf_mars.hub, "SPACE_FOLDER", tmp_path / "site-packages" / "spaces_demo")
-    with pytest.raises(ValueError, match=r"spaces_demo/ \(.*\), is not there.*pass folder= \(hf-mars push-space --folder DIR\)"):
+    with pytest.raises(
+        ValueError, match=r"spaces_demo/ \(.*\), is not there.*pass folder= \(hf-mars push-space --folder DIR\)"
+    ):
         push_space("me/demo", "me/model")
     assert repo_requests(hub) == []
+
 
 def test_cli_push_space(hub, tmp_path):
     HfApi().create_repo("me/model")

@@ -51,8 +51,21 @@ def wheel(tmp_path_factory):
     shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, project / name)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", tmp / "dist", project])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            tmp / "dist",
+            project,
+        ]
+    )
     (built,) = (tmp / "dist").glob("hf_mars-*.whl")
     return built
 
@@ -68,13 +81,19 @@ def venv(wheel, tmp_path_factory):
     purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
     outer = [p for p in dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"]]) if Path(p).is_dir()]
     (purelib / "_hf_mars_test_outer.pth").write_text(f"import site; list(map(site.addsitedir, {outer!r}))\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
     env |= {"PYTHONNOUSERSITE": "1", "OMP_NUM_THREADS": "1", "HF_HOME": str(root.parent / "hf_home")}
     # Its pip is this interpreter's (seen through the .pth). --force-reinstall: the same version is already
     # installed (editable) outside the venv; pip leaves that one alone ("outside environment").
-    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", "-q", wheel], env=env,
-         cwd=root.parent)
+    _run(
+        [python, "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", "-q", wheel],
+        env=env,
+        cwd=root.parent,
+    )
     return python, root / "bin" / "hf-mars", env
 
 
@@ -92,9 +111,16 @@ def test_the_wheel_ships_the_template_and_the_checkpoint_delta_and_nothing_of_th
 def test_push_from_the_installed_wheel_renders_the_model_card(venv, tmp_path):
     python, hf_mars_script, env = venv
     # The venv imports the wheel's hf_mars, and its template is the package's own file, not the checkout's.
-    where = _run([python, "-c", "import json, hf_mars, hf_mars.hub as h; "
-                  "print(json.dumps([hf_mars.__file__, str(h.MODEL_CARD_TEMPLATE), h.MODEL_CARD_TEMPLATE.is_file()]))"],
-                 env=env, cwd=tmp_path)
+    where = _run(
+        [
+            python,
+            "-c",
+            "import json, hf_mars, hf_mars.hub as h; "
+            "print(json.dumps([hf_mars.__file__, str(h.MODEL_CARD_TEMPLATE), h.MODEL_CARD_TEMPLATE.is_file()]))",
+        ],
+        env=env,
+        cwd=tmp_path,
+    )
     module, template, exists = json.loads(where.stdout.strip().splitlines()[-1])
     venv_root = python.parent.parent
     assert Path(module).is_relative_to(venv_root) and not Path(module).is_relative_to(ROOT)
@@ -108,14 +134,26 @@ def test_push_from_the_installed_wheel_renders_the_model_card(venv, tmp_path):
     tok.save_pretrained(folder)
     with FakeHub() as hub:
         hub_env = env | {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "NO_PROXY": "127.0.0.1"}
-        result = subprocess.run([hf_mars_script, "push", str(folder), "me/wheel-mars", "--license", "apache-2.0"],
-                                capture_output=True, text=True, timeout=600, env=hub_env, cwd=tmp_path)
+        result = subprocess.run(
+            [hf_mars_script, "push", str(folder), "me/wheel-mars", "--license", "apache-2.0"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=hub_env,
+            cwd=tmp_path,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         card = hub.repo("me/wheel-mars").files()["README.md"].decode()
 
         # push-space with no --folder: the wheel has no spaces_demo/; one line says so and how to pass one.
-        refused = subprocess.run([hf_mars_script, "push-space", "me/demo", "--model", "me/wheel-mars"],
-                                 capture_output=True, text=True, timeout=600, env=hub_env, cwd=tmp_path)
+        refused = subprocess.run(
+            [hf_mars_script, "push-space", "me/demo", "--model", "me/wheel-mars"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=hub_env,
+            cwd=tmp_path,
+        )
         assert refused.returncode != 0 and "Traceback" not in refused.stderr
         message = refused.stderr.strip()
         assert len(message.splitlines()) == 1 and "spaces_demo" in message and "--folder" in message

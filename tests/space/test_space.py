@@ -29,10 +29,30 @@ def client(url: str) -> Client:
     return Client(url, verbose=False)  # a fresh client is a fresh session: its own τ and runs
 
 
-def ask(c: Client, message="hello", history=(), tau=0.9, block_size=4, max_new_tokens=40, do_sample=False, mask_cost=0.0,
-        lossless=False):
-    return c.submit(message, list(history), tau, block_size, max_new_tokens, do_sample, 0.7, 0.95, mask_cost, lossless,
-                    api_name="/respond")
+def ask(
+    c: Client,
+    message="hello",
+    history=(),
+    tau=0.9,
+    block_size=4,
+    max_new_tokens=40,
+    do_sample=False,
+    mask_cost=0.0,
+    lossless=False,
+):
+    return c.submit(
+        message,
+        list(history),
+        tau,
+        block_size,
+        max_new_tokens,
+        do_sample,
+        0.7,
+        0.95,
+        mask_cost,
+        lossless,
+        api_name="/respond",
+    )
 
 
 def answer_text(chat) -> str:
@@ -93,7 +113,9 @@ def test_plain_ar_side_by_side_equals_tau_1_and_plot_gains_rows(served):
     assert len(data) == 3 and data[-1][2] == 0.5 and data[-1][3] > 1.2  # (run, decoder, tau, tokens/forward, tokens/s)
     ar_text, ar_figures, plot, _ = c.predict(True, api_name="/compare_ar")
     assert ar_text == answer_text(first[1]) and len(rows(plot)) == 4
-    assert len(rows(client(url).predict("abc", [], 1.0, 4, 5, False, 0.7, 0.95, 0.0, False, api_name="/respond")[5])) == 1  # per session
+    assert (
+        len(rows(client(url).predict("abc", [], 1.0, 4, 5, False, 0.7, 0.95, 0.0, False, api_name="/respond")[5])) == 1
+    )  # per session
 
 
 def test_lossless_checkbox_gives_the_ar_text(served):
@@ -106,7 +128,9 @@ def test_lossless_checkbox_gives_the_ar_text(served):
     assert answer_text(fast[1]) != ar_text
     exact = ask(c, "abc", tau=0.0, max_new_tokens=24, lossless=True).result()
     assert exact[4]["lossless"] and exact[4]["done"] and answer_text(exact[1]) == ar_text
-    assert exact[4]["block_size"] == 2 and max(exact[4]["masks_per_pass"]) == 1  # the checkpoint's tree, not the slider's 4
+    assert (
+        exact[4]["block_size"] == 2 and max(exact[4]["masks_per_pass"]) == 1
+    )  # the checkpoint's tree, not the slider's 4
     _, ar_figures, _, _ = c.predict(True, api_name="/compare_ar")
     assert "identical to MARS" in ar_figures
 
@@ -122,7 +146,9 @@ def test_limits(served):
         ask(c, max_new_tokens=app.MAX_NEW_TOKENS + 1).result()
     # A long conversation loses its oldest turns instead.
     turn = "y" * (app.MAX_INPUT_TOKENS // 3)
-    history = [{"role": role, "content": [{"type": "text", "text": turn}]} for _ in range(4) for role in ("user", "assistant")]
+    history = [
+        {"role": role, "content": [{"type": "text", "text": turn}]} for _ in range(4) for role in ("user", "assistant")
+    ]
     stats = ask(c, "hello", history=history, max_new_tokens=5).result()[4]
     assert stats["done"] and app.MAX_INPUT_TOKENS // 3 < stats["prompt_tokens"] <= app.MAX_INPUT_TOKENS
 
@@ -152,8 +178,12 @@ def test_python_app_py_serves_from_env_without_hf_mars(tmp_path):
     """As a Space runs it: `python app.py`, host and port from GRADIO_SERVER_*, model from MARS_MODEL."""
     ckpt, port = save_checkpoint(tmp_path / "ckpt"), free_port()
     env = dict(os.environ, MARS_MODEL=str(ckpt), GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port))
-    code = f"import sys, runpy; sys.modules['hf_mars'] = None; sys.argv = ['app.py']; runpy.run_path({str(SPACE / 'app.py')!r}, run_name='__main__')"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    app = str(SPACE / "app.py")
+    hide = "import sys, runpy; sys.modules['hf_mars'] = None; sys.argv = ['app.py']"
+    code = f"{hide}; runpy.run_path({app!r}, run_name='__main__')"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
     try:
@@ -163,7 +193,9 @@ def test_python_app_py_serves_from_env_without_hf_mars(tmp_path):
                 break
             time.sleep(0.2)
         assert proc.poll() is None, "".join(log)[-3000:]
-        out = client(f"http://127.0.0.1:{port}/").predict("hi", [], 0.5, 4, 12, False, 0.7, 0.95, 0.0, False, api_name="/respond")
+        out = client(f"http://127.0.0.1:{port}/").predict(
+            "hi", [], 0.5, 4, 12, False, 0.7, 0.95, 0.0, False, api_name="/respond"
+        )
         assert out[4]["done"] and out[4]["new_tokens"] == 12
     finally:
         proc.terminate()
@@ -175,7 +207,9 @@ def test_without_a_model_says_what_to_do(tmp_path):
     (tmp_path / "hf_mars").mkdir()  # and as on a Space: without hf_mars (whose shipped checkpoint it would use)
     (tmp_path / "hf_mars" / "__init__.py").write_text("raise ImportError('not installed')\n")
     env = {k: v for k, v in os.environ.items() if k != "MARS_MODEL"}
-    result = subprocess.run([sys.executable, "app.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "app.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0
     assert "MARS_MODEL" in result.stderr and "hf-mars demo" in result.stderr
 
@@ -185,8 +219,11 @@ def test_space_files():
     meta = yaml.safe_load(header)
     assert meta["sdk"] == "gradio" and meta["app_file"] == "app.py" and meta["license"] == "apache-2.0"
     assert meta["sdk_version"].split(".")[0] == "6" and len(meta["short_description"]) <= 60 and meta["title"]
-    requirements = [line.split(">")[0].split("=")[0].strip() for line in (SPACE / "requirements.txt").read_text().splitlines()
-                    if line.strip() and not line.startswith(("#", "-"))]
+    requirements = [
+        line.split(">")[0].split("=")[0].strip()
+        for line in (SPACE / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith(("#", "-"))
+    ]
     assert {"torch", "transformers"} <= set(requirements) and not {"hf_mars", "hf-mars"} & set(requirements)
     imports = [line for line in (SPACE / "app.py").read_text().splitlines() if line.startswith(("import ", "from "))]
     assert imports and not any("hf_mars" in line for line in imports)  # the checkpoint brings its decoding code

@@ -16,8 +16,16 @@ from playwright.sync_api import expect, sync_playwright
 from space_app import running_app
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SCREENSHOT = Path(__file__).resolve().parents[2] / "outputs" / "space_screenshot.png"
 
 
@@ -25,10 +33,15 @@ SCREENSHOT = Path(__file__).resolve().parents[2] / "outputs" / "space_screenshot
 def served():
     """(browser, url, forward-pass counter) around the app served as in test_space."""
     if not Path(CHROMIUM).exists():
-        pytest.fail(f"No Chromium at {CHROMIUM}: install it (`apt-get install -y chromium`, as .ci/run does) or set "
-                    "CHROMIUM to a Chromium binary. `playwright install` is not needed.")
-    with tempfile.TemporaryDirectory() as tmp, running_app(Path(tmp), pass_seconds=0.03) as (_, url, calls), \
-            sync_playwright() as pw:
+        pytest.fail(
+            f"No Chromium at {CHROMIUM}: install it (`apt-get install -y chromium`, as .ci/run does) or set "
+            "CHROMIUM to a Chromium binary. `playwright install` is not needed."
+        )
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_app(Path(tmp), pass_seconds=0.03) as (_, url, calls),
+        sync_playwright() as pw,
+    ):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         yield browser, url, calls
         browser.close()
@@ -48,7 +61,9 @@ def set_number(page, elem_id: str, value) -> None:
 
 
 def pass_sizes(page) -> list[int]:
-    return [int(n) for n in page.locator("#mars-spans .mars-pass[data-n]").evaluate_all("els => els.map(e => e.dataset.n)")]
+    return [
+        int(n) for n in page.locator("#mars-spans .mars-pass[data-n]").evaluate_all("els => els.map(e => e.dataset.n)")
+    ]
 
 
 def test_type_generate_move_the_slider_and_screenshot(served, tmp_path):
@@ -73,7 +88,8 @@ def test_type_generate_move_the_slider_and_screenshot(served, tmp_path):
     assert max(sizes) > 1, sizes  # after the slider moved: several tokens in one pass
     assert len(set(sizes)) >= 2
     colors = page.locator("#mars-spans .mars-pass[data-n]").evaluate_all(
-        "els => [...new Set(els.map(e => getComputedStyle(e).backgroundColor))]")
+        "els => [...new Set(els.map(e => getComputedStyle(e).backgroundColor))]"
+    )
     assert len(colors) >= 2, colors  # passes of different sizes are colored differently
     expect(page.locator("#mars-figures")).to_contain_text("tokens/forward")
     expect(page.locator("#mars-figures")).to_contain_text("tokens/s")
@@ -84,7 +100,10 @@ def test_type_generate_move_the_slider_and_screenshot(served, tmp_path):
         page.wait_for_function(
             """plot => { const colors = [...document.querySelectorAll(plot + ' [aria-roledescription=point]')]
                  .map(e => e.getAttribute('stroke') || e.getAttribute('fill'));
-                 return colors.length === 2 && colors.every(c => c && c !== 'transparent'); }""", arg=plot, timeout=30_000)
+                 return colors.length === 2 && colors.every(c => c && c !== 'transparent'); }""",
+            arg=plot,
+            timeout=30_000,
+        )
     assert page.locator("#chat").inner_text().count("Count from 1 to 9.") == 1
 
     shot = tmp_path / "space_screenshot.png"

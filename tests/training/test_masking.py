@@ -10,7 +10,8 @@ B = 3
 
 
 def reference_pattern(clean_mask, noisy_mask, block_size, noisy_start):
-    """The paper's pattern written out with loops: may query q attend to key k (both in `[clean | noisy]` index space)?"""
+    """The paper's pattern written out with loops: may query q attend to key k (both in `[clean | noisy]` index
+    space)?"""
     batch, length = clean_mask.shape
     tail = noisy_mask.shape[1]
     total = length + tail
@@ -18,8 +19,8 @@ def reference_pattern(clean_mask, noisy_mask, block_size, noisy_start):
     for b in range(batch):
         real = clean_mask[b].tolist() + noisy_mask[b].tolist()
 
-        def where(i):  # (is_noisy, logical position)
-            return (False, i) if i < length else (True, int(noisy_start[b]) + i - length)
+        def where(i, start=int(noisy_start[b])):  # (is_noisy, logical position)
+            return (False, i) if i < length else (True, start + i - length)
 
         for q in range(total):
             q_noisy, q_pos = where(q)
@@ -168,8 +169,12 @@ def test_flex_attention_block_mask():
     assert isinstance(mask, BlockMask)
     total = clean_ids.shape[1] + noisy_ids.shape[1]
     idx = torch.arange(total)
-    dense = mask.mask_mod(torch.arange(2)[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.long),
-                          idx[None, None, :, None], idx[None, None, None, :])  # fmt: skip
+    dense = mask.mask_mod(
+        torch.arange(2)[:, None, None, None],
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        idx[None, None, :, None],
+        idx[None, None, None, :],
+    )
     want = reference_pattern(clean_mask, noisy_mask, B, noisy_start)
     assert torch.equal(dense.expand(2, 1, total, total)[:, 0], want)
     sdpa = make_model("qwen2", attn_implementation="sdpa")

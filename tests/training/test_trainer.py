@@ -64,8 +64,9 @@ def logged(trainer, key):
 
 def test_training_lowers_both_losses(tmp_path):
     tok = mars_tokenizer()
-    trainer = MARSTrainer(mars_model(tok), args=config(tmp_path, max_steps=16), train_dataset=counting_chat(),
-                          processing_class=tok)  # fmt: skip
+    trainer = MARSTrainer(
+        mars_model(tok), args=config(tmp_path, max_steps=16), train_dataset=counting_chat(), processing_class=tok
+    )
     trainer.train()
     clean, mask = logged(trainer, "clean_loss"), logged(trainer, "mask_loss")
     assert len(clean) == len(mask) == 16
@@ -115,8 +116,12 @@ def test_loss_matches_hand_computation(tmp_path, block_size):
     tok = mars_tokenizer()
     model = mars_model(tok)
     data = counting_chat(n=6, pad=5)  # prompts of varied lengths: first labels at varied block offsets
-    trainer = MARSTrainer(model, args=config(tmp_path, mars_block_size=block_size, mars_ar_weight=0.5),
-                          train_dataset=data, processing_class=tok)  # fmt: skip
+    trainer = MARSTrainer(
+        model,
+        args=config(tmp_path, mars_block_size=block_size, mars_ar_weight=0.5),
+        train_dataset=data,
+        processing_class=tok,
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(6)])
     trainer.model.eval()
     loss = trainer.compute_loss(trainer.model, dict(batch))
@@ -139,8 +144,12 @@ def test_loss_matches_hand_computation(tmp_path, block_size):
 
 def test_loss_is_divided_by_gradient_accumulation(tmp_path):
     tok = mars_tokenizer()
-    trainer = MARSTrainer(mars_model(tok), args=config(tmp_path, gradient_accumulation_steps=2),
-                          train_dataset=counting_chat(n=4), processing_class=tok)  # fmt: skip
+    trainer = MARSTrainer(
+        mars_model(tok),
+        args=config(tmp_path, gradient_accumulation_steps=2),
+        train_dataset=counting_chat(n=4),
+        processing_class=tok,
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     trainer.current_gradient_accumulation_steps = 2  # set by train()
     with torch.no_grad():
@@ -177,8 +186,9 @@ def test_chat_loss_is_on_the_final_assistant_turn_only(tmp_path):
 def test_prompt_completion_and_plain_text(tmp_path):
     tok = mars_tokenizer()
     pc = Dataset.from_list([{"prompt": f"count from {k}:", "completion": f" {k} {k + 1} {k + 2}"} for k in range(8)])
-    trainer = MARSTrainer(mars_model(tok), args=config(tmp_path), train_dataset=pc, eval_dataset=pc,
-                          processing_class=tok)  # fmt: skip
+    trainer = MARSTrainer(
+        mars_model(tok), args=config(tmp_path), train_dataset=pc, eval_dataset=pc, processing_class=tok
+    )
     example = trainer.train_dataset[0]
     assert tok.decode([t for t in example["labels"] if t != -100]) == " 0 1 2<|im_end|>"
     trainer.train()
@@ -197,8 +207,12 @@ def test_gradient_checkpointing_gives_the_same_losses(tmp_path):
     model = mars_model(tok)
     runs = []
     for checkpointing in (False, True):
-        trainer = MARSTrainer(copy.deepcopy(model), args=config(tmp_path, activation_checkpointing=checkpointing),
-                              train_dataset=counting_chat(n=8), processing_class=tok)  # fmt: skip
+        trainer = MARSTrainer(
+            copy.deepcopy(model),
+            args=config(tmp_path, activation_checkpointing=checkpointing),
+            train_dataset=counting_chat(n=8),
+            processing_class=tok,
+        )
         trainer.train()
         assert trainer.model.is_activation_checkpointing == checkpointing
         runs.append(logged(trainer, "loss"))
@@ -213,8 +227,13 @@ def test_lora_trains_only_the_adapter_and_the_mask_row(tmp_path):
     model = mars_model(tok)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = MARSTrainer(model, args=config(tmp_path, max_steps=3, activation_checkpointing=True),
-                          train_dataset=counting_chat(n=8), processing_class=tok, peft_config=lora)  # fmt: skip
+    trainer = MARSTrainer(
+        model,
+        args=config(tmp_path, max_steps=3, activation_checkpointing=True),
+        train_dataset=counting_chat(n=8),
+        processing_class=tok,
+        peft_config=lora,
+    )
     mask_id = model.config.mars_mask_token_id
     trainer.train()
     adapters = 0
@@ -253,8 +272,20 @@ def test_config_fields_reach_the_argument_parser(tmp_path):
     parser = HfArgumentParser(MARSConfig)
     assert "--mars_block_size" in parser.format_help()
     (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--mars_block_size", "8", "--mars_ar_weight", "0.5", "--use_cpu", "true",
-         "--bf16", "false", "--report_to", "none"]  # fmt: skip
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--mars_block_size",
+            "8",
+            "--mars_ar_weight",
+            "0.5",
+            "--use_cpu",
+            "true",
+            "--bf16",
+            "false",
+            "--report_to",
+            "none",
+        ]
     )
     assert (args.mars_block_size, args.mars_ar_weight) == (8, 0.5)
 
@@ -287,8 +318,10 @@ def test_unsupported_setups_raise(tmp_path):
     with pytest.raises(ValueError, match="custom attention mask"):
         build(model=flash)
     with pytest.raises(ValueError, match="sliding-window"):
-        build(model=mars_model(tok, use_sliding_window=True, sliding_window=16, max_window_layers=0),
-              args=config(tmp_path, max_length=64))  # fmt: skip
+        build(
+            model=mars_model(tok, use_sliding_window=True, sliding_window=16, max_window_layers=0),
+            args=config(tmp_path, max_length=64),
+        )
 
     class NoPositionIds(Qwen2ForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, **kwargs):

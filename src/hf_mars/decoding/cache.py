@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .tree import DraftTree
+from .tree import NO_DRAFTS, DraftTree
 
 
 class MARSCache(DynamicCache):
@@ -34,7 +34,7 @@ class MARSCache(DynamicCache):
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     def step_inputs(
-        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = DraftTree()
+        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = NO_DRAFTS
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | masks]`.
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache, GenerationMixin
@@ -158,15 +158,24 @@ class MARSGenerationMixin(GenerationMixin):
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
         settings = resolve_settings(
-            self, base, batch_size, mars_tau=mars_tau, mars_block_size=mars_block_size,
-            mars_confidence=mars_confidence, mars_verify=mars_verify, mars_draft_candidates=mars_draft_candidates,
-            mars_lookup=mars_lookup, mars_mask_cost=mars_mask_cost,
-        )  # fmt: skip  (one argument per keyword would double the call's length)
+            self,
+            base,
+            batch_size,
+            mars_tau=mars_tau,
+            mars_block_size=mars_block_size,
+            mars_confidence=mars_confidence,
+            mars_verify=mars_verify,
+            mars_draft_candidates=mars_draft_candidates,
+            mars_lookup=mars_lookup,
+            mars_mask_cost=mars_mask_cost,
+        )
         if settings is None:
             extra = {"streamer": streamer} if streamer is not None else {}
             return super().generate(inputs, generation_config, logits_processor, stopping_criteria, **extra, **kwargs)
         _refuse_unsupported(base, kwargs)
-        stopping_criteria, generation_config = _stop_strings_as_criterion(base, generation_config, stopping_criteria, kwargs)
+        stopping_criteria, generation_config = _stop_strings_as_criterion(
+            base, generation_config, stopping_criteria, kwargs
+        )
         decode = functools.partial(mars_decode, settings=settings, streamer=streamer)
         return super().generate(
             inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs
@@ -358,7 +367,9 @@ def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
     real tokens' K/V to the cache and tells the mask schedule what its masks were worth."""
     rows, tree, schedule = run.rows, run.drafts.tree, run.schedule
     if run.settings.verify:
-        tokens, accepted, kept, step.end = verify(step.logits[:, : len(tree) + 1], run.drafts, step.histories, run.do_sample)
+        tokens, accepted, kept, step.end = verify(
+            step.logits[:, : len(tree) + 1], run.drafts, step.histories, run.do_sample
+        )
         # The drafts the last pass's masks proposed paid for what of them was kept
         schedule.update(rows, schedule.last[rows], kept[:, : tree.from_masks].sum(dim=1), run.passes[rows])
         run.cache.commit(torch.cat([run.pending_real, kept], dim=1), (len(tree) + 1) * step.masks)  # rejected: holes
@@ -419,7 +430,14 @@ def _next_inputs(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.T
         followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
         followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
         drafts = propose(
-            followed, step.histories, step.tau, step.within, run.settings, run.do_sample, run.candidates, run.pad_token_id
+            followed,
+            step.histories,
+            step.tau,
+            step.within,
+            run.settings,
+            run.do_sample,
+            run.candidates,
+            run.pad_token_id,
         )
     if run.lookup:
         drafts = add_lookup(drafts, run.sequences[rows], lengths, run.lookup, run.pad_token_id)
@@ -474,7 +492,7 @@ def _check_decodable(model, generation_config, settings: MARSSettings, prompt_le
         raise ValueError(f"{type(model).__name__}.forward must take position_ids, attention_mask and past_key_values.")
     if settings.verify and getattr(model.config, "_attn_implementation", None) not in _BRANCHING:
         raise ValueError(
-            f"Lossless mode (`mars_verify`) feeds drafts as a tree, which needs an attention implementation that takes "
+            "Lossless mode (`mars_verify`) feeds drafts as a tree, which needs an attention implementation that takes "
             f"a 4D mask: one of {_BRANCHING}, not {model.config._attn_implementation!r}."
         )
     _check_cache_layers(model, generation_config, prompt_length, 1 + settings.drafts_per_pass)
@@ -485,7 +503,9 @@ def _check_cache_layers(model, generation_config, prompt_length: int, slots_per_
     cache slots a pass may fill per token it yields (holes included)."""
     probe = DynamicCache(config=model.config)
     if any(getattr(probe, "is_linear", [])) or any(getattr(probe, "is_dummy", [])):
-        raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks.")
+        raise ValueError(
+            f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks."
+        )
     windows = [layer.sliding_window for layer in probe.layers if getattr(layer, "is_sliding", False)]
     longest = prompt_length + (generation_config.max_length - prompt_length) * slots_per_token
     if windows and min(windows) < longest:

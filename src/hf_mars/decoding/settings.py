@@ -8,8 +8,8 @@ and the batch size (`hf-mars tune` measures it and saves it there) and is not τ
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Lossless mode's own defaults, read from `generation_config.mars_lossless`

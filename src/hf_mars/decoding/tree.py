@@ -68,6 +68,9 @@ class DraftTree:
         return _visibility(self, num_pending, num_masks)
 
 
+NO_DRAFTS = DraftTree()  # a pass without drafts (τ-mode, or lossless mode's first pass)
+
+
 @functools.lru_cache(maxsize=256)
 def _on_device(tree: DraftTree, device: str):
     parent_slots = torch.tensor(tree.parents, dtype=torch.long) + 1

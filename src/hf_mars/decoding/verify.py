@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .scoring import choose, processed
-from .tree import DraftTree, lookup
+from .tree import NO_DRAFTS, DraftTree, lookup
 
 
 @dataclass
@@ -31,12 +31,15 @@ class Drafts:
 
     tokens: torch.Tensor
     real: torch.Tensor
-    tree: DraftTree = DraftTree()
+    tree: DraftTree = NO_DRAFTS
     proposals: torch.Tensor | None = None
 
     @classmethod
     def none(cls, rows: int, device) -> Drafts:
-        return cls(torch.empty(rows, 0, dtype=torch.long, device=device), torch.empty(rows, 0, dtype=torch.bool, device=device))
+        return cls(
+            torch.empty(rows, 0, dtype=torch.long, device=device),
+            torch.empty(rows, 0, dtype=torch.bool, device=device),
+        )
 
     def select(self, alive: torch.Tensor) -> Drafts:
         proposals = None if self.proposals is None else self.proposals[alive]

@@ -37,9 +37,11 @@ class MARSModelConfig(ModelConfig):
 
     init_adapter: str | None = field(
         default=None,
-        metadata={"help": "Continue training this LoRA MARS adapter (a `--use_peft` output folder, or the shipped "
-                          "delta) instead of a fresh one; its LoRA settings replace the --lora_* arguments."},
-    )  # fmt: skip
+        metadata={
+            "help": "Continue training this LoRA MARS adapter (a `--use_peft` output folder, or the shipped "
+            "delta) instead of a fresh one; its LoRA settings replace the --lora_* arguments."
+        },
+    )
 
 
 def load_train_eval(script_args, training_args):
@@ -69,8 +71,10 @@ def resume_point(training_args):
     if isinstance(resume, str) and resume.lower() in ("true", "last"):
         resume = get_last_checkpoint(training_args.output_dir)
         if resume is None:
-            raise ValueError(f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no checkpoint in "
-                             f"{training_args.output_dir}")  # fmt: skip
+            raise ValueError(
+                f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no checkpoint in "
+                f"{training_args.output_dir}"
+            )
     return resume
 
 

@@ -30,8 +30,8 @@ from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import is_conversational_from_value, maybe_convert_to_chatml
 
-from .masking import SUPPORTED_ATTENTION, create_two_stream_mask, two_stream_position_ids
 from ..decoding.modeling import MASK_TOKEN
+from .masking import SUPPORTED_ATTENTION, create_two_stream_mask, two_stream_position_ids
 
 
 @dataclass
@@ -225,14 +225,22 @@ class MARSTrainer(SFTTrainer):
         # Convert chat data before SFTTrainer looks at it, so that it chooses completion-only loss
         train_dataset = _to_final_turn_dataset(train_dataset, args.dataset_num_proc)
         eval_dataset = _to_final_turn_dataset(eval_dataset, args.dataset_num_proc)
-        super().__init__(model, args=args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)  # fmt: skip
+        super().__init__(
+            model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
 
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._check_model(base)
         head = base.get_output_embeddings()
         if head is not None and not hasattr(head, "bias"):
-            # peft's TrainableTokensWrapper (the <|mask|> row of a tied LM head) has no `bias`; TRL's fused head reads it
+            # peft's TrainableTokensWrapper (the <|mask|> row of a tied LM head) has no `bias`; TRL's fused head
+            # reads it
             head.bias = None
         self.mask_token_id = self._find_mask_token_id(base)
         eos = self._tokenizer.eos_token_id
