@@ -16,7 +16,7 @@ COMMANDS = ("generate", "train", "demo", "bench", "tune", "distill", "export_del
 
 DESCRIPTION = "MARS multi-token decoding for Hugging Face causal LMs: decode, measure, train, convert and publish."
 EPILOG = """examples:
-    hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless [--draft-candidates N] [--lookup L]] [--no-compare]
+    hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless [--draft-candidates N] [--lookup L]]
     hf-mars tune [MODEL] [--limit 8] [--trees 2x3+4 ...] [--save]    (the fastest lossless draft tree on this machine)
     hf-mars train --model_name_or_path M --dataset_name D --output_dir O [TRL SFT arguments] [--mars_block_size 4]
     hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
@@ -39,7 +39,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-mars", description=DESCRIPTION, epilog=EPILOG, formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(prog="hf-mars", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_HelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     for name in COMMANDS:
         importlib.import_module(f".{name}", __name__).add_parser(subparsers)
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tau must be in [0, 1], got {args.tau}")
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError) as err:  # bad or missing input, named by the library: one line, no traceback
+    except (ValueError, FileNotFoundError) as err:  # bad or missing input named by the library: one line, no traceback
         raise SystemExit(f"hf-mars: {err}") from err
 
 

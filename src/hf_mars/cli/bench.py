@@ -14,17 +14,19 @@ def add_parser(subparsers) -> None:
     bench = subparsers.add_parser("bench", help=HELP, description=DESCRIPTION)
     add_model(bench)
     bench.add_argument("--prompts", default="heldout",
-                       help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, default) or `toy`")
+                       help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, "
+                            "default) or `toy`")
     bench.add_argument("--limit", type=int, default=32, help="use the first N prompts (default 32)")
     bench.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
-    bench.add_argument("--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of the peer (0: skip it)")
+    bench.add_argument("--prompt-lookup", type=int, default=10,
+                       help="prompt_lookup_num_tokens of the peer (0: skip it)")
     bench.add_argument("--no-lossless", action="store_true", help="skip the lossless (mars_verify) runs")
     bench.add_argument("--mask-costs", type=mask_cost, nargs="+", default=[0.0, "auto"],
-                       help="values of mars_mask_cost to measure: 0 (B-1 masks every pass), a cost per mask, or `auto` "
-                            "(measured at each batch size); default: 0 auto")
+                       help="values of mars_mask_cost to measure: 0 (B-1 masks every pass), a cost per mask, or "
+                            "`auto` (measured at each batch size); default: 0 auto")
     bench.add_argument("--lossless-trees", type=draft_tree, nargs="+", default=[], metavar="BxN[+L]",
                        help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
                             "mars_lookup=L, e.g. 2x3 or 2x3+4")
@@ -45,7 +47,8 @@ def run(args) -> None:
                           prompt_lookup=args.prompt_lookup, mask_costs=args.mask_costs, measured_costs=costs,
                           trees=args.lossless_trees)  # fmt: skip
     device = device_name(model)
-    print(f"\n{args.model or 'the shipped checkpoint'} on {device}, {args.dtype}, {model.config._attn_implementation}, {len(prompts)} prompts\n")
+    name, attention = args.model or "the shipped checkpoint", model.config._attn_implementation
+    print(f"\n{name} on {device}, {args.dtype}, {attention}, {len(prompts)} prompts\n")
     print(format_table(cells))
     print("\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
           + "; ".join(f"{b}: {c}" for b, c in costs.items()))  # fmt: skip

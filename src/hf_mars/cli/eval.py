@@ -15,7 +15,8 @@ def add_parser(subparsers) -> None:
     ev.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
     ev.add_argument("--gsm8k", type=int, default=100, help="first N GSM8K test problems")
     ev.add_argument("--humaneval", type=int, default=50, help="first N HumanEval problems")
-    ev.add_argument("--base", action="store_true", help="also score the base model (the shipped base) with plain generate()")
+    ev.add_argument("--base", action="store_true",
+                    help="also score the base model (the shipped base) with plain generate()")
     ev.add_argument("--batch-size", type=int, default=16)
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

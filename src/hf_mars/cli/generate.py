@@ -7,7 +7,10 @@ import time
 
 from .options import DTYPES, add_model, mask_cost
 
-DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
+DEFAULT_PROMPT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
 HELP = "stream a MARS answer, then compare with plain generate()"
 DESCRIPTION = "Stream an answer with MARS decoding, then compare with plain AR generate()."
 
@@ -26,7 +29,8 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--lossless", action="store_true",
                      help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts; "
                           "the draft tree defaults to the checkpoint's mars_lossless (see `tune`)")
-    gen.add_argument("--block-size", type=int, help="mars_block_size: at most B tokens per pass (default: the model's)")
+    gen.add_argument("--block-size", type=int,
+                     help="mars_block_size: at most B tokens per pass (default: the model's)")
     gen.add_argument("--draft-candidates", type=int,
                      help="lossless: candidates for the first draft (mars_draft_candidates; 3 was fastest on a CPU)")
     gen.add_argument("--lookup", type=int,
@@ -56,12 +60,13 @@ def run(args) -> None:
 def _encode(tokenizer, prompt: str, chat: bool):
     if chat and tokenizer.chat_template:
         messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)
     return tokenizer(prompt, return_tensors="pt")
 
 
 def _mars_arguments(model, args) -> dict:
-    """The `mars_*` arguments of `generate()`; None leaves a setting to the checkpoint (lossless: its mars_lossless)."""
+    """The `mars_*` arguments of `generate()`; None leaves a setting to the checkpoint (lossless: mars_lossless)."""
     from ..decoding.generate import mars_settings
 
     tau = args.tau if args.tau is not None or args.lossless else 0.9
@@ -88,7 +93,9 @@ def _print_settings(model, mars: dict, lossless: bool) -> None:
 
     settings = mars_settings(model, **mars)
     mode = "lossless " if lossless else ""
-    tree = f", {settings['mars_draft_candidates']} draft candidates, lookup {settings['mars_lookup']}" if lossless else ""
+    tree = ""
+    if lossless:
+        tree = f", {settings['mars_draft_candidates']} draft candidates, lookup {settings['mars_lookup']}"
     print(f"[MARS {mode}τ={settings['mars_tau']}, block size {settings['mars_block_size']}{tree}, "
           f"mask cost {settings['mars_mask_cost']}]", file=sys.stderr)  # fmt: skip
 
@@ -104,11 +111,8 @@ def _stream(model, tokenizer, inputs, mars: dict, max_new_tokens: int):
     seconds = time.perf_counter() - start
     stats = out.mars_stats
     new = int(stats.new_tokens[0])
-    print(
-        f"\n[{new} tokens in {stats.forward_passes} forward passes: {stats.mean_tokens_per_forward:.2f} tokens/forward, "
-        f"{new / seconds:.1f} tokens/s]",
-        file=sys.stderr,
-    )
+    print(f"\n[{new} tokens in {stats.forward_passes} forward passes: {stats.mean_tokens_per_forward:.2f} "
+          f"tokens/forward, {new / seconds:.1f} tokens/s]", file=sys.stderr)  # fmt: skip
     return out, seconds
 
 

@@ -6,6 +6,7 @@ Both authenticate as huggingface_hub does: the HF_TOKEN environment variable, el
 from __future__ import annotations
 
 PUSH_HELP = "upload a MARS checkpoint with a model card to the Hub"
+PUSH_DESCRIPTION = "Upload a MARS checkpoint (safetensors, remote code, tokenizer) with a model card."
 SPACE_HELP = "upload the Gradio Space, pointed at a MARS model repo"
 SPACE_DESCRIPTION = "Upload the Gradio Space folder and point it at a MARS model repo."
 
@@ -16,8 +17,7 @@ def add_parser(subparsers) -> None:
 
 
 def _add_push(subparsers) -> None:
-    push = subparsers.add_parser("push", help=PUSH_HELP,
-                                 description="Upload a MARS checkpoint (safetensors, remote code, tokenizer) with a model card.")  # fmt: skip
+    push = subparsers.add_parser("push", help=PUSH_HELP, description=PUSH_DESCRIPTION)
     push.add_argument("folder", help="a MARS checkpoint folder saved by hf_mars, tokenizer included")
     push.add_argument("repo_id", help="Hub model repo, namespace/name (created if missing)")
     push.add_argument("--private", action="store_true", help="create the repo private")
@@ -34,7 +34,8 @@ def _add_push_space(subparsers) -> None:
     space = subparsers.add_parser("push-space", help=SPACE_HELP, description=SPACE_DESCRIPTION)
     space.add_argument("space_id", help="Hub Space, namespace/name (created if missing)")
     space.add_argument("--model", required=True, help="the MARS model repo the Space loads (its MARS_MODEL variable)")
-    space.add_argument("--model-revision", help="pin the model's revision (MARS_REVISION): its remote code runs in the Space")
+    space.add_argument("--model-revision",
+                       help="pin the model's revision (MARS_REVISION): its remote code runs in the Space")
     space.add_argument("--folder", help="the Space's files (default: the project's spaces_demo/)")
     space.add_argument("--private", action="store_true", help="create the Space private")
     space.add_argument("--commit-message")
@@ -70,7 +71,10 @@ def run_push(args) -> None:
 def run_space(args) -> None:
     from ..hub import push_space
 
-    result = _hub_errors(lambda: push_space(args.space_id, args.model, folder=args.folder, private=args.private or None,
-                                            model_revision=args.model_revision, commit_message=args.commit_message))
+    result = _hub_errors(lambda: push_space(
+        args.space_id, args.model, folder=args.folder, private=args.private or None,
+        model_revision=args.model_revision, commit_message=args.commit_message,
+    ))  # fmt: skip
     print(result.summary())
-    print(f"Space variable MARS_MODEL={args.model}" + (f", MARS_REVISION={args.model_revision}" if args.model_revision else ""))
+    pin = f", MARS_REVISION={args.model_revision}" if args.model_revision else ""
+    print(f"Space variable MARS_MODEL={args.model}{pin}")

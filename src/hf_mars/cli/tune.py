@@ -18,8 +18,8 @@ def add_parser(subparsers) -> None:
     tune.add_argument("--prompts", default="heldout", help="JSONL file, or `heldout` (default) or `toy` (see bench)")
     tune.add_argument("--limit", type=int, default=8, help="use the first N prompts (default 8)")
     tune.add_argument("--trees", type=draft_tree, nargs="+", metavar="BxN[+L]", default=list(TUNE_TREES),
-                      help="draft trees to try: block size B, N candidates for the first draft, L prompt-lookup tokens "
-                           "(default: " + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES) + ")")
+                      help="draft trees to try: block size B, N candidates for the first draft, L prompt-lookup "
+                           "tokens (default: " + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES) + ")")
     tune.add_argument("--taus", type=float, nargs="+", default=[0.0], help="τ values to try (default 0: every draft)")
     tune.add_argument("--batch-size", type=int, default=1,
                       help="batch size to tune for; --save keeps other batch sizes' trees (a batch uses the entry of "

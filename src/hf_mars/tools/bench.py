@@ -197,11 +197,10 @@ def run_benchmark(
     """
     from tqdm.auto import tqdm
 
-    measured = {}
+    measured = {}  # "auto": the mask cost at the batch size being run, read by the "cost=auto" methods
     table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model)
-    eos_ids = eos_token_ids(model, tokenizer)
     cells = []
     total = sum(len(table) * repeats * max(1, len(prompts) // b) for b in batch_sizes)
     bar = tqdm(total=total, desc="benchmark", disable=not progress)
@@ -213,45 +212,67 @@ def run_benchmark(
             batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
             if not batches:
                 raise ValueError(f"{len(prompts)} prompts are too few for batch size {batch_size}.")
-            seconds = {name: [] for name in table}
-            in_forward = {name: [] for name in table}
-            tokens = dict.fromkeys(table, 0)
-            passes = dict.fromkeys(table, 0)
-            outputs = {name: [] for name in table}
+            tally = _Tally(table)
             for repeat in range(repeats):
-                per_repeat = dict.fromkeys(table, 0.0)
-                forward_repeat = dict.fromkeys(table, 0.0)
                 for batch in batches:
-                    inputs = tokenizer([p["text"] for p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
-                    inputs = inputs.to(model.device)
-                    for name, run in table.items():
-                        if name == "prompt-lookup" and batch_size > 1:  # transformers runs it at batch size 1 only
-                            bar.update(1)
-                            continue
-                        if repeat == 0 and batch is batches[0]:
-                            run(model, counter, **inputs, max_new_tokens=8)  # warm-up
-                        _sync(model)
-                        counter.reset()
-                        start = time.perf_counter()
-                        sequences, row_passes = run(model, counter, **inputs, max_new_tokens=max_new_tokens)
-                        _sync(model)
-                        per_repeat[name] += time.perf_counter() - start
-                        forward_repeat[name] += counter.seconds
-                        generated = sequences[:, inputs["input_ids"].shape[1] :]
-                        if repeat == 0:
-                            new = count_new_tokens(generated, tokenizer, eos_ids)
-                            tokens[name] += new
-                            passes[name] += new if row_passes is None else row_passes
-                            outputs[name] += tokenizer.batch_decode(generated, skip_special_tokens=True)
-                        bar.update(1)
-                for name in table:
-                    seconds[name].append(per_repeat[name])
-                    in_forward[name].append(forward_repeat[name])
-            cells += _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forward)
+                    _run_batch(model, tokenizer, table, counter, batch, tally, repeat, max_new_tokens, bar,
+                               warm_up=repeat == 0 and batch is batches[0])  # fmt: skip
+                tally.end_repeat()
+            cells += _cells(table, batch_size, batches, tally)
     finally:
         counter.remove()
         bar.close()
     return cells
+
+
+class _Tally:
+    """What a batch size's runs add up to, per method: seconds and seconds inside the forward per repeat; tokens,
+    row passes and decoded outputs of the first repeat (the later ones decode the same)."""
+
+    def __init__(self, table):
+        self.seconds = {name: [] for name in table}
+        self.in_forward = {name: [] for name in table}
+        self.tokens = dict.fromkeys(table, 0)
+        self.passes = dict.fromkeys(table, 0)
+        self.outputs = {name: [] for name in table}
+        self._repeat = dict.fromkeys(table, 0.0)
+        self._repeat_forward = dict.fromkeys(table, 0.0)
+
+    def add_time(self, name: str, seconds: float, in_forward: float) -> None:
+        self._repeat[name] += seconds
+        self._repeat_forward[name] += in_forward
+
+    def end_repeat(self) -> None:
+        for name in self.seconds:
+            self.seconds[name].append(self._repeat[name])
+            self.in_forward[name].append(self._repeat_forward[name])
+        self._repeat = dict.fromkeys(self._repeat, 0.0)
+        self._repeat_forward = dict.fromkeys(self._repeat_forward, 0.0)
+
+
+def _run_batch(model, tokenizer, table, counter, batch, tally, repeat, max_new_tokens, bar, warm_up) -> None:
+    """Every method on one batch, in turn (so that drift in machine load hits all alike), timed into `tally`."""
+    inputs = tokenizer([p["text"] for p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+    inputs = inputs.to(model.device)
+    for name, run in table.items():
+        if name == "prompt-lookup" and len(batch) > 1:  # transformers runs it at batch size 1 only
+            bar.update(1)
+            continue
+        if warm_up:
+            run(model, counter, **inputs, max_new_tokens=8)
+        _sync(model)
+        counter.reset()
+        start = time.perf_counter()
+        sequences, row_passes = run(model, counter, **inputs, max_new_tokens=max_new_tokens)
+        _sync(model)
+        tally.add_time(name, time.perf_counter() - start, counter.seconds)
+        if repeat == 0:
+            generated = sequences[:, inputs["input_ids"].shape[1] :]
+            new = count_new_tokens(generated, tokenizer, eos_token_ids(model, tokenizer))
+            tally.tokens[name] += new
+            tally.passes[name] += new if row_passes is None else row_passes
+            tally.outputs[name] += tokenizer.batch_decode(generated, skip_special_tokens=True)
+        bar.update(1)
 
 
 def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: int = 7) -> list[float]:
@@ -319,8 +340,9 @@ def count_new_tokens(generated, tokenizer, eos_ids) -> int:
     return int(torch.clamp(last + 1, max=width).sum())
 
 
-def _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forward) -> list[Cell]:
+def _cells(table, batch_size, batches, tally: _Tally) -> list[Cell]:
     checks = [p["check"] for batch in batches for p in batch]
+    seconds, tokens, passes, outputs = tally.seconds, tally.tokens, tally.passes, tally.outputs
     ar_speed = tokens["ar"] / statistics.median(seconds["ar"])
     cells = []
     for name in table:
@@ -329,7 +351,7 @@ def _cells(table, batch_size, batches, seconds, tokens, passes, outputs, in_forw
         per_forward = tokens[name] / passes[name]
         speed = tokens[name] / statistics.median(seconds[name])
         cell = Cell(name, batch_size, per_forward, speed, speed / ar_speed, speed / ar_speed / per_forward)
-        cell.forward_share = sum(in_forward[name]) / sum(seconds[name])
+        cell.forward_share = sum(tally.in_forward[name]) / sum(seconds[name])
         cell.agreement = sum(a == b for a, b in zip(outputs[name], outputs["ar"])) / len(outputs["ar"])
         if all(check is not None for check in checks):
             cell.accuracy = sum(check(o) for check, o in zip(checks, outputs[name])) / len(checks)

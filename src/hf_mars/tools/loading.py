@@ -51,12 +51,14 @@ def resolve_checkpoint(model: str | None = None, revision: str | None = None) ->
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{model} holds no config.json: pass a checkpoint folder (save_pretrained writes one).")
+            raise CheckpointError(f"{model} holds no config.json: pass a checkpoint folder (save_pretrained writes "
+                                  "one).")
         return str(path)
     if path.exists():
         raise CheckpointError(f"{model} is a file: pass the checkpoint's folder, the one that holds config.json.")
     if looks_local(model):
-        raise CheckpointError(f"{model} does not exist: pass a MARS checkpoint folder or a Hub repo id (namespace/name).")
+        raise CheckpointError(f"{model} does not exist: pass a MARS checkpoint folder or a Hub repo id "
+                              "(namespace/name).")
     return _resolve_hub_id(model, revision)
 
 
@@ -72,8 +74,9 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> str:
     if constants.HF_HUB_OFFLINE:
         cached = _cached_snapshot(repo_id, revision)
         if cached is None:
-            raise CheckpointError(f"{repo_id} is not a local folder, and HF_HUB_OFFLINE is set with no copy of it in the "
-                                  "Hugging Face cache: unset HF_HUB_OFFLINE to download it, or pass a local folder.")
+            raise CheckpointError(f"{repo_id} is not a local folder, and HF_HUB_OFFLINE is set with no copy of it in "
+                                  "the Hugging Face cache: unset HF_HUB_OFFLINE to download it, or pass a local "
+                                  "folder.")
         return cached
     problem = _ask_hub(repo_id, revision)
     if problem is None:
@@ -94,7 +97,8 @@ def _ask_hub(repo_id: str, revision: str | None) -> str | None:
     try:
         HfApi().model_info(repo_id, revision=revision, timeout=10)
     except GatedRepoError:
-        raise CheckpointError(f"{repo_id} is gated: accept its conditions on its Hub page, then `hf auth login`.") from None
+        gated = f"{repo_id} is gated: accept its conditions on its Hub page, then `hf auth login`."
+        raise CheckpointError(gated) from None
     except RepositoryNotFoundError:
         raise CheckpointError(f"{repo_id} is neither a local folder nor a model on the Hub (a private repo needs "
                               "`hf auth login`).") from None
@@ -124,23 +128,24 @@ def check_mars_config(config: dict, name: str) -> None:
         raise CheckpointError(f"{name} is an authors' MARS release (model_type a2d-qwen2): convert its folder first "
                               "with `hf-mars convert SRC DST`, then load DST.")
     if config.get("mars_mask_token_id") is None:
-        raise CheckpointError(f"{name} is not a MARS checkpoint (no mars_mask_token_id in its config): {NOT_MARS_HINT}.")
+        raise CheckpointError(f"{name} is not a MARS checkpoint (no mars_mask_token_id in its config): "
+                              f"{NOT_MARS_HINT}.")
 
 
 def load_checkpoint(model: str | None = None, revision: str | None = None, dtype="float32"):
-    """Load a MARS checkpoint with this installed hf_mars's decoding code: `(model, tokenizer)`, the model in eval mode.
+    """Load a MARS checkpoint with this installed hf_mars's decoding code: `(model, tokenizer)`, model in eval mode.
 
     `model` is a local folder, a Hub repo id, or None for the shipped checkpoint (see `resolve_checkpoint`); `dtype`
     a torch dtype or its name. The checkpoint's own remote-code files are not run: its weights load as the plain base
     class, which then becomes the MARS class of this package. So no `trust_remote_code` is needed, and a checkpoint
     saved by an older hf_mars decodes with every feature of this one.
     """
+    path = resolve_checkpoint(model, revision)  # before torch loads: a wrong name is answered at once
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
     from ..decoding.modeling import mars_class
 
-    path = resolve_checkpoint(model, revision)
     revision = None if Path(path).is_dir() else revision
     config, _ = PretrainedConfig.get_config_dict(path, revision=revision)
     check_mars_config(config, model or path)
