@@ -76,7 +76,7 @@ def make_model(args):
     return model
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="llama", choices=["llama", "qwen2"])
     parser.add_argument("--hidden", type=int, default=512)
@@ -93,53 +93,55 @@ def main():
     parser.add_argument("--optimizer", action="store_true", help="include an AdamW update in each step")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return parser.parse_args()
 
-    tokenizer = make_tokenizer()
+
+def make_trainers(args, tokenizer) -> dict:
+    """An SFTTrainer and a MARSTrainer on identical copies of one model, ready for `training_step`."""
     sft_model = make_model(args)
     mars_model = copy.deepcopy(sft_model)
-    n_params = sum(p.numel() for p in sft_model.parameters())
-    batch = make_batch(args, args.vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
     dummy = Dataset.from_dict({"input_ids": [[3, 4, 1]], "labels": [[-100, 4, 1]]})  # trainers require one
-
-    out = tempfile.mkdtemp()
-    common = dict(output_dir=out, report_to="none", use_cpu=not torch.cuda.is_available(), bf16=False,
-                  activation_checkpointing=False, max_length=None, learning_rate=1e-5)  # fmt: skip
     use_gpu = torch.cuda.is_available()
-    common["use_cpu"], common["bf16"] = not use_gpu, use_gpu
+    common = dict(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=not use_gpu, bf16=use_gpu,
+                  activation_checkpointing=False, max_length=None, learning_rate=1e-5)  # fmt: skip
     sft = SFTTrainer(sft_model, args=SFTConfig(**common), train_dataset=dummy, processing_class=tokenizer)
     mars = MARSTrainer(mars_model, args=MARSConfig(**common, mars_block_size=args.block_size), train_dataset=dummy,
                        processing_class=tokenizer)  # fmt: skip
-    optimizers = {}
-    for name, trainer in (("sft", sft), ("mars", mars)):
+    for trainer in (sft, mars):
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # set by `train()`, which we do not run
-        optimizers[name] = torch.optim.AdamW(trainer.model.parameters(), lr=1e-5)
+    return {"sft": sft, "mars": mars}
+
+
+def time_steps(args, trainers: dict, batch: dict) -> dict[str, list[float]]:
+    """Seconds per step, SFT and MARS alternating after `args.warmup` untimed rounds."""
+    optimizers = {name: torch.optim.AdamW(t.model.parameters(), lr=1e-5) for name, t in trainers.items()}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def step(name, trainer):
         inputs = {k: v.to(trainer.args.device) for k, v in batch.items()}
-        if use_gpu:
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         trainer.training_step(trainer.model, inputs)
         if args.optimizer:
             optimizers[name].step()
-        if use_gpu:
-            torch.cuda.synchronize()
+        sync()
         elapsed = time.perf_counter() - start
         optimizers[name].zero_grad(set_to_none=True)
         return elapsed
 
-    times = {"sft": [], "mars": []}
+    times = {name: [] for name in trainers}
     for i in range(args.warmup + args.repeats):
-        for name, trainer in (("sft", sft), ("mars", mars)):
+        for name, trainer in trainers.items():
             t = step(name, trainer)
             if i >= args.warmup:
                 times[name].append(t)
+    return times
 
+
+def report(args, trainers: dict, batch: dict, times: dict) -> None:
+    sft = trainers["sft"]
+    n_params = sum(p.numel() for p in sft.model.parameters())
     labelled = (batch["labels"] != -100).sum().item()
     real = batch["attention_mask"].sum().item()
     print(f"model: {args.family}, {n_params / 1e6:.1f}M params, attn={args.attn}, device={sft.args.device}, "
@@ -154,6 +156,17 @@ def main():
     print(f"SFT  step median: {sft_t * 1e3:8.1f} ms  ({', '.join(f'{t * 1e3:.0f}' for t in times['sft'])})")
     print(f"MARS step median: {mars_t * 1e3:8.1f} ms  ({', '.join(f'{t * 1e3:.0f}' for t in times['mars'])})")
     print(f"MARS / SFT: {mars_t / sft_t:.2f}x")
+
+
+def main():
+    args = parse_args()
+    warnings.filterwarnings("ignore")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = make_tokenizer()
+    trainers = make_trainers(args, tokenizer)
+    batch = make_batch(args, args.vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    report(args, trainers, batch, time_steps(args, trainers, batch))
 
 
 if __name__ == "__main__":
