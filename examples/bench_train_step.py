@@ -102,11 +102,22 @@ def make_trainers(args, tokenizer) -> dict:
     mars_model = copy.deepcopy(sft_model)
     dummy = Dataset.from_dict({"input_ids": [[3, 4, 1]], "labels": [[-100, 4, 1]]})  # trainers require one
     use_gpu = torch.cuda.is_available()
-    common = dict(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=not use_gpu, bf16=use_gpu,
-                  activation_checkpointing=False, max_length=None, learning_rate=1e-5)  # fmt: skip
+    common = dict(
+        output_dir=tempfile.mkdtemp(),
+        report_to="none",
+        use_cpu=not use_gpu,
+        bf16=use_gpu,
+        activation_checkpointing=False,
+        max_length=None,
+        learning_rate=1e-5,
+    )
     sft = SFTTrainer(sft_model, args=SFTConfig(**common), train_dataset=dummy, processing_class=tokenizer)
-    mars = MARSTrainer(mars_model, args=MARSConfig(**common, mars_block_size=args.block_size), train_dataset=dummy,
-                       processing_class=tokenizer)  # fmt: skip
+    mars = MARSTrainer(
+        mars_model,
+        args=MARSConfig(**common, mars_block_size=args.block_size),
+        train_dataset=dummy,
+        processing_class=tokenizer,
+    )
     for trainer in (sft, mars):
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # set by `train()`, which we do not run
@@ -144,10 +155,14 @@ def report(args, trainers: dict, batch: dict, times: dict) -> None:
     n_params = sum(p.numel() for p in sft.model.parameters())
     labelled = (batch["labels"] != -100).sum().item()
     real = batch["attention_mask"].sum().item()
-    print(f"model: {args.family}, {n_params / 1e6:.1f}M params, attn={args.attn}, device={sft.args.device}, "
-          f"threads={torch.get_num_threads()}")  # fmt: skip
-    print(f"batch: {args.batch_size} x {batch['input_ids'].shape[1]} tokens ({real} real, {labelled / real:.0%} "
-          f"labelled), B={args.block_size}, step={'fwd+bwd+AdamW' if args.optimizer else 'fwd+bwd'}")  # fmt: skip
+    print(
+        f"model: {args.family}, {n_params / 1e6:.1f}M params, attn={args.attn}, device={sft.args.device}, "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(
+        f"batch: {args.batch_size} x {batch['input_ids'].shape[1]} tokens ({real} real, {labelled / real:.0%} "
+        f"labelled), B={args.block_size}, step={'fwd+bwd+AdamW' if args.optimizer else 'fwd+bwd'}"
+    )
     padded = pad_to_blocks(batch["input_ids"], batch["attention_mask"], batch["labels"], args.block_size, 1)
     mars_width = two_stream_batch(*padded, args.block_size, args.vocab - 1)["input_ids"].shape[1]
     sft_width = batch["input_ids"].shape[1]

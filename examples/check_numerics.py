@@ -43,14 +43,21 @@ def main():
         for prompt in load_prompts("heldout", tok, limit=args.prompts):
             ids = tok(prompt["text"], return_tensors="pt", add_special_tokens=False).input_ids
             with torch.no_grad():
-                out = GenerationMixin.generate(model, input_ids=ids, attention_mask=torch.ones_like(ids),
-                                               max_new_tokens=args.max_new_tokens, do_sample=False)  # fmt: skip
+                out = GenerationMixin.generate(
+                    model,
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                )
                 logits = model(out).logits[0, ids.shape[1] - 1 : -1]
             decoded = out[0, ids.shape[1] :]
             differ += int((logits.argmax(-1) != decoded).sum())
             total += decoded.numel()
-        print(f"{dtype}: at {differ} of {total} positions the many-token forward's argmax differs from the token "
-              f"decoded one pass at a time")  # fmt: skip
+        print(
+            f"{dtype}: at {differ} of {total} positions the many-token forward's argmax differs from the token "
+            f"decoded one pass at a time"
+        )
 
 
 def first_difference(model, tok, width: int) -> str:
@@ -59,7 +66,7 @@ def first_difference(model, tok, width: int) -> str:
 
     text = load_prompts("heldout", tok, limit=1)[0]["text"]
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
-    prefix, fed = ids[:, : -width], ids[:, -width:]
+    prefix, fed = ids[:, :-width], ids[:, -width:]
     outputs = {}
 
     def record(name):

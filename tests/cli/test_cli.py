@@ -33,21 +33,51 @@ def test_generate_streams_and_compares_with_ar(checkpoint):
     assert result.returncode == 0, result.stderr
     assert "12 tokens in 12 forward passes: 1.00 tokens/forward" in result.stderr
     assert "output identical to AR: True" in result.stderr
-    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24", "--no-compare")
+    result = hf_mars_cli(
+        "generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24", "--no-compare"
+    )
     assert result.returncode == 0, result.stderr
     passes = int(result.stderr.split(" forward passes")[0].split()[-1])
     assert passes < 24 and "plain AR" not in result.stderr
-    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24", "--lossless")
+    result = hf_mars_cli(
+        "generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24", "--lossless"
+    )
     assert result.returncode == 0, result.stderr
     assert "MARS lossless τ=0.3" in result.stderr and "output identical to AR: True" in result.stderr
-    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.3", "--max-new-tokens", "24",
-                         "--lossless", "--mask-cost", "auto")  # fmt: skip
+    result = hf_mars_cli(
+        "generate",
+        str(checkpoint),
+        "--prompt",
+        "hello",
+        "--tau",
+        "0.3",
+        "--max-new-tokens",
+        "24",
+        "--lossless",
+        "--mask-cost",
+        "auto",
+    )
     assert result.returncode == 0, result.stderr
     costs = result.stderr.split("mask cost [")[1].split("]")[0].split(", ")  # measured on this machine: 3 numbers
     assert len(costs) == 3 and all(0.0 <= float(c) < 10.0 for c in costs)
     assert "output identical to AR: True" in result.stderr
-    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.0", "--max-new-tokens", "24",
-                         "--lossless", "--block-size", "2", "--draft-candidates", "3", "--lookup", "4")  # fmt: skip
+    result = hf_mars_cli(
+        "generate",
+        str(checkpoint),
+        "--prompt",
+        "hello",
+        "--tau",
+        "0.0",
+        "--max-new-tokens",
+        "24",
+        "--lossless",
+        "--block-size",
+        "2",
+        "--draft-candidates",
+        "3",
+        "--lookup",
+        "4",
+    )
     assert result.returncode == 0, result.stderr
     assert "block size 2, 3 draft candidates, lookup 4" in result.stderr
     assert "output identical to AR: True" in result.stderr
@@ -69,15 +99,40 @@ def test_bench_measures_the_mask_cost_once_and_uses_it(checkpoint, tmp_path):
     import json
 
     out = tmp_path / "bench"
-    result = hf_mars_cli("bench", str(checkpoint), "--prompts", "toy", "--limit", "2", "--batch-sizes", "1", "--taus",
-                         "1.0", "0.5", "--max-new-tokens", "6", "--repeats", "1", "--prompt-lookup", "0", "--lossless-trees", "2x3+4",
-                         "--output", str(out))  # fmt: skip
+    result = hf_mars_cli(
+        "bench",
+        str(checkpoint),
+        "--prompts",
+        "toy",
+        "--limit",
+        "2",
+        "--batch-sizes",
+        "1",
+        "--taus",
+        "1.0",
+        "0.5",
+        "--max-new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--prompt-lookup",
+        "0",
+        "--lossless-trees",
+        "2x3+4",
+        "--output",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     data = json.loads((out / "bench.json").read_text())
     costs = data["meta"]["mask_cost"]["1"]  # batch size 1: what 1, 2, 3 masks add to a one-token pass
     assert len(costs) == 3 and all(c >= 0 for c in costs)
     methods = {cell["method"] for cell in data["cells"]}
-    assert {"mars tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5", "lossless B=2 n=3 L=4 tau=0.5"} <= methods
+    assert {
+        "mars tau=0.5",
+        "mars cost=auto tau=0.5",
+        "lossless cost=auto tau=0.5",
+        "lossless B=2 n=3 L=4 tau=0.5",
+    } <= methods
     assert "mars_mask_cost measured here" in result.stdout
 
 
@@ -85,8 +140,20 @@ def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
     import ast
     import json
 
-    result = hf_mars_cli("tune", str(checkpoint), "--prompts", "toy", "--limit", "2", "--max-new-tokens", "8",
-                         "--trees", "2x1", "2x3+4", "--save")  # fmt: skip
+    result = hf_mars_cli(
+        "tune",
+        str(checkpoint),
+        "--prompts",
+        "toy",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--trees",
+        "2x1",
+        "2x3+4",
+        "--save",
+    )
     assert result.returncode == 0, result.stderr
     for name in ("ar", "lossless tau=0.0", "lossless B=2 n=1 tau=0.0", "lossless B=2 n=3 L=4 tau=0.0"):
         assert f"\n{name} " in result.stdout
@@ -102,13 +169,36 @@ def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
     assert f"block size {tree[0]}, {tree[1]} draft candidates, lookup {tree[2]}" in result.stderr
     assert "MARS lossless τ=0.0" in result.stderr and "output identical to AR: True" in result.stderr
     # --mask-cost auto measures the model's B (4) and keeps what the saved tree's B uses
-    result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "8", "--lossless",
-                         "--mask-cost", "auto", "--no-compare")  # fmt: skip
+    result = hf_mars_cli(
+        "generate",
+        str(checkpoint),
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "8",
+        "--lossless",
+        "--mask-cost",
+        "auto",
+        "--no-compare",
+    )
     assert result.returncode == 0, result.stderr
     assert len(result.stderr.split("mask cost [")[1].split("]")[0].split(", ")) == tree[0] - 1
     # Tuning another batch size adds its entry and keeps batch 1's
-    result = hf_mars_cli("tune", str(checkpoint), "--prompts", "toy", "--limit", "4", "--max-new-tokens", "6",
-                         "--trees", "2x1", "--batch-size", "2", "--save")  # fmt: skip
+    result = hf_mars_cli(
+        "tune",
+        str(checkpoint),
+        "--prompts",
+        "toy",
+        "--limit",
+        "4",
+        "--max-new-tokens",
+        "6",
+        "--trees",
+        "2x1",
+        "--batch-size",
+        "2",
+        "--save",
+    )
     assert result.returncode == 0, result.stderr
     entries = json.loads((checkpoint / "generation_config.json").read_text())["mars_lossless"]
     assert set(entries) == {"1", "2"} and entries["1"] == saved and "batch 2" in result.stdout

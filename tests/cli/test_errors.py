@@ -20,8 +20,9 @@ from hf_mars.tools.loading import CheckpointError, check_mars_config, resolve_ch
 
 
 def hf_mars_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "hf_mars.cli", *args], capture_output=True, text=True, timeout=600,
-                          env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "hf_mars.cli", *args], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 def one_line(result) -> str:
@@ -57,8 +58,9 @@ def checkpoint(tmp_path_factory):
 def test_a_missing_folder_is_named_as_missing(tmp_path):
     for name in ("/nonexistent/folder", str(tmp_path / "nope"), "./no-such-folder", "~/no/such/folder"):
         line = one_line(hf_mars_cli("generate", name))
-        assert line == (f"hf-mars: {name} does not exist: pass a MARS checkpoint folder or a Hub repo id "
-                        "(namespace/name).")
+        assert line == (
+            f"hf-mars: {name} does not exist: pass a MARS checkpoint folder or a Hub repo id (namespace/name)."
+        )
 
 
 def test_a_folder_or_file_that_is_no_checkpoint(tmp_path):
@@ -77,7 +79,9 @@ def test_a_hub_id_while_offline_says_so_at_once(tmp_path):
 
 def test_an_unreachable_hub_is_one_line_without_retries(tmp_path):
     start = time.perf_counter()
-    result = hf_mars_cli("generate", "no-such-org/no-such-model", env=online(tmp_path, f"http://127.0.0.1:{closed_port()}"))
+    result = hf_mars_cli(
+        "generate", "no-such-org/no-such-model", env=online(tmp_path, f"http://127.0.0.1:{closed_port()}")
+    )
     elapsed = time.perf_counter() - start
     line = one_line(result)
     assert line.startswith("hf-mars: cannot reach the Hugging Face Hub to download no-such-org/no-such-model (")

@@ -8,8 +8,19 @@ import os
 import subprocess
 import sys
 
-COMMANDS = ["generate", "train", "demo", "bench", "tune", "distill", "export-delta", "eval", "convert", "push",
-            "push-space"]  # fmt: skip
+COMMANDS = [
+    "generate",
+    "train",
+    "demo",
+    "bench",
+    "tune",
+    "distill",
+    "export-delta",
+    "eval",
+    "convert",
+    "push",
+    "push-space",
+]
 
 # Parses each --help in one interpreter, then reports which heavy modules got imported along the way.
 PROBE = """
@@ -25,16 +36,18 @@ print(json.dumps(sorted({name.split(".")[0] for name in sys.modules} & heavy)))
 
 def test_help_imports_neither_torch_nor_transformers():
     argvs = [["--help"]] + [[command, "--help"] for command in COMMANDS if command != "train"]
-    result = subprocess.run([sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
 
 
 def test_help_lists_every_command_with_a_one_line_description():
     env = {**os.environ, "COLUMNS": "80"}
-    result = subprocess.run([sys.executable, "-m", "hf_mars.cli", "--help"], capture_output=True, text=True,
-                            timeout=120, env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_mars.cli", "--help"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: hf-mars [-h] COMMAND ...")
     lines = result.stdout.split("\ncommands:\n")[1].split("\n\n")[0].splitlines()

@@ -20,13 +20,32 @@ def test_benchmark_cells_and_files(tmp_path):
     hf_mars.to_mars(model, tok, block_size=4)
     prompts = load_prompts(None, tok, limit=4)
     assert all(p["answer"] and p["text"].endswith("assistant\n") for p in prompts)
-    cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.5), batch_sizes=(1, 2), max_new_tokens=12, repeats=2,
-                          mask_costs=(0.0, 0.2, "auto"), trees=[(2, 3, 0), (2, 2, 4)], progress=False)  # fmt: skip
+    cells = run_benchmark(
+        model,
+        tok,
+        prompts,
+        taus=(1.0, 0.5),
+        batch_sizes=(1, 2),
+        max_new_tokens=12,
+        repeats=2,
+        mask_costs=(0.0, 0.2, "auto"),
+        trees=[(2, 3, 0), (2, 2, 4)],
+        progress=False,
+    )
     by = {(c.method, c.batch_size): c for c in cells}
     names = ("ar", "mars tau=1.0", "lossless tau=1.0", "mars tau=0.5", "lossless tau=0.5")
-    names += ("mars cost=0.2 tau=0.5", "lossless cost=0.2 tau=0.5", "mars cost=auto tau=0.5", "lossless cost=auto tau=0.5")
+    names += (
+        "mars cost=0.2 tau=0.5",
+        "lossless cost=0.2 tau=0.5",
+        "mars cost=auto tau=0.5",
+        "lossless cost=auto tau=0.5",
+    )
     for tree in ("B=2 n=3", "B=2 n=2 L=4"):
-        names += (f"lossless {tree} tau=0.5", f"lossless cost=0.2 {tree} tau=0.5", f"lossless cost=auto {tree} tau=0.5")
+        names += (
+            f"lossless {tree} tau=0.5",
+            f"lossless cost=0.2 {tree} tau=0.5",
+            f"lossless cost=auto {tree} tau=0.5",
+        )
     # τ = 1 feeds no mask: no cell with a cost
     assert set(by) == {(m, b) for m in names for b in (1, 2)} | {("prompt-lookup", 1)}  # prompt lookup: batch 1 only
     for b in (1, 2):
@@ -76,7 +95,9 @@ def test_heldout_prompts_are_scored_by_task():
     assert len(prompts) == 4
     gsm, code = gsm8k_test()[0], humaneval()[0]["problem"]
     assert gsm["prompt"] in prompts[0]["text"] and code["entry_point"] in prompts[1]["text"]
-    assert prompts[0]["check"](f"So the answer is {gsm['answer']}.") and not prompts[0]["check"]("So the answer is -1.")
+    assert prompts[0]["check"](f"So the answer is {gsm['answer']}.") and not prompts[0]["check"](
+        "So the answer is -1."
+    )
     solution = "```python\n" + code["prompt"] + code["canonical_solution"] + "```"
     assert prompts[1]["check"](solution) and not prompts[1]["check"]("```python\npass\n```")
 

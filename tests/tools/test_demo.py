@@ -17,5 +17,7 @@ def test_demo_trains_saves_and_decodes(tmp_path, capsys):
     assert "plain generate()" in printed and "MARS τ=0.9" in printed
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "demo", trust_remote_code=True)
     assert model.config.mars_block_size == 4
-    out = model.generate(input_ids=torch.tensor([[1, 80, 81]]), mars_tau=0.9, max_new_tokens=5, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=torch.tensor([[1, 80, 81]]), mars_tau=0.9, max_new_tokens=5, return_dict_in_generate=True
+    )
     assert out.mars_stats.forward_passes >= 1

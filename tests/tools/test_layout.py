@@ -33,7 +33,7 @@ def test_no_import_circle_among_the_tools():
     done, path = set(), []
 
     def visit(module):
-        assert module not in path, f"import circle: {' -> '.join(path[path.index(module):] + [module])}"
+        assert module not in path, f"import circle: {' -> '.join(path[path.index(module) :] + [module])}"
         if module in done:
             return
         path.append(module)
@@ -48,8 +48,9 @@ def test_no_import_circle_among_the_tools():
 
 def test_each_tools_module_imports_alone():
     for module in MODULES:
-        result = subprocess.run([sys.executable, "-c", f"import hf_mars.tools.{module}"], capture_output=True,
-                                text=True, timeout=300)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-c", f"import hf_mars.tools.{module}"], capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, f"hf_mars.tools.{module}: {result.stderr[-2000:]}"
 
 

@@ -1,4 +1,4 @@
-"""The recipe of the shipped checkpoint: training prompts, self-distillation, the training set, scoring, the τ table."""
+"""The recipe of the shipped checkpoint: training prompts, self-distillation, the training set, scoring, τ table."""
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ def test_training_prompts_are_mixed_and_hold_no_evaluation_problem():
 
 def test_reference_set_has_the_prompts_of_the_training_set(tmp_path):
     prompts = training_prompts(6, 10, 4, seed=1)
-    train = [{"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": f"own {i}"}]}
-             for i, p in enumerate(prompts[::2])]  # fmt: skip
+    train = [
+        {"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": f"own {i}"}]}
+        for i, p in enumerate(prompts[::2])
+    ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     assert write_reference_set(tmp_path / "train.jsonl", prompts, tmp_path / "ref.jsonl") == len(train)
     ref = [json.loads(line) for line in (tmp_path / "ref.jsonl").open()]
@@ -62,7 +64,9 @@ def test_distill_answers_with_the_model_resumes_and_keeps_finished_answers(tmp_p
     assert sorted(r["messages"][0]["content"] for r in rows) == sorted(p["prompt"] for p in prompts)
     # The answers are the model's own greedy continuations
     row = rows[0]
-    chat = tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    chat = tok.apply_chat_template(
+        row["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     greedy = model.generate(**chat, max_new_tokens=6, do_sample=False)[0, chat["input_ids"].shape[1] :]
     assert tok.decode(greedy, skip_special_tokens=True).strip() == row["messages"][1]["content"]
     assert row["finished"] == bool((greedy == tok.eos_token_id).any())
@@ -73,7 +77,9 @@ def test_distill_answers_with_the_model_resumes_and_keeps_finished_answers(tmp_p
     kept, total = write_training_set(out, tmp_path / "train.jsonl")
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").open()]
     assert total == 5 and kept == len(train) and all(set(r) == {"messages"} for r in train)
-    assert rows[0]["messages"] in [r["messages"] for r in train] and rows[1]["messages"] not in [r["messages"] for r in train]
+    assert rows[0]["messages"] in [r["messages"] for r in train] and rows[1]["messages"] not in [
+        r["messages"] for r in train
+    ]
 
 
 def test_scoring():
@@ -91,8 +97,10 @@ def test_tau_table_on_a_trained_toy(trained_toy):
     model, tok = trained_toy
     from hf_mars.tools.toy import counting_dataset
 
-    rows = [{"prompt": ex["messages"][0]["content"], "task": "gsm8k", "answer": ex["messages"][1]["content"].split()[-1]}
-            for ex in counting_dataset(8, seed=77)]  # fmt: skip
+    rows = [
+        {"prompt": ex["messages"][0]["content"], "task": "gsm8k", "answer": ex["messages"][1]["content"].split()[-1]}
+        for ex in counting_dataset(8, seed=77)
+    ]
     table = tau_table(model, tok, rows, taus=(1.0, 0.5), base_model=model, batch_size=4, max_new_tokens=40)
     base, exact, fast = table
     assert exact["same_as_tau1"] == 100.0 and exact["tokens_per_forward"] == 1.0

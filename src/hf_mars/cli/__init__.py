@@ -39,8 +39,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-mars", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=_HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="hf-mars", description=DESCRIPTION, epilog=EPILOG, formatter_class=_HelpFormatter
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     for name in COMMANDS:
         importlib.import_module(f".{name}", __name__).add_parser(subparsers)

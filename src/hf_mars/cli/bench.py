@@ -13,23 +13,37 @@ DESCRIPTION = "MARS vs plain AR and prompt-lookup decoding: tokens/forward, spee
 def add_parser(subparsers) -> None:
     bench = subparsers.add_parser("bench", help=HELP, description=DESCRIPTION)
     add_model(bench)
-    bench.add_argument("--prompts", default="heldout",
-                       help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, "
-                            "default) or `toy`")
+    bench.add_argument(
+        "--prompts",
+        default="heldout",
+        help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, default) or `toy`",
+    )
     bench.add_argument("--limit", type=int, default=32, help="use the first N prompts (default 32)")
     bench.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
-    bench.add_argument("--prompt-lookup", type=int, default=10,
-                       help="prompt_lookup_num_tokens of the peer (0: skip it)")
+    bench.add_argument(
+        "--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of the peer (0: skip it)"
+    )
     bench.add_argument("--no-lossless", action="store_true", help="skip the lossless (mars_verify) runs")
-    bench.add_argument("--mask-costs", type=mask_cost, nargs="+", default=[0.0, "auto"],
-                       help="values of mars_mask_cost to measure: 0 (B-1 masks every pass), a cost per mask, or "
-                            "`auto` (measured at each batch size); default: 0 auto")
-    bench.add_argument("--lossless-trees", type=draft_tree, nargs="+", default=[], metavar="BxN[+L]",
-                       help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
-                            "mars_lookup=L, e.g. 2x3 or 2x3+4")
+    bench.add_argument(
+        "--mask-costs",
+        type=mask_cost,
+        nargs="+",
+        default=[0.0, "auto"],
+        help="values of mars_mask_cost to measure: 0 (B-1 masks every pass), a cost per mask, or "
+        "`auto` (measured at each batch size); default: 0 auto",
+    )
+    bench.add_argument(
+        "--lossless-trees",
+        type=draft_tree,
+        nargs="+",
+        default=[],
+        metavar="BxN[+L]",
+        help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
+        "mars_lookup=L, e.g. 2x3 or 2x3+4",
+    )
     add_machine(bench)
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
     bench.set_defaults(run=run)
@@ -42,18 +56,36 @@ def run(args) -> None:
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
     costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`
-    cells = run_benchmark(model, tokenizer, prompts, taus=args.taus, batch_sizes=args.batch_sizes,
-                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, verify=not args.no_lossless,
-                          prompt_lookup=args.prompt_lookup, mask_costs=args.mask_costs, measured_costs=costs,
-                          trees=args.lossless_trees)  # fmt: skip
+    cells = run_benchmark(
+        model,
+        tokenizer,
+        prompts,
+        taus=args.taus,
+        batch_sizes=args.batch_sizes,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        verify=not args.no_lossless,
+        prompt_lookup=args.prompt_lookup,
+        mask_costs=args.mask_costs,
+        measured_costs=costs,
+        trees=args.lossless_trees,
+    )
     device = device_name(model)
     name, attention = args.model or "the shipped checkpoint", model.config._attn_implementation
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {len(prompts)} prompts\n")
     print(format_table(cells))
-    print("\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
-          + "; ".join(f"{b}: {c}" for b, c in costs.items()))  # fmt: skip
-    meta = dict(model=args.model or "shipped", device=device, dtype=args.dtype, prompts=len(prompts),
-                max_new_tokens=args.max_new_tokens, mask_cost=costs)  # fmt: skip
+    print(
+        "\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
+        + "; ".join(f"{b}: {c}" for b, c in costs.items())
+    )
+    meta = dict(
+        model=args.model or "shipped",
+        device=device,
+        dtype=args.dtype,
+        prompts=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        mask_cost=costs,
+    )
     _save(cells, Path(args.output), meta)
 
 
@@ -68,7 +100,7 @@ def load_on_device(args):
 
 
 def device_name(model) -> str:
-    """"cuda (<GPU name>)" or "cpu (<N> threads)": what a timing was taken on."""
+    """ "cuda (<GPU name>)" or "cpu (<N> threads)": what a timing was taken on."""
     import torch
 
     if model.device.type == "cuda":

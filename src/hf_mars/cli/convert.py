@@ -10,8 +10,9 @@ def add_parser(subparsers) -> None:
     conv = subparsers.add_parser("convert", help=HELP, description=DESCRIPTION)
     conv.add_argument("src")
     conv.add_argument("dst")
-    conv.add_argument("--block-size", type=int,
-                      help="B the checkpoint was trained with (default: from its config, else 4)")
+    conv.add_argument(
+        "--block-size", type=int, help="B the checkpoint was trained with (default: from its config, else 4)"
+    )
     conv.add_argument("--tau", type=float, help="default τ to store in the generation config")
     conv.set_defaults(run=run)
 

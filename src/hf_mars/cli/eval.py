@@ -15,8 +15,9 @@ def add_parser(subparsers) -> None:
     ev.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
     ev.add_argument("--gsm8k", type=int, default=100, help="first N GSM8K test problems")
     ev.add_argument("--humaneval", type=int, default=50, help="first N HumanEval problems")
-    ev.add_argument("--base", action="store_true",
-                    help="also score the base model (the shipped base) with plain generate()")
+    ev.add_argument(
+        "--base", action="store_true", help="also score the base model (the shipped base) with plain generate()"
+    )
     ev.add_argument("--batch-size", type=int, default=16)
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -33,14 +34,27 @@ def run(args) -> None:
     model, tokenizer = load_checkpoint(args.model, None, args.dtype)
     base = _base_model(args.dtype) if args.base else None
     rows = eval_prompts(args.gsm8k, args.humaneval)
-    table = tau_table(model, tokenizer, rows, taus=args.taus, base_model=base, batch_size=args.batch_size,
-                      max_new_tokens=args.max_new_tokens)  # fmt: skip
+    table = tau_table(
+        model,
+        tokenizer,
+        rows,
+        taus=args.taus,
+        base_model=base,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+    )
     text = format_tau_table(table)
     print(text)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(model=args.model or "shipped", gsm8k=args.gsm8k, humaneval=args.humaneval, dtype=args.dtype,
-                max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads())  # fmt: skip
+    meta = dict(
+        model=args.model or "shipped",
+        gsm8k=args.gsm8k,
+        humaneval=args.humaneval,
+        dtype=args.dtype,
+        max_new_tokens=args.max_new_tokens,
+        threads=torch.get_num_threads(),
+    )
     (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
     (out / "eval.md").write_text(text + "\n")
     print(f"Wrote {out / 'eval.json'} and {out / 'eval.md'}")

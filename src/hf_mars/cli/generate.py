@@ -19,25 +19,42 @@ def add_parser(subparsers) -> None:
     gen = subparsers.add_parser("generate", help=HELP, description=DESCRIPTION)
     add_model(gen)
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
-    gen.add_argument("--tau", type=float,
-                     help="confidence threshold in [0, 1]; 1 = plain AR (default 0.9; lossless: the checkpoint's)")
+    gen.add_argument(
+        "--tau",
+        type=float,
+        help="confidence threshold in [0, 1]; 1 = plain AR (default 0.9; lossless: the checkpoint's)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
     gen.add_argument("--dtype", default="float32", choices=DTYPES)
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
-    gen.add_argument("--lossless", action="store_true",
-                     help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts; "
-                          "the draft tree defaults to the checkpoint's mars_lossless (see `tune`)")
-    gen.add_argument("--block-size", type=int,
-                     help="mars_block_size: at most B tokens per pass (default: the model's)")
-    gen.add_argument("--draft-candidates", type=int,
-                     help="lossless: candidates for the first draft (mars_draft_candidates; 3 was fastest on a CPU)")
-    gen.add_argument("--lookup", type=int,
-                     help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; 4 was fastest on a CPU)")
-    gen.add_argument("--mask-cost", type=mask_cost, default=0.0,
-                     help="mars_mask_cost: a mask's share of a pass's time (0 = B-1 masks every pass), or `auto`: "
-                          "measure it on this machine first")
+    gen.add_argument(
+        "--lossless",
+        action="store_true",
+        help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts; "
+        "the draft tree defaults to the checkpoint's mars_lossless (see `tune`)",
+    )
+    gen.add_argument(
+        "--block-size", type=int, help="mars_block_size: at most B tokens per pass (default: the model's)"
+    )
+    gen.add_argument(
+        "--draft-candidates",
+        type=int,
+        help="lossless: candidates for the first draft (mars_draft_candidates; 3 was fastest on a CPU)",
+    )
+    gen.add_argument(
+        "--lookup",
+        type=int,
+        help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; 4 was fastest on a CPU)",
+    )
+    gen.add_argument(
+        "--mask-cost",
+        type=mask_cost,
+        default=0.0,
+        help="mars_mask_cost: a mask's share of a pass's time (0 = B-1 masks every pass), or `auto`: "
+        "measure it on this machine first",
+    )
     gen.set_defaults(run=run)
 
 
@@ -60,8 +77,9 @@ def run(args) -> None:
 def _encode(tokenizer, prompt: str, chat: bool):
     if chat and tokenizer.chat_template:
         messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
     return tokenizer(prompt, return_tensors="pt")
 
 
@@ -70,8 +88,13 @@ def _mars_arguments(model, args) -> dict:
     from ..decoding.generate import mars_settings
 
     tau = args.tau if args.tau is not None or args.lossless else 0.9
-    mars = dict(mars_tau=tau, mars_verify=args.lossless, mars_block_size=args.block_size,
-                mars_draft_candidates=args.draft_candidates, mars_lookup=args.lookup)  # fmt: skip
+    mars = dict(
+        mars_tau=tau,
+        mars_verify=args.lossless,
+        mars_block_size=args.block_size,
+        mars_draft_candidates=args.draft_candidates,
+        mars_lookup=args.lookup,
+    )
     cost = args.mask_cost
     if cost == "auto":  # measured for 1 .. B-1 masks of the model's B; this run's B may be smaller
         from ..tools.bench import measure_mask_cost
@@ -96,8 +119,11 @@ def _print_settings(model, mars: dict, lossless: bool) -> None:
     tree = ""
     if lossless:
         tree = f", {settings['mars_draft_candidates']} draft candidates, lookup {settings['mars_lookup']}"
-    print(f"[MARS {mode}τ={settings['mars_tau']}, block size {settings['mars_block_size']}{tree}, "
-          f"mask cost {settings['mars_mask_cost']}]", file=sys.stderr)  # fmt: skip
+    print(
+        f"[MARS {mode}τ={settings['mars_tau']}, block size {settings['mars_block_size']}{tree}, "
+        f"mask cost {settings['mars_mask_cost']}]",
+        file=sys.stderr,
+    )
 
 
 def _stream(model, tokenizer, inputs, mars: dict, max_new_tokens: int):
@@ -106,13 +132,22 @@ def _stream(model, tokenizer, inputs, mars: dict, max_new_tokens: int):
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     start = time.perf_counter()
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **mars, streamer=streamer,
-                         return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        **mars,
+        streamer=streamer,
+        return_dict_in_generate=True,
+    )
     seconds = time.perf_counter() - start
     stats = out.mars_stats
     new = int(stats.new_tokens[0])
-    print(f"\n[{new} tokens in {stats.forward_passes} forward passes: {stats.mean_tokens_per_forward:.2f} "
-          f"tokens/forward, {new / seconds:.1f} tokens/s]", file=sys.stderr)  # fmt: skip
+    print(
+        f"\n[{new} tokens in {stats.forward_passes} forward passes: {stats.mean_tokens_per_forward:.2f} "
+        f"tokens/forward, {new / seconds:.1f} tokens/s]",
+        file=sys.stderr,
+    )
     return out, seconds
 
 

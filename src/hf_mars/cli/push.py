@@ -34,8 +34,9 @@ def _add_push_space(subparsers) -> None:
     space = subparsers.add_parser("push-space", help=SPACE_HELP, description=SPACE_DESCRIPTION)
     space.add_argument("space_id", help="Hub Space, namespace/name (created if missing)")
     space.add_argument("--model", required=True, help="the MARS model repo the Space loads (its MARS_MODEL variable)")
-    space.add_argument("--model-revision",
-                       help="pin the model's revision (MARS_REVISION): its remote code runs in the Space")
+    space.add_argument(
+        "--model-revision", help="pin the model's revision (MARS_REVISION): its remote code runs in the Space"
+    )
     space.add_argument("--folder", help="the Space's files (default: the project's spaces_demo/)")
     space.add_argument("--private", action="store_true", help="create the Space private")
     space.add_argument("--commit-message")
@@ -59,10 +60,19 @@ def _hub_errors(push):
 def run_push(args) -> None:
     from ..hub import push_to_hub
 
-    result = _hub_errors(lambda: push_to_hub(
-        args.folder, args.repo_id, private=args.private or None, revision=args.revision, base_model=args.base_model,
-        license=args.license, datasets=args.dataset, tau_table=args.tau_table, commit_message=args.commit_message,
-    ))  # fmt: skip
+    result = _hub_errors(
+        lambda: push_to_hub(
+            args.folder,
+            args.repo_id,
+            private=args.private or None,
+            revision=args.revision,
+            base_model=args.base_model,
+            license=args.license,
+            datasets=args.dataset,
+            tau_table=args.tau_table,
+            commit_message=args.commit_message,
+        )
+    )
     print(result.summary())
     pin = f", revision={result.commit_sha!r}"
     print(f"Load it with AutoModelForCausalLM.from_pretrained({args.repo_id!r}{pin}, trust_remote_code=True)")
@@ -71,10 +81,16 @@ def run_push(args) -> None:
 def run_space(args) -> None:
     from ..hub import push_space
 
-    result = _hub_errors(lambda: push_space(
-        args.space_id, args.model, folder=args.folder, private=args.private or None,
-        model_revision=args.model_revision, commit_message=args.commit_message,
-    ))  # fmt: skip
+    result = _hub_errors(
+        lambda: push_space(
+            args.space_id,
+            args.model,
+            folder=args.folder,
+            private=args.private or None,
+            model_revision=args.model_revision,
+            commit_message=args.commit_message,
+        )
+    )
     print(result.summary())
     pin = f", MARS_REVISION={args.model_revision}" if args.model_revision else ""
     print(f"Space variable MARS_MODEL={args.model}{pin}")

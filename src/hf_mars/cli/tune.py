@@ -17,20 +17,37 @@ def add_parser(subparsers) -> None:
     add_model(tune)
     tune.add_argument("--prompts", default="heldout", help="JSONL file, or `heldout` (default) or `toy` (see bench)")
     tune.add_argument("--limit", type=int, default=8, help="use the first N prompts (default 8)")
-    tune.add_argument("--trees", type=draft_tree, nargs="+", metavar="BxN[+L]", default=list(TUNE_TREES),
-                      help="draft trees to try: block size B, N candidates for the first draft, L prompt-lookup "
-                           "tokens (default: " + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES) + ")")
+    tune.add_argument(
+        "--trees",
+        type=draft_tree,
+        nargs="+",
+        metavar="BxN[+L]",
+        default=list(TUNE_TREES),
+        help="draft trees to try: block size B, N candidates for the first draft, L prompt-lookup "
+        "tokens (default: " + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES) + ")",
+    )
     tune.add_argument("--taus", type=float, nargs="+", default=[0.0], help="τ values to try (default 0: every draft)")
-    tune.add_argument("--batch-size", type=int, default=1,
-                      help="batch size to tune for; --save keeps other batch sizes' trees (a batch uses the entry of "
-                           "the largest size it reaches)")
+    tune.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="batch size to tune for; --save keeps other batch sizes' trees (a batch uses the entry of "
+        "the largest size it reaches)",
+    )
     tune.add_argument("--max-new-tokens", type=int, default=96)
     tune.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported")
-    tune.add_argument("--save", action="store_true",
-                      help="write the fastest into the checkpoint's generation_config.json as mars_lossless")
+    tune.add_argument(
+        "--save",
+        action="store_true",
+        help="write the fastest into the checkpoint's generation_config.json as mars_lossless",
+    )
     tune.add_argument("--revision")
-    tune.add_argument("--dtype", default="float32", choices=DTYPES,
-                      help="tune in the dtype you decode in: the fastest tree depends on it")
+    tune.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="tune in the dtype you decode in: the fastest tree depends on it",
+    )
     tune.add_argument("--device", help="e.g. cuda (default: where the model loads)")
     tune.set_defaults(run=run)
 
@@ -43,9 +60,16 @@ def run(args) -> None:
         raise SystemExit(f"--save writes into a local checkpoint folder; {args.model} is not one.")
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
-    best, fastest, cells = tune_lossless(model, tokenizer, prompts, trees=args.trees, taus=args.taus,
-                                         batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                                         repeats=args.repeats)  # fmt: skip
+    best, fastest, cells = tune_lossless(
+        model,
+        tokenizer,
+        prompts,
+        trees=args.trees,
+        taus=args.taus,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+    )
     _report(model, args, len(prompts), cells, best, fastest)
     if args.save:
         folder = Path(args.model) if args.model is not None else _shipped()
@@ -62,8 +86,10 @@ def _report(model, args, n_prompts: int, cells, best: dict, fastest) -> None:
     print(f"\nLossless draft trees on {device}, {args.dtype}, batch {args.batch_size}, {n_prompts} prompts:\n")
     print(format_table(cells))
     ar = next(c for c in cells if c.method == "ar")
-    print(f"\nFastest: {fastest.method}, {fastest.speedup:.2f}x plain generate() ({ar.tokens_per_second:.1f} tokens/s)"
-          f" -> mars_lossless = {best}")  # fmt: skip
+    print(
+        f"\nFastest: {fastest.method}, {fastest.speedup:.2f}x plain generate() ({ar.tokens_per_second:.1f} tokens/s)"
+        f" -> mars_lossless = {best}"
+    )
     if fastest.speedup < 1.0:
         print("No draft tree beat plain generate() here: passes over several tokens cost too much on this machine.")
 

@@ -73,14 +73,29 @@ def generate_ar(model, **inputs):
 
 def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=None, lookup=None, **inputs):
     """Greedy MARS decoding: `(sequences, row_passes)`. `None`: the model's default (lossless: its `mars_lossless`)."""
-    out = model.generate(mars_tau=tau, mars_verify=verify, mars_mask_cost=mask_cost, mars_block_size=block_size,
-                         mars_draft_candidates=candidates, mars_lookup=lookup, do_sample=False,
-                         return_dict_in_generate=True, **inputs)  # fmt: skip
+    out = model.generate(
+        mars_tau=tau,
+        mars_verify=verify,
+        mars_mask_cost=mask_cost,
+        mars_block_size=block_size,
+        mars_draft_candidates=candidates,
+        mars_lookup=lookup,
+        do_sample=False,
+        return_dict_in_generate=True,
+        **inputs,
+    )
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
-def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured: dict | None = None, trees=(),
-            tau_mode: bool = True) -> dict:
+def methods(
+    taus,
+    verify: bool,
+    prompt_lookup: int,
+    mask_costs=(0.0,),
+    measured: dict | None = None,
+    trees=(),
+    tau_mode: bool = True,
+) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
     MARS methods are named "mars tau=0.9" and "lossless tau=0.9" (B-1 masks every pass; lossless mode's tree is the
@@ -116,7 +131,9 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
             if tau >= 1.0 and suffix:  # no mask is fed at τ = 1: the cost changes nothing
                 continue
             if tau_mode:
-                table[f"mars{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(m, c, tau, cost=cost, **kw)
+                table[f"mars{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(
+                    m, c, tau, cost=cost, **kw
+                )
             if verify:
                 table[f"lossless{suffix} tau={tau}"] = lambda m, c, tau=tau, cost=cost, **kw: mars(
                     m, c, tau, verify=True, cost=cost, **kw
@@ -130,8 +147,17 @@ def methods(taus, verify: bool, prompt_lookup: int, mask_costs=(0.0,), measured:
     return table
 
 
-def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batch_size: int = 1,
-                  max_new_tokens: int = 96, repeats: int = 1, progress: bool = True) -> tuple[dict, Cell, list[Cell]]:  # fmt: skip
+def tune_lossless(
+    model,
+    tokenizer,
+    prompts,
+    trees=TUNE_TREES,
+    taus=(0.0,),
+    batch_size: int = 1,
+    max_new_tokens: int = 96,
+    repeats: int = 1,
+    progress: bool = True,
+) -> tuple[dict, Cell, list[Cell]]:
     """Find the fastest lossless draft tree for this model and machine: `(best, fastest, cells)`.
 
     Runs plain `generate()` and lossless mode with the model's current default tree and with each `(B, n, L)` of
@@ -140,9 +166,21 @@ def tune_lossless(model, tokenizer, prompts, trees=TUNE_TREES, taus=(0.0,), batc
     `generate(mars_verify=True)` reads it), `fastest` its measurement, `cells` all of them, to print. Lossless mode's
     text is the same for every tree (up to rounding), so speed alone decides.
     """
-    cells = run_benchmark(model, tokenizer, prompts, taus=taus, batch_sizes=(batch_size,), max_new_tokens=max_new_tokens,
-                          repeats=repeats, verify=True, prompt_lookup=0, mask_costs=(0.0,), progress=progress,
-                          trees=trees, tau_mode=False)  # fmt: skip
+    cells = run_benchmark(
+        model,
+        tokenizer,
+        prompts,
+        taus=taus,
+        batch_sizes=(batch_size,),
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        verify=True,
+        prompt_lookup=0,
+        mask_costs=(0.0,),
+        progress=progress,
+        trees=trees,
+        tau_mode=False,
+    )
     presets, keys = {}, ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup")
     for tau in taus:
         default = mars_settings(model, None, batch_size, mars_tau=tau, mars_verify=True)
@@ -215,8 +253,18 @@ def run_benchmark(
             tally = _Tally(table)
             for repeat in range(repeats):
                 for batch in batches:
-                    _run_batch(model, tokenizer, table, counter, batch, tally, repeat, max_new_tokens, bar,
-                               warm_up=repeat == 0 and batch is batches[0])  # fmt: skip
+                    _run_batch(
+                        model,
+                        tokenizer,
+                        table,
+                        counter,
+                        batch,
+                        tally,
+                        repeat,
+                        max_new_tokens,
+                        bar,
+                        warm_up=repeat == 0 and batch is batches[0],
+                    )
                 tally.end_repeat()
             cells += _cells(table, batch_size, batches, tally)
     finally:
@@ -306,8 +354,13 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
             for width in times:
                 _sync(model)
                 start = time.perf_counter()
-                model(input_ids=ids[:, context : context + width], attention_mask=mask(context + width),
-                      past_key_values=cache, use_cache=True, logits_to_keep=width)  # fmt: skip
+                model(
+                    input_ids=ids[:, context : context + width],
+                    attention_mask=mask(context + width),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=width,
+                )
                 _sync(model)
                 times[width].append(time.perf_counter() - start)
                 cache.crop(-width)
@@ -332,9 +385,15 @@ def count_new_tokens(generated, tokenizer, eos_ids) -> int:
     """
     width = generated.shape[1]
     slot = torch.arange(width, device=generated.device)
-    ends = torch.isin(generated, torch.tensor(eos_ids, device=generated.device)) if eos_ids else torch.zeros_like(generated, dtype=torch.bool)
+    ends = (
+        torch.isin(generated, torch.tensor(eos_ids, device=generated.device))
+        if eos_ids
+        else torch.zeros_like(generated, dtype=torch.bool)
+    )
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_ids:
-        ends |= torch.cat([generated[:, 1:] == tokenizer.pad_token_id, torch.zeros_like(generated[:, :1], dtype=torch.bool)], dim=1)
+        ends |= torch.cat(
+            [generated[:, 1:] == tokenizer.pad_token_id, torch.zeros_like(generated[:, :1], dtype=torch.bool)], dim=1
+        )
     # A row ends at its first EOS, or just before its right padding; rows with neither ran to max_new_tokens
     last = torch.where(ends, slot, width).min(dim=1).values
     return int(torch.clamp(last + 1, max=width).sum())
@@ -361,8 +420,10 @@ def _cells(table, batch_size, batches, tally: _Tally) -> list[Cell]:
 
 def format_table(cells: list[Cell]) -> str:
     name = max([26] + [len(c.method) for c in cells])
-    head = (f"{'method':<{name}} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} "
-            f"{'acc':>6} {'in fwd':>7}")  # fmt: skip
+    head = (
+        f"{'method':<{name}} {'batch':>5} {'tok/fwd':>8} {'tok/s':>9} {'speed-up':>9} {'efficiency':>10} {'= AR':>6} "
+        f"{'acc':>6} {'in fwd':>7}"
+    )
     lines = [head, "-" * len(head)]
     for c in cells:
         acc = "" if c.accuracy is None else f"{c.accuracy:.0%}"
@@ -374,7 +435,9 @@ def format_table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def save(cells: list[Cell], json_path: str | Path, png_path: str | Path | None = None, meta: dict | None = None) -> None:
+def save(
+    cells: list[Cell], json_path: str | Path, png_path: str | Path | None = None, meta: dict | None = None
+) -> None:
     """Write the cells as JSON, and a PNG: tokens/forward and speed-up against τ, one line per batch size."""
     Path(json_path).write_text(json.dumps({"meta": meta or {}, "cells": [asdict(c) for c in cells]}, indent=2))
     if png_path is None:
@@ -392,8 +455,11 @@ def save(cells: list[Cell], json_path: str | Path, png_path: str | Path | None =
     for prefix in prefixes:
         style = ("--" if prefix.startswith("lossless") else "-") + ("o" if "cost" not in prefix else "^")
         for batch_size in sorted({c.batch_size for c in cells}):
-            row = sorted((float(c.method.split(" tau=")[1]), c) for c in cells
-                         if c.method.split(" tau=")[0] == prefix and c.batch_size == batch_size)  # fmt: skip
+            row = sorted(
+                (float(c.method.split(" tau=")[1]), c)
+                for c in cells
+                if c.method.split(" tau=")[0] == prefix and c.batch_size == batch_size
+            )
             if not row:
                 continue
             taus = [t for t, _ in row]

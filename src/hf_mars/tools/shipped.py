@@ -103,12 +103,17 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
     if isinstance(adapter_config.get("target_modules"), list):  # peft writes a set in any order: keep diffs quiet
         adapter_config["target_modules"] = sorted(adapter_config["target_modules"])
     if not (trained / "mars.json").is_file():
-        raise FileNotFoundError(f"{trained}/mars.json is missing: `hf-mars train --use_peft` writes it beside the adapter.")
+        raise FileNotFoundError(
+            f"{trained}/mars.json is missing: `hf-mars train --use_peft` writes it beside the adapter."
+        )
     mars = json.loads((trained / "mars.json").read_text())
     # peft also saves the whole (resized) embedding and LM head matrices: the base has them, minus the <|mask|> row,
     # which the trainable-tokens delta carries (once: the LM head's is tied to the embedding's).
-    tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(trained / "adapter_model.safetensors").items()
-               if "lora_" in k or ("trainable_tokens_delta" in k and "lm_head" not in k)}  # fmt: skip
+    tensors = {
+        k: v.to(torch.float16).contiguous()
+        for k, v in load_file(trained / "adapter_model.safetensors").items()
+        if "lora_" in k or ("trainable_tokens_delta" in k and "lm_head" not in k)
+    }
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, dst / "adapter_model.safetensors", metadata={"format": "pt"})
     (dst / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
@@ -148,7 +153,10 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
     torch.manual_seed(0)  # the resized <|mask|> row is random until the adapter's trained row replaces it
     to_mars(model, tokenizer, block_size=mars["mars_block_size"])
     if mars.get("mars_mask_token_id") not in (None, model.config.mars_mask_token_id):
-        raise ValueError(f"The delta was trained with <|mask|> = {mars['mars_mask_token_id']}, the base gives {model.config.mars_mask_token_id}.")
+        raise ValueError(
+            f"The delta was trained with <|mask|> = {mars['mars_mask_token_id']}, the base gives "
+            f"{model.config.mars_mask_token_id}."
+        )
     model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
     model.generation_config.mars_lossless = {size: dict(tree) for size, tree in LOSSLESS.items()}
     extra = {"hf_mars_delta.txt": _build_stamp(delta) + "\n"}
