@@ -19,6 +19,7 @@ from helpers import make_model, make_tokenizer
 from huggingface_hub import HfApi, ModelCard, constants
 
 import hf_mars
+from hf_mars.decoding import REMOTE_FILES
 from hf_mars.hub import (
     SPACE_FOLDER,
     check_mars_folder,
@@ -41,9 +42,7 @@ CHECKPOINT_FILES = {
     "model.safetensors",
     "config.json",
     "generation_config.json",
-    "modeling.py",
-    "generate.py",
-    "cache.py",
+    *REMOTE_FILES,
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
