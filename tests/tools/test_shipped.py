@@ -108,6 +108,7 @@ def test_cli_generate_defaults_to_the_shipped_checkpoint(built):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip()  # the streamed answer
     assert "tokens/forward" in result.stderr and "MARS speed-up" in result.stderr
+    assert "[MARS lossless" in result.stderr and "output identical to AR: True" in result.stderr  # the honest default
 
 
 def test_export_delta_keeps_the_adapter_and_mask_row_in_float16(tmp_path):

@@ -12,7 +12,17 @@ DEFAULT_PROMPT = (
     "How many clips did Natalia sell altogether in April and May?"
 )
 HELP = "stream a MARS answer, then compare with plain generate()"
-DESCRIPTION = "Stream an answer with MARS decoding, then compare with plain AR generate()."
+DESCRIPTION = (
+    "Stream an answer with MARS decoding, then compare with plain AR generate(). Without --tau it runs lossless "
+    "mode with the checkpoint's draft tree: exactly the AR text, in fewer forward passes; --tau τ runs τ-mode, which "
+    "accepts mask predictions while their confidence is at least τ and may change the text."
+)
+# Said after a default (lossless) run, so that a first run shows what MARS does well here and what τ < 1 costs
+TAU_NOTE = (
+    "[τ-mode (--tau 0.9) accepts the masks' guesses without checking them: more tokens per pass where the model is "
+    "confident, but the text can change, and on this small checkpoint on a CPU it runs slower than plain generate() "
+    "(measured: docs/benchmarks.md)]"
+)
 
 
 def add_parser(subparsers) -> None:
@@ -22,7 +32,8 @@ def add_parser(subparsers) -> None:
     gen.add_argument(
         "--tau",
         type=float,
-        help="confidence threshold in [0, 1]; 1 = plain AR (default 0.9; lossless: the checkpoint's)",
+        help="τ-mode: confidence threshold in [0, 1], 1 = plain AR (default: lossless mode; with --lossless, τ sets "
+        "how many drafts, default the checkpoint's)",
     )
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
@@ -33,7 +44,7 @@ def add_parser(subparsers) -> None:
         "--lossless",
         action="store_true",
         help="verify the mask drafts (mars_verify): exactly the greedy AR text, τ sets how many drafts; "
-        "the draft tree defaults to the checkpoint's mars_lossless (see `tune`)",
+        "the draft tree defaults to the checkpoint's mars_lossless (see `tune`); the default without --tau",
     )
     gen.add_argument(
         "--block-size", type=int, help="mars_block_size: at most B tokens per pass (default: the model's)"
@@ -61,6 +72,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> None:
     from ..tools.loading import load_checkpoint
 
+    by_default = args.tau is None and not args.lossless
+    args.lossless = args.lossless or by_default
     if not args.lossless and (args.draft_candidates is not None or args.lookup is not None):
         raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
     model, tokenizer = load_checkpoint(args.model, args.revision, args.dtype)
@@ -72,6 +85,8 @@ def run(args) -> None:
     out, seconds = _stream(model, tokenizer, inputs, mars, args.max_new_tokens)
     if not args.no_compare:
         _compare_with_ar(model, inputs, out, seconds, args.max_new_tokens)
+    if by_default:
+        print(TAU_NOTE, file=sys.stderr)
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
@@ -87,7 +102,7 @@ def _mars_arguments(model, args) -> dict:
     """The `mars_*` arguments of `generate()`; None leaves a setting to the checkpoint (lossless: mars_lossless)."""
     from ..decoding.generate import mars_settings
 
-    tau = args.tau if args.tau is not None or args.lossless else 0.9
+    tau = args.tau
     mars = dict(
         mars_tau=tau,
         mars_verify=args.lossless,
