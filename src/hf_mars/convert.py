@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as transformers_logging
 
 from .decoding.modeling import MASK_TOKEN, mars_class
 from .decoding.settings import CONFIDENCE_MEASURES, check_tau
@@ -26,11 +28,13 @@ def add_mask_token(model: PreTrainedModel, tokenizer) -> int:
     rows = model.get_input_embeddings().weight.shape[0]
     if mask_id >= rows:
         logger.warning(
-            "%s has no spare embedding row for %s: resizing the embeddings by one row.",
+            "%s has no spare embedding row for %s: resizing the embeddings by one row (drawn from the mean and "
+            "covariance of the others).",
             type(model).__name__,
             MASK_TOKEN,
         )
-        model.resize_token_embeddings(mask_id + 1)
+        with _transformers_quiet():  # its own note on mean resizing says what the line above says
+            model.resize_token_embeddings(mask_id + 1)
     return mask_id
 
 
@@ -108,3 +112,14 @@ def convert_checkpoint(
     model.save_pretrained(dst)
     tokenizer.save_pretrained(dst)
     return dst
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers' logging at error level for the duration (its warnings restate what hf_mars says)."""
+    previous = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(previous)

@@ -20,14 +20,32 @@ from hf_mars.tools import shipped
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def first_build(tmp_path_factory):
+    """The first build, as a user's first command makes it: in a fresh process; `(cache, its stderr)`."""
     cache = tmp_path_factory.mktemp("cache")
+    env = {**os.environ, "HF_MARS_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    code = "import hf_mars; hf_mars.default_checkpoint()"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return cache, result.stderr
+
+
+@pytest.fixture(scope="module")
+def built(first_build):
+    cache = first_build[0]
     old = os.environ.get("HF_MARS_CACHE")
     os.environ["HF_MARS_CACHE"] = str(cache)
     try:
         yield shipped.default_checkpoint(), cache
     finally:
         os.environ.pop("HF_MARS_CACHE") if old is None else os.environ.__setitem__("HF_MARS_CACHE", old)
+
+
+def test_the_first_build_is_quiet(first_build):
+    """It says what it builds and shows progress bars; no warning meant for someone converting their own model."""
+    lines = [line for line in first_build[1].splitlines() if line.strip() and "%|" not in line]  # bars aside
+    assert lines == [line for line in lines if line.startswith("Building the ")], lines
+    assert len(lines) == 2
 
 
 def test_the_delta_is_small_float16_and_carries_the_mask_row():

@@ -9,11 +9,13 @@ them into the base and saves a full MARS checkpoint in a cache folder, once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -151,19 +153,35 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(0)  # the resized <|mask|> row is random until the adapter's trained row replaces it
-    to_mars(model, tokenizer, block_size=mars["mars_block_size"])
+    with _quiet():  # the resize is expected here, and peft's deprecation warning is not the user's to act on
+        to_mars(model, tokenizer, block_size=mars["mars_block_size"])
     if mars.get("mars_mask_token_id") not in (None, model.config.mars_mask_token_id):
         raise ValueError(
             f"The delta was trained with <|mask|> = {mars['mars_mask_token_id']}, the base gives "
             f"{model.config.mars_mask_token_id}."
         )
-    model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
+    with _quiet():
+        model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
     model.generation_config.mars_lossless = {size: dict(tree) for size, tree in LOSSLESS.items()}
     extra = {"hf_mars_delta.txt": _build_stamp(delta) + "\n"}
     if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
         extra["README.md"] = MODEL_CARD.read_text()
     _save(dst, model, tokenizer, extra)
     return dst
+
+
+@contextlib.contextmanager
+def _quiet():
+    """A first build prints its progress and nothing else: no warnings meant for people converting their own models."""
+    convert_logger = logging.getLogger("hf_mars.convert")
+    level = convert_logger.level
+    convert_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        convert_logger.setLevel(level)
 
 
 def _save(dst: Path, model, tokenizer, extra: dict[str, str] | None = None) -> None:
