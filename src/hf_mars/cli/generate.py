@@ -52,12 +52,12 @@ def add_parser(subparsers) -> None:
     gen.add_argument(
         "--draft-candidates",
         type=int,
-        help="lossless: candidates for the first draft (mars_draft_candidates; 3 was fastest on a CPU)",
+        help="lossless: candidates for the first draft (mars_draft_candidates; `hf-mars tune` finds the fastest)",
     )
     gen.add_argument(
         "--lookup",
         type=int,
-        help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; 4 was fastest on a CPU)",
+        help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; `hf-mars tune` finds the fastest)",
     )
     gen.add_argument(
         "--mask-cost",
