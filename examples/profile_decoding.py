@@ -1,6 +1,7 @@
-"""Where a MARS decoding pass spends its time: the forward, token choice and acceptance, cache bookkeeping, the rest.
+"""Where a MARS decoding pass spends its time: the forward and each phase of the decoding loop.
 
-    python examples/profile_decoding.py [MODEL] [--tau 0.9] [--batch-size 1] [--verify] [--max-new-tokens 128] [--ops 12]
+    python examples/profile_decoding.py [MODEL] [--tau 0.9] [--batch-size 1] [--verify] [--max-new-tokens 128]
+                                         [--ops 12]
 
 Wraps the phases of the decoding loop with timers (nothing is changed in how they run) and times the model's forward
 with hooks; "loop and other" is what remains of the wall-clock time: the Python of the loop itself and the mask
@@ -69,14 +70,25 @@ def main():
     totals = defaultdict(float)
     restore = [timed(owner, name, totals, group) for group, items in GROUPS.items() for owner, name in items]
     state = {}
-    hooks = [model.register_forward_pre_hook(lambda *a: state.__setitem__("t", time.perf_counter())),
-             model.register_forward_hook(lambda *a: totals.__setitem__("forward", totals["forward"] + time.perf_counter() - state["t"]))]  # fmt: skip
+
+    def forward_done(*_):
+        totals["forward"] += time.perf_counter() - state["t"]
+
+    hooks = [
+        model.register_forward_pre_hook(lambda *_: state.__setitem__("t", time.perf_counter())),
+        model.register_forward_hook(forward_done),
+    ]
     passes = row_passes = tokens = 0
     start = time.perf_counter()
     try:
         for batch in batches:
-            out = model.generate(**encode(batch), max_new_tokens=args.max_new_tokens, mars_tau=args.tau,
-                                 mars_verify=args.verify, return_dict_in_generate=True)  # fmt: skip
+            out = model.generate(
+                **encode(batch),
+                max_new_tokens=args.max_new_tokens,
+                mars_tau=args.tau,
+                mars_verify=args.verify,
+                return_dict_in_generate=True,
+            )
             passes += out.mars_stats.forward_passes
             row_passes += int(out.mars_stats.passes_per_row.sum())
             tokens += int(out.mars_stats.new_tokens.sum())
@@ -88,9 +100,11 @@ def main():
             hook.remove()
     totals["loop and other"] = wall - sum(totals.values())
     mode = "lossless" if args.verify else "MARS"
-    print(f"{mode} τ={args.tau}, batch {args.batch_size}: {passes} passes, {tokens} tokens, "
-          f"{tokens / row_passes:.2f} tokens/forward, {1000 * wall / passes:.2f} ms per pass "
-          f"({torch.get_num_threads()} threads, {args.dtype})")  # fmt: skip
+    print(
+        f"{mode} τ={args.tau}, batch {args.batch_size}: {passes} passes, {tokens} tokens, "
+        f"{tokens / row_passes:.2f} tokens/forward, {1000 * wall / passes:.2f} ms per pass "
+        f"({torch.get_num_threads()} threads, {args.dtype})"
+    )
     for part in ("forward", *GROUPS, "loop and other"):
         print(f"  {part:<30} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
     if args.ops:  # a separate run: the profiler's own overhead stays out of the figures above
@@ -99,8 +113,9 @@ def main():
         cuda = model.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            model.generate(**encode(batches[0]), max_new_tokens=args.max_new_tokens, mars_tau=args.tau,
-                           mars_verify=args.verify)  # fmt: skip
+            model.generate(
+                **encode(batches[0]), max_new_tokens=args.max_new_tokens, mars_tau=args.tau, mars_verify=args.verify
+            )
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.ops))
 
