@@ -44,15 +44,36 @@ def add_parser(subparsers) -> None:
         help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
         "mars_lookup=L, e.g. 2x3 or 2x3+4",
     )
+    bench.add_argument(
+        "--host-bound",
+        action="store_true",
+        help="instead: ms per MARS pass against ms per plain step on a thin deep random model on one CPU thread, "
+        "a proxy for a small model on a GPU (uses --batch-sizes, --max-new-tokens, --repeats)",
+    )
     add_machine(bench)
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
     bench.set_defaults(run=run)
+
+
+def run_host_bound(args) -> None:
+    import torch
+
+    from ..tools.hostbound import format_pass_costs, host_bound_model, pass_costs
+
+    torch.set_num_threads(1)
+    model, tokenizer = host_bound_model()
+    rows = pass_costs(model, tokenizer, args.batch_sizes, args.max_new_tokens, args.repeats)
+    layers, width = model.config.num_hidden_layers, model.config.hidden_size
+    print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread\n")
+    print(format_pass_costs(rows))
 
 
 def run(args) -> None:
     from ..tools.bench import format_table, measure_mask_cost, run_benchmark
     from ..tools.evals import load_prompts
 
+    if args.host_bound:
+        return run_host_bound(args)
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
     costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`

@@ -1,0 +1,87 @@
+"""A CPU proxy for what a MARS pass costs on a GPU: a thin, deep random model on one thread.
+
+A 135M model on a GPU is host-bound: Python and kernel launches, not arithmetic, set the time of a step. A random
+Llama with many thin layers on one CPU thread is host-bound the same way, so what a MARS pass costs beyond a plain
+decoding step (its bookkeeping, its wider forward) shows here without a GPU. Random weights accept almost nothing,
+which is beside the point: the figure is the time of a pass against the time of a plain step.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+
+# What each mode is run with (eos_token_id=None: every row decodes max_new_tokens, so all modes do the same work)
+MODES = {
+    "MARS τ = 1": dict(mars_tau=1.0),
+    "MARS τ = 0.9": dict(mars_tau=0.9),
+    "lossless": dict(mars_verify=True, mars_tau=0.9),
+}
+
+
+def host_bound_model(layers: int = 30, hidden: int = 64, seed: int = 0):
+    """`(model, tokenizer)`: a random `layers`-deep Llama of width `hidden`, made MARS (B = 4), float32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ..convert import to_mars
+    from .toy import toy_tokenizer
+
+    tokenizer = toy_tokenizer()
+    config = LlamaConfig(
+        vocab_size=272,  # the toy tokenizer and a spare row for <|mask|>
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return to_mars(model, tokenizer, block_size=4), tokenizer
+
+
+def pass_costs(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, repeats: int = 5) -> list[dict]:
+    """ms per plain `generate()` step and ms per MARS pass in each mode, side by side in one run: the modes take
+    turns within each repeat (so a busy machine slows them alike) and the median repeat counts."""
+    rows = []
+    for batch in batch_sizes:
+        inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
+        seconds, passes = _time_modes(model, inputs, max_new_tokens, repeats)
+        step = seconds["plain generate()"] / max_new_tokens
+        for name, total in seconds.items():
+            per_pass = total / passes[name]
+            rows.append(dict(batch=batch, method=name, ms=1000 * per_pass, ratio=per_pass / step))
+    return rows
+
+
+def _time_modes(model, inputs, max_new_tokens: int, repeats: int) -> tuple[dict, dict]:
+    """Median seconds of a whole generation, and its forward passes, for plain `generate()` and each MARS mode."""
+    from transformers import GenerationMixin
+
+    kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None)
+    runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
+    for name, mars in MODES.items():
+        runs[name] = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+    times, passes = {name: [] for name in runs}, {}
+    with torch.no_grad():
+        for run in runs.values():  # warm-up
+            run()
+        for _ in range(repeats):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                out = run()
+                times[name].append(time.perf_counter() - start)
+                stats = getattr(out, "mars_stats", None)
+                passes[name] = stats.forward_passes if stats is not None else max_new_tokens
+    return {name: statistics.median(t) for name, t in times.items()}, passes
+
+
+def format_pass_costs(rows: list[dict]) -> str:
+    lines = ["| batch | method | ms per pass | per pass / plain step |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['method']} | {r['ms']:.2f} | {r['ratio']:.2f}x |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,27 @@
+"""`hf-mars bench --host-bound`: ms per MARS pass against ms per plain step on the host-bound CPU proxy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hf_mars.tools.hostbound import MODES, format_pass_costs, host_bound_model, pass_costs
+
+
+def test_pass_costs_time_every_mode_against_a_plain_step():
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    rows = pass_costs(model, tokenizer, batch_sizes=(1, 2), max_new_tokens=6, repeats=1)
+    assert [(r["batch"], r["method"]) for r in rows] == [(b, m) for b in (1, 2) for m in ("plain generate()", *MODES)]
+    assert all(r["ms"] > 0 for r in rows)
+    assert [r["ratio"] for r in rows if r["method"] == "plain generate()"] == [1.0, 1.0]
+    table = format_pass_costs(rows)
+    assert table.count("\n") == len(rows) + 1 and "| 2 | lossless |" in table
+
+
+def test_cli_host_bound_prints_the_proxy_table():
+    command = [sys.executable, "-m", "hf_mars.cli", "bench", "--host-bound", "--batch-sizes", "1"]
+    result = subprocess.run(
+        [*command, "--max-new-tokens", "4", "--repeats", "1"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "30 layers, hidden 64" in result.stdout and "| 1 | MARS τ = 0.9 |" in result.stdout
