@@ -1,12 +1,16 @@
-"""`hf-mars eval` (recipe step 4): tokens per forward, agreement with τ = 1 and task accuracy, per τ."""
+"""`hf-mars eval` (recipe step 4): per τ, tokens per forward, the share of answers identical to τ = 1's (and to the
+base model's with `--base`) and GSM8K / HumanEval accuracy, in one table (eval.md, eval.json) and a plot (eval.png)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-HELP = "recipe step 4: tokens/forward and accuracy per τ"
-DESCRIPTION = "Recipe step 4: tokens/forward, agreement with τ = 1 and GSM8K/HumanEval accuracy per τ."
+HELP = "recipe step 4: tokens/forward and accuracy per τ, plotted"
+DESCRIPTION = (
+    "Recipe step 4: per τ, tokens/forward, the share of answers identical to τ = 1 (and to the base model with "
+    "--base) and GSM8K/HumanEval accuracy; writes eval.md, eval.json and eval.png."
+)
 
 
 def add_parser(subparsers) -> None:
@@ -21,14 +25,14 @@ def add_parser(subparsers) -> None:
     ev.add_argument("--batch-size", type=int, default=16)
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ev.add_argument("--output", default="outputs/eval", help="folder for eval.json and eval.md")
+    ev.add_argument("--output", default="outputs/eval", help="folder for eval.md, eval.json and eval.png")
     ev.set_defaults(run=run)
 
 
 def run(args) -> None:
     import torch
 
-    from ..tools.evals import eval_prompts, format_tau_table, tau_table
+    from ..tools.evals import eval_prompts, format_tau_table, save_tau_plot, tau_table
     from ..tools.loading import load_checkpoint
 
     model, tokenizer = load_checkpoint(args.model, None, args.dtype)
@@ -57,7 +61,9 @@ def run(args) -> None:
     )
     (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
     (out / "eval.md").write_text(text + "\n")
-    print(f"Wrote {out / 'eval.json'} and {out / 'eval.md'}")
+    title = f"{meta['model']}: {args.gsm8k} GSM8K, {args.humaneval} HumanEval, {args.dtype}"
+    save_tau_plot(table, out / "eval.png", title=title)
+    print(f"Wrote {out / 'eval.md'}, {out / 'eval.json'} and {out / 'eval.png'}")
 
 
 def _base_model(dtype: str):

@@ -442,15 +442,11 @@ def save(
     Path(json_path).write_text(json.dumps({"meta": meta or {}, "cells": [asdict(c) for c in cells]}, indent=2))
     if png_path is None:
         return
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise ImportError("The benchmark's plot needs matplotlib: pip install 'hf_mars[bench]'") from err
+    from .plots import save_figure, tau_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    plt, fig, axes = tau_figure(
+        ["tokens per forward", "speed-up over AR generate()"], "The benchmark's plot needs matplotlib"
+    )
     prefixes = sorted({c.method.split(" tau=")[0] for c in cells if " tau=" in c.method})
     for prefix in prefixes:
         style = ("--" if prefix.startswith("lossless") else "-") + ("o" if "cost" not in prefix else "^")
@@ -465,13 +461,6 @@ def save(
             taus = [t for t, _ in row]
             axes[0].plot(taus, [c.tokens_per_forward for _, c in row], style, label=f"{prefix} batch {batch_size}")
             axes[1].plot(taus, [c.speedup for _, c in row], style, label=f"{prefix} batch {batch_size}")
-    for ax, label in zip(axes, ("tokens per forward", "speed-up over AR generate()")):
-        ax.set_xlabel("τ")
-        ax.set_ylabel(label)
-        ax.invert_xaxis()
-        ax.grid(alpha=0.3)
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, png_path)

@@ -109,16 +109,21 @@ def _prompt_row(row: dict, tokenizer, where: str) -> dict:
 
 
 def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
-    """Greedy answers (text) and tokens per forward: plain `generate()` when `tau` is None, else MARS at τ."""
+    """Greedy answers (text) and tokens per forward, over all rows and per task: plain `generate()` when `tau` is
+    None, else MARS at τ. A batch holds one task's rows, of similar lengths."""
     from tqdm.auto import tqdm
 
     tokenizer.padding_side = "left"
     eos_ids = eos_token_ids(model, tokenizer)
-    tokens, passes = 0, 0
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))  # similar lengths batch together
+    tokens, passes = {}, {}
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["task"], len(rows[i]["prompt"])))
+    batches = [
+        [i for i in order if rows[i]["task"] == task][start : start + batch_size]
+        for task in sorted({row["task"] for row in rows})
+        for start in range(0, sum(row["task"] == task for row in rows), batch_size)
+    ]
     answers = [None] * len(rows)
-    for start in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False):
-        idx = order[start : start + batch_size]
+    for idx in tqdm(batches, desc=desc, leave=False):
         chats = [chat_text(tokenizer, [{"role": "user", "content": rows[i]["prompt"]}]) for i in idx]
         enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
         with torch.inference_mode():
@@ -128,11 +133,13 @@ def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
                 seqs, row_passes = generate_mars(model, tau, **enc, max_new_tokens=max_new_tokens)
         new = seqs[:, enc.input_ids.shape[1] :]
         n_new = count_new_tokens(new, tokenizer, eos_ids)
-        tokens += n_new
-        passes += n_new if row_passes is None else row_passes
+        task = rows[idx[0]]["task"]
+        tokens[task] = tokens.get(task, 0) + n_new
+        passes[task] = passes.get(task, 0) + (n_new if row_passes is None else row_passes)
         for i, row in zip(idx, new):
             answers[i] = tokenizer.decode(row, skip_special_tokens=True)
-    return answers, tokens / max(passes, 1)
+    per_task = {task: tokens[task] / max(passes[task], 1) for task in tokens}
+    return answers, sum(tokens.values()) / max(sum(passes.values()), 1), per_task
 
 
 def score(rows: list[dict], answers: list[str]) -> dict[str, float]:
@@ -154,39 +161,99 @@ def tau_table(
     batch_size: int = 16,
     max_new_tokens: int = 256,
 ) -> list[dict]:
-    """One dict per setting: {"setting", "tau", "tokens_per_forward", "same_as_tau1", <task>: accuracy}."""
-    table, reference = [], None
+    """One dict per setting: {"setting", "tau", "tokens_per_forward", "tokens_per_forward_by_task", "same_as_tau1",
+    "same_as_base", <task>: accuracy, "answers"}. Shares and accuracies are in percent; "same_as_tau1" is None when
+    τ = 1 is not among `taus`, "same_as_base" when there is no `base_model` (else its row comes first, `tau` None);
+    "answers" are the decoded answers, in the order of `rows`."""
+    table, reference, base_answers = [], None, None
     if base_model is not None:
-        answers, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, "base model")
+        base_answers, _, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, "base model")
         table.append(
-            {"setting": "base model, generate()", "tau": None, "tokens_per_forward": 1.0, **score(rows, answers)}
+            {
+                "setting": "base model, generate()",
+                "tau": None,
+                "tokens_per_forward": 1.0,
+                "tokens_per_forward_by_task": {task: 1.0 for task in {row["task"] for row in rows}},
+                "same_as_tau1": None,
+                "same_as_base": 100.0,
+                **score(rows, base_answers),
+                "answers": base_answers,
+            }
         )
     for tau in sorted(taus, reverse=True):
-        answers, per_forward = _decode(model, tokenizer, rows, batch_size, max_new_tokens, f"tau={tau}", tau)
+        answers, per_forward, by_task = _decode(model, tokenizer, rows, batch_size, max_new_tokens, f"tau={tau}", tau)
         reference = reference if reference is not None else (answers if tau >= 1 else None)
-        same = None if reference is None else 100.0 * sum(a == b for a, b in zip(answers, reference)) / len(rows)
         table.append(
             {
                 "setting": f"MARS tau={tau}",
                 "tau": tau,
                 "tokens_per_forward": per_forward,
-                "same_as_tau1": same,
+                "tokens_per_forward_by_task": by_task,
+                "same_as_tau1": _same(answers, reference),
+                "same_as_base": _same(answers, base_answers),
                 **score(rows, answers),
+                "answers": answers,
             }
         )
     return table
 
 
+def _same(answers: list[str], reference: list[str] | None) -> float | None:
+    """Percent of answers identical to the reference's (None without a reference)."""
+    if reference is None:
+        return None
+    return 100.0 * sum(a == b for a, b in zip(answers, reference)) / max(len(answers), 1)
+
+
+TASK_NAMES = {"gsm8k": "GSM8K acc.", "humaneval": "HumanEval pass@1"}
+
+
 def format_tau_table(table: list[dict]) -> str:
-    """A Markdown table (the model card and the README use it as is)."""
-    tasks = [t for t in ("gsm8k", "humaneval") if any(t in row for row in table)]
-    names = {"gsm8k": "GSM8K acc.", "humaneval": "HumanEval pass@1"}
-    lines = [
-        "| setting | tokens/forward | same as τ = 1 | " + " | ".join(names[t] for t in tasks) + " |",
-        "| --- | --- | --- | " + " | ".join("---" for _ in tasks) + " |",
-    ]
+    """A Markdown table, one row per setting: tokens per forward, the shares of answers identical to τ = 1's (and to
+    the base model's, when it was scored) and the accuracy on each set."""
+    tasks = [t for t in TASK_NAMES if any(t in row for row in table)]
+    with_base = any(row.get("tau") is None for row in table)
+    head = ["setting", "tokens/forward", "same as τ = 1"] + ["same as base"] * with_base
+    head += [TASK_NAMES[t] for t in tasks]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in table:
-        same = "" if row.get("same_as_tau1") is None else f"{row['same_as_tau1']:.0f}%"
-        accs = " | ".join(f"{row[t]:.1f}%" for t in tasks)
-        lines.append(f"| {row['setting'].replace('tau', 'τ')} | {row['tokens_per_forward']:.2f} | {same} | {accs} |")
+        cells = [row["setting"].replace("tau", "τ"), f"{row['tokens_per_forward']:.2f}", _percent(row, "same_as_tau1")]
+        cells += [_percent(row, "same_as_base")] * with_base + [_percent(row, t, 1) for t in tasks]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _percent(row: dict, key: str, digits: int = 0) -> str:
+    return "" if row.get(key) is None else f"{row[key]:.{digits}f}%"
+
+
+def save_tau_plot(table: list[dict], path: str | Path, title: str | None = None) -> Path:
+    """eval.png: tokens per forward against τ, over all prompts and per set (left); each set's accuracy and the
+    shares of answers identical to τ = 1's and to the base model's against τ (right; the base model's accuracy as
+    dashed lines). The style of bench.png (`plots.tau_figure`)."""
+    from .plots import save_figure, tau_figure
+
+    plt, fig, axes = tau_figure(["tokens per forward", "percent"], "The evaluation's plot needs matplotlib")
+    mars = sorted((row for row in table if row.get("tau") is not None), key=lambda row: row["tau"])
+    taus = [row["tau"] for row in mars]
+    axes[0].plot(taus, [row["tokens_per_forward"] for row in mars], "-o", label="all prompts")
+    for task, name in TASK_NAMES.items():
+        if any(task in row.get("tokens_per_forward_by_task", {}) for row in mars):
+            per = [row["tokens_per_forward_by_task"].get(task) for row in mars]
+            axes[0].plot(taus, per, "--^", label=name.split()[0])
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    base = next((row for row in table if row.get("tau") is None), None)
+    for task, name in TASK_NAMES.items():
+        if any(task in row for row in mars):
+            (line,) = axes[1].plot(taus, [row.get(task) for row in mars], "-o", label=name)
+            if base is not None and task in base:
+                axes[1].axhline(base[task], color=line.get_color(), ls="--", lw=0.8, label=f"{name}, base model")
+    for key, label, color in (("same_as_tau1", "same as τ = 1", "grey"), ("same_as_base", "same as base", "black")):
+        if any(row.get(key) is not None for row in mars):
+            axes[1].plot(taus, [row.get(key) for row in mars], ":s", color=color, label=label)
+    for ax in axes:
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    save_figure(plt, fig, path)
+    return Path(path)
