@@ -59,7 +59,8 @@ def run(args) -> None:
         max_new_tokens=args.max_new_tokens,
         threads=torch.get_num_threads(),
     )
-    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
+    answers = {row["setting"]: row.pop("answers") for row in table}  # rows: the table alone, as `push --tau-table`
+    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table, "answers": answers}, indent=2))
     (out / "eval.md").write_text(text + "\n")
     title = f"{meta['model']}: {args.gsm8k} GSM8K, {args.humaneval} HumanEval, {args.dtype}"
     save_tau_plot(table, out / "eval.png", title=title)

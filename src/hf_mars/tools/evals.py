@@ -161,10 +161,10 @@ def tau_table(
     batch_size: int = 16,
     max_new_tokens: int = 256,
 ) -> list[dict]:
-    """One dict per setting: {"setting", "tau", "tokens_per_forward", "tokens_per_forward_by_task", "same_as_tau1",
-    "same_as_base", <task>: accuracy, "answers"}. Shares and accuracies are in percent; "same_as_tau1" is None when
-    τ = 1 is not among `taus`, "same_as_base" when there is no `base_model` (else its row comes first, `tau` None);
-    "answers" are the decoded answers, in the order of `rows`."""
+    """One dict per setting: {"setting", "tau", "tokens_per_forward", "tokens_per_forward_<task>" for each task,
+    "same_as_tau1", "same_as_base", <task>: accuracy, "answers"}. Shares and accuracies are in percent;
+    "same_as_tau1" is None when τ = 1 is not among `taus`, "same_as_base" when there is no `base_model` (else its
+    row comes first, `tau` None); "answers" are the decoded answers, in the order of `rows`."""
     table, reference, base_answers = [], None, None
     if base_model is not None:
         base_answers, _, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, "base model")
@@ -173,7 +173,7 @@ def tau_table(
                 "setting": "base model, generate()",
                 "tau": None,
                 "tokens_per_forward": 1.0,
-                "tokens_per_forward_by_task": {task: 1.0 for task in {row["task"] for row in rows}},
+                **{f"tokens_per_forward_{task}": 1.0 for task in sorted({row["task"] for row in rows})},
                 "same_as_tau1": None,
                 "same_as_base": 100.0,
                 **score(rows, base_answers),
@@ -188,7 +188,7 @@ def tau_table(
                 "setting": f"MARS tau={tau}",
                 "tau": tau,
                 "tokens_per_forward": per_forward,
-                "tokens_per_forward_by_task": by_task,
+                **{f"tokens_per_forward_{task}": value for task, value in sorted(by_task.items())},
                 "same_as_tau1": _same(answers, reference),
                 "same_as_base": _same(answers, base_answers),
                 **score(rows, answers),
@@ -238,8 +238,8 @@ def save_tau_plot(table: list[dict], path: str | Path, title: str | None = None)
     taus = [row["tau"] for row in mars]
     axes[0].plot(taus, [row["tokens_per_forward"] for row in mars], "-o", label="all prompts")
     for task, name in TASK_NAMES.items():
-        if any(task in row.get("tokens_per_forward_by_task", {}) for row in mars):
-            per = [row["tokens_per_forward_by_task"].get(task) for row in mars]
+        if any(f"tokens_per_forward_{task}" in row for row in mars):
+            per = [row.get(f"tokens_per_forward_{task}") for row in mars]
             axes[0].plot(taus, per, "--^", label=name.split()[0])
     axes[0].axhline(1.0, color="grey", lw=0.8)
     base = next((row for row in table if row.get("tau") is None), None)
