@@ -17,6 +17,7 @@ COMMANDS = [
     "distill",
     "export-delta",
     "eval",
+    "recipe",
     "convert",
     "push",
     "push-space",

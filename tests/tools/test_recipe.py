@@ -10,7 +10,6 @@ from helpers import make_model, make_tokenizer
 
 from hf_mars.tools.data import (
     distill,
-    gsm8k_test,
     humaneval,
     training_prompts,
     write_reference_set,
@@ -24,22 +23,8 @@ from hf_mars.tools.evals import (
 )
 
 
-def test_training_prompts_are_mixed_and_hold_no_evaluation_problem():
-    prompts = training_prompts(30, 20, 10, seed=3)
-    sources = {p["source"] for p in prompts}
-    assert {"gsm_symbolic", "mbpp"} <= sources and len(sources) >= 5
-    assert len(prompts) >= 60 and prompts == training_prompts(30, 20, 10, seed=3)  # reproducible
-    held_out = {p["prompt"].split("\nGive the result")[0][:80] for p in gsm8k_test()}
-    held_out |= {p["problem"]["prompt"][:80] for p in humaneval()}
-    assert not any(p["prompt"][:80] in held_out for p in prompts)
-    # Each prompt carries its dataset's own answer: a worked solution, a short answer, reference code
-    by_source = {p["source"]: p["reference"] for p in prompts}
-    assert "####" in by_source["gsm_symbolic"] and by_source["mbpp"].startswith("```python\ndef ")
-    assert all(isinstance(p["reference"], str) and p["reference"] for p in prompts)
-
-
 def test_reference_set_has_the_prompts_of_the_training_set(tmp_path):
-    prompts = training_prompts(6, 10, 4, seed=1)
+    prompts = training_prompts(20, seed=1)
     train = [
         {"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": f"own {i}"}]}
         for i, p in enumerate(prompts[::2])
@@ -109,3 +94,94 @@ def test_tau_table_on_a_trained_toy(trained_toy):
     text = format_tau_table(table)
     assert "| MARS τ=0.5 |" in text and "GSM8K" in text and "HumanEval" not in text
     assert torch.is_grad_enabled()  # decoding ran under inference_mode without leaking it
+
+
+def test_distill_stops_at_its_time_budget_and_reports(tmp_path):
+    tok, model = make_tokenizer(), make_model("llama")
+    prompts = [{"prompt": f"count {i} {i + 1}", "source": "toy"} for i in range(6)]
+    out = tmp_path / "distilled.jsonl"
+    stats = distill(model, tok, prompts, out, max_new_tokens=4, batch_size=2, time_budget=0)
+    assert stats["answered"] == 0 and stats["stopped"] == "time budget" and out.read_text() == ""
+    stats = distill(model, tok, prompts, out, max_new_tokens=4, batch_size=2)
+    rows = [json.loads(line) for line in out.open()]
+    assert stats["answered"] == len(rows) == 6 and stats["stopped"] == "done"
+    assert stats["finished"] == sum(r["finished"] for r in rows)
+    assert stats["finished"] * 1 <= stats["new_tokens"] <= 6 * 4
+
+
+@pytest.fixture
+def toy_base(tmp_path):
+    """A tiny random Llama saved as a base model. A random model seldom writes EOS, so most of its tokens end an
+    answer here (generation_config.eos_token_id): self-distillation then has finished answers to keep."""
+    tok = make_tokenizer()
+    model = make_model("llama", tie_word_embeddings=True, max_position_embeddings=2048)
+    model.generation_config.eos_token_id = [tok.eos_token_id, *range(130, 272)]
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def recipe_cli(base, out, *extra):
+    from hf_mars.cli import main
+
+    main(
+        ["recipe", "--output-dir", str(out), "--model", str(base), "--prompts", "12", "--device", "cpu"]
+        + ["--sources", "gym:basic_arithmetic", "gym:chain_sum", "mbpp", "--dtype", "float32"]
+        + ["--max-new-tokens", "8", "--batch-size", "4", "--max-length", "256", "--train-args", "--max_steps 2"]
+        + ["--eval-gsm8k", "2", "--eval-humaneval", "0", "--eval-taus", "1.0", "0.5", "--eval-batch-size", "2"]
+        + list(extra)
+    )
+
+
+def test_recipe_runs_every_stage_then_skips_what_is_done(toy_base, tmp_path, capsys):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_mars.tools.loading import load_checkpoint
+
+    out = tmp_path / "run"
+    recipe_cli(toy_base, out)
+    report = json.loads((out / "prompts.json").read_text())
+    assert sum(report["counts"].values()) == 12 == len((out / "prompts.jsonl").read_text().splitlines())
+    distilled = json.loads((out / "distill.json").read_text())
+    assert distilled["answered"] == 12 and distilled["kept"] == len((out / "train.jsonl").read_text().splitlines())
+    assert all(v.dtype == torch.float16 for v in load_file(out / "delta" / "adapter_model.safetensors").values())
+    model, _ = load_checkpoint(str(out / "checkpoint"))
+    plain = AutoModelForCausalLM.from_pretrained(toy_base)
+    assert model.config.mars_block_size == 4 and type(model).__name__.startswith("MARS")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(model.state_dict()[q], plain.state_dict()[q])  # the trained LoRA is merged in
+    table = json.loads((out / "eval-lora" / "eval.json").read_text())["rows"]
+    assert [row["tau"] for row in table] == [None, 1.0, 0.5]  # the base model first
+    assert table[1]["same_as_tau1"] == 100.0
+
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    recipe_cli(toy_base, out)  # a second run finds every stage done
+    printed = capsys.readouterr().out
+    assert all(f"[{stage}] done already" in printed for stage in ("prompts", "distill", "train", "export", "eval"))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files
+
+    recipe_cli(toy_base, out, "--full-finetune")  # the same data, a full fine-tune beside the LoRA run
+    printed = capsys.readouterr().out
+    assert "[prompts] done already" in printed and "[distill] done already" in printed
+    full, _ = load_checkpoint(str(out / "mars-full"))
+    assert not torch.equal(full.state_dict()[q], plain.state_dict()[q])
+    assert (out / "eval-full" / "eval.json").is_file()
+
+
+def test_recipe_and_distill_refuse_bad_input_in_one_line(toy_base, tmp_path):
+    from hf_mars.cli import main
+
+    for argv, message in [
+        (["recipe", "--output-dir", str(tmp_path / "a"), "--prompts", "0"], "--prompts must be at least 1"),
+        (["distill", "--output-dir", str(tmp_path / "b"), "--sources", "gym:gsm_symbolic"], "GSM8K test"),
+        (["distill", "--output-dir", str(tmp_path / "c"), "--prompts", "600", "--sources", "mbpp"], "supply 499"),
+        (["distill", "--output-dir", str(tmp_path / "d"), "--model", str(tmp_path)], "no config.json"),
+    ]:
+        with pytest.raises(SystemExit) as err:
+            main(argv)
+        assert message in str(err.value) and "\n" not in str(err.value)
+    recipe_cli(toy_base, tmp_path / "e", "--eval-gsm8k", "0")
+    with pytest.raises(SystemExit, match="other settings .*prompts 12 -> 13"):
+        recipe_cli(toy_base, tmp_path / "e", "--prompts", "13")

@@ -12,13 +12,26 @@ import importlib
 import sys
 
 # Modules, in the order `hf-mars --help` lists their commands (`push` registers push and push-space).
-COMMANDS = ("generate", "train", "demo", "bench", "tune", "distill", "export_delta", "eval", "convert", "push")
+COMMANDS = (
+    "generate",
+    "train",
+    "demo",
+    "bench",
+    "tune",
+    "distill",
+    "export_delta",
+    "eval",
+    "recipe",
+    "convert",
+    "push",
+)
 
 DESCRIPTION = "MARS multi-token decoding for Hugging Face causal LMs: decode, measure, train, convert and publish."
 EPILOG = """examples:
     hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless [--draft-candidates N] [--lookup L]]
     hf-mars tune [MODEL] [--limit 8] [--trees 2x3+4 ...] [--save]    (the fastest lossless draft tree on this machine)
     hf-mars train --model_name_or_path M --dataset_name D --output_dir O [TRL SFT arguments] [--mars_block_size 4]
+    hf-mars recipe --output-dir OUT [--prompts 100000] [--max-new-tokens 512] [--full-finetune] [--time-budget S]
     hf-mars demo [--steps 800] [--block-size 4] [--output-dir outputs/mars-demo]
     hf-mars convert SRC DST [--block-size 4] [--tau 0.9]
     hf-mars push DIR REPO_ID [--private] [--revision BRANCH] [--tau-table FILE] [--base-model ID] [--license L]
