@@ -11,7 +11,8 @@ interruption (or after a finished run) continues where the last one stopped:
    resumed; done when the final save is there.
 4. export: `delta/` (LoRA: the adapter and the `<|mask|>` row in float16, `shipped.export_delta`) and `checkpoint/`
    (the merged MARS checkpoint, `shipped.build_checkpoint` for the shipped base); done when `checkpoint/config.json`.
-5. eval: `eval-lora/` or `eval-full/` (`eval.md`, `eval.json`), the τ table of `evals.tau_table` on the device.
+5. eval: `eval-lora/` or `eval-full/` (`eval.md`, `eval.json`, `eval.png`): the τ table of `evals.tau_table`,
+   decoded on the device.
 
 A full fine-tune's training folder is itself a MARS checkpoint (remote code included): the export stage has nothing
 to do and `checkpoint` is `mars-full/`. The settings that define the data (prompts, sources, seed, base model,
@@ -265,7 +266,7 @@ def evaluate(recipe: Recipe) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .evals import eval_prompts, format_tau_table, tau_table
+    from .evals import eval_prompts, format_tau_table, save_tau_plot, tau_table
     from .loading import load_checkpoint
 
     device = resolve_device(recipe.device)
@@ -295,8 +296,14 @@ def evaluate(recipe: Recipe) -> Path:
         device=device,
         max_new_tokens=recipe.max_new_tokens,
     )
-    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table}, indent=2))
+    answers = {row["setting"]: row.pop("answers") for row in table}  # as hf-mars eval writes it
+    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table, "answers": answers}, indent=2))
     (out / "eval.md").write_text(text + "\n")
+    try:
+        title = f"{recipe.checkpoint.name}: {recipe.eval_gsm8k} GSM8K, {recipe.eval_humaneval} HumanEval"
+        save_tau_plot(table, out / "eval.png", title=title)
+    except ImportError as err:  # matplotlib is optional (the bench extra): the table is the result
+        print(f"[eval] no eval.png: {err}")
     print(f"[eval] wrote {out / 'eval.md'} and {out / 'eval.json'}")
     return out
 
