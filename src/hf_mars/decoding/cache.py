@@ -9,13 +9,17 @@ a left-padded prompt is), so a row that accepted fewer leaves holes: cache slots
 which slots hold tokens; it becomes the 2D attention mask, and position ids count real tokens only. `compact()`
 squeezes the holes out when they grow to a large share of the cache.
 
+With `generate(..., cache_implementation="static")` (and so `torch.compile`), transformers' own `StaticCache` holds
+the K/V instead and `StaticMARSCache` keeps the same books over it: every pass has the same width, writes at the
+same offset for the whole batch, and the masks' slots are overwritten by the next pass instead of cropped.
+
 This file is copied into MARS checkpoints (trust_remote_code): it imports torch, transformers and `tree.py` only.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from .tree import NO_DRAFTS, DraftTree
 
@@ -23,10 +27,14 @@ from .tree import NO_DRAFTS, DraftTree
 class MARSCache(DynamicCache):
     """A `DynamicCache` plus the per-row bookkeeping of MARS decoding.
 
+    Rows leave the batch as they finish (`keep_rows`), and passes are as wide as their content: shapes change.
+
     Attributes:
         real (`torch.BoolTensor` of shape `(batch, cached_len)`): which cache slots hold real tokens.
         next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
     """
+
+    fixed_shapes = False
 
     def __init__(self, batch_size: int, device: torch.device | str):
         super().__init__()  # no config: every layer a full `DynamicLayer`, whose `crop` drops the trailing masks
@@ -45,19 +53,25 @@ class MARSCache(DynamicCache):
         Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
         as `generate()` does for unpadded batches.
         """
-        batch, width = new_real.shape
-        groups = len(tree) + 1
-        pending = new_real[:, : width - len(tree)]
-        pending_positions = self.next_position[:, None] + pending.long().cumsum(dim=1) - 1
-        root = pending_positions[:, -1:]
-        draft_positions = root + tree.on(root.device)[1]
-        anchors = torch.cat([root, draft_positions], dim=1)  # (batch, groups): the token each group follows
-        mask_positions = (anchors[:, :, None] + torch.arange(1, num_masks + 1, device=root.device)).reshape(batch, -1)
-        position_ids = torch.cat([pending_positions, draft_positions, mask_positions], dim=1).clamp(min=0)
-        masks = torch.ones(batch, groups * num_masks, dtype=torch.bool, device=new_real.device)
+        position_ids = _positions(self.next_position, new_real, num_masks, tree)
+        masks = torch.ones(new_real.shape[0], (len(tree) + 1) * num_masks, dtype=torch.bool, device=new_real.device)
         real = torch.cat([self.real, new_real, masks], dim=1)
         attention_mask = None if bool(real.all()) else real.long()
         return attention_mask, position_ids
+
+    @property
+    def kv(self) -> MARSCache:
+        """What the model's forward reads and writes: this cache itself."""
+        return self
+
+    @property
+    def length(self) -> int:
+        """Cache slots before this pass's."""
+        return self.get_seq_length()
+
+    def kv_length(self, width: int) -> int:
+        """Keys a pass of `width` tokens attends over."""
+        return self.length + width
 
     def commit(self, new_real: torch.BoolTensor, num_masks: int) -> None:
         """After a pass: drop the K/V of the trailing masks and record the real tokens just cached."""
@@ -90,6 +104,71 @@ class MARSCache(DynamicCache):
             layer.keys = _gather_slots(layer.keys, order)
             layer.values = _gather_slots(layer.values, order)
         self.real = self.real.gather(1, order)
+
+
+class StaticMARSCache:
+    """The bookkeeping of `MARSCache` over transformers' own `StaticCache`, for fixed shapes (`torch.compile`).
+
+    Every pass writes its `[pending | drafts | masks]` at the same slots for the whole batch, from `length` on (the
+    static layers count them). After the pass the layers step back over the masks, so the next pass overwrites them:
+    nothing is cropped, nothing is reallocated. A row that takes fewer tokens than the pass's pending width leaves
+    holes, as in `MARSCache`; rows stay in the batch until all have finished, as in `generate()`, so that shapes
+    never change. The attention mask is always the whole `(batch, max_cache_len)` slot map.
+
+    Attributes:
+        kv (`StaticCache`): what the model's forward reads and writes.
+        real (`torch.BoolTensor` of shape `(batch, max_cache_len)`): which slots hold real tokens (or this pass's).
+        next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
+        length (`int`): slots committed so far.
+    """
+
+    fixed_shapes = True
+
+    def __init__(self, cache: StaticCache, batch_size: int, device: torch.device | str):
+        self.kv = cache
+        self.size = cache.get_max_length()
+        self.real = torch.zeros(batch_size, self.size, dtype=torch.bool, device=device)
+        self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.length = 0
+
+    def step_inputs(
+        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = NO_DRAFTS
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot map as attention mask, and position ids, for a pass (see `MARSCache.step_inputs`)."""
+        width = new_real.shape[1] + (len(tree) + 1) * num_masks
+        if self.length + width > self.size:
+            raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
+        self.real[:, self.length : self.length + new_real.shape[1]] = new_real
+        self.real[:, self.length + new_real.shape[1] : self.length + width] = True
+        return self.real, _positions(self.next_position, new_real, num_masks, tree)
+
+    def kv_length(self, width: int) -> int:
+        return self.size
+
+    def commit(self, new_real: torch.BoolTensor, num_masks: int) -> None:
+        """After a pass: the layers step back over the masks, and the real tokens just cached are recorded."""
+        if num_masks:
+            torch._foreach_sub_([layer.cumulative_length for layer in self.kv.layers], num_masks)
+        self.real[:, self.length : self.length + new_real.shape[1]] = new_real
+        self.length += new_real.shape[1]
+        self.next_position = self.next_position + new_real.sum(dim=1)
+
+
+def static_size(prompt_length: int, budget: int, slots_per_pass: int, widest: int) -> int:
+    """Static cache slots a generation may need: each pass that yields a token may advance `slots_per_pass`."""
+    return prompt_length + budget * slots_per_pass + widest
+
+
+def _positions(next_position, new_real, num_masks: int, tree: DraftTree):
+    """Position ids of `[new tokens (right-aligned) | masks]`: see `MARSCache.step_inputs`."""
+    batch, width = new_real.shape
+    pending = new_real[:, : width - len(tree)]
+    pending_positions = next_position[:, None] + pending.long().cumsum(dim=1) - 1
+    root = pending_positions[:, -1:]
+    draft_positions = root + tree.on(root.device)[1]
+    anchors = torch.cat([root, draft_positions], dim=1)  # (batch, groups): the token each group follows
+    mask_positions = (anchors[:, :, None] + torch.arange(1, num_masks + 1, device=root.device)).reshape(batch, -1)
+    return torch.cat([pending_positions, draft_positions, mask_positions], dim=1).clamp(min=0)
 
 
 def _gather_slots(states: torch.Tensor, order: torch.LongTensor) -> torch.Tensor:

@@ -12,6 +12,10 @@ feeds a pass's mask predictions back as drafts that the next pass verifies (`ver
 `_next_inputs` (what the next pass feeds) and `_retire` (rows that stopped leave the batch). τ is read before every
 pass, so it may be a number, a callable, or a `TauController` changed while a generation runs.
 
+With `cache_implementation="static"` the K/V live in transformers' `StaticCache` and every pass after the first has
+the same shape (`StaticMARSCache`), so the compiled forward of `generate()`'s own compile path (`compile_config`)
+is reused from pass to pass; the tokens are the dynamic cache's.
+
 This file is copied into MARS checkpoints (trust_remote_code), with the sibling modules it imports.
 """
 
@@ -24,13 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, GenerationMixin
+from transformers import DynamicCache, GenerationMixin, StaticCache
+from transformers.cache_utils import StaticLayer
 from transformers.generation import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache
+from .cache import MARSCache, StaticMARSCache, static_size
 from .schedule import MaskSchedule
 from .scoring import Histories, choose, history_free
 from .settings import MARSSettings, TauController, mars_settings, read_tau, resolve_settings
@@ -233,12 +238,15 @@ class _Run:
     pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
     pending_real: torch.Tensor
     drafts: Drafts
-    cache: MARSCache
+    cache: MARSCache | StaticMARSCache
+    compiled: Callable | None  # the compiled forward of passes after the first (a static cache), else None
     schedule: MaskSchedule
     stopping: Stopping
     decoded: torch.Tensor  # (batch,) new tokens decoded
     ended: torch.Tensor  # (batch,) rows that reached EOS or the length limit: they decode no more
     passes: torch.Tensor  # (batch,) passes each row took part in
+    active: torch.Tensor  # (batch,) rows still decoding (with a static cache, the others stay in the batch, idle)
+    live: bool = True  # any row still decoding
     streamer: object = None
     stats: MARSStats = field(default_factory=MARSStats)
 
@@ -279,7 +287,7 @@ def mars_decode(
     run.streamer = streamer
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    while run.rows.numel() > 0:
+    while run.live:
         step = _forward(model, run, read_tau(settings.tau))
         tokens, accepted = _accept(run, step)
         _commit(run, step, tokens, accepted)
@@ -294,7 +302,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     device = input_ids.device
     _check_decodable(model, generation_config, settings, prompt_length)
     cached = model_kwargs.get("past_key_values")
-    if cached is not None and cached.get_seq_length() > 0:
+    if cached is not None and bool(cached.get_seq_length() > 0):
         raise ValueError("MARS decoding starts from an empty cache; do not pass a filled `past_key_values`.")
     eos = generation_config._eos_token_tensor
     eos = torch.empty(0, dtype=torch.long, device=device) if eos is None else eos.to(device).view(-1)
@@ -309,6 +317,9 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     do_sample = generation_config.do_sample
     branching = not do_sample and (not processors or history_free(processors))
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    candidates = settings.draft_candidates if branching else 1
+    lookup = settings.lookup if settings.verify and branching else 0
+    cache, compiled = _cache(model, generation_config, settings, model_kwargs, input_ids, candidates, lookup)
     return _Run(
         settings=settings,
         processors=processors,
@@ -318,27 +329,59 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
         pad_token_id=pad_token_id,
         eos=eos,
         do_sample=do_sample,
-        candidates=settings.draft_candidates if branching else 1,
-        lookup=settings.lookup if settings.verify and branching else 0,
+        candidates=candidates,
+        lookup=lookup,
         logits_to_keep=model._supports_logits_to_keep(),
         rows=torch.arange(batch, device=device),
         pending=input_ids,
         pending_real=torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool(),
         drafts=Drafts.none(batch, device),
-        cache=MARSCache(batch, device),
+        cache=cache,
+        compiled=compiled,
         schedule=MaskSchedule(settings.mask_cost, batch, settings.block_size - 1, device),
         stopping=Stopping(criteria, sequences, prompt_length, pad_token_id),
         decoded=zeros,
         ended=torch.zeros(batch, dtype=torch.bool, device=device),
         passes=zeros.clone(),
+        active=torch.ones(batch, dtype=torch.bool, device=device),
     )
+
+
+def _cache(model, generation_config, settings, model_kwargs, input_ids, candidates, lookup):
+    """`(cache, compiled forward or None)`. A `StaticCache` that `generate()` made (`cache_implementation="static"`)
+    or was given is sized for MARS, whose passes write more slots than they keep, with `generate()`'s own helper (it
+    remembers the size, so later calls reuse it and nothing recompiles); `generate()`'s rule decides on compiling."""
+    (batch, prompt_length), device = input_ids.shape, input_ids.device
+    cache = model_kwargs.get("past_key_values")
+    if not isinstance(cache, StaticCache):
+        return MARSCache(batch, device), None
+    if not all(type(layer) is StaticLayer for layer in cache.layers):
+        raise ValueError("MARS decoding takes a static cache of full-attention layers only (no sliding windows).")
+    masks = settings.block_size - 1
+    if settings.verify:
+        drafts = masks + candidates - 1 + lookup
+        per_pass, widest = 1 + drafts, 1 + drafts + (drafts + 1) * masks
+    else:
+        per_pass, widest = settings.block_size, settings.block_size + masks
+    size = static_size(prompt_length, generation_config.max_length - prompt_length, per_pass, widest)
+    if cache.get_max_length() < size:
+        if getattr(cache, "_is_user_defined", False):
+            raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
+        cache = model._prepare_static_cache(generation_config.cache_implementation, batch, size, None, model_kwargs)
+        model_kwargs["past_key_values"] = cache
+    compiled = None
+    if model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        compiled = model.get_compiled_call(generation_config.compile_config)
+    return StaticMARSCache(cache, batch, device), compiled
 
 
 def _forward(model, run: _Run, tau: float) -> _Pass:
     """One forward pass over `[pending | drafts | masks]`: one group of masks after the root (τ-mode: the only one)
-    and, in lossless mode, one after each draft, each continuing the text it follows (see `DraftTree`)."""
+    and, in lossless mode, one after each draft, each continuing the text it follows (see `DraftTree`). With a
+    static cache every pass feeds all B-1 masks (a row uses those it is offered), so that its shape stays."""
     offered = run.schedule.offer(run.rows) if tau < 1.0 else torch.zeros_like(run.rows)
-    masks = run.schedule.width(offered)
+    fixed = run.cache.fixed_shapes
+    masks = (run.settings.block_size - 1 if tau < 1.0 else 0) if fixed else run.schedule.width(offered)
     tree = run.drafts.tree
     groups = len(tree) + 1
     new_real = torch.cat([run.pending_real, run.drafts.real], dim=1)
@@ -347,11 +390,12 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
         mask_2d = tree_attention(model, run.cache, tree, mask_2d, run.pending.shape[1], masks)
     mask_ids = run.pending.new_full((run.rows.numel(), groups * masks), run.settings.mask_token_id)
     needed = len(tree) + 1 + groups * masks
-    outputs = model(
+    forward = run.compiled if run.compiled is not None and run.stats.forward_passes else model  # prefill: eager
+    outputs = forward(
         input_ids=torch.cat([run.pending, run.drafts.tokens, mask_ids], dim=1),
         attention_mask=mask_2d,
         position_ids=position_ids,
-        past_key_values=run.cache,
+        past_key_values=run.cache.kv,
         use_cache=True,
         return_dict=True,
         **({"logits_to_keep": needed} if run.logits_to_keep else {}),
@@ -383,10 +427,12 @@ def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
     schedule.last[rows] = step.offered
     left = run.budget - run.decoded[rows]
     accepted = torch.minimum(accepted, left)
+    if run.cache.fixed_shapes:  # rows that finished but stay in a static cache's batch take nothing
+        accepted = accepted.masked_fill(~run.active[rows], 0)
     is_eos = torch.isin(tokens, run.eos) & (torch.arange(tokens.shape[1], device=tokens.device) < accepted[:, None])
     hit = is_eos.any(dim=1)
     accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
-    run.ended[rows] = hit | (accepted >= left)
+    run.ended[rows] = run.ended[rows] | hit | (accepted >= left)
     return tokens, accepted
 
 
@@ -398,7 +444,7 @@ def _commit(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.Tensor
     positions = run.prompt_length + run.decoded[rows][:, None] + slots
     run.sequences[rows[:, None].expand(-1, width)[keep], positions[keep]] = tokens[keep]
     run.decoded[rows] += accepted
-    run.passes[rows] += 1
+    run.passes[rows] += run.active[rows].long()
     streamed = run.stopping.kept[0].item() if run.streamer is not None else 0
     run.stopping.judge(run.decoded, run.ended)
     stats = run.stats
@@ -415,11 +461,13 @@ def _next_inputs(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.T
     """What the next pass feeds. τ-mode: this pass's accepted tokens, right-aligned (shorter rows leave holes in the
     cache). Lossless mode: the last token (kept drafts are cached already) and the next drafts, proposed by the group
     of masks that followed the last kept draft, which saw the text as it now stands."""
+    fixed = run.cache.fixed_shapes
     if not run.settings.verify:
-        run.pending, run.pending_real = _right_align(tokens, accepted, run.pad_token_id)
+        width = tokens.shape[1] if fixed else int(accepted.max())
+        run.pending, run.pending_real = _right_align(tokens, accepted, width, run.pad_token_id)
         return
     rows = run.rows
-    run.pending = tokens.gather(1, (accepted - 1)[:, None])
+    run.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
     run.pending_real = torch.ones_like(run.pending, dtype=torch.bool)
     drafts = Drafts.none(rows.numel(), rows.device)
     lengths = run.prompt_length + run.decoded[rows]
@@ -438,20 +486,27 @@ def _next_inputs(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.T
             run.do_sample,
             run.candidates,
             run.pad_token_id,
+            fixed,
         )
-    if run.lookup:
-        drafts = add_lookup(drafts, run.sequences[rows], lengths, run.lookup, run.pad_token_id)
+    if run.lookup and (step.masks or not fixed):
+        drafts = add_lookup(drafts, run.sequences[rows], lengths, run.lookup, run.pad_token_id, fixed)
     run.drafts = drafts
 
 
 def _retire(run: _Run) -> None:
-    """Rows that stopped, or reached EOS or the length limit, leave the batch, so they stop costing compute."""
+    """Rows that stopped, or reached EOS or the length limit, leave the batch, so they stop costing compute. With a
+    static cache they stay, idle, so that shapes stay (as `generate()` keeps finished rows)."""
     stopped = run.ended[run.rows] | run.stopping.settled[run.rows]
+    if run.cache.fixed_shapes:
+        run.active = ~stopped
+        run.live = bool(run.active.any())
+        return
     if bool(stopped.any()):
         alive = (~stopped).nonzero().view(-1)
         run.rows, run.pending, run.pending_real = run.rows[alive], run.pending[alive], run.pending_real[alive]
         run.drafts = run.drafts.select(alive)
         run.cache.keep_rows(alive)
+        run.live = bool(alive.numel())
     if run.rows.numel() > 1 and run.cache.hole_fraction() > _COMPACT_AT:
         run.cache.compact()
 
@@ -467,10 +522,9 @@ def _finish(run: _Run, generation_config):
     return sequences
 
 
-def _right_align(tokens, counts, pad_token_id):
-    """The first `counts[i]` tokens of each row, right-aligned (left-padded) to a common width: `(tokens, real)`,
-    as a left-padded prompt is."""
-    width = int(counts.max())
+def _right_align(tokens, counts, width: int, pad_token_id):
+    """The first `counts[i]` tokens of each row, right-aligned (left-padded) to `width`: `(tokens, real)`, as a
+    left-padded prompt is."""
     index = torch.arange(width, device=tokens.device) + (counts - width)[:, None]
     real = index >= 0
     return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
@@ -484,8 +538,11 @@ def _check_decodable(model, generation_config, settings: MARSSettings, prompt_le
     for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if getattr(generation_config, name, False):
             raise ValueError(f"`{name}` is not supported with `mars_tau`.")
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise ValueError("MARS decoding keeps its own dynamic cache; unset `cache_implementation`.")
+    if generation_config.cache_implementation not in (None, "dynamic", "static"):
+        raise ValueError(
+            "MARS decoding runs on a dynamic cache or a static one (`cache_implementation='static'`), "
+            f"not {generation_config.cache_implementation!r}."
+        )
     if model.config.is_encoder_decoder:
         raise ValueError("MARS decoding needs a decoder-only causal LM.")
     if not {"position_ids", "attention_mask", "past_key_values"} <= set(inspect.signature(model.forward).parameters):

@@ -99,15 +99,17 @@ def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num
     Built by the mask builders of `transformers.masking_utils` from `DraftTree.visibility` and the cache's holes
     (`mask_2d`), with an index-based mask function (no per-pass vmap).
     """
-    batch, device, past = cache.real.shape[0], cache.real.device, cache.get_seq_length()
+    batch, device, past = cache.real.shape[0], cache.real.device, cache.length
     visible = tree.visibility(num_pending, num_masks)
     width = visible.shape[0]
-    seen = torch.cat([visible.new_ones(width, past), visible], dim=1).to(device)  # (queries, keys), holes aside
+    kv_length = cache.kv_length(width)  # a static cache: its every slot, the unwritten ones unseen
+    seen = torch.cat([visible.new_ones(width, past), visible, visible.new_zeros(width, kv_length - past - width)], 1)
+    seen = seen.to(device)  # (queries, keys), holes aside
     build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     return build(
         batch_size=batch,
         q_length=width,
-        kv_length=past + width,
+        kv_length=kv_length,
         q_offset=past,
         mask_function=lambda b, h, q, kv: seen[q - past, kv],
         attention_mask=None if mask_2d is None else mask_2d.bool(),

@@ -102,18 +102,29 @@ def _verify_sampled(scores, drafts: Drafts):
     return out, count + 1, kept, count
 
 
-def propose(followed, histories, tau: float, within, settings, do_sample: bool, candidates: int, pad_token_id: int):
+def propose(
+    followed,
+    histories,
+    tau: float,
+    within,
+    settings,
+    do_sample: bool,
+    candidates: int,
+    pad_token_id: int,
+    fixed: bool = False,
+):
     """The next drafts from the masks that followed each row's last kept token (`followed`: `(rows, masks, vocab)`).
 
     A chain of the masks' confident tokens, plus the first mask's confident runner-ups as siblings of the first
     draft (greedy, `candidates - 1` of them). With sampling, each draft keeps the distribution it was drawn from,
-    zeroed where it would not have been proposed, which is what speculative sampling needs.
+    zeroed where it would not have been proposed, which is what speculative sampling needs. Slots that no row fills
+    are left out, unless `fixed` (a static cache): then the tree always has its full shape, so every pass has one.
     """
     device = followed.device
     guesses, confs, q = choose(followed, histories, do_sample, settings.confidence, True)
     confident = (confs >= tau) & within
     count = confident.long().cumprod(dim=1).sum(dim=1)
-    chain = int(count.max())  # drafts that no row proposes are not fed
+    chain = followed.shape[1] if fixed else int(count.max())  # drafts that no row proposes are not fed
     real = torch.arange(chain, device=device) < count[:, None]
     tokens = guesses[:, :chain].masked_fill(~real, pad_token_id)
     parents = tuple(range(-1, chain - 1))
@@ -121,7 +132,7 @@ def propose(followed, histories, tau: float, within, settings, do_sample: bool, 
         rest = q[:, 0].scatter(1, guesses[:, :1], -1.0)  # not the first draft again (ties happen)
         probs, others = rest.topk(candidates - 1, dim=-1)
         other_real = (probs >= tau) & real[:, :1]
-        if bool(other_real.any()):
+        if fixed or bool(other_real.any()):
             tokens = torch.cat([tokens, others.masked_fill(~other_real, pad_token_id)], dim=1)
             real = torch.cat([real, other_real], dim=1)
             parents += (-1,) * (candidates - 1)
@@ -135,10 +146,11 @@ def propose(followed, histories, tau: float, within, settings, do_sample: bool, 
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
 
 
-def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int) -> Drafts:
-    """One more branch: what followed the text's last n-gram where it occurred before (`tree.lookup`)."""
+def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int, fixed: bool = False) -> Drafts:
+    """One more branch: what followed the text's last n-gram where it occurred before (`tree.lookup`); all
+    `num_tokens` slots if `fixed` (see `propose`)."""
     found, found_real = lookup(sequences, lengths, num_tokens)
-    reach = int(found_real.sum(dim=1).max())
+    reach = num_tokens if fixed else int(found_real.sum(dim=1).max())
     if not reach:
         return drafts
     start = len(drafts.tree)

@@ -1,0 +1,102 @@
+"""A static cache (`cache_implementation="static"`) and `torch.compile`: the dynamic cache's tokens, fixed shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from helpers import make_model, make_tokenizer, toy_prompts
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, GenerationMixin, StaticCache
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+import hf_mars
+
+MODES = {
+    "tau=1": dict(mars_tau=1.0),
+    "tau=0.9": dict(mars_tau=0.9),
+    "tau=0.7": dict(mars_tau=0.7),
+    "tau=0": dict(mars_tau=0.0),
+    "tau=0.5 mask cost": dict(mars_tau=0.5, mars_mask_cost=0.2),
+    "lossless chain": dict(mars_verify=True),
+    "lossless tree": dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4),
+}
+
+
+def run(model, enc, static: bool, **kwargs):
+    extra = dict(cache_implementation="static") if static else {}
+    return model.generate(**enc, max_new_tokens=40, return_dict_in_generate=True, **extra, **kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_static_cache_gives_the_dynamic_caches_tokens_and_passes(trained_toy, mode):
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=6, seed=7)  # left-padded: rows of different lengths, some end at EOS before others
+    dynamic, static = run(model, enc, False, **MODES[mode]), run(model, enc, True, **MODES[mode])
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert torch.equal(static.mars_stats.passes_per_row, dynamic.mars_stats.passes_per_row)
+    accepted = torch.stack(static.mars_stats.accepted_per_step)
+    assert torch.equal(accepted, torch.stack(dynamic.mars_stats.accepted_per_step))
+    if mode != "tau=1":
+        assert int(accepted.max()) > 1, "the test must exercise passes that take several tokens"
+    if mode.startswith("lossless"):
+        greedy = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
+        assert torch.equal(static.sequences, greedy)
+
+
+def test_static_cache_with_lockstep_stopping_criteria_and_sampling(trained_toy):
+    """Finished rows stay in a static batch: the criteria still see the whole batch, as with the dynamic cache.
+    Sampling: idle rows still draw random numbers, so a seed gives other draws than the dynamic cache's (as rows
+    leaving a dynamic batch change the draws of the rest), but the same ones on every run."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=11)
+    limits = torch.tensor([5, 9, 13, 17])
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids.shape[1] - enc.input_ids.shape[1]) >= limits[: input_ids.shape[0]]
+
+    def generate(static, **kwargs):
+        torch.manual_seed(0)
+        return run(model, enc, static, mars_tau=0.7, stopping_criteria=StoppingCriteriaList([StopAfter()]), **kwargs)
+
+    dynamic, static = generate(False), generate(True)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    assert torch.equal(static.mars_stats.new_tokens, limits)
+    sampled = generate(True, do_sample=True, temperature=0.8)
+    assert torch.equal(sampled.sequences, generate(True, do_sample=True, temperature=0.8).sequences)
+    assert torch.equal(sampled.mars_stats.new_tokens, limits)
+
+
+def test_a_static_cache_that_is_too_small_is_grown_or_refused(trained_toy):
+    """generate() sizes a static cache for one token per step; MARS passes write more slots than they keep."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=2, seed=3)
+    reference = run(model, enc, False, mars_tau=0.0).sequences
+    assert torch.equal(run(model, enc, True, mars_tau=0.0).sequences, reference)
+    assert model._previous_max_cache_length > enc.input_ids.shape[1] + 40  # grown by generate()'s own helper
+    small = StaticCache(config=model.config, max_cache_len=enc.input_ids.shape[1] + 40)
+    with pytest.raises(ValueError, match="StaticCache of at least"):
+        model.generate(**enc, max_new_tokens=40, mars_tau=0.0, past_key_values=small)
+
+
+def test_compiled_mars_reuses_one_graph_and_equals_the_dynamic_cache():
+    """generate()'s compile path (`compile_config`) compiles the passes after the first; every pass has one shape,
+    so after a warm-up generation nothing recompiles (dynamo's recompile check would raise). The eager backend keeps
+    the test fast; it guards and recompiles exactly as inductor does."""
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
+    enc = toy_prompts(tok, n=3, seed=5)
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # generate() compiles on GPUs only unless told
+    torch._dynamo.reset()
+    for mode in (dict(mars_tau=0.0), dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=2)):
+        kwargs = dict(cache_implementation="static", compile_config=config, **mode)
+        warm = run(model, enc, False, **kwargs)  # cache_implementation comes from kwargs here
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 1, "the passes must run compiled"
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            again = run(model, enc, False, **kwargs)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert again.mars_stats.forward_passes > 1
+        assert torch.equal(warm.sequences, run(model, enc, False, **mode).sequences)
