@@ -185,3 +185,22 @@ def test_recipe_and_distill_refuse_bad_input_in_one_line(toy_base, tmp_path):
     recipe_cli(toy_base, tmp_path / "e", "--eval-gsm8k", "0")
     with pytest.raises(SystemExit, match="other settings .*prompts 12 -> 13"):
         recipe_cli(toy_base, tmp_path / "e", "--prompts", "13")
+
+
+def test_the_example_scripts_use_options_the_cli_has():
+    """Every `hf-mars` line of examples/*.sh (but `train`, TRL's parser) parses: no stale option after a change."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from hf_mars.cli import build_parser
+
+    commands = []
+    for script in sorted((Path(__file__).parents[2] / "examples").glob("*.sh")):
+        text = re.sub(r"\\\n\s*", " ", script.read_text())
+        commands += [line.strip() for line in text.splitlines() if line.strip().startswith("hf-mars ")]
+    assert any(c.startswith("hf-mars distill") for c in commands) and any("hf-mars recipe" in c for c in commands)
+    for command in commands:
+        argv = shlex.split(command.replace('"$@"', "").split(" #")[0])[1:]
+        if argv[0] != "train":
+            build_parser().parse_args([arg.replace("$OUT", "out") for arg in argv])
