@@ -248,6 +248,7 @@ def test_hole_compaction_is_exact(monkeypatch):
     calls = []
     original = hf_mars.MARSCache.compact
     monkeypatch.setattr(mars_generation, "_COMPACT_AT", 0.0)
+    monkeypatch.setattr(mars_generation, "_COMPACT_EVERY", 1)
     monkeypatch.setattr(hf_mars.MARSCache, "compact", lambda self: (calls.append(1), original(self)))
     assert torch.equal(model.generate(**enc, mars_tau=0.6, max_new_tokens=40), ref)
     assert len(calls) > 5
@@ -259,8 +260,8 @@ def test_cache_keeps_real_tokens_only():
     seen = []
     original = hf_mars.MARSCache.commit
 
-    def commit(self, new_real, num_masks):
-        original(self, new_real, num_masks)
+    def commit(self, new_real, num_masks, dense=None):
+        original(self, new_real, num_masks, dense)
         seen.append((self.get_seq_length(), int(self.real.sum())))
 
     hf_mars.MARSCache.commit = commit

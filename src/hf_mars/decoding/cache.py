@@ -40,11 +40,13 @@ class MARSCache(DynamicCache):
         super().__init__()  # no config: every layer a full `DynamicLayer`, whose `crop` drops the trailing masks
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.dense = True  # no slot is a hole
 
     def step_inputs(
-        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = NO_DRAFTS
+        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = NO_DRAFTS, dense: bool | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | masks]`.
+        """2D attention mask and position ids for a pass over `[new tokens (right-aligned) | masks]`; `dense`: whether
+        `new_real` is all True, if the caller knows (else it is read from the device).
 
         Lossless mode: the last `len(tree)` new tokens are drafts forming a tree (`DraftTree`), each one position
         past the token it follows. The masks then come as `len(tree) + 1` groups of `num_masks`: group 0 follows the
@@ -54,10 +56,10 @@ class MARSCache(DynamicCache):
         as `generate()` does for unpadded batches.
         """
         position_ids = _positions(self.next_position, new_real, num_masks, tree)
+        if self.dense and (dense if dense is not None else bool(new_real.all())):
+            return None, position_ids
         masks = torch.ones(new_real.shape[0], (len(tree) + 1) * num_masks, dtype=torch.bool, device=new_real.device)
-        real = torch.cat([self.real, new_real, masks], dim=1)
-        attention_mask = None if bool(real.all()) else real.long()
-        return attention_mask, position_ids
+        return torch.cat([self.real, new_real, masks], dim=1).long(), position_ids
 
     @property
     def kv(self) -> MARSCache:
@@ -73,11 +75,13 @@ class MARSCache(DynamicCache):
         """Keys a pass of `width` tokens attends over."""
         return self.length + width
 
-    def commit(self, new_real: torch.BoolTensor, num_masks: int) -> None:
-        """After a pass: drop the K/V of the trailing masks and record the real tokens just cached."""
+    def commit(self, new_real: torch.BoolTensor, num_masks: int, dense: bool | None = None) -> None:
+        """After a pass: drop the K/V of the trailing masks and record the real tokens just cached (`dense`: see
+        `step_inputs`)."""
         if num_masks:
             self.crop(-num_masks)
         self.real = torch.cat([self.real, new_real], dim=1)
+        self.dense = self.dense and (dense if dense is not None else bool(new_real.all()))
         self.next_position = self.next_position + new_real.sum(dim=1)
 
     def keep_rows(self, rows: torch.LongTensor) -> None:
@@ -104,6 +108,7 @@ class MARSCache(DynamicCache):
             layer.keys = _gather_slots(layer.keys, order)
             layer.values = _gather_slots(layer.values, order)
         self.real = self.real.gather(1, order)
+        self.dense = bool(self.real.all())
 
 
 class StaticMARSCache:
@@ -132,7 +137,7 @@ class StaticMARSCache:
         self.length = 0
 
     def step_inputs(
-        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = NO_DRAFTS
+        self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = NO_DRAFTS, dense: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot map as attention mask, and position ids, for a pass (see `MARSCache.step_inputs`)."""
         width = new_real.shape[1] + (len(tree) + 1) * num_masks
@@ -145,7 +150,7 @@ class StaticMARSCache:
     def kv_length(self, width: int) -> int:
         return self.size
 
-    def commit(self, new_real: torch.BoolTensor, num_masks: int) -> None:
+    def commit(self, new_real: torch.BoolTensor, num_masks: int, dense: bool | None = None) -> None:
         """After a pass: the layers step back over the masks, and the real tokens just cached are recorded."""
         if num_masks:
             torch._foreach_sub_([layer.cumulative_length for layer in self.kv.layers], num_masks)

@@ -45,10 +45,11 @@ from .verify import Drafts, add_lookup, propose, verify
 
 __all__ = ["MARSGenerateOutput", "MARSGenerationMixin", "MARSStats", "TauController", "mars_decode", "mars_settings"]
 
-# Attention implementations that take the 4D masks of lossless passes (a tree of drafts)
+# Attention implementations that take the 4D masks of lossless passes (a tree of drafts), built once per pass
 _BRANCHING = ("sdpa", "eager")
 # Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
 _COMPACT_AT = 0.5
+_COMPACT_EVERY = 8  # passes between checks (each one a device-to-host transfer)
 
 
 @dataclass
@@ -225,7 +226,7 @@ class _Run:
 
     settings: MARSSettings
     processors: LogitsProcessorList
-    sequences: torch.Tensor  # (batch, prompt + budget): the prompt, then each row's decoded tokens
+    sequences: torch.Tensor  # (batch, prompt + budget + room): the prompt, then each row's decoded tokens, then pad
     prompt_length: int
     budget: int  # new tokens allowed (what MaxLengthCriteria allows)
     pad_token_id: int
@@ -247,6 +248,7 @@ class _Run:
     passes: torch.Tensor  # (batch,) passes each row took part in
     active: torch.Tensor  # (batch,) rows still decoding (with a static cache, the others stay in the batch, idle)
     live: bool = True  # any row still decoding
+    dense: bool | None = None  # whether the pending tokens fill their slots (no holes); None: not known
     streamer: object = None
     stats: MARSStats = field(default_factory=MARSStats)
 
@@ -309,7 +311,8 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     pad = generation_config._pad_token_tensor
     pad_token_id = int(pad) if pad is not None else (int(eos[0]) if eos.numel() else 0)
     budget = generation_config.max_length - prompt_length
-    sequences = torch.full((batch, prompt_length + budget), pad_token_id, dtype=torch.long, device=device)
+    room = 1 + settings.drafts_per_pass  # a pass writes this many slots past a row's tokens (pad past those taken)
+    sequences = torch.full((batch, prompt_length + budget + room), pad_token_id, dtype=torch.long, device=device)
     sequences[:, :prompt_length] = input_ids
     attention_mask = model_kwargs.get("attention_mask")
     # Sibling drafts (candidates, a lookup branch) need greedy verification, whose processors (if any) read no
@@ -385,8 +388,9 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
     tree = run.drafts.tree
     groups = len(tree) + 1
     new_real = torch.cat([run.pending_real, run.drafts.real], dim=1)
-    mask_2d, position_ids = run.cache.step_inputs(new_real, masks, tree)
-    if len(tree):
+    mask_2d, position_ids = run.cache.step_inputs(new_real, masks, tree, run.dense if not len(tree) else None)
+    wide = new_real.shape[1] + groups * masks > 1 and not fixed  # a static pass builds its mask in the graph
+    if len(tree) or (wide and model.config._attn_implementation in _BRANCHING):
         mask_2d = tree_attention(model, run.cache, tree, mask_2d, run.pending.shape[1], masks)
     mask_ids = run.pending.new_full((run.rows.numel(), groups * masks), run.settings.mask_token_id)
     needed = len(tree) + 1 + groups * masks
@@ -418,21 +422,26 @@ def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
         schedule.update(rows, schedule.last[rows], kept[:, : tree.from_masks].sum(dim=1), run.passes[rows])
         run.cache.commit(torch.cat([run.pending_real, kept], dim=1), (len(tree) + 1) * step.masks)  # rejected: holes
     else:
-        run.cache.commit(run.pending_real, step.masks)
+        run.cache.commit(run.pending_real, step.masks, run.dense)
         tokens, confs = choose(step.logits, step.histories, run.do_sample, run.settings.confidence)
         accepted = torch.ones_like(tokens[:, 0])  # slot 0 always; then left to right while confident
         if step.masks:
             accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
         schedule.update(rows, step.offered, accepted - 1, run.passes[rows])
-    schedule.last[rows] = step.offered
+    if run.settings.verify:
+        schedule.last[rows] = step.offered
     left = run.budget - run.decoded[rows]
     accepted = torch.minimum(accepted, left)
     if run.cache.fixed_shapes:  # rows that finished but stay in a static cache's batch take nothing
         accepted = accepted.masked_fill(~run.active[rows], 0)
-    is_eos = torch.isin(tokens, run.eos) & (torch.arange(tokens.shape[1], device=tokens.device) < accepted[:, None])
-    hit = is_eos.any(dim=1)
-    accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
-    run.ended[rows] = run.ended[rows] | hit | (accepted >= left)
+    ended = accepted >= left
+    if run.eos.numel():
+        slots = torch.arange(tokens.shape[1], device=tokens.device)
+        is_eos = torch.isin(tokens, run.eos) & (slots < accepted[:, None])
+        hit = is_eos.any(dim=1)
+        accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
+        ended |= hit
+    run.ended[rows] = run.ended[rows] | ended if run.cache.fixed_shapes else ended
     return tokens, accepted
 
 
@@ -440,9 +449,9 @@ def _commit(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.Tensor
     """Write the accepted tokens, let the stopping criteria judge them as `generate()` would, stream them."""
     rows, width = run.rows, tokens.shape[1]
     slots = torch.arange(width, device=tokens.device)
-    keep = slots < accepted[:, None]
-    positions = run.prompt_length + run.decoded[rows][:, None] + slots
-    run.sequences[rows[:, None].expand(-1, width)[keep], positions[keep]] = tokens[keep]
+    positions = (run.prompt_length + run.decoded[rows])[:, None] + slots  # `sequences` has room past the budget
+    taken = tokens.masked_fill(slots >= accepted[:, None], run.pad_token_id)  # pad where nothing was written yet
+    run.sequences.index_put_((rows[:, None], positions), taken)
     run.decoded[rows] += accepted
     run.passes[rows] += run.active[rows].long()
     streamed = run.stopping.kept[0].item() if run.streamer is not None else 0
@@ -451,7 +460,8 @@ def _commit(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.Tensor
     stats.forward_passes += 1
     stats.tau_per_step.append(step.tau)
     stats.masks_per_step.append(step.masks)
-    stats.accepted_per_step.append(torch.zeros_like(run.decoded).index_put((rows,), accepted))
+    whole = rows.numel() == run.decoded.numel()  # rows are the whole batch, in order
+    stats.accepted_per_step.append(accepted if whole else torch.zeros_like(run.decoded).index_put((rows,), accepted))
     if run.streamer is not None:  # batch 1: the row is judged as soon as it decodes
         start = run.prompt_length + streamed
         run.streamer.put(run.sequences[0, start : run.prompt_length + run.stopping.kept[0]].cpu())
@@ -463,9 +473,14 @@ def _next_inputs(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.T
     of masks that followed the last kept draft, which saw the text as it now stands."""
     fixed = run.cache.fixed_shapes
     if not run.settings.verify:
-        width = tokens.shape[1] if fixed else int(accepted.max())
+        if tokens.shape[1] == 1:  # no masks were fed: one token each
+            run.pending, run.pending_real, run.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
+            return
+        width, fewest = (tokens.shape[1], 0) if fixed else torch.stack([accepted.max(), accepted.min()]).tolist()
         run.pending, run.pending_real = _right_align(tokens, accepted, width, run.pad_token_id)
+        run.dense = fewest == width  # no row leaves a hole
         return
+    run.dense = None  # unknown: drafts may leave slots empty
     rows = run.rows
     run.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
     run.pending_real = torch.ones_like(run.pending, dtype=torch.bool)
@@ -507,7 +522,8 @@ def _retire(run: _Run) -> None:
         run.drafts = run.drafts.select(alive)
         run.cache.keep_rows(alive)
         run.live = bool(alive.numel())
-    if run.rows.numel() > 1 and run.cache.hole_fraction() > _COMPACT_AT:
+    every = run.stats.forward_passes % _COMPACT_EVERY == 0
+    if every and run.rows.numel() > 1 and run.cache.hole_fraction() > _COMPACT_AT:
         run.cache.compact()
 
 

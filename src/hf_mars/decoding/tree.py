@@ -94,10 +94,11 @@ def _visibility(tree: DraftTree, num_pending: int, num_masks: int) -> torch.Bool
 
 
 def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num_masks: int):
-    """The 4D attention mask of a pass with drafts, in the format of the model's attention implementation.
+    """The 4D attention mask of a pass, in the format of the model's attention implementation (sdpa or eager).
 
-    Built by the mask builders of `transformers.masking_utils` from `DraftTree.visibility` and the cache's holes
-    (`mask_2d`), with an index-based mask function (no per-pass vmap).
+    Built by the mask builders of `transformers.masking_utils` from `DraftTree.visibility` (without drafts: plain
+    causal) and the cache's holes (`mask_2d`), with an index-based mask function (no per-pass vmap). An sdpa mask is
+    made additive here, once per pass: given a boolean mask, sdpa converts it in every layer.
     """
     batch, device, past = cache.real.shape[0], cache.real.device, cache.length
     visible = tree.visibility(num_pending, num_masks)
@@ -106,7 +107,7 @@ def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num
     seen = torch.cat([visible.new_ones(width, past), visible, visible.new_zeros(width, kv_length - past - width)], 1)
     seen = seen.to(device)  # (queries, keys), holes aside
     build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    return build(
+    mask = build(
         batch_size=batch,
         q_length=width,
         kv_length=kv_length,
@@ -119,6 +120,9 @@ def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num
         use_vmap=False,
         device=device,
     )
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.full_like(mask, torch.finfo(model.dtype).min, dtype=model.dtype).masked_fill_(mask, 0.0)
+    return mask
 
 
 def lookup(sequences, lengths, num_tokens: int, longest_ngram: int = LOOKUP_NGRAM):
