@@ -69,15 +69,21 @@ def test_static_cache_with_lockstep_stopping_criteria_and_sampling(trained_toy):
 
 
 def test_a_static_cache_that_is_too_small_is_grown_or_refused(trained_toy):
-    """generate() sizes a static cache for one token per step; MARS passes write more slots than they keep."""
+    """generate() sizes a static cache for one token per step; MARS passes write more slots than they keep.
+    `mars_cache_length` says how many: a cache of that size is used as it is, one slot less is refused."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=3)
     reference = run(model, enc, False, mars_tau=0.0).sequences
     assert torch.equal(run(model, enc, True, mars_tau=0.0).sequences, reference)
     assert model._previous_max_cache_length > enc.input_ids.shape[1] + 40  # grown by generate()'s own helper
-    small = StaticCache(config=model.config, max_cache_len=enc.input_ids.shape[1] + 40)
-    with pytest.raises(ValueError, match="StaticCache of at least"):
-        model.generate(**enc, max_new_tokens=40, mars_tau=0.0, past_key_values=small)
+    for mode in (dict(mars_tau=0.0), dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3)):
+        needed = model.mars_cache_length(enc.input_ids.shape[1], 40, **mode)  # what a server sets max_cache_len to
+        exact = StaticCache(config=model.config, max_cache_len=needed)
+        out = model.generate(**enc, max_new_tokens=40, past_key_values=exact, **mode)
+        assert torch.equal(out, model.generate(**enc, max_new_tokens=40, **mode))
+        small = StaticCache(config=model.config, max_cache_len=needed - 1)
+        with pytest.raises(ValueError, match="StaticCache of at least"):
+            model.generate(**enc, max_new_tokens=40, past_key_values=small, **mode)
 
 
 def test_compiled_mars_reuses_one_graph_and_equals_the_dynamic_cache():

@@ -159,11 +159,6 @@ class StaticMARSCache:
         self.next_position = self.next_position + new_real.sum(dim=1)
 
 
-def static_size(prompt_length: int, budget: int, slots_per_pass: int, widest: int) -> int:
-    """Static cache slots a generation may need: each pass that yields a token may advance `slots_per_pass`."""
-    return prompt_length + budget * slots_per_pass + widest
-
-
 def _positions(next_position, new_real, num_masks: int, tree: DraftTree):
     """Position ids of `[new tokens (right-aligned) | masks]`: see `MARSCache.step_inputs`."""
     batch, width = new_real.shape

@@ -35,7 +35,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache, static_size
+from .cache import MARSCache, StaticMARSCache
 from .schedule import MaskSchedule
 from .scoring import Histories, choose, history_free
 from .settings import MARSSettings, TauController, mars_settings, read_tau, resolve_settings
@@ -190,6 +190,30 @@ class MARSGenerationMixin(GenerationMixin):
     def mars_settings(self, generation_config=None, batch_size: int = 1, **mars_kwargs) -> dict | None:
         """What `generate(**mars_kwargs)` runs with at this batch size, defaults resolved (see `mars_settings`)."""
         return mars_settings(self, generation_config, batch_size, **mars_kwargs)
+
+    def mars_cache_length(self, prompt_length: int, max_new_tokens: int, batch_size: int = 1, **mars_kwargs) -> int:
+        """The static cache slots `generate(cache_implementation="static", **mars_kwargs)` needs for this prompt length
+        and budget. Set `generation_config.max_cache_len` to the largest a server will meet, and compiled passes are
+        never recompiled for a larger cache (as for plain `generate()`)."""
+        settings = resolve_settings(self, None, batch_size, **mars_kwargs)
+        if settings is None:
+            return prompt_length + max_new_tokens
+        return static_cache_length(settings, prompt_length, max_new_tokens)
+
+
+def static_cache_length(settings: MARSSettings, prompt_length: int, max_new_tokens: int, candidates=None, lookup=None):
+    """Static cache slots a MARS generation may need. A τ-mode pass advances B slots whatever it accepts (its pending
+    tokens are padded to B), a lossless pass 1 + its full draft tree; the last pass also writes its masks.
+    `candidates`, `lookup`: what lossless mode's tree really has (they may be fewer than asked, see `_prepare`)."""
+    masks = settings.block_size - 1
+    candidates = settings.draft_candidates if candidates is None else candidates
+    lookup = settings.lookup if lookup is None else lookup
+    if settings.verify:
+        drafts = masks + candidates - 1 + lookup
+        per_pass, widest = 1 + drafts, 1 + drafts + (drafts + 1) * masks
+    else:
+        per_pass, widest = settings.block_size, settings.block_size + masks
+    return prompt_length + max_new_tokens * per_pass + widest
 
 
 def _refuse_unsupported(base, kwargs) -> None:
@@ -360,13 +384,8 @@ def _cache(model, generation_config, settings, model_kwargs, input_ids, candidat
         return MARSCache(batch, device), None
     if not all(type(layer) is StaticLayer for layer in cache.layers):
         raise ValueError("MARS decoding takes a static cache of full-attention layers only (no sliding windows).")
-    masks = settings.block_size - 1
-    if settings.verify:
-        drafts = masks + candidates - 1 + lookup
-        per_pass, widest = 1 + drafts, 1 + drafts + (drafts + 1) * masks
-    else:
-        per_pass, widest = settings.block_size, settings.block_size + masks
-    size = static_size(prompt_length, generation_config.max_length - prompt_length, per_pass, widest)
+    budget = generation_config.max_length - prompt_length
+    size = static_cache_length(settings, prompt_length, budget, candidates, lookup)
     if cache.get_max_length() < size:
         if getattr(cache, "_is_user_defined", False):
             raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
