@@ -25,3 +25,22 @@ def test_cli_host_bound_prints_the_proxy_table():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "30 layers, hidden 64" in result.stdout and "| 1 | MARS τ = 0.9 |" in result.stdout
+
+
+def test_compiled_pass_costs_compile_one_graph_per_mode(monkeypatch):
+    """`--host-bound --compile`: a static cache and generate()'s compile path for plain decoding and every MARS mode;
+    each compiles one graph in its untimed first run, and the timed runs add none (the eager dynamo backend keeps
+    the test fast; it guards and recompiles as inductor does)."""
+    import functools
+
+    import torch
+    import transformers
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(transformers, "CompileConfig", functools.partial(transformers.CompileConfig, backend="eager"))
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    rows = pass_costs(model, tokenizer, batch_sizes=(1,), max_new_tokens=6, repeats=2, compiled=True)
+    assert counters["stats"]["unique_graphs"] - before == 1 + len(MODES)
+    assert [r["method"] for r in rows] == ["plain generate()", *MODES] and all(r["ms"] > 0 for r in rows)

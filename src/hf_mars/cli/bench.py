@@ -48,7 +48,13 @@ def add_parser(subparsers) -> None:
         "--host-bound",
         action="store_true",
         help="instead: ms per MARS pass against ms per plain step on a thin deep random model on one CPU thread, "
-        "a proxy for a small model on a GPU (uses --batch-sizes, --max-new-tokens, --repeats)",
+        "a proxy for a small model on a GPU (uses --batch-sizes, --max-new-tokens, --repeats, --compile)",
+    )
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="plain generate() and MARS with a static cache and generate()'s torch.compile path, as a GPU server "
+        "runs a small model (prompt lookup stays eager); the first run of each method compiles and is not timed",
     )
     add_machine(bench)
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
@@ -62,9 +68,10 @@ def run_host_bound(args) -> None:
 
     torch.set_num_threads(1)
     model, tokenizer = host_bound_model()
-    rows = pass_costs(model, tokenizer, args.batch_sizes, args.max_new_tokens, args.repeats)
+    rows = pass_costs(model, tokenizer, args.batch_sizes, args.max_new_tokens, args.repeats, args.compile)
     layers, width = model.config.num_hidden_layers, model.config.hidden_size
-    print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread\n")
+    how = "static cache, compiled" if args.compile else "dynamic cache, eager"
+    print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
 
 
@@ -90,10 +97,12 @@ def run(args) -> None:
         mask_costs=args.mask_costs,
         measured_costs=costs,
         trees=args.lossless_trees,
+        compiled=args.compile,
     )
     device = device_name(model)
     name, attention = args.model or "the shipped checkpoint", model.config._attn_implementation
-    print(f"\n{name} on {device}, {args.dtype}, {attention}, {len(prompts)} prompts\n")
+    how = "static cache, compiled" if args.compile else "dynamic cache, eager"
+    print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
     print(
         "\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
@@ -106,6 +115,7 @@ def run(args) -> None:
         prompts=len(prompts),
         max_new_tokens=args.max_new_tokens,
         mask_cost=costs,
+        compiled=args.compile,
     )
     _save(cells, Path(args.output), meta)
 

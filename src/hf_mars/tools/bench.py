@@ -7,10 +7,15 @@ Forward passes are counted with a hook on the model, the same way for every meth
 Per cell (method x batch size): tokens per forward, tokens/s, speed-up over AR, efficiency = speed-up / tokens per
 forward (1.0 means every extra accepted token came for free), agreement with the AR outputs, and accuracy when the
 prompts carry answers.
+
+`compiled=True` runs plain `generate()` and MARS the way a GPU server runs a small model: a static cache and
+`generate()`'s own `torch.compile` path (`static_compiled`), warmed up on the longest batch first, so compilation
+stays out of the timings. Prompt lookup stays on its dynamic cache (transformers' assisted decoding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -41,13 +46,33 @@ class ForwardCounter:
     """Counts the model's forward passes and the time spent inside them (hooks, the same for every method).
 
     The time outside the forward (token choice and acceptance, cache bookkeeping, the Python loop) is a method's
-    overhead. On CUDA the hooks synchronize, so that the split is real (it costs the methods alike).
+    overhead. On CUDA the hooks synchronize, so that the split is real (it costs the methods alike). A compiled
+    forward cannot carry hooks (they break its graph): with `always=False` they are only on within `hooked()`.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, always: bool = True):
         self.count, self.seconds, self._start = 0, 0.0, 0.0
-        self.model = model
-        self.handles = [model.register_forward_pre_hook(self._enter), model.register_forward_hook(self._exit)]
+        self.model, self.handles = model, []
+        if always:
+            self._hook()
+
+    def _hook(self):
+        self.handles = [
+            self.model.register_forward_pre_hook(self._enter),
+            self.model.register_forward_hook(self._exit),
+        ]
+
+    @contextlib.contextmanager
+    def hooked(self):
+        """Count the forwards of this block even where the hooks are otherwise off."""
+        added = not self.handles
+        if added:
+            self._hook()
+        try:
+            yield self
+        finally:
+            if added:
+                self.remove()
 
     def _enter(self, *args):
         _sync(self.model)
@@ -64,11 +89,38 @@ class ForwardCounter:
     def remove(self):
         for handle in self.handles:
             handle.remove()
+        self.handles = []
 
 
 def generate_ar(model, **inputs):
     """Plain greedy `generate()` of transformers (the reference): `(sequences, None)`."""
     return GenerationMixin.generate(model, do_sample=False, **inputs), None
+
+
+def static_compiled(model, longest_prompt: int, max_new_tokens: int, batch_sizes, trees=()) -> dict:
+    """`generate()` kwargs for a static cache and `generate()`'s compile path, for plain decoding and MARS alike.
+
+    `max_cache_len` is the most slots any method here needs (τ-mode, the default lossless tree, `trees`), so every
+    method's cache has one size and nothing recompiles for a longer prompt. On a GPU `generate()` compiles with its
+    default `CompileConfig` (CUDA graphs); elsewhere it is told to compile all the same.
+    """
+    from transformers import CompileConfig
+
+    calls = [dict(mars_tau=0.5), dict(mars_verify=True)]
+    calls += [
+        dict(mars_verify=True, mars_block_size=b, mars_draft_candidates=n, mars_lookup=lookup)
+        for b, n, lookup in trees
+    ]
+    slots = max(
+        model.mars_cache_length(longest_prompt, max_new_tokens, batch, **call)
+        for batch in batch_sizes
+        for call in calls
+    )
+    kwargs = dict(cache_implementation="static", max_cache_len=slots)
+    if model.device.type != "cuda":
+        kwargs["compile_config"] = CompileConfig(mode="default")
+        kwargs["compile_config"]._compile_all_devices = True  # generate()'s own switch for compiling off a GPU
+    return kwargs
 
 
 def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=None, lookup=None, **inputs):
@@ -95,6 +147,7 @@ def methods(
     measured: dict | None = None,
     trees=(),
     tau_mode: bool = True,
+    extra: dict | None = None,
 ) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
@@ -105,14 +158,17 @@ def methods(
     each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
     definition, where it is None; MARS reports it in `mars_stats`). Each `(B, n, L)` of `trees` adds lossless methods
     "lossless B=2 n=3 L=4 tau=0.0" with `mars_block_size=B, mars_draft_candidates=n, mars_lookup=L` (no "L=" when
-    L is 0). `tau_mode=False` leaves out the "mars" (τ-mode) methods.
+    L is 0). `tau_mode=False` leaves out the "mars" (τ-mode) methods. `extra`: more `generate()` kwargs for plain
+    decoding and MARS (e.g. `static_compiled`'s), not for prompt lookup.
     """
+    extra = extra or {}
 
     def ar(model, counter, **kw):
-        return generate_ar(model, **kw)
+        return generate_ar(model, **extra, **kw)
 
     def lookup(model, counter, **kw):
-        out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
+        with counter.hooked():
+            out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
         return out, counter.count * out.shape[0]
 
     def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=None, lookup=None, **kw):
@@ -120,7 +176,7 @@ def methods(
             batch = kw["input_ids"].shape[0]
             block = block or mars_settings(model, None, batch, mars_tau=tau, mars_verify=verify)["mars_block_size"]
             cost = measured["auto"][: block - 1]
-        return generate_mars(model, tau, verify, cost, block, candidates, lookup, **kw)
+        return generate_mars(model, tau, verify, cost, block, candidates, lookup, **extra, **kw)
 
     table = {"ar": ar}
     if prompt_lookup:
@@ -225,20 +281,25 @@ def run_benchmark(
     progress: bool = True,
     trees=(),
     tau_mode: bool = True,
+    compiled: bool = False,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
     `mask_costs`: values of `mars_mask_cost` to measure (0: B-1 masks every pass; "auto": the cost at each batch size,
     from `measured_costs` (batch size -> `measure_mask_cost`) or measured here); each adds MARS and lossless cells.
     `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`); `tau_mode=False`: no
-    τ-mode cells.
+    τ-mode cells. `compiled`: a static cache and `torch.compile` for plain decoding and MARS (`static_compiled`).
     """
     from tqdm.auto import tqdm
 
     measured = {}  # "auto": the mask cost at the batch size being run, read by the "cost=auto" methods
-    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode)
+    extra = None
+    if compiled:
+        longest = max(len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in prompts)
+        extra = static_compiled(model, longest, max_new_tokens, batch_sizes, trees)
+    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode, extra)
     tokenizer.padding_side = "left"
-    counter = ForwardCounter(model)
+    counter = ForwardCounter(model, always=not compiled)
     cells = []
     total = sum(len(table) * repeats * max(1, len(prompts) // b) for b in batch_sizes)
     bar = tqdm(total=total, desc="benchmark", disable=not progress)
@@ -264,6 +325,7 @@ def run_benchmark(
                         max_new_tokens,
                         bar,
                         warm_up=repeat == 0 and batch is batches[0],
+                        warm_up_tokens=max_new_tokens if compiled else 8,  # compile every shape before timing
                     )
                 tally.end_repeat()
             cells += _cells(table, batch_size, batches, tally)
@@ -298,7 +360,9 @@ class _Tally:
         self._repeat_forward = dict.fromkeys(self._repeat_forward, 0.0)
 
 
-def _run_batch(model, tokenizer, table, counter, batch, tally, repeat, max_new_tokens, bar, warm_up) -> None:
+def _run_batch(
+    model, tokenizer, table, counter, batch, tally, repeat, max_new_tokens, bar, warm_up, warm_up_tokens=8
+) -> None:
     """Every method on one batch, in turn (so that drift in machine load hits all alike), timed into `tally`."""
     inputs = tokenizer([p["text"] for p in batch], return_tensors="pt", padding=True, add_special_tokens=False)
     inputs = inputs.to(model.device)
@@ -307,7 +371,7 @@ def _run_batch(model, tokenizer, table, counter, batch, tally, repeat, max_new_t
             bar.update(1)
             continue
         if warm_up:
-            run(model, counter, **inputs, max_new_tokens=8)
+            run(model, counter, **inputs, max_new_tokens=warm_up_tokens)
         _sync(model)
         counter.reset()
         start = time.perf_counter()
@@ -410,7 +474,8 @@ def _cells(table, batch_size, batches, tally: _Tally) -> list[Cell]:
         per_forward = tokens[name] / passes[name]
         speed = tokens[name] / statistics.median(seconds[name])
         cell = Cell(name, batch_size, per_forward, speed, speed / ar_speed, speed / ar_speed / per_forward)
-        cell.forward_share = sum(tally.in_forward[name]) / sum(seconds[name])
+        in_forward = sum(tally.in_forward[name])
+        cell.forward_share = in_forward / sum(seconds[name]) if in_forward else None  # None: compiled, not hooked
         cell.agreement = sum(a == b for a, b in zip(outputs[name], outputs["ar"])) / len(outputs["ar"])
         if all(check is not None for check in checks):
             cell.accuracy = sum(check(o) for check, o in zip(checks, outputs[name])) / len(checks)

@@ -4,6 +4,9 @@ A 135M model on a GPU is host-bound: Python and kernel launches, not arithmetic,
 Llama with many thin layers on one CPU thread is host-bound the same way, so what a MARS pass costs beyond a plain
 decoding step (its bookkeeping, its wider forward) shows here without a GPU. Random weights accept almost nothing,
 which is beside the point: the figure is the time of a pass against the time of a plain step.
+
+With `compiled=True` both run as a GPU server runs them: a static cache and `generate()`'s `torch.compile` path
+(`bench.static_compiled`); then the figure is what MARS adds to a step once Python is compiled away.
 """
 
 from __future__ import annotations
@@ -45,13 +48,18 @@ def host_bound_model(layers: int = 30, hidden: int = 64, seed: int = 0):
     return to_mars(model, tokenizer, block_size=4), tokenizer
 
 
-def pass_costs(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, repeats: int = 5) -> list[dict]:
+def pass_costs(
+    model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, repeats: int = 5, compiled: bool = False
+) -> list[dict]:
     """ms per plain `generate()` step and ms per MARS pass in each mode, side by side in one run: the modes take
     turns within each repeat (so a busy machine slows them alike) and the median repeat counts."""
+    from .bench import static_compiled
+
     rows = []
     for batch in batch_sizes:
         inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
-        seconds, passes = _time_modes(model, inputs, max_new_tokens, repeats)
+        extra = static_compiled(model, inputs.input_ids.shape[1], max_new_tokens, batch_sizes) if compiled else {}
+        seconds, passes = _time_modes(model, inputs, max_new_tokens, repeats, extra)
         step = seconds["plain generate()"] / max_new_tokens
         for name, total in seconds.items():
             per_pass = total / passes[name]
@@ -59,11 +67,12 @@ def pass_costs(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, r
     return rows
 
 
-def _time_modes(model, inputs, max_new_tokens: int, repeats: int) -> tuple[dict, dict]:
-    """Median seconds of a whole generation, and its forward passes, for plain `generate()` and each MARS mode."""
+def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -> tuple[dict, dict]:
+    """Median seconds of a whole generation, and its forward passes, for plain `generate()` and each MARS mode
+    (the first run of each, which compiles what it compiles, is not timed)."""
     from transformers import GenerationMixin
 
-    kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None)
+    kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **extra)
     runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
     for name, mars in MODES.items():
         runs[name] = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
