@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hf_mars.tools.hostbound import MODES, format_pass_costs, host_bound_model, pass_costs
+from hf_mars.tools.hostbound import MODES, format_pass_costs, forward_costs, host_bound_model, pass_costs
 
 
 def test_pass_costs_time_every_mode_against_a_plain_step():
@@ -25,6 +25,13 @@ def test_cli_host_bound_prints_the_proxy_table():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "30 layers, hidden 64" in result.stdout and "| 1 | MARS τ = 0.9 |" in result.stdout
+    assert "batch 1: 1 tokens" in result.stdout and "7 tokens" in result.stdout  # the forward alone, per width
+
+
+def test_forward_costs_time_each_width_with_the_mask_a_pass_builds():
+    model, _ = host_bound_model(layers=2, hidden=32)
+    costs = forward_costs(model, batch=2, widths=(1, 3), repeats=3)
+    assert set(costs) == {1, 3} and all(ms > 0 for ms in costs.values())
 
 
 def test_compiled_pass_costs_compile_one_graph_per_mode(monkeypatch):

@@ -64,7 +64,7 @@ def add_parser(subparsers) -> None:
 def run_host_bound(args) -> None:
     import torch
 
-    from ..tools.hostbound import format_pass_costs, host_bound_model, pass_costs
+    from ..tools.hostbound import format_pass_costs, forward_costs, host_bound_model, pass_costs
 
     torch.set_num_threads(1)
     model, tokenizer = host_bound_model()
@@ -73,6 +73,14 @@ def run_host_bound(args) -> None:
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
     print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
+    if not args.compile:
+        print("\nThe model's forward alone (ms), after 24 cached tokens, as a pass of that width feeds it:")
+        for batch in args.batch_sizes:
+            costs = forward_costs(model, batch)
+            print(
+                f"batch {batch}: "
+                + ", ".join(f"{w} tokens {ms:.2f} ({ms / costs[1]:.2f}x)" for w, ms in costs.items())
+            )
 
 
 def run(args) -> None:

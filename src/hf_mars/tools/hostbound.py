@@ -90,6 +90,32 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
     return {name: statistics.median(t) for name, t in times.items()}, passes
 
 
+def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24, repeats: int = 30) -> dict:
+    """ms of the model's forward alone over `width` new tokens after `context` cached ones, with the attention mask a
+    MARS pass builds (none for one token, as a plain step): the floor under what a pass of that width can cost,
+    whatever the decoding loop does. Widths take turns; medians."""
+    from ..decoding.cache import MARSCache
+    from ..decoding.tree import NO_DRAFTS, tree_attention
+
+    ids = torch.full((batch, context + max(widths)), 7)
+    cache = MARSCache(batch, ids.device)
+    times = {width: [] for width in widths}
+    with torch.no_grad():
+        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        cache.commit(torch.ones(batch, context, dtype=torch.bool), 0, dense=True)
+        for _ in range(repeats + 1):  # the first round warms up
+            for width in widths:
+                start = time.perf_counter()
+                mask, positions = cache.step_inputs(torch.ones(batch, width, dtype=torch.bool), 0, dense=True)
+                if width > 1:
+                    mask = tree_attention(model, cache, NO_DRAFTS, mask, width, 0)
+                kwargs = dict(attention_mask=mask, position_ids=positions, logits_to_keep=width)
+                model(input_ids=ids[:, context : context + width], past_key_values=cache, use_cache=True, **kwargs)
+                times[width].append(time.perf_counter() - start)
+                cache.crop(-width)
+    return {width: 1000 * statistics.median(t[1:]) for width, t in times.items()}
+
+
 def format_pass_costs(rows: list[dict]) -> str:
     lines = ["| batch | method | ms per pass | per pass / plain step |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['batch']} | {r['method']} | {r['ms']:.2f} | {r['ratio']:.2f}x |" for r in rows]
