@@ -403,7 +403,10 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
     static cache every pass feeds all B-1 masks (a row uses those it is offered), so that its shape stays."""
     offered = run.schedule.offer(run.rows) if tau < 1.0 else torch.zeros_like(run.rows)
     fixed = run.cache.fixed_shapes
-    masks = (run.settings.block_size - 1 if tau < 1.0 else 0) if fixed else run.schedule.width(offered)
+    if fixed or run.schedule.constant:  # all B-1 masks (or none at τ >= 1): known without reading the device
+        masks = run.schedule.most if tau < 1.0 else 0
+    else:
+        masks = run.schedule.width(offered)
     tree = run.drafts.tree
     groups = len(tree) + 1
     new_real = torch.cat([run.pending_real, run.drafts.real], dim=1)

@@ -124,18 +124,23 @@ def propose(
     guesses, confs, q = choose(followed, histories, do_sample, settings.confidence, True)
     confident = (confs >= tau) & within
     count = confident.long().cumprod(dim=1).sum(dim=1)
-    chain = followed.shape[1] if fixed else int(count.max())  # drafts that no row proposes are not fed
+    siblings = None
+    if candidates > 1:  # the first mask's confident runner-ups, siblings of the first draft
+        rest = q[:, 0].scatter(1, guesses[:, :1], -1.0)  # not the first draft again (ties happen)
+        probs, others = rest.topk(candidates - 1, dim=-1)
+        siblings = (probs >= tau) & (count > 0)[:, None]
+    if fixed:
+        chain, any_sibling = followed.shape[1], siblings is not None
+    else:  # drafts that no row proposes are not fed: one read from the device says how many there are
+        any_sibling = siblings.any() if siblings is not None else torch.zeros((), dtype=torch.bool, device=device)
+        chain, any_sibling = torch.stack([count.max(), any_sibling.long()]).tolist()
     real = torch.arange(chain, device=device) < count[:, None]
     tokens = guesses[:, :chain].masked_fill(~real, pad_token_id)
     parents = tuple(range(-1, chain - 1))
-    if candidates > 1 and chain:
-        rest = q[:, 0].scatter(1, guesses[:, :1], -1.0)  # not the first draft again (ties happen)
-        probs, others = rest.topk(candidates - 1, dim=-1)
-        other_real = (probs >= tau) & real[:, :1]
-        if fixed or bool(other_real.any()):
-            tokens = torch.cat([tokens, others.masked_fill(~other_real, pad_token_id)], dim=1)
-            real = torch.cat([real, other_real], dim=1)
-            parents += (-1,) * (candidates - 1)
+    if chain and any_sibling:
+        tokens = torch.cat([tokens, others.masked_fill(~siblings, pad_token_id)], dim=1)
+        real = torch.cat([real, siblings], dim=1)
+        parents += (-1,) * (candidates - 1)
     proposals = None
     if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
         by_probability = settings.confidence == "probability"
