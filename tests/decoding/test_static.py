@@ -106,3 +106,28 @@ def test_compiled_mars_reuses_one_graph_and_equals_the_dynamic_cache():
         assert counters["stats"]["unique_graphs"] == graphs
         assert again.mars_stats.forward_passes > 1
         assert torch.equal(warm.sequences, run(model, enc, False, **mode).sequences)
+
+
+@pytest.mark.parametrize("mode", ["tau=0.7", "lossless tree"])
+def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch):
+    """A device-to-host read stalls the host until the device catches up, which a host-bound GPU step cannot afford:
+    with a static cache the decoding loop reads once per pass (which rows are still decoding), as generate() does."""
+    import traceback
+
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=3, seed=2)
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0].filename
+            if "hf_mars/decoding" in caller.replace("\\", "/"):
+                reads.append(caller)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = run(model, enc, True, **MODES[mode])
+    monkeypatch.undo()
+    passes = out.mars_stats.forward_passes
+    assert passes > 5 and len(reads) <= passes + 3  # one per pass, and a few to set up and finish

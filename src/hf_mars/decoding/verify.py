@@ -72,7 +72,7 @@ def _verify_greedy(scores, drafts: Drafts):
     count, deepest = (kept * depths).max(dim=1)
     end = torch.where(count > 0, deepest + 1, 0)
     kept = lineage[end]
-    most = int(drafts.tree.depths.max())  # the tree's own (host) copy: no device round trip
+    most = drafts.tree.depth  # known on the host: no device round trip
     depth_slots = depths[None, :] == torch.arange(1, most + 1, device=depths.device)[:, None]
     path = (drafts.tokens[:, None, :] * (kept[:, None, :] & depth_slots)).sum(dim=2)  # (rows, max depth)
     tokens = torch.cat([path, torch.zeros_like(count)[:, None]], dim=1)
