@@ -67,7 +67,8 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
 
     `path` is a JSONL file, one object per line with `prompt` (a user message) or `messages` (a chat; the last
     assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
-    shipped checkpoint's held-out sets, GSM8K test and HumanEval, alternating (answer match, executed tests); or
+    evaluation sets, GSM8K test and HumanEval, alternating (answer match, executed tests); since issue 19 none of the
+    shipped delta's training prompts comes from them or from a source derived from them (`data.overlap`); or
     `None`/`"toy"`: held-out prompts of the toy task.
     """
     if path == "heldout":
