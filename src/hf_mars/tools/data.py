@@ -200,13 +200,12 @@ def _mbpp() -> list[dict]:
 
 @dataclass(frozen=True)
 class Source:
-    """A prompt source: a fixed pool (`load`) or a reasoning-gym generator (`task`), with its licence and its share
-    of the mix when named without one."""
+    """A prompt source: a fixed pool (`load`), or the reasoning-gym generators (`gym`, no `load`), with its licence
+    and its share of the mix when named without one."""
 
     licence: str
     share: float
     load: Callable[[], list[dict]] | None = None
-    task: str | None = None
     default: bool = True  # in the default mix; False: opt-in (a licence an Apache-2.0 model cannot carry)
 
 
