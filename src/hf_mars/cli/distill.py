@@ -32,18 +32,7 @@ def run(args) -> None:
     from ..tools.data import write_reference_set
 
     check(args)
-    config = recipe.Recipe(
-        output_dir=args.output_dir,
-        prompts=args.prompts,
-        sources=args.sources,
-        seed=args.seed,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
-        distill_batch_size=args.distill_batch_size,
-        time_budget=args.time_budget,
-    )
+    config = recipe.Recipe.from_args(args)
     recipe.check_settings(config)
     prompts = recipe.make_prompts(config)
     recipe.self_distill(config, prompts)

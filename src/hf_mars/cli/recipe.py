@@ -72,28 +72,10 @@ def run(args) -> None:
     from ..tools import recipe
 
     check(args)
-    config = recipe.Recipe(
-        output_dir=args.output_dir,
-        prompts=args.prompts,
-        sources=args.sources,
-        seed=args.seed,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_new_tokens=args.max_new_tokens,
-        distill_batch_size=args.distill_batch_size,
-        time_budget=args.time_budget,
-        full_finetune=args.full_finetune,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        max_length=args.max_length,
-        block_size=args.block_size,
+    config = recipe.Recipe.from_args(
+        args,
         train_args=shlex.split(args.train_args),
-        eval_gsm8k=args.eval_gsm8k,
-        eval_humaneval=args.eval_humaneval,
         eval_taus=tuple(args.eval_taus),
-        eval_batch_size=args.eval_batch_size,
         eval_base=not args.no_eval_base,
     )
     checkpoint = recipe.run(config)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -56,6 +56,13 @@ class Recipe:
     eval_taus: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8, 0.7)
     eval_batch_size: int = 64
     eval_base: bool = True  # also score the base model with plain generate()
+
+    @classmethod
+    def from_args(cls, args, **overrides) -> Recipe:
+        """The settings a command line gave (`hf-mars recipe`, `hf-mars distill`): its options of the same names,
+        then `overrides`."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**given, **overrides})
 
     @property
     def out(self) -> Path:
