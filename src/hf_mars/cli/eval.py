@@ -3,9 +3,6 @@ base model's with `--base`) and GSM8K / HumanEval accuracy, in one table (eval.m
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 HELP = "recipe step 4: tokens/forward and accuracy per τ, plotted"
 DESCRIPTION = (
     "Recipe step 4: per τ, tokens/forward, the share of answers identical to τ = 1 (and to the base model with "
@@ -25,6 +22,7 @@ def add_parser(subparsers) -> None:
     ev.add_argument("--batch-size", type=int, default=16)
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ev.add_argument("--device", help="e.g. cuda (default: where the model loads)")
     ev.add_argument("--output", default="outputs/eval", help="folder for eval.md, eval.json and eval.png")
     ev.set_defaults(run=run)
 
@@ -32,11 +30,14 @@ def add_parser(subparsers) -> None:
 def run(args) -> None:
     import torch
 
-    from ..tools.evals import eval_prompts, format_tau_table, save_tau_plot, tau_table
+    from ..tools.evals import eval_prompts, format_tau_table, tau_table, write_tau_table
     from ..tools.loading import load_checkpoint
 
     model, tokenizer = load_checkpoint(args.model, None, args.dtype)
     base = _base_model(args.dtype) if args.base else None
+    if args.device:
+        model = model.to(args.device)
+        base = base.to(args.device) if base is not None else None
     rows = eval_prompts(args.gsm8k, args.humaneval)
     table = tau_table(
         model,
@@ -47,24 +48,19 @@ def run(args) -> None:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
     )
-    text = format_tau_table(table)
-    print(text)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    print(format_tau_table(table))
     meta = dict(
         model=args.model or "shipped",
         gsm8k=args.gsm8k,
         humaneval=args.humaneval,
         dtype=args.dtype,
+        device=str(model.device),
         max_new_tokens=args.max_new_tokens,
         threads=torch.get_num_threads(),
     )
-    answers = {row["setting"]: row.pop("answers") for row in table}  # rows: the table alone, as `push --tau-table`
-    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table, "answers": answers}, indent=2))
-    (out / "eval.md").write_text(text + "\n")
     title = f"{meta['model']}: {args.gsm8k} GSM8K, {args.humaneval} HumanEval, {args.dtype}"
-    save_tau_plot(table, out / "eval.png", title=title)
-    print(f"Wrote {out / 'eval.md'}, {out / 'eval.json'} and {out / 'eval.png'}")
+    written = write_tau_table(table, args.output, meta, title)
+    print("Wrote " + ", ".join(str(path) for path in written))
 
 
 def _base_model(dtype: str):

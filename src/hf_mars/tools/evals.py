@@ -258,3 +258,21 @@ def save_tau_plot(table: list[dict], path: str | Path, title: str | None = None)
         fig.suptitle(title, fontsize=9)
     save_figure(plt, fig, path)
     return Path(path)
+
+
+def write_tau_table(table: list[dict], out: str | Path, meta: dict, title: str) -> list[Path]:
+    """What `hf-mars eval` and the recipe's eval stage leave in `out`: eval.md (the table), eval.json (`meta`, the
+    rows, and the answers beside them, so the rows stay a τ table as `hf-mars push --tau-table` reads one) and
+    eval.png when matplotlib is there (the table is the result; the plot is optional). Returns the files written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = format_tau_table(table)
+    answers = {row["setting"]: row.pop("answers") for row in table if "answers" in row}
+    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table, "answers": answers}, indent=2))
+    (out / "eval.md").write_text(text + "\n")
+    written = [out / "eval.md", out / "eval.json"]
+    try:
+        written.append(save_tau_plot(table, out / "eval.png", title=title))
+    except ImportError as err:
+        print(f"no eval.png: {err}")
+    return written

@@ -273,7 +273,7 @@ def evaluate(recipe: Recipe) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .evals import eval_prompts, format_tau_table, save_tau_plot, tau_table
+    from .evals import eval_prompts, format_tau_table, tau_table, write_tau_table
     from .loading import load_checkpoint
 
     device = resolve_device(recipe.device)
@@ -292,9 +292,7 @@ def evaluate(recipe: Recipe) -> Path:
         batch_size=recipe.eval_batch_size,
         max_new_tokens=recipe.max_new_tokens,
     )
-    text = format_tau_table(table)
-    print(text)
-    out.mkdir(parents=True, exist_ok=True)
+    print(format_tau_table(table))
     meta = dict(
         model=str(recipe.checkpoint),
         gsm8k=recipe.eval_gsm8k,
@@ -303,15 +301,9 @@ def evaluate(recipe: Recipe) -> Path:
         device=device,
         max_new_tokens=recipe.max_new_tokens,
     )
-    answers = {row["setting"]: row.pop("answers") for row in table}  # as hf-mars eval writes it
-    (out / "eval.json").write_text(json.dumps({"meta": meta, "rows": table, "answers": answers}, indent=2))
-    (out / "eval.md").write_text(text + "\n")
-    try:
-        title = f"{recipe.checkpoint.name}: {recipe.eval_gsm8k} GSM8K, {recipe.eval_humaneval} HumanEval"
-        save_tau_plot(table, out / "eval.png", title=title)
-    except ImportError as err:  # matplotlib is optional (the bench extra): the table is the result
-        print(f"[eval] no eval.png: {err}")
-    print(f"[eval] wrote {out / 'eval.md'} and {out / 'eval.json'}")
+    title = f"{recipe.checkpoint.name}: {recipe.eval_gsm8k} GSM8K, {recipe.eval_humaneval} HumanEval"
+    written = write_tau_table(table, out, meta, title)
+    print("[eval] wrote " + ", ".join(str(path) for path in written))
     return out
 
 
