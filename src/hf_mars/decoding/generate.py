@@ -25,7 +25,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache, GenerationMixin, StaticCache
@@ -202,18 +202,15 @@ class MARSGenerationMixin(GenerationMixin):
 
 
 def static_cache_length(settings: MARSSettings, prompt_length: int, max_new_tokens: int, candidates=None, lookup=None):
-    """Static cache slots a MARS generation may need. A τ-mode pass advances B slots whatever it accepts (its pending
-    tokens are padded to B), a lossless pass 1 + its full draft tree; the last pass also writes its masks.
+    """Static cache slots a MARS generation may need. A pass advances `1 + drafts_per_pass` slots whatever it accepts:
+    B pending slots in τ-mode, the root and the full draft tree in lossless mode; the last pass also writes its masks.
     `candidates`, `lookup`: what lossless mode's tree really has (they may be fewer than asked, see `_prepare`)."""
-    masks = settings.block_size - 1
-    candidates = settings.draft_candidates if candidates is None else candidates
-    lookup = settings.lookup if lookup is None else lookup
-    if settings.verify:
-        drafts = masks + candidates - 1 + lookup
-        per_pass, widest = 1 + drafts, 1 + drafts + (drafts + 1) * masks
-    else:
-        per_pass, widest = settings.block_size, settings.block_size + masks
-    return prompt_length + max_new_tokens * per_pass + widest
+    if candidates is not None or lookup is not None:
+        candidates = settings.draft_candidates if candidates is None else candidates
+        settings = replace(settings, draft_candidates=candidates, lookup=settings.lookup if lookup is None else lookup)
+    per_pass = 1 + settings.drafts_per_pass
+    groups = per_pass if settings.verify else 1  # groups of masks: after the root and after each draft
+    return prompt_length + max_new_tokens * per_pass + per_pass + groups * (settings.block_size - 1)
 
 
 def _refuse_unsupported(base, kwargs) -> None:
@@ -475,7 +472,7 @@ def _commit(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.Tensor
     taken = tokens.masked_fill(slots >= accepted[:, None], run.pad_token_id)  # pad where nothing was written yet
     run.sequences.index_put_((rows[:, None], positions), taken)
     run.decoded[rows] += accepted
-    run.passes[rows] += run.active[rows].long()
+    run.passes[rows] += run.active[rows].long() if run.cache.fixed_shapes else 1  # idle rows take no pass
     streamed = run.stopping.kept[0].item() if run.streamer is not None else 0
     run.stopping.judge(run.decoded, run.ended)
     stats = run.stats

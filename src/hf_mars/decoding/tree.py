@@ -55,11 +55,8 @@ class DraftTree:
 
     @functools.cached_property
     def depth(self) -> int:
-        """How many positions past the root the deepest draft sits (a Python int: no device read)."""
-        depths = []
-        for parent in self.parents:
-            depths.append(1 + (depths[parent] if parent >= 0 else 0))
-        return max(depths, default=0)
+        """How many positions past the root the deepest draft sits, as a Python int (read once per tree)."""
+        return max(self.depths.tolist(), default=0)
 
     def on(self, device) -> tuple[torch.BoolTensor, torch.LongTensor, torch.LongTensor]:
         """`(lineage, depths, parent slots)` on `device`, copied there once per tree. Parent slot of draft i: its
