@@ -20,6 +20,7 @@ import argparse
 import torch
 from transformers import GenerationMixin
 
+from hf_mars.decoding.compat import CACHE_ARG
 from hf_mars.tools.evals import load_prompts
 from hf_mars.tools.loading import load_checkpoint
 
@@ -82,9 +83,9 @@ def first_difference(model, tok, width: int) -> str:
         with torch.no_grad():
             for tokens in (fed[:, :1], fed):  # the same cache before each
                 cache = DynamicCache(config=model.config)
-                model(prefix, past_key_values=cache, use_cache=True)
+                model(prefix, **{CACHE_ARG: cache}, use_cache=True)
                 outputs.clear()
-                model(tokens, past_key_values=cache, use_cache=True)
+                model(tokens, **{CACHE_ARG: cache}, use_cache=True)
                 if tokens.shape[1] == 1:
                     alone = {name: values[0] for name, values in outputs.items()}
     finally:

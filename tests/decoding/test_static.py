@@ -11,6 +11,7 @@ from transformers import CompileConfig, GenerationMixin, StaticCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import hf_mars
+from hf_mars.decoding.compat import CACHE_ARG
 
 MODES = {
     "tau=1": dict(mars_tau=1.0),
@@ -79,11 +80,11 @@ def test_a_static_cache_that_is_too_small_is_grown_or_refused(trained_toy):
     for mode in (dict(mars_tau=0.0), dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3)):
         needed = model.mars_cache_length(enc.input_ids.shape[1], 40, **mode)  # what a server sets max_cache_len to
         exact = StaticCache(config=model.config, max_cache_len=needed)
-        out = model.generate(**enc, max_new_tokens=40, past_key_values=exact, **mode)
+        out = model.generate(**enc, max_new_tokens=40, **{CACHE_ARG: exact}, **mode)
         assert torch.equal(out, model.generate(**enc, max_new_tokens=40, **mode))
         small = StaticCache(config=model.config, max_cache_len=needed - 1)
         with pytest.raises(ValueError, match="StaticCache of at least"):
-            model.generate(**enc, max_new_tokens=40, past_key_values=small, **mode)
+            model.generate(**enc, max_new_tokens=40, **{CACHE_ARG: small}, **mode)
 
 
 def test_compiled_mars_reuses_one_graph_and_equals_the_dynamic_cache():

@@ -10,6 +10,7 @@ from helpers import Recorder, make_model, make_tokenizer, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
+from hf_mars.decoding.compat import CACHE_ARG
 
 
 def tokens_per_forward(stats):
@@ -209,7 +210,7 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
     cache = MARSCache(2, "cpu")
     with torch.no_grad():
         mask_2d, positions = cache.step_inputs(real, 0)
-        model(input_ids=ids, attention_mask=mask_2d, position_ids=positions, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask_2d, position_ids=positions, **{CACHE_ARG: cache}, use_cache=True)
         cache.commit(real, 0)
         pending = torch.tensor([[20], [21]])
         parents = [-1, 0, 1, -1]  # a chain of three, and a sibling of its first draft
@@ -220,7 +221,7 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
         mask_2d, positions = cache.step_inputs(new_real, masks, tree)
         mask_4d = tree_attention(model, cache, tree, mask_2d, 1, masks)
         fed = torch.cat([pending, drafts, torch.full((2, (len(parents) + 1) * masks), mask_id)], dim=1)
-        logits = model(input_ids=fed, attention_mask=mask_4d, position_ids=positions, past_key_values=cache).logits
+        logits = model(input_ids=fed, attention_mask=mask_4d, position_ids=positions, **{CACHE_ARG: cache}).logits
     lineage = {-1: []}
     for i, parent in enumerate(parents):
         lineage[i] = lineage[parent] + [i]

@@ -18,5 +18,6 @@ REMOTE_FILES = (
     "tree.py",  # DraftTree: lossless mode's draft tree, its attention pattern, prompt lookup
     "verify.py",  # lossless mode: verification of drafts, proposal of the next ones
     "stopping.py",  # stopping criteria called exactly as generate() calls them
+    "compat.py",  # the transformers names that are not stable public API, each behind one function
 )
 REMOTE_DIR = Path(__file__).parent

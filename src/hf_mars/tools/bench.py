@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationMixin
 
+from ..decoding.compat import CACHE_ARG
 from ..decoding.generate import mars_settings
 from .trees import TUNE_TREES, tree_name
 
@@ -413,7 +414,7 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
     cache = DynamicCache(config=model.config)
     times = {width: [] for width in range(1, block + 1)}
     with torch.no_grad():
-        model(input_ids=ids[:, :context], attention_mask=mask(context), past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :context], attention_mask=mask(context), **{CACHE_ARG: cache}, use_cache=True)
         for _ in range(repeats + 1):  # the first round warms up
             for width in times:
                 _sync(model)
@@ -421,7 +422,7 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
                 model(
                     input_ids=ids[:, context : context + width],
                     attention_mask=mask(context + width),
-                    past_key_values=cache,
+                    **{CACHE_ARG: cache},
                     use_cache=True,
                     logits_to_keep=width,
                 )

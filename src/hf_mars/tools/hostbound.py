@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from ..decoding.compat import CACHE_ARG
+
 # What each mode is run with (eos_token_id=None: every row decodes max_new_tokens, so all modes do the same work)
 MODES = {
     "MARS τ = 1": dict(mars_tau=1.0),
@@ -106,7 +108,7 @@ def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24,
     cache = MARSCache(batch, ids.device)
     times = {width: [] for width in widths}
     with torch.no_grad():
-        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :context], **{CACHE_ARG: cache}, use_cache=True)
         cache.commit(torch.ones(batch, context, dtype=torch.bool), 0, dense=True)
         for _ in range(repeats + 1):  # the first round warms up
             for width in widths:
@@ -115,7 +117,7 @@ def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24,
                 if width > 1:
                     mask = tree_attention(model, cache, NO_DRAFTS, mask, width, 0)
                 kwargs = dict(attention_mask=mask, position_ids=positions, logits_to_keep=width)
-                model(input_ids=ids[:, context : context + width], past_key_values=cache, use_cache=True, **kwargs)
+                model(input_ids=ids[:, context : context + width], **{CACHE_ARG: cache}, use_cache=True, **kwargs)
                 times[width].append(time.perf_counter() - start)
                 cache.crop(-width)
     return {width: 1000 * statistics.median(t[1:]) for width, t in times.items()}

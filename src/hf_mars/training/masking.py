@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 from transformers.masking_utils import create_causal_mask
 
+from ..decoding.compat import CACHE_ARG
+
 # Attention implementations that honour a custom mask. Flash attention kernels only take a 2D padding mask and would
 # silently train with plain causal attention.
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention")
@@ -98,7 +100,7 @@ def create_two_stream_mask(
         config=config,
         inputs_embeds=shape_only,
         attention_mask=attention_mask,
-        past_key_values=None,
+        **{CACHE_ARG: None},  # no cache: the keyword's name depends on the transformers release
         position_ids=position_ids,
         and_mask_function=two_stream_mask_function(clean_length, block_size, noisy_start),
     )

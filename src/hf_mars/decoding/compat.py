@@ -1,0 +1,115 @@
+"""Every transformers name MARS decoding relies on that is not stable public API, each behind one function.
+
+A checkpoint's code runs under whatever transformers its user has, for years after it was published. So the other
+decoding files use only stable public API plus what this file offers; each entry here takes the public route where
+one exists, else the private one it names, else fails with an error that names the supported range. A release that
+renames something is then one edit, here.
+
+This file is copied into MARS checkpoints (trust_remote_code): it imports torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import transformers
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+# The transformers releases this code is tested with (CI runs both ends); `hf_mars` records them in checkpoints.
+TESTED_TRANSFORMERS = ("5.23.0", "5.24.0")
+
+# The keyword under which a model's forward and `generate()` take the KV cache, and the output field that returns
+# it: `cache` from transformers 5.24 (where `past_key_values` is a deprecated alias), `past_key_values` before.
+CACHE_ARG = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+def unsupported(what: str) -> RuntimeError:
+    """The error for a transformers release that lacks something MARS decoding needs."""
+    low, high = TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[-1]
+    return RuntimeError(
+        f"MARS decoding needs {what}, which transformers {transformers.__version__} lacks; "
+        f"it is tested with transformers {low} to {high}."
+    )
+
+
+def forward_takes(model, *names: str) -> bool:
+    """Whether `model.forward` takes every one of these keyword arguments by name."""
+    return set(names) <= set(inspect.signature(model.forward).parameters)
+
+
+def takes_cache(model) -> bool:
+    """Whether `model.forward` takes a KV cache (under this release's name, `CACHE_ARG`)."""
+    return forward_takes(model, CACHE_ARG)
+
+
+def model_cache(model_kwargs: dict):
+    """The cache `generate()` prepared for the decoding loop (or the user passed), if any."""
+    return model_kwargs.get(CACHE_ARG)
+
+
+def eos_token_ids(generation_config, device) -> torch.Tensor:
+    """`(n,)` EOS ids of a prepared generation config (empty without any): public `eos_token_id`, int or list."""
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.as_tensor(eos, dtype=torch.long, device=device).view(-1)
+
+
+def pad_token(generation_config, eos: torch.Tensor) -> int:
+    """The id written after a row ends: `pad_token_id`, else the first EOS id (as `generate()` does), else 0."""
+    pad = generation_config.pad_token_id
+    if pad is not None:
+        return int(torch.as_tensor(pad).view(-1)[0])
+    return int(eos[0]) if eos.numel() else 0
+
+
+def supports_logits_to_keep(model) -> bool:
+    """Whether the forward can compute the logits of the last positions only (`logits_to_keep`)."""
+    return forward_takes(model, "logits_to_keep")
+
+
+def static_cache_size(cache) -> int:
+    """The slots of a `StaticCache`."""
+    for name in ("get_max_cache_shape", "get_max_length"):
+        size = getattr(cache, name, None)
+        if callable(size) and isinstance(size(), int):
+            return size()
+    raise unsupported("StaticCache.get_max_cache_shape()")
+
+
+def user_defined_cache(cache) -> bool:
+    """Whether the user passed this cache (then MARS may not resize it) rather than `generate()` making it."""
+    return bool(getattr(cache, "_is_user_defined", False))
+
+
+def new_static_cache(model, generation_config, batch_size: int, size: int, model_kwargs: dict):
+    """A static cache of `size` slots, through `generate()`'s own helper, which remembers the size (so later calls
+    reuse it and compiled graphs are not rebuilt)."""
+    prepare = getattr(model, "_prepare_static_cache", None)
+    if prepare is None:
+        raise unsupported("GenerationMixin._prepare_static_cache")
+    cache = prepare(generation_config.cache_implementation, batch_size, size, None, model_kwargs)
+    model_kwargs[CACHE_ARG] = cache
+    return cache
+
+
+def compiled_forward(model, generation_config, model_kwargs: dict):
+    """The compiled forward `generate()` would use for these kwargs (its own criteria), or `None`."""
+    criteria = getattr(model, "_valid_auto_compile_criteria", None)
+    if criteria is None or not criteria(model_kwargs, generation_config):
+        return None
+    return model.get_compiled_call(generation_config.compile_config)
+
+
+def rewind_static_layers(cache, slots: int) -> None:
+    """Step every layer of a `StaticCache` back `slots` slots, so the next write overwrites them."""
+    try:
+        torch._foreach_sub_([layer.cumulative_length for layer in cache.layers], slots)
+    except AttributeError:
+        raise unsupported("StaticLayer.cumulative_length") from None
+
+
+def with_cache(output_cls, cache, **fields):
+    """`output_cls(**fields)` with the cache under this release's field name."""
+    return output_cls(**fields, **{CACHE_ARG: cache})
