@@ -105,7 +105,7 @@ def _mars_arguments(model, args) -> dict:
     tau = args.tau
     mars = dict(
         mars_tau=tau,
-        mars_verify=args.lossless,
+        mars_verify=args.lossless or None,  # not given: the checkpoint's generation config decides
         mars_block_size=args.block_size,
         mars_draft_candidates=args.draft_candidates,
         mars_lookup=args.lookup,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, StaticCache
 
+from .compat import rewind_static_layers, static_cache_size
 from .tree import NO_DRAFTS, DraftTree
 
 
@@ -36,11 +37,25 @@ class MARSCache(DynamicCache):
 
     fixed_shapes = False
 
-    def __init__(self, batch_size: int, device: torch.device | str):
+    def __init__(self, batch_size: int, device: torch.device | str, keep_retired: bool = False):
         super().__init__()  # no config: every layer a full `DynamicLayer`, whose `crop` drops the trailing masks
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.dense = True  # no slot is a hole
+        self.rows = torch.arange(batch_size, device=device)  # the batch rows this cache still holds
+        self.keep_retired = keep_retired  # whether rows that leave keep their K/V, for `to_prefix_cache`
+        self.retired: list[tuple[torch.Tensor, torch.Tensor, list]] = []  # (batch rows, real, [(keys, values)])
+
+    @classmethod
+    def from_prefix(cls, cache, attention_mask: torch.Tensor, keep_retired: bool = False) -> MARSCache:
+        """A MARS cache holding what `cache` (a `Cache` of the first `n` tokens of every row, as `generate()` returns
+        it) holds: the slots that `attention_mask[:, :n]` marks are real tokens, positions count them."""
+        length = cache.get_seq_length()
+        new = cls(attention_mask.shape[0], attention_mask.device, keep_retired)
+        for index, layer in enumerate(cache.layers):
+            new.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
+        new.commit(attention_mask[:, :length].bool(), 0)
+        return new
 
     def step_inputs(
         self, new_real: torch.BoolTensor, num_masks: int, tree: DraftTree = NO_DRAFTS, dense: bool | None = None
@@ -85,10 +100,32 @@ class MARSCache(DynamicCache):
         self.next_position = self.next_position + new_real.sum(dim=1)
 
     def keep_rows(self, rows: torch.LongTensor) -> None:
-        """Drop finished rows, so that they stop costing compute."""
+        """Drop finished rows, so that they stop costing compute (their K/V are set aside if `keep_retired`)."""
+        if self.keep_retired:
+            gone = torch.ones_like(self.rows, dtype=torch.bool).index_fill_(0, rows, False).nonzero().view(-1)
+            kv = [(layer.keys[gone], layer.values[gone]) for layer in self.layers]
+            self.retired.append((self.rows[gone], self.real[gone], kv))
         self.batch_select_indices(rows)
         self.real = self.real[rows]
         self.next_position = self.next_position[rows]
+        self.rows = self.rows[rows]
+
+    def real_slots(self, batch_size: int):
+        """`(real, [(keys, values) per layer])` over the whole batch, retired rows included, in batch order."""
+        parts = [(self.rows, self.real, [(layer.keys, layer.values) for layer in self.layers])] + self.retired
+        width = max(real.shape[1] for _, real, _ in parts)
+        real = self.real.new_zeros(batch_size, width)
+        for rows, part_real, _ in parts:
+            real[rows, : part_real.shape[1]] = part_real
+
+        def whole(layer: int, which: int) -> torch.Tensor:
+            like = parts[0][2][layer][which]
+            full = like.new_zeros(batch_size, like.shape[1], width, like.shape[3])
+            for rows, _, kv in parts:
+                full[rows, :, : kv[layer][which].shape[2]] = kv[layer][which]
+            return full
+
+        return real, [(whole(layer, 0), whole(layer, 1)) for layer in range(len(self.layers))]
 
     def hole_fraction(self) -> float:
         return 0.0 if self.real.numel() == 0 else 1.0 - self.real.float().mean().item()
@@ -131,7 +168,7 @@ class StaticMARSCache:
 
     def __init__(self, cache: StaticCache, batch_size: int, device: torch.device | str):
         self.kv = cache
-        self.size = cache.get_max_length()
+        self.size = static_cache_size(cache)
         self.real = torch.zeros(batch_size, self.size, dtype=torch.bool, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
@@ -150,13 +187,39 @@ class StaticMARSCache:
     def kv_length(self, width: int) -> int:
         return self.size
 
+    def real_slots(self, batch_size: int):
+        """`(real, [(keys, values) per layer])`: the committed slots (see `MARSCache.real_slots`)."""
+        return self.real[:, : self.length], [(layer.keys, layer.values) for layer in self.kv.layers]
+
     def commit(self, new_real: torch.BoolTensor, num_masks: int, dense: bool | None = None) -> None:
         """After a pass: the layers step back over the masks, and the real tokens just cached are recorded."""
         if num_masks:
-            torch._foreach_sub_([layer.cumulative_length for layer in self.kv.layers], num_masks)
+            rewind_static_layers(self.kv, num_masks)
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
         self.length += new_real.shape[1]
         self.next_position = self.next_position + new_real.sum(dim=1)
+
+
+def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> DynamicCache:
+    """What `generate()` returns as its cache, from a MARS cache: a plain `DynamicCache` of the first `n` positions of
+    the output sequences, with no holes, so that a later `generate()` (MARS or not) continues from it.
+
+    `tokens_at` `(batch, width)`: which positions of the output hold tokens (not padding); row b's real slots are
+    those tokens, in order. `n` is the least, over the rows, of how far a row's real slots reach and `limits[b]`
+    (what the output keeps). Padding positions hold zeros: the attention mask hides them.
+    """
+    real, kv = cache.real_slots(tokens_at.shape[0])
+    rank = tokens_at.long().cumsum(dim=1) - 1  # which real slot each position's token is
+    reach = (rank < real.sum(dim=1, keepdim=True)).long().cumprod(dim=1).sum(dim=1)  # positions a row's slots cover
+    length = int(torch.minimum(reach, limits).min())
+    order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # each row's real slots first, in order
+    slots = order.gather(1, rank[:, :length].clamp(min=0, max=real.shape[1] - 1))
+    out = DynamicCache()
+    for layer, (keys, values) in enumerate(kv):
+        valid = tokens_at[:, None, :length, None]
+        keys, values = (_gather_slots(t, slots) * valid for t in (keys, values))
+        out.update(keys, values, layer)
+    return out
 
 
 def _positions(next_position, new_real, num_masks: int, tree: DraftTree):

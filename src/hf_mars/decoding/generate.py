@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -35,9 +34,22 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache
+from .cache import MARSCache, StaticMARSCache, prefix_cache
+from .compat import (
+    CACHE_ARG,
+    compiled_forward,
+    eos_token_ids,
+    forward_takes,
+    model_cache,
+    new_static_cache,
+    pad_token,
+    static_cache_size,
+    supports_logits_to_keep,
+    user_defined_cache,
+    with_cache,
+)
 from .schedule import MaskSchedule
-from .scoring import Histories, choose, history_free
+from .scoring import Histories, check_stateless, choose, history_free
 from .settings import MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
 from .tree import tree_attention
@@ -103,7 +115,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_tau: float | Callable[[], float] | None = None,
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
-        mars_verify: bool = False,
+        mars_verify: bool | None = None,
         mars_draft_candidates: int | None = None,
         mars_lookup: int | None = None,
         mars_mask_cost: float | list[float] | None = None,
@@ -121,7 +133,7 @@ class MARSGenerationMixin(GenerationMixin):
                 B: at most B tokens per forward pass. Defaults to the value the model was trained with.
             mars_confidence (`str`, *optional*):
                 "probability" (default), "entropy" or "margin"; see `scoring.confidence`.
-            mars_verify (`bool`, *optional*, defaults to `False`):
+            mars_verify (`bool`, *optional*):
                 Lossless mode: the confident mask predictions of a pass are drafts, fed as real tokens in the next
                 pass and kept only where they equal the model's own next-token prediction there (plus that
                 prediction after the last match). That pass feeds one group of masks after each possible number of
@@ -130,7 +142,8 @@ class MARSGenerationMixin(GenerationMixin):
                 With sampling, drafts are accepted by speculative sampling, so the output is distributed exactly as
                 the model's own samples. "Exactly" holds as far as a pass over several tokens computes the logits of
                 one-token passes: in float32 it does; in bfloat16 kernels may round a wide pass differently, and
-                near-ties flip, as with prompt lookup (docs/decoding.md).
+                near-ties flip, as with prompt lookup (docs/decoding.md). Defaults to
+                `generation_config.mars_verify`, else `False`.
             mars_draft_candidates (`int`, *optional*):
                 Lossless mode, greedy: how many candidates the first draft gets (the first mask's top tokens), each
                 verified in the same pass with its own group of masks. More make a wider pass that accepts more
@@ -155,17 +168,18 @@ class MARSGenerationMixin(GenerationMixin):
         criteria (called exactly as `generate()` calls them: see `stopping.py`) and streamers (each pass's accepted
         tokens arrive as one chunk).
 
-        In lossless mode, `mars_tau`, `mars_block_size`, `mars_draft_candidates`, `mars_lookup` and `mars_mask_cost`
-        not given come first from `generation_config.mars_lossless` (a dict, or dicts by batch size: `hf-mars tune`
-        measures the fastest tree for a machine and saves it there), then from the defaults above
-        (`model.mars_settings(...)` shows what a call will run with).
+        Every `mars_*` argument reads the same way from a keyword, the `generation_config` passed, and
+        `model.generation_config`, in that order. In lossless mode, `mars_tau`, `mars_block_size`,
+        `mars_draft_candidates`, `mars_lookup` and `mars_mask_cost` are read from each config's `mars_lossless` (a
+        dict, or dicts by batch size: `hf-mars tune` measures the fastest tree for a machine and saves it there)
+        before its own keys (`model.mars_settings(...)` shows what a call will run with).
         """
         base = generation_config if generation_config is not None else self.generation_config
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
         settings = resolve_settings(
             self,
-            base,
+            generation_config,
             batch_size,
             mars_tau=mars_tau,
             mars_block_size=mars_block_size,
@@ -178,7 +192,7 @@ class MARSGenerationMixin(GenerationMixin):
         if settings is None:
             extra = {"streamer": streamer} if streamer is not None else {}
             return super().generate(inputs, generation_config, logits_processor, stopping_criteria, **extra, **kwargs)
-        _refuse_unsupported(base, kwargs)
+        _refuse_unsupported(base, kwargs, "mars_verify" if settings.verify else "mars_tau")
         stopping_criteria, generation_config = _stop_strings_as_criterion(
             base, generation_config, stopping_criteria, kwargs
         )
@@ -213,10 +227,12 @@ def static_cache_length(settings: MARSSettings, prompt_length: int, max_new_toke
     return prompt_length + max_new_tokens * per_pass + per_pass + groups * (settings.block_size - 1)
 
 
-def _refuse_unsupported(base, kwargs) -> None:
+def _refuse_unsupported(base, kwargs, mode: str) -> None:
+    """`mode`: the MARS argument that turned MARS decoding on, named in the errors."""
     for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
         if kwargs.get(name) is not None or getattr(base, name, None) is not None:
-            raise ValueError(f"`mars_tau` cannot be combined with assisted decoding (`{name}`).")
+            hint = " (lossless mode has its own: `mars_lookup`)" if name == "prompt_lookup_num_tokens" else ""
+            raise ValueError(f"`{mode}` cannot be combined with assisted decoding (`{name}`){hint}.")
     if "inputs_embeds" in kwargs:
         raise ValueError("MARS decoding needs `input_ids`, not `inputs_embeds`.")
 
@@ -249,6 +265,7 @@ class _Run:
     processors: LogitsProcessorList
     sequences: torch.Tensor  # (batch, prompt + budget + room): the prompt, then each row's decoded tokens, then pad
     prompt_length: int
+    prompt_real: torch.Tensor  # (batch, prompt_length): which prompt positions hold tokens (not padding)
     budget: int  # new tokens allowed (what MaxLengthCriteria allows)
     pad_token_id: int
     eos: torch.Tensor
@@ -323,19 +340,15 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     """Check what MARS can do exactly, then set up the cache, the mask schedule and the stopping criteria."""
     batch, prompt_length = input_ids.shape
     device = input_ids.device
-    _check_decodable(model, generation_config, settings, prompt_length)
-    cached = model_kwargs.get("past_key_values")
-    if cached is not None and bool(cached.get_seq_length() > 0):
-        raise ValueError("MARS decoding starts from an empty cache; do not pass a filled `past_key_values`.")
-    eos = generation_config._eos_token_tensor
-    eos = torch.empty(0, dtype=torch.long, device=device) if eos is None else eos.to(device).view(-1)
-    pad = generation_config._pad_token_tensor
-    pad_token_id = int(pad) if pad is not None else (int(eos[0]) if eos.numel() else 0)
+    _check_decodable(model, generation_config, settings, prompt_length, processors)
+    eos = eos_token_ids(generation_config, device)
+    pad_token_id = pad_token(generation_config, eos)
     budget = generation_config.max_length - prompt_length
     room = 1 + settings.drafts_per_pass  # a pass writes this many slots past a row's tokens (pad past those taken)
     sequences = torch.full((batch, prompt_length + budget + room), pad_token_id, dtype=torch.long, device=device)
     sequences[:, :prompt_length] = input_ids
     attention_mask = model_kwargs.get("attention_mask")
+    prompt_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     # Sibling drafts (candidates, a lookup branch) need greedy verification, whose processors (if any) read no
     # history: with sampling, or a history-reading processor, drafts stay a chain
     do_sample = generation_config.do_sample
@@ -343,7 +356,8 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     candidates = settings.draft_candidates if branching else 1
     lookup = settings.lookup if settings.verify and branching else 0
-    cache, compiled = _cache(model, generation_config, settings, model_kwargs, input_ids, candidates, lookup)
+    cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup)
+    cached = cache.length  # a cache passed in holds the first tokens of every row already
     return _Run(
         settings=settings,
         processors=processors,
@@ -355,10 +369,11 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
         do_sample=do_sample,
         candidates=candidates,
         lookup=lookup,
-        logits_to_keep=model._supports_logits_to_keep(),
+        logits_to_keep=supports_logits_to_keep(model),
         rows=torch.arange(batch, device=device),
-        pending=input_ids,
-        pending_real=torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool(),
+        prompt_real=prompt_real,
+        pending=input_ids[:, cached:],
+        pending_real=prompt_real[:, cached:],
         drafts=Drafts.none(batch, device),
         cache=cache,
         compiled=compiled,
@@ -371,27 +386,43 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     )
 
 
-def _cache(model, generation_config, settings, model_kwargs, input_ids, candidates, lookup):
+def _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup):
     """`(cache, compiled forward or None)`. A `StaticCache` that `generate()` made (`cache_implementation="static"`)
     or was given is sized for MARS, whose passes write more slots than they keep, with `generate()`'s own helper (it
-    remembers the size, so later calls reuse it and nothing recompiles); `generate()`'s rule decides on compiling."""
-    (batch, prompt_length), device = input_ids.shape, input_ids.device
-    cache = model_kwargs.get("past_key_values")
+    remembers the size, so later calls reuse it and nothing recompiles); `generate()`'s rule decides on compiling.
+    A dynamic cache that holds the first tokens of every row (one a `generate()` call returned) is continued."""
+    (batch, prompt_length), device = prompt_real.shape, prompt_real.device
+    cache = model_cache(model_kwargs)
+    keep_retired = bool(generation_config.return_dict_in_generate)  # the output returns every row's cache
+    filled = cache is not None and bool(cache.get_seq_length() > 0)
     if not isinstance(cache, StaticCache):
-        return MARSCache(batch, device), None
+        if not filled:
+            return MARSCache(batch, device, keep_retired), None
+        return _continued(cache, prompt_real, keep_retired), None
+    if filled:
+        raise ValueError("MARS decoding starts from an empty static cache (a filled dynamic one it continues).")
     if not all(type(layer) is StaticLayer for layer in cache.layers):
         raise ValueError("MARS decoding takes a static cache of full-attention layers only (no sliding windows).")
     budget = generation_config.max_length - prompt_length
     size = static_cache_length(settings, prompt_length, budget, candidates, lookup)
-    if cache.get_max_length() < size:
-        if getattr(cache, "_is_user_defined", False):
+    if static_cache_size(cache) < size:
+        if user_defined_cache(cache):
             raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
-        cache = model._prepare_static_cache(generation_config.cache_implementation, batch, size, None, model_kwargs)
-        model_kwargs["past_key_values"] = cache
-    compiled = None
-    if model._valid_auto_compile_criteria(model_kwargs, generation_config):
-        compiled = model.get_compiled_call(generation_config.compile_config)
+        cache = new_static_cache(model, generation_config, batch, size, model_kwargs)
+    compiled = compiled_forward(model, generation_config, model_kwargs)
     return StaticMARSCache(cache, batch, device), compiled
+
+
+def _continued(cache, prompt_real, keep_retired: bool) -> MARSCache:
+    """A MARS cache that continues `cache`, which holds K/V of the first tokens of every row of the prompt."""
+    length = cache.get_seq_length()
+    if length >= prompt_real.shape[1]:
+        raise ValueError(
+            f"The cache passed holds {length} tokens, the input {prompt_real.shape[1]}: pass at least one new token."
+        )
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise ValueError("MARS decoding continues a cache of full-attention layers only (no sliding windows).")
+    return MARSCache.from_prefix(cache, prompt_real, keep_retired)
 
 
 def _forward(model, run: _Run, tau: float) -> _Pass:
@@ -418,8 +449,8 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
         input_ids=torch.cat([run.pending, run.drafts.tokens, mask_ids], dim=1),
         attention_mask=mask_2d,
         position_ids=position_ids,
-        past_key_values=run.cache.kv,
         use_cache=True,
+        **{CACHE_ARG: run.cache.kv},
         return_dict=True,
         **({"logits_to_keep": needed} if run.logits_to_keep else {}),
     )
@@ -552,9 +583,14 @@ def _finish(run: _Run, generation_config):
     new_tokens = run.stopping.kept
     run.stats.new_tokens, run.stats.passes_per_row = new_tokens, run.passes
     sequences = run.sequences[:, : run.prompt_length + int(new_tokens.max())]
-    if generation_config.return_dict_in_generate:
-        return MARSGenerateOutput(sequences=sequences, mars_stats=run.stats)
-    return sequences
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    cache = None
+    if generation_config.use_cache is not False:  # as `generate()`: K/V of every position but the last
+        limits = (run.prompt_length + new_tokens).clamp(max=sequences.shape[1] - 1)
+        tokens_at = torch.cat([run.prompt_real, run.prompt_real.new_ones(sequences.shape[0], sequences.shape[1])], 1)
+        cache = prefix_cache(run.cache, tokens_at[:, : sequences.shape[1]], limits)
+    return with_cache(MARSGenerateOutput, cache, sequences=sequences, mars_stats=run.stats)
 
 
 def _right_align(tokens, counts, width: int, pad_token_id):
@@ -565,8 +601,14 @@ def _right_align(tokens, counts, width: int, pad_token_id):
     return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
 
 
-def _check_decodable(model, generation_config, settings: MARSSettings, prompt_length: int) -> None:
+def _check_decodable(model, generation_config, settings: MARSSettings, prompt_length: int, processors) -> None:
     """Refuse, with a reason, what MARS decoding cannot do exactly."""
+    if settings.verify:
+        check_stateless(processors, "lossless mode (mars_verify=True)")
+    elif callable(settings.tau) or settings.tau < 1.0:
+        check_stateless(
+            processors, f"mars_tau={settings.tau!r}" if not callable(settings.tau) else "a callable mars_tau"
+        )
     mode = generation_config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"`mars_tau` works with greedy decoding and sampling, not {mode.value} (e.g. num_beams > 1).")
@@ -580,8 +622,8 @@ def _check_decodable(model, generation_config, settings: MARSSettings, prompt_le
         )
     if model.config.is_encoder_decoder:
         raise ValueError("MARS decoding needs a decoder-only causal LM.")
-    if not {"position_ids", "attention_mask", "past_key_values"} <= set(inspect.signature(model.forward).parameters):
-        raise ValueError(f"{type(model).__name__}.forward must take position_ids, attention_mask and past_key_values.")
+    if not forward_takes(model, "position_ids", "attention_mask", CACHE_ARG):
+        raise ValueError(f"{type(model).__name__}.forward must take position_ids, attention_mask and {CACHE_ARG}.")
     if settings.verify and getattr(model.config, "_attn_implementation", None) not in _BRANCHING:
         raise ValueError(
             "Lossless mode (`mars_verify`) feeds drafts as a tree, which needs an attention implementation that takes "

@@ -10,28 +10,55 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    MinPLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers.generation import logits_process
 
 from .settings import CONFIDENCE_MEASURES
 
+
+def _processors(*names: str) -> tuple[type, ...]:
+    """The transformers processor classes of these names that this release has."""
+    return tuple(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
+
+
 # Warpers that read only the scores, never the token history: they can score every slot of a pass in one call.
-HISTORY_FREE = (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
+HISTORY_FREE = _processors(
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
 )
+# Processors whose scores are a function of each row's token history and scores alone, recomputed at every call: MARS
+# may call them for any slot of a pass, any number of times, as if that slot were `generate()`'s next step. Others
+# (user-written ones, or those with state of their own, such as classifier-free guidance, which runs the model on a
+# cache of its own, or SynthID's watermark) are exact only when called once per token, as at τ = 1.
+STATELESS = HISTORY_FREE + _processors(
+    "TopHLogitsWarper",
+    "MinLengthLogitsProcessor",
+    "MinNewTokensLengthLogitsProcessor",
+    "RepetitionPenaltyLogitsProcessor",
+    "EncoderRepetitionPenaltyLogitsProcessor",
+    "NoRepeatNGramLogitsProcessor",
+    "EncoderNoRepeatNGramLogitsProcessor",
+    "SequenceBiasLogitsProcessor",
+    "NoBadWordsLogitsProcessor",
+    "PrefixConstrainedLogitsProcessor",
+    "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor",
+    "InfNanRemoveLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
+    "LogitNormalization",
+    "SuppressTokensAtBeginLogitsProcessor",
+    "SuppressTokensLogitsProcessor",
+    "WatermarkLogitsProcessor",
+)
+# The `generate()` argument behind a processor, named in errors
+PROCESSOR_OPTIONS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
+}
 
 
 def confidence(probs: torch.Tensor, tokens: torch.Tensor, measure: str = "probability") -> torch.Tensor:
@@ -56,7 +83,8 @@ class Histories:
     left-padded prompt, then its generated tokens), within a batch as wide as at the start.
 
     Rows that accepted different numbers of tokens differ in length, so they are processed in groups of equal
-    length; rows that finished, or are in another group, are filled with dummies and their scores dropped. This keeps
+    length; rows that finished, or are in another group, show their own tokens (a finished row: its text, then
+    padding, as in `generate()`) and their scores are dropped. This keeps
     position-aware processors (repetition penalty's `prompt_ignore_length`, n-gram bans) and those with per-row
     state exact. In the common case (no finished row, equal lengths) it is one call on `generate()`'s own input.
     """
@@ -70,7 +98,7 @@ class Histories:
         for length in self.lengths.unique().tolist():
             group = (self.lengths == length).nonzero().view(-1)
             rows = self.rows[group]
-            ids = self.sequences.new_zeros((batch, length + prefix.shape[1]))
+            ids = self.sequences[:, : length + prefix.shape[1]].clone()
             ids[rows] = torch.cat([self.sequences[rows, :length], prefix[group]], dim=1)
             full = scores.new_zeros((batch, scores.shape[1])).index_copy(0, rows, scores[group])
             out[group] = self.processors(ids, full)[rows]
@@ -79,6 +107,19 @@ class Histories:
 
 def history_free(processors) -> bool:
     return all(isinstance(p, HISTORY_FREE) for p in processors)
+
+
+def check_stateless(processors, mode: str) -> None:
+    """Refuse, by name, a processor that MARS would call other than once per token (see `STATELESS`); `mode`: the
+    setting that makes it do so, named in the error."""
+    for processor in processors:
+        if not isinstance(processor, STATELESS):
+            name = type(processor).__name__
+            label = f"`{PROCESSOR_OPTIONS[name]}` ({name})" if name in PROCESSOR_OPTIONS else name
+            raise ValueError(
+                f"{label} is not a logits processor MARS knows to be stateless, and {mode} scores several slots per "
+                "pass, so it would not be called as generate() calls it: use mars_tau=1 or plain generate()."
+            )
 
 
 def processed(logits, histories: Histories | None, prefix):

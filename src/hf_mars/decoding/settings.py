@@ -1,8 +1,11 @@
-"""What a MARS `generate()` call runs with: `MARSSettings`, resolved once from its kwargs and the generation config.
+"""What a MARS `generate()` call runs with: `MARSSettings`, resolved once from its kwargs and the generation configs.
 
-Every `mars_*` argument not given falls back to the generation config's key of the same name, then to a built-in
-default. Lossless mode reads `generation_config.mars_lossless` first: the fastest draft tree depends on the machine
-and the batch size (`hf-mars tune` measures it and saves it there) and is not τ-mode's B.
+Every `mars_*` setting is read the same way wherever it is held, with one precedence, as `generate()` reads its own
+settings: the keyword argument, then the `generation_config=` passed to the call, then `model.generation_config`,
+then a built-in default. In lossless mode each of the two configs is read through its `mars_lossless` preset first:
+the fastest draft tree depends on the machine and the batch size (`hf-mars tune` measures it and saves it there) and
+is not τ-mode's B. Values are checked strictly (`mars_verify` is a bool, not a truthy string), and a setting that
+the chosen mode would ignore is refused, so that nothing a caller set is silently dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +17,17 @@ from dataclasses import asdict, dataclass
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Lossless mode's own defaults, read from `generation_config.mars_lossless`
 LOSSLESS_KEYS = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup", "mars_mask_cost")
+# Every key a generation config may hold for MARS (an unknown `mars_*` key there is a typo, and refused)
+SETTING_KEYS = (
+    "mars_tau",
+    "mars_block_size",
+    "mars_confidence",
+    "mars_verify",
+    "mars_draft_candidates",
+    "mars_lookup",
+    "mars_mask_cost",
+    "mars_lossless",
+)
 
 
 class TauController:
@@ -64,10 +78,13 @@ class MARSSettings:
         _check_count("mars_block_size", self.block_size, 1)
         if self.confidence not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {self.confidence!r}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"mars_verify must be True or False, got {self.verify!r}")
         _check_count("mars_draft_candidates", self.draft_candidates, 1)
         _check_count("mars_lookup", self.lookup, 0)
-        if self.lookup and not self.verify:
-            raise ValueError("mars_lookup drafts tokens for lossless mode: it needs mars_verify=True.")
+        for name, value in (("mars_draft_candidates", self.draft_candidates > 1), ("mars_lookup", self.lookup)):
+            if value and not self.verify:
+                raise ValueError(f"{name} shapes lossless mode's draft tree: it needs mars_verify=True.")
         _check_mask_cost(self.mask_cost, self.block_size)
 
     @property
@@ -87,18 +104,29 @@ class MARSSettings:
 def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwargs) -> MARSSettings | None:
     """`MARSSettings` for these `mars_*` kwargs at this batch size; `None` means plain `generate()` (no τ anywhere).
 
-    Lossless mode's output does not depend on τ, so it runs without one (τ = 0: every draft is proposed, the tree's
-    shape bounds the pass).
+    Each setting is the first one set of: the keyword, `generation_config` (the call's), `model.generation_config`
+    (in lossless mode each config's `mars_lossless` preset before its own keys), the default. Lossless mode's output
+    does not depend on τ, so it runs without one (τ = 0: every draft is proposed, the tree's shape bounds the pass).
     """
-    base = generation_config if generation_config is not None else model.generation_config
-    verify = bool(kwargs.get("mars_verify"))
-    preset = lossless_preset(base, batch_size) if verify else {}
+    configs = [c for c in (generation_config, model.generation_config) if c is not None]
+    configs = [c for i, c in enumerate(configs) if all(c is not d for d in configs[:i])]
+    for config in configs:
+        _check_keys(config)
+    verify = _first_set(kwargs.get("mars_verify"), *(getattr(c, "mars_verify", None) for c in configs), False)
+    if not isinstance(verify, bool):
+        raise ValueError(f"mars_verify must be True or False, got {verify!r}")
+    layers = []  # where each setting is looked up, in order
+    for config in configs:
+        layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]
 
     def setting(name, default=None):
-        return _first_set(kwargs.get(name), preset.get(name), getattr(base, name, None), default)
+        return _first_set(kwargs.get(name), *(layer.get(name) for layer in layers), default)
 
     tau = setting("mars_tau", 0.0 if verify else None)
     if tau is None:
+        stray = sorted(name for name, value in kwargs.items() if value is not None and name != "mars_verify")
+        if stray:
+            raise ValueError(f"{stray[0]} has no effect without mars_tau or mars_verify=True (plain generate()).")
         return None
     mask_token_id = getattr(model.config, "mars_mask_token_id", None)
     if mask_token_id is None:
@@ -106,10 +134,17 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
             "This model has no `<|mask|>` token id (config.mars_mask_token_id); convert it with "
             "`hf_mars.to_mars(model, tokenizer)` before decoding with `mars_tau`."
         )
+    trained = getattr(model.config, "mars_block_size", None)
+    block_size = setting("mars_block_size", trained)
+    if isinstance(trained, int) and isinstance(block_size, int) and block_size > trained:
+        raise ValueError(
+            f"mars_block_size={block_size} exceeds the block size this model was trained with ({trained}): its masks "
+            "predict at most that many tokens ahead."
+        )
     cost = setting("mars_mask_cost", 0.0)
     return MARSSettings(
         tau=tau,
-        block_size=setting("mars_block_size", getattr(model.config, "mars_block_size", None)),
+        block_size=block_size,
         mask_token_id=mask_token_id,
         confidence=setting("mars_confidence", "probability"),
         verify=verify,
@@ -142,6 +177,17 @@ def lossless_preset(generation_config, batch_size: int = 1) -> dict:
             f"got {getattr(generation_config, 'mars_lossless', None)!r}"
         )
     return preset
+
+
+def _held(generation_config) -> dict:
+    """The MARS settings a generation config holds (None: not set)."""
+    return {key: getattr(generation_config, key, None) for key in SETTING_KEYS}
+
+
+def _check_keys(generation_config) -> None:
+    unknown = sorted(k for k in vars(generation_config) if k.startswith("mars_") and k not in SETTING_KEYS)
+    if unknown:
+        raise ValueError(f"Unknown MARS setting(s) in the generation config: {unknown}; known: {list(SETTING_KEYS)}")
 
 
 def _check_count(name: str, value, least: int) -> None:
