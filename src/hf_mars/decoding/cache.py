@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .compat import rewind_static_layers, static_cache_size
+from .compat import CACHE_ARG, rewind_static_layers, static_cache_size, static_write_at
 from .tree import NO_DRAFTS, DraftTree
 
 
@@ -80,6 +80,10 @@ class MARSCache(DynamicCache):
     def kv(self) -> MARSCache:
         """What the model's forward reads and writes: this cache itself."""
         return self
+
+    def forward_kwargs(self, width: int) -> dict:
+        """The cache's keyword arguments of the model's forward, for a pass of `width` tokens."""
+        return {CACHE_ARG: self}
 
     @property
     def length(self) -> int:
@@ -186,6 +190,10 @@ class StaticMARSCache:
 
     def kv_length(self, width: int) -> int:
         return self.size
+
+    def forward_kwargs(self, width: int) -> dict:
+        """The cache's keyword arguments of the model's forward: it, and where the pass writes (see `compat`)."""
+        return {CACHE_ARG: self.kv, **static_write_at(self.kv, self.length, width, self.real.device)}
 
     def real_slots(self, batch_size: int):
         """`(real, [(keys, values) per layer])`: the committed slots (see `MARSCache.real_slots`)."""

@@ -10,18 +10,39 @@ This file is copied into MARS checkpoints (trust_remote_code): it imports torch 
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 
 import torch
 import transformers
+from transformers import StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 # The transformers releases this code is tested with (CI runs both ends); `hf_mars` records them in checkpoints.
-TESTED_TRANSFORMERS = ("5.23.0", "5.24.0")
+TESTED_TRANSFORMERS = ("4.57.6", "5.24.0")
 
 # The keyword under which a model's forward and `generate()` take the KV cache, and the output field that returns
 # it: `cache` from transformers 5.24 (where `past_key_values` is a deprecated alias), `past_key_values` before.
 CACHE_ARG = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+@functools.cache
+def warn_if_untested() -> None:
+    """Warn once, in one line, when this transformers release is outside the tested range (it may still work)."""
+    low, high, now = (_minor(v) for v in (*TESTED_TRANSFORMERS, transformers.__version__))
+    if not low <= now <= high:
+        logging.get_logger(__name__).warning(
+            f"MARS decoding was tested with transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}; "
+            f"this is {transformers.__version__}."
+        )
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
 
 
 def unsupported(what: str) -> RuntimeError:
@@ -86,10 +107,11 @@ def user_defined_cache(cache) -> bool:
 def new_static_cache(model, generation_config, batch_size: int, size: int, model_kwargs: dict):
     """A static cache of `size` slots, through `generate()`'s own helper, which remembers the size (so later calls
     reuse it and compiled graphs are not rebuilt)."""
-    prepare = getattr(model, "_prepare_static_cache", None)
-    if prepare is None:
-        raise unsupported("GenerationMixin._prepare_static_cache")
-    cache = prepare(generation_config.cache_implementation, batch_size, size, None, model_kwargs)
+    implementation = generation_config.cache_implementation
+    if hasattr(model, "_prepare_static_cache"):  # transformers 5
+        cache = model._prepare_static_cache(implementation, batch_size, size, None, model_kwargs)
+    else:  # transformers 4, whose `_get_cache` fails on a cache never written: keep ours where it looks
+        cache = model._cache = StaticCache(config=model.config, max_cache_len=size)
     model_kwargs[CACHE_ARG] = cache
     return cache
 
@@ -102,12 +124,37 @@ def compiled_forward(model, generation_config, model_kwargs: dict):
     return model.get_compiled_call(generation_config.compile_config)
 
 
+def counts_static_writes(cache) -> bool:
+    """Whether a `StaticCache`'s layers place each write after the last (transformers 5: `cumulative_length`), or
+    where the forward's `cache_position` says (transformers 4)."""
+    return all(hasattr(layer, "cumulative_length") for layer in cache.layers)
+
+
+def static_write_at(cache, start: int, width: int, device) -> dict:
+    """The forward kwargs that write a pass of `width` tokens at slots `start...` of a `StaticCache`."""
+    if counts_static_writes(cache):
+        return {}
+    return {"cache_position": torch.arange(start, start + width, device=device)}
+
+
 def rewind_static_layers(cache, slots: int) -> None:
-    """Step every layer of a `StaticCache` back `slots` slots, so the next write overwrites them."""
-    try:
+    """Step every layer of a `StaticCache` back `slots` slots, so the next write overwrites them (where writes are
+    placed by `cache_position`, the next pass's positions do that)."""
+    if counts_static_writes(cache):
         torch._foreach_sub_([layer.cumulative_length for layer in cache.layers], slots)
-    except AttributeError:
-        raise unsupported("StaticLayer.cumulative_length") from None
+
+
+def build_attention_mask(
+    model, batch_size: int, q_length: int, kv_length: int, q_offset: int, mask_function, **kwargs
+):
+    """The 4D mask of `model`'s attention implementation from `transformers.masking_utils`' own builder, whose
+    queries were given as `cache_position` before 5.0 and as `q_length`/`q_offset` since."""
+    build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    if "q_length" in inspect.signature(build).parameters:
+        span = dict(q_length=q_length, q_offset=q_offset)
+    else:
+        span = dict(cache_position=torch.arange(q_offset, q_offset + q_length, device=kwargs.get("device")))
+    return build(batch_size=batch_size, kv_length=kv_length, mask_function=mask_function, **span, **kwargs)
 
 
 def with_cache(output_cls, cache, **fields):

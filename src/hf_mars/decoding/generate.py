@@ -445,12 +445,13 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
     mask_ids = run.pending.new_full((run.rows.numel(), groups * masks), run.settings.mask_token_id)
     needed = len(tree) + 1 + groups * masks
     forward = run.compiled if run.compiled is not None and run.stats.forward_passes else model  # prefill: eager
+    input_ids = torch.cat([run.pending, run.drafts.tokens, mask_ids], dim=1)
     outputs = forward(
-        input_ids=torch.cat([run.pending, run.drafts.tokens, mask_ids], dim=1),
+        input_ids=input_ids,
         attention_mask=mask_2d,
         position_ids=position_ids,
         use_cache=True,
-        **{CACHE_ARG: run.cache.kv},
+        **run.cache.forward_kwargs(input_ids.shape[1]),
         return_dict=True,
         **({"logits_to_keep": needed} if run.logits_to_keep else {}),
     )

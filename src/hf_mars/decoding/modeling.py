@@ -12,7 +12,34 @@ from __future__ import annotations
 
 import transformers
 
-from .generate import MARSGenerationMixin
+# Every sibling file is imported here by name: transformers loaders before 5.10 copy into their modules cache only the
+# files that the class's own file imports, not what those import in turn.
+from .cache import MARSCache, StaticMARSCache
+from .compat import TESTED_TRANSFORMERS, warn_if_untested
+from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
+from .schedule import MaskSchedule
+from .scoring import STATELESS
+from .settings import MARSSettings, TauController
+from .stopping import Stopping
+from .tree import DraftTree
+from .verify import Drafts
+
+__all__ = [
+    "TESTED_TRANSFORMERS",
+    "DraftTree",
+    "Drafts",
+    "MARSCache",
+    "MARSGenerateOutput",
+    "MARSGenerationMixin",
+    "MARSSettings",
+    "MARSStats",
+    "MaskSchedule",
+    "STATELESS",
+    "StaticMARSCache",
+    "Stopping",
+    "TauController",
+    "mars_class",
+]
 
 MASK_TOKEN = "<|mask|>"
 _classes: dict[str, type] = {}
@@ -24,6 +51,7 @@ def mars_class(base: type) -> type:
         return base
     name = f"MARS{base.__name__}"
     if name not in _classes:
+        warn_if_untested()
         cls = type(name, (MARSGenerationMixin, base), {"__module__": __name__, "__doc__": f"{base.__name__} + MARS."})
         cls.register_for_auto_class("AutoModelForCausalLM")
         _classes[name] = cls

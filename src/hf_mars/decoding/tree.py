@@ -13,7 +13,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from .compat import build_attention_mask
 
 # Prompt lookup (`mars_lookup`): the longest n-gram it matches
 LOOKUP_NGRAM = 3
@@ -111,13 +112,13 @@ def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num
     kv_length = cache.kv_length(width)  # a static cache: its every slot, the unwritten ones unseen
     seen = torch.cat([visible.new_ones(width, past), visible, visible.new_zeros(width, kv_length - past - width)], 1)
     seen = seen.to(device)  # (queries, keys), holes aside
-    build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    mask = build(
-        batch_size=batch,
-        q_length=width,
-        kv_length=kv_length,
-        q_offset=past,
-        mask_function=lambda b, h, q, kv: seen[q - past, kv],
+    mask = build_attention_mask(
+        model,
+        batch,
+        width,
+        kv_length,
+        past,
+        lambda b, h, q, kv: seen[q - past, kv],
         attention_mask=None if mask_2d is None else mask_2d.bool(),
         allow_is_causal_skip=False,
         dtype=model.dtype,

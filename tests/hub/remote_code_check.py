@@ -1,0 +1,56 @@
+"""Decode with a saved MARS checkpoint where hf_mars is not installed, as a checkpoint's user does: the script that
+`test_transformers_range.py` runs under each end of the supported transformers range.
+
+    python remote_code_check.py CHECKPOINT INPUTS.json
+
+It loads CHECKPOINT with `trust_remote_code=True`, then checks, in float32 on a left-padded batch: τ = 1 and lossless
+mode (chain, tree, static cache) give plain greedy `generate()`'s tokens; τ-mode's batch equals its rows decoded
+alone; the returned cache continues a generation exactly. It prints one line per check and exits 1 on the first
+failure. It imports only the standard library, torch and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationMixin
+
+
+def main(checkpoint: str, inputs: str) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, torch_dtype=torch.float32)
+    assert type(model).__name__.startswith("MARS"), type(model)
+    batch = {k: torch.tensor(v) for k, v in json.loads(open(inputs).read()).items()}
+    new = dict(max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    greedy = GenerationMixin.generate(model, **batch, do_sample=False, **new)
+    print(f"transformers {transformers.__version__}: loaded {type(model).__name__}")
+    for mode in (
+        dict(mars_tau=1.0),
+        dict(mars_verify=True),
+        dict(mars_verify=True, mars_draft_candidates=3, mars_lookup=2),
+        dict(mars_verify=True, cache_implementation="static"),
+        dict(mars_tau=1.0, cache_implementation="static"),
+    ):
+        out = model.generate(**batch, **mode, **new)
+        check(torch.equal(out, greedy), f"{mode}: greedy generate()'s tokens")
+    out = model.generate(**batch, mars_tau=0.6, return_dict_in_generate=True, **new)
+    for row in range(batch["input_ids"].shape[0]):
+        real = batch["attention_mask"][row].bool()
+        alone = model.generate(input_ids=batch["input_ids"][row : row + 1, real], mars_tau=0.6, **new)
+        check(torch.equal(alone[0, real.sum() :], out.sequences[row, real.numel() :]), f"τ = 0.6: row {row} alone")
+    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    check(cache is not None and cache.get_seq_length() > 0, "τ = 0.6: the cache is returned")
+    check(out.mars_stats.forward_passes > 0, "mars_stats")
+
+
+def check(ok: bool, what: str) -> None:
+    print(("ok    " if ok else "FAILED ") + what, flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
