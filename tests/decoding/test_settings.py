@@ -122,6 +122,9 @@ def test_assisted_decoding_error_names_the_mode_in_use(model, enc):
         model.generate(**enc, max_new_tokens=4, mars_verify=True, prompt_lookup_num_tokens=3)
     with pytest.raises(ValueError, match="`mars_tau` cannot be combined"):
         model.generate(**enc, max_new_tokens=4, mars_tau=0.9, prompt_lookup_num_tokens=3)
+    held = GenerationConfig(mars_verify=True, prompt_lookup_num_tokens=3, max_new_tokens=4)
+    with pytest.raises(ValueError, match="`mars_verify` cannot be combined .*prompt_lookup_num_tokens"):
+        model.generate(**enc, generation_config=held)
 
 
 class CountingProcessor(LogitsProcessor):
@@ -154,6 +157,8 @@ def test_processors_with_state_are_called_as_generate_calls_them_or_refused(mode
     for mode in (dict(mars_verify=True), dict(mars_verify=True, mars_draft_candidates=3), dict(mars_tau=0.5)):
         with pytest.raises(ValueError, match="`guidance_scale` \\(UnbatchedClassifierFreeGuidanceLogitsProcessor\\)"):
             model.generate(**one, max_new_tokens=4, guidance_scale=1.5, **mode)
+        with pytest.raises(ValueError, match="`guidance_scale`"):  # the same, held in a config
+            model.generate(**one, generation_config=GenerationConfig(guidance_scale=1.5, max_new_tokens=4, **mode))
     # Processors that read only the history and the scores stay exact in every mode
     kwargs = dict(repetition_penalty=1.3, no_repeat_ngram_size=2)
     expected = greedy(model, enc, **kwargs)
@@ -171,6 +176,8 @@ def test_the_cache_is_returned_and_continues_a_conversation(model, enc, mode, st
     `generate()` or with MARS, gives the tokens of a run over the whole text without a cache."""
     extra = dict(cache_implementation="static") if static else {}
     out = model.generate(**enc, max_new_tokens=12, return_dict_in_generate=True, **mode, **extra)
+    held = GenerationConfig(max_new_tokens=12, return_dict_in_generate=True, **mode, **extra)
+    assert getattr(model.generate(**enc, generation_config=held), CACHE_ARG) is not None  # the same, from a config
     cache = getattr(out, CACHE_ARG)
     assert cache is not None and 0 < cache.get_seq_length() < out.sequences.shape[1]
     grown = out.sequences.shape[1] - enc.input_ids.shape[1] + 2
