@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import Recorder, make_model, make_tokenizer, toy_prompts
-from transformers import AutoModelForCausalLM, MistralConfig, StoppingCriteria
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GenerationMixin,
+    MistralConfig,
+    Qwen2Config,
+    StoppingCriteria,
+)
 
 import hf_mars
 from hf_mars.decoding import generate as mars_generation
@@ -466,7 +473,26 @@ def test_clear_errors():
         hf_mars.to_mars(make_model("qwen2"), tok, block_size=0)
 
 
-def test_sliding_window_models_are_exact_or_refused():
+def _slides(window, *kinds):
+    return [kind if window or kind == "full_attention" else "full_attention" for kind in kinds]
+
+
+SLIDING = {  # tiny configs with a window of 8 (None: the same model without one)
+    "mistral": lambda window, **kw: MistralConfig(sliding_window=window, **kw),  # every layer slides
+    "gemma3": lambda window, **kw: Gemma3TextConfig(
+        sliding_window=8, layer_types=_slides(window, "sliding_attention", "full_attention"), head_dim=16, **kw
+    ),
+    "qwen2": lambda window, **kw: Qwen2Config(
+        use_sliding_window=bool(window),
+        sliding_window=window,
+        max_window_layers=1,
+        layer_types=_slides(window, "full_attention", "sliding_attention"),
+        **kw,
+    ),
+}
+
+
+def sliding_mars_model(family, attention="sdpa", window=8):
     tok = make_tokenizer()
     common = dict(
         vocab_size=272,
@@ -475,24 +501,57 @@ def test_sliding_window_models_are_exact_or_refused():
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        eos_token_id=tok.eos_token_id,
+        eos_token_id=None,
         pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaked distributions: confidences spread over (0, 1)
     )
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(MistralConfig(sliding_window=4096, **common)).eval()
-    mars = hf_mars.to_mars(AutoModelForCausalLM.from_config(MistralConfig(sliding_window=4096, **common)).eval(), tok)
-    mars.load_state_dict(base.state_dict())
+    model = AutoModelForCausalLM.from_config(SLIDING[family](window, **common), attn_implementation=attention).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return hf_mars.to_mars(model, tok, block_size=4), tok
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_models_are_exact_past_the_window(family, attention):
+    """Holes push cache slots apart, so MARS counts a sliding window in positions: every mode equals greedy
+    `generate()` long past the window, on hybrid (Gemma 3, Qwen2) and all-sliding (Mistral) models, and τ-mode equals
+    the naive decoder, whose passes hold no cache and so no holes."""
+    model, tok = sliding_mars_model(family, attention)
     enc = encode(tok)
-    assert torch.equal(
-        mars.generate(**enc, mars_tau=1.0, max_new_tokens=10), base.generate(**enc, do_sample=False, max_new_tokens=10)
-    )
-    mars.config.sliding_window = 16
-    with pytest.raises(ValueError, match="Sliding-window"):
-        mars.generate(**enc, mars_tau=0.9, max_new_tokens=10)
-    # A window that holds τ-mode's cache (B slots per token at most) but not a lossless tree's (1 + its drafts)
-    block = mars.config.mars_block_size
-    mars.config.sliding_window = base.config.sliding_window = enc.input_ids.shape[1] + 10 * block
-    reference = base.generate(**enc, do_sample=False, max_new_tokens=10)
-    assert torch.equal(mars.generate(**enc, mars_tau=0.0, mars_verify=True, max_new_tokens=10), reference)
-    with pytest.raises(ValueError, match="Sliding-window"):
-        mars.generate(**enc, mars_tau=0.0, mars_verify=True, mars_lookup=4, max_new_tokens=10)
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=24)
+    unwindowed, _ = sliding_mars_model(family, attention, window=None)  # the same weights: the window matters
+    assert not torch.equal(GenerationMixin.generate(unwindowed, **enc, do_sample=False, max_new_tokens=24), reference)
+    for mode in (
+        dict(mars_tau=1.0),
+        dict(mars_verify=True),
+        dict(mars_verify=True, mars_draft_candidates=3, mars_lookup=3),
+        dict(mars_verify=True, cache_implementation="static"),
+        dict(mars_tau=1.0, cache_implementation="static"),
+    ):
+        assert torch.equal(model.generate(**enc, max_new_tokens=24, **mode), reference), mode
+    mask_id = model.config.mars_mask_token_id
+    for extra in ({}, dict(cache_implementation="static")):
+        out = model.generate(**enc, mars_tau=0.6, max_new_tokens=24, return_dict_in_generate=True, **extra)
+        assert max(int(a.max()) for a in out.mars_stats.accepted_per_step) > 1  # multi-token passes: holes
+        for i in range(len(PROMPTS)):
+            ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()
+            batched = out.sequences[i, enc.input_ids.shape[1] :].tolist()
+            assert batched == naive_mars_decode(model, ids, 0.6, 4, mask_id, 24, None), (extra, i)
+
+
+def test_sliding_windows_without_a_4d_mask_are_exact_or_refused():
+    """An attention implementation that takes no 4D mask gets the window in slots: exact only while the generation
+    fits in the window, refused past it."""
+    model, tok = sliding_mars_model("mistral")
+    enc = encode(tok)
+    model.config.sliding_window = 4096
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=10)
+    model.config._attn_implementation = "flash_attention_2"  # refused before any forward
+    with pytest.raises(ValueError, match="Sliding-window attention \\(4096 tokens\\) is only exact"):
+        model.generate(**enc, mars_tau=0.9, max_new_tokens=2000)
+    model.config._attn_implementation = "sdpa"
+    assert torch.equal(model.generate(**enc, mars_tau=1.0, max_new_tokens=10), reference)

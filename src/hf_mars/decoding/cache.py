@@ -32,6 +32,8 @@ class MARSCache(DynamicCache):
 
     Attributes:
         real (`torch.BoolTensor` of shape `(batch, cached_len)`): which cache slots hold real tokens.
+        positions (`torch.LongTensor` of shape `(batch, cached_len)`): the position id of each slot's token (a
+            sliding window counts positions, not slots, which holes push apart).
         next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
     """
 
@@ -40,6 +42,8 @@ class MARSCache(DynamicCache):
     def __init__(self, batch_size: int, device: torch.device | str, keep_retired: bool = False):
         super().__init__()  # no config: every layer a full `DynamicLayer`, whose `crop` drops the trailing masks
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+        self.fed_positions = self.positions  # the position ids of the pass under way
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.dense = True  # no slot is a hole
         self.rows = torch.arange(batch_size, device=device)  # the batch rows this cache still holds
@@ -54,6 +58,7 @@ class MARSCache(DynamicCache):
         new = cls(attention_mask.shape[0], attention_mask.device, keep_retired)
         for index, layer in enumerate(cache.layers):
             new.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
+        new.fed_positions = (attention_mask[:, :length].long().cumsum(dim=1) - 1).clamp(min=0)
         new.commit(attention_mask[:, :length].bool(), 0)
         return new
 
@@ -70,7 +75,7 @@ class MARSCache(DynamicCache):
         Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
         as `generate()` does for unpadded batches.
         """
-        position_ids = _positions(self.next_position, new_real, num_masks, tree)
+        position_ids = self.fed_positions = _positions(self.next_position, new_real, num_masks, tree)
         if self.dense and (dense if dense is not None else bool(new_real.all())):
             return None, position_ids
         masks = torch.ones(new_real.shape[0], (len(tree) + 1) * num_masks, dtype=torch.bool, device=new_real.device)
@@ -94,12 +99,17 @@ class MARSCache(DynamicCache):
         """Keys a pass of `width` tokens attends over."""
         return self.length + width
 
+    def key_positions(self) -> torch.Tensor:
+        """`(batch, kv_length)`: the position id of every key the pass under way attends over."""
+        return torch.cat([self.positions, self.fed_positions], dim=1)
+
     def commit(self, new_real: torch.BoolTensor, num_masks: int, dense: bool | None = None) -> None:
         """After a pass: drop the K/V of the trailing masks and record the real tokens just cached (`dense`: see
         `step_inputs`)."""
         if num_masks:
             self.crop(-num_masks)
         self.real = torch.cat([self.real, new_real], dim=1)
+        self.positions = torch.cat([self.positions, self.fed_positions[:, : new_real.shape[1]]], dim=1)
         self.dense = self.dense and (dense if dense is not None else bool(new_real.all()))
         self.next_position = self.next_position + new_real.sum(dim=1)
 
@@ -110,7 +120,7 @@ class MARSCache(DynamicCache):
             kv = [(layer.keys[gone], layer.values[gone]) for layer in self.layers]
             self.retired.append((self.rows[gone], self.real[gone], kv))
         self.batch_select_indices(rows)
-        self.real = self.real[rows]
+        self.real, self.positions = self.real[rows], self.positions[rows]
         self.next_position = self.next_position[rows]
         self.rows = self.rows[rows]
 
@@ -148,7 +158,7 @@ class MARSCache(DynamicCache):
                 continue
             layer.keys = _gather_slots(layer.keys, order)
             layer.values = _gather_slots(layer.values, order)
-        self.real = self.real.gather(1, order)
+        self.real, self.positions = self.real.gather(1, order), self.positions.gather(1, order)
         self.dense = bool(self.real.all())
 
 
@@ -164,6 +174,7 @@ class StaticMARSCache:
     Attributes:
         kv (`StaticCache`): what the model's forward reads and writes.
         real (`torch.BoolTensor` of shape `(batch, max_cache_len)`): which slots hold real tokens (or this pass's).
+        positions (`torch.LongTensor` of shape `(batch, max_cache_len)`): the position id of each slot's token.
         next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
         length (`int`): slots committed so far.
     """
@@ -174,6 +185,7 @@ class StaticMARSCache:
         self.kv = cache
         self.size = static_cache_size(cache)
         self.real = torch.zeros(batch_size, self.size, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch_size, self.size, dtype=torch.long, device=device)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
 
@@ -186,10 +198,16 @@ class StaticMARSCache:
             raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
         self.real[:, self.length + new_real.shape[1] : self.length + width] = True
-        return self.real, _positions(self.next_position, new_real, num_masks, tree)
+        position_ids = _positions(self.next_position, new_real, num_masks, tree)
+        self.positions[:, self.length : self.length + width] = position_ids
+        return self.real, position_ids
 
     def kv_length(self, width: int) -> int:
         return self.size
+
+    def key_positions(self) -> torch.Tensor:
+        """`(batch, max_cache_len)`: the position id of every slot (this pass's included; unwritten ones unseen)."""
+        return self.positions
 
     def forward_kwargs(self, width: int) -> dict:
         """The cache's keyword arguments of the model's forward: it, and where the pass writes (see `compat`)."""

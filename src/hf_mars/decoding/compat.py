@@ -10,6 +10,7 @@ This file is copied into MARS checkpoints (trust_remote_code): it imports torch 
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -104,16 +105,27 @@ def user_defined_cache(cache) -> bool:
     return bool(getattr(cache, "_is_user_defined", False))
 
 
-def new_static_cache(model, generation_config, batch_size: int, size: int, model_kwargs: dict):
+def new_static_cache(model, generation_config, batch_size: int, size: int, model_kwargs: dict, full_layers=False):
     """A static cache of `size` slots, through `generate()`'s own helper, which remembers the size (so later calls
-    reuse it and compiled graphs are not rebuilt)."""
+    reuse it and compiled graphs are not rebuilt). `full_layers`: every layer keeps every slot, sliding-window ones
+    too (their windows are then in the masks)."""
     implementation = generation_config.cache_implementation
-    if hasattr(model, "_prepare_static_cache"):  # transformers 5
+    if full_layers:
+        cache = StaticCache(config=full_attention_config(model.config), max_cache_len=size)
+    elif hasattr(model, "_prepare_static_cache"):  # transformers 5
         cache = model._prepare_static_cache(implementation, batch_size, size, None, model_kwargs)
     else:  # transformers 4, whose `_get_cache` fails on a cache never written: keep ours where it looks
         cache = model._cache = StaticCache(config=model.config, max_cache_len=size)
     model_kwargs[CACHE_ARG] = cache
     return cache
+
+
+def full_attention_config(config):
+    """A copy of a model's (text) config whose every layer is full attention, for a cache that keeps every slot."""
+    config = copy.deepcopy(config.get_text_config(decoder=True))
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    config.sliding_window = None
+    return config
 
 
 def compiled_forward(model, generation_config, model_kwargs: dict):

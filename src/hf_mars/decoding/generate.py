@@ -273,6 +273,7 @@ class _Run:
     candidates: int  # lossless mode: candidates of the first draft (1 where drafts stay a chain)
     lookup: int  # lossless mode: tokens of prompt lookup's branch (0 where drafts stay a chain)
     logits_to_keep: bool
+    window: SlidingWindow | None  # the model's sliding window, whose masks MARS builds (None: no sliding layers)
     rows: torch.Tensor
     pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
     pending_real: torch.Tensor
@@ -289,6 +290,15 @@ class _Run:
     dense: bool | None = None  # whether the pending tokens fill their slots (no holes); None: not known
     streamer: object = None
     stats: MARSStats = field(default_factory=MARSStats)
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The sliding window of a model's sliding-window layers: `size` positions; `everywhere`: every layer slides (one
+    mask for all), else the forward takes masks by layer type."""
+
+    size: int
+    everywhere: bool
 
 
 @dataclass
@@ -340,7 +350,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     """Check what MARS can do exactly, then set up the cache, the mask schedule and the stopping criteria."""
     batch, prompt_length = input_ids.shape
     device = input_ids.device
-    _check_decodable(model, generation_config, settings, prompt_length, processors)
+    window = _check_decodable(model, generation_config, settings, prompt_length, processors)
     eos = eos_token_ids(generation_config, device)
     pad_token_id = pad_token(generation_config, eos)
     budget = generation_config.max_length - prompt_length
@@ -356,7 +366,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     candidates = settings.draft_candidates if branching else 1
     lookup = settings.lookup if settings.verify and branching else 0
-    cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup)
+    cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window)
     cached = cache.length  # a cache passed in holds the first tokens of every row already
     return _Run(
         settings=settings,
@@ -370,6 +380,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
         candidates=candidates,
         lookup=lookup,
         logits_to_keep=supports_logits_to_keep(model),
+        window=window,
         rows=torch.arange(batch, device=device),
         prompt_real=prompt_real,
         pending=input_ids[:, cached:],
@@ -386,7 +397,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     )
 
 
-def _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup):
+def _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window):
     """`(cache, compiled forward or None)`. A `StaticCache` that `generate()` made (`cache_implementation="static"`)
     or was given is sized for MARS, whose passes write more slots than they keep, with `generate()`'s own helper (it
     remembers the size, so later calls reuse it and nothing recompiles); `generate()`'s rule decides on compiling.
@@ -401,14 +412,15 @@ def _cache(model, generation_config, settings, model_kwargs, prompt_real, candid
         return _continued(cache, prompt_real, keep_retired), None
     if filled:
         raise ValueError("MARS decoding starts from an empty static cache (a filled dynamic one it continues).")
-    if not all(type(layer) is StaticLayer for layer in cache.layers):
-        raise ValueError("MARS decoding takes a static cache of full-attention layers only (no sliding windows).")
+    full = all(type(layer) is StaticLayer for layer in cache.layers)
+    if not full and user_defined_cache(cache):
+        raise ValueError("MARS decoding takes a static cache of full-attention layers only (it builds the windows).")
     budget = generation_config.max_length - prompt_length
     size = static_cache_length(settings, prompt_length, budget, candidates, lookup)
-    if static_cache_size(cache) < size:
+    if static_cache_size(cache) < size or not full:  # sliding layers keep a window of slots: MARS needs them all
         if user_defined_cache(cache):
             raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
-        cache = new_static_cache(model, generation_config, batch, size, model_kwargs)
+        cache = new_static_cache(model, generation_config, batch, size, model_kwargs, full_layers=not full)
     compiled = compiled_forward(model, generation_config, model_kwargs)
     return StaticMARSCache(cache, batch, device), compiled
 
@@ -440,15 +452,14 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
     new_real = torch.cat([run.pending_real, run.drafts.real], dim=1)
     mask_2d, position_ids = run.cache.step_inputs(new_real, masks, tree, run.dense if not len(tree) else None)
     wide = new_real.shape[1] + groups * masks > 1 and not fixed  # a static pass builds its mask in the graph
-    if len(tree) or (wide and model.config._attn_implementation in _BRANCHING):
-        mask_2d = tree_attention(model, run.cache, tree, mask_2d, run.pending.shape[1], masks)
+    attention_mask = _attention_mask(model, run, tree, mask_2d, masks, wide)
     mask_ids = run.pending.new_full((run.rows.numel(), groups * masks), run.settings.mask_token_id)
     needed = len(tree) + 1 + groups * masks
     forward = run.compiled if run.compiled is not None and run.stats.forward_passes else model  # prefill: eager
     input_ids = torch.cat([run.pending, run.drafts.tokens, mask_ids], dim=1)
     outputs = forward(
         input_ids=input_ids,
-        attention_mask=mask_2d,
+        attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=True,
         **run.cache.forward_kwargs(input_ids.shape[1]),
@@ -459,6 +470,23 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
     lengths = run.prompt_length + run.decoded[run.rows]
     histories = Histories(run.processors, run.sequences, run.rows, lengths) if run.processors else None
     return _Pass(tau, offered, masks, logits, histories)
+
+
+def _attention_mask(model, run: _Run, tree, mask_2d, masks: int, wide: bool):
+    """What the forward takes as its attention mask. The 2D slot map (or None: no holes) where the model's own causal
+    mask is exact; else 4D masks built here, once per pass: for a draft tree, for a wide pass (rather than in every
+    layer), and, with sliding-window layers, wherever slots are not positions (holes, padding, a static cache), since
+    the model would count its window in slots."""
+    window = run.window
+    windowed = window is not None and mask_2d is not None
+    if not (len(tree) or windowed or (wide and model.config._attn_implementation in _BRANCHING)):
+        return mask_2d
+    build = functools.partial(tree_attention, model, run.cache, tree, mask_2d, run.pending.shape[1], masks)
+    if window is None:
+        return build()
+    if window.everywhere:
+        return build(window=window.size)
+    return {"full_attention": build(), "sliding_attention": build(window=window.size)}
 
 
 def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
@@ -602,8 +630,8 @@ def _right_align(tokens, counts, width: int, pad_token_id):
     return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
 
 
-def _check_decodable(model, generation_config, settings: MARSSettings, prompt_length: int, processors) -> None:
-    """Refuse, with a reason, what MARS decoding cannot do exactly."""
+def _check_decodable(model, generation_config, settings: MARSSettings, prompt_length: int, processors):
+    """Refuse, with a reason, what MARS decoding cannot do exactly; return the model's `SlidingWindow` (or None)."""
     if settings.verify:
         check_stateless(processors, "lossless mode (mars_verify=True)")
     elif callable(settings.tau) or settings.tau < 1.0:
@@ -630,21 +658,29 @@ def _check_decodable(model, generation_config, settings: MARSSettings, prompt_le
             "Lossless mode (`mars_verify`) feeds drafts as a tree, which needs an attention implementation that takes "
             f"a 4D mask: one of {_BRANCHING}, not {model.config._attn_implementation!r}."
         )
-    _check_cache_layers(model, generation_config, prompt_length, 1 + settings.drafts_per_pass)
+    return _check_cache_layers(model, generation_config, prompt_length, 1 + settings.drafts_per_pass)
 
 
-def _check_cache_layers(model, generation_config, prompt_length: int, slots_per_token: int) -> None:
-    """Recurrent layers cannot drop masks, and holes push a sliding window's reach back. `slots_per_token`: the most
-    cache slots a pass may fill per token it yields (holes included)."""
+def _check_cache_layers(model, generation_config, prompt_length: int, slots_per_token: int) -> SlidingWindow | None:
+    """Recurrent layers cannot drop masks. Sliding-window layers are exact where MARS builds their 4D masks (sdpa,
+    eager: windows counted in positions); elsewhere only while the generation fits in the window, since holes push
+    slots apart. `slots_per_token`: the most cache slots a pass may fill per token it yields (holes included)."""
     probe = DynamicCache(config=model.config)
     if any(getattr(probe, "is_linear", [])) or any(getattr(probe, "is_dummy", [])):
         raise ValueError(
             f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks."
         )
-    windows = [layer.sliding_window for layer in probe.layers if getattr(layer, "is_sliding", False)]
+    sliding = [getattr(layer, "is_sliding", False) for layer in probe.layers]
+    windows = {layer.sliding_window for layer, slides in zip(probe.layers, sliding) if slides}
+    if not windows:
+        return None
+    if len(windows) == 1 and model.config._attn_implementation in _BRANCHING:
+        return SlidingWindow(windows.pop(), everywhere=all(sliding))
     longest = prompt_length + (generation_config.max_length - prompt_length) * slots_per_token
-    if windows and min(windows) < longest:
+    if min(windows) < longest:
         raise ValueError(
             f"Sliding-window attention ({min(windows)} tokens) is only exact with MARS while the whole generation "
-            f"fits in the window; this one may reach {longest} cache slots. Lower max_new_tokens."
+            f"fits in the window, unless the attention implementation takes a 4D mask ({_BRANCHING}); this one may "
+            f"reach {longest} cache slots. Lower max_new_tokens, or load the model with attn_implementation='sdpa'."
         )
+    return None

@@ -99,12 +99,16 @@ def _visibility(tree: DraftTree, num_pending: int, num_masks: int) -> torch.Bool
     return sees
 
 
-def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num_masks: int):
+def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num_masks: int, window=None):
     """The 4D attention mask of a pass, in the format of the model's attention implementation (sdpa or eager).
 
     Built by the mask builders of `transformers.masking_utils` from `DraftTree.visibility` (without drafts: plain
     causal) and the cache's holes (`mask_2d`), with an index-based mask function (no per-pass vmap). An sdpa mask is
     made additive here, once per pass: given a boolean mask, sdpa converts it in every layer.
+
+    `window`: a sliding window's size. A query then also sees only the keys less than `window` positions behind it:
+    positions, not slots, since holes push slots apart (for the keys of a left-padded row without holes the two are
+    the same test, the one `generate()` applies).
     """
     batch, device, past = cache.real.shape[0], cache.real.device, cache.length
     visible = tree.visibility(num_pending, num_masks)
@@ -112,13 +116,19 @@ def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num
     kv_length = cache.kv_length(width)  # a static cache: its every slot, the unwritten ones unseen
     seen = torch.cat([visible.new_ones(width, past), visible, visible.new_zeros(width, kv_length - past - width)], 1)
     seen = seen.to(device)  # (queries, keys), holes aside
+    if window is None:
+        sees = lambda b, h, q, kv: seen[q - past, kv]
+    else:
+        keys = cache.key_positions()
+        queries = keys[:, past : past + width]
+        sees = lambda b, h, q, kv: seen[q - past, kv] & (keys[b, kv] > queries[b, q - past] - window)
     mask = build_attention_mask(
         model,
         batch,
         width,
         kv_length,
         past,
-        lambda b, h, q, kv: seen[q - past, kv],
+        sees,
         attention_mask=None if mask_2d is None else mask_2d.bool(),
         allow_is_causal_skip=False,
         dtype=model.dtype,
