@@ -106,15 +106,16 @@ def user_defined_cache(cache) -> bool:
 
 
 def new_static_cache(model, generation_config, batch_size: int, size: int, model_kwargs: dict, full_layers=False):
-    """A static cache of `size` slots, through `generate()`'s own helper, which remembers the size (so later calls
-    reuse it and compiled graphs are not rebuilt). `full_layers`: every layer keeps every slot, sliding-window ones
-    too (their windows are then in the masks)."""
-    implementation = generation_config.cache_implementation
+    """A static cache of `size` slots. Where generate()'s own helper makes a fresh cache and remembers the size (so
+    later calls are not recompiled), through it. Earlier releases keep the cache in `model._cache` and read its batch
+    size from its data, which a cache never written lacks: ours goes there. `full_layers`: every layer keeps every
+    slot, sliding-window ones too (their windows are then in the masks)."""
+    prepare = getattr(model, "_prepare_static_cache", None)
     if full_layers:
         cache = StaticCache(config=full_attention_config(model.config), max_cache_len=size)
-    elif hasattr(model, "_prepare_static_cache"):  # transformers 5
-        cache = model._prepare_static_cache(implementation, batch_size, size, None, model_kwargs)
-    else:  # transformers 4, whose `_get_cache` fails on a cache never written: keep ours where it looks
+    elif prepare is not None and "prefill_chunk_size" in inspect.signature(prepare).parameters:
+        cache = prepare(generation_config.cache_implementation, batch_size, size, None, model_kwargs)
+    else:
         cache = model._cache = StaticCache(config=model.config, max_cache_len=size)
     model_kwargs[CACHE_ARG] = cache
     return cache
