@@ -1,7 +1,8 @@
 """The Space in a real headless Chromium driven by Playwright: type a prompt, watch the answer arrive as colored
 per-pass spans with live figures, move the τ slider mid-answer, see plain AR and the plot. Saves a screenshot
-(outputs/space_screenshot.png). Chromium is the system's (Debian's `chromium` package, installed by .ci/run): this
-test fails rather than skips without it, so that CI never passes without having looked at the page."""
+(outputs/space_screenshot.png). Chromium is the system's (Debian's `chromium` package, installed by .ci/run):
+without it this test fails in CI, so that CI never passes without having looked at the page, and skips elsewhere
+with the line that installs it."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ SCREENSHOT = Path(__file__).resolve().parents[2] / "outputs" / "space_screenshot
 def served():
     """(browser, url, forward-pass counter) around the app served as in test_space."""
     if not Path(CHROMIUM).exists():
-        pytest.fail(
+        missing = pytest.fail if os.environ.get("CI") else pytest.skip
+        missing(
             f"No Chromium at {CHROMIUM}: install it (`apt-get install -y chromium`, as .ci/run does) or set "
             "CHROMIUM to a Chromium binary. `playwright install` is not needed."
         )
