@@ -7,21 +7,19 @@ import time
 
 from .options import DTYPES, add_model, mask_cost
 
-DEFAULT_PROMPT = (
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?"
-)
+# A request the shipped 135M checkpoint answers correctly and without looping (a looping answer would also flatter
+# prompt lookup, which drafts from repeated text)
+DEFAULT_PROMPT = "Write a Python function that returns the sum of the squares of a list of numbers."
 HELP = "stream a MARS answer, then compare with plain generate()"
 DESCRIPTION = (
     "Stream an answer with MARS decoding, then compare with plain AR generate(). Without --tau it runs lossless "
     "mode with the checkpoint's draft tree: exactly the AR text, in fewer forward passes; --tau τ runs τ-mode, which "
     "accepts mask predictions while their confidence is at least τ and may change the text."
 )
-# Said after a default (lossless) run, so that a first run shows what MARS does well here and what τ < 1 costs
+# Said after a default (lossless) run, so that a first run knows what the other mode trades
 TAU_NOTE = (
     "[τ-mode (--tau 0.9) accepts the masks' guesses without checking them: more tokens per pass where the model is "
-    "confident, but the text can change, and on this small checkpoint on a CPU it runs slower than plain generate() "
-    "(measured: docs/benchmarks.md)]"
+    "confident, but the text can change and quality drops; lossless mode, this run, keeps plain generate()'s text]"
 )
 
 
