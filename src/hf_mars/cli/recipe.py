@@ -9,7 +9,7 @@ HELP = "the whole recipe on one GPU: distill, train, export, eval"
 DESCRIPTION = (
     "The recipe in one command: a decontaminated prompt mix, self-distillation on the device, hf-mars train (LoRA "
     "or full), export and the τ table. Each stage is skipped when its result is in --output-dir: run the same "
-    "command again to continue an interrupted run. Defaults: one GPU (gpu-run-1's settings, 512-token answers)."
+    "command again to continue an interrupted run. Defaults: one GPU, 512-token answers (docs/recipe.md)."
 )
 
 

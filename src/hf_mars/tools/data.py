@@ -66,13 +66,9 @@ GYM_TASKS = (
 )
 # reasoning-gym tasks built from an evaluation set: never a training source.
 CONTAMINATED_GYM_TASKS = {"gsm_symbolic": "its templates are GSM8K test problems"}
-# Word n-grams for the overlap check (`overlap`). GPT-3 used 13 (Brown et al. 2020, appendix C), PaLM 8. Measured
-# on this mix (numbers masked, see `_words`): at n = 8 the fixed pools share 7 n-grams with GSM8K test / HumanEval,
-# all common phrasing ("what is the measure of the largest angle"); at 10 and 13 only one, a real shared sentence
-# (a SQuAD passage and a HumanEval docstring both quote Wikipedia's definition of a prime). 10 is the smallest n
-# whose every match is a real copy, and it catches more templated rewrites than 13: of 2,000 gsm_symbolic prompts
-# (templated from GSM8K test) it flags 65%, 13 flags 51%. No n catches them all, so sources are chosen by
-# provenance first and this check is the second guard.
+# Word n-grams for the overlap check (`overlap`): long enough that common phrasing does not match, short enough to
+# catch templated rewrites (GPT-3 used 13, PaLM 8). No n catches every rewrite, so sources are chosen by provenance
+# first and this check is the second guard. How 10 was chosen: docs/recipe.md.
 NGRAM = 10
 
 

