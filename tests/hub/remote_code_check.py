@@ -5,8 +5,8 @@
 
 It loads CHECKPOINT with `trust_remote_code=True`, then checks, in float32 on a left-padded batch: τ = 1 and lossless
 mode (chain, tree, static cache) give plain greedy `generate()`'s tokens; τ-mode's batch equals its rows decoded
-alone; the returned cache continues a generation exactly. It prints one line per check and exits 1 on the first
-failure. It imports only the standard library, torch and transformers.
+alone; the cache is returned; a user's static cache too small for MARS is refused. It prints one line per check and
+exits 1 on the first failure. It imports only the standard library, torch and transformers.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import sys
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GenerationMixin
+from transformers import AutoModelForCausalLM, GenerationMixin, StaticCache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
 def main(checkpoint: str, inputs: str) -> None:
@@ -44,6 +45,14 @@ def main(checkpoint: str, inputs: str) -> None:
     cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
     check(cache is not None and cache.get_seq_length() > 0, "τ = 0.6: the cache is returned")
     check(out.mars_stats.forward_passes > 0, "mars_stats")
+    small = StaticCache(config=model.config, max_cache_len=20)  # a user's cache, too small for MARS: refused
+    name = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+    try:
+        model.generate(**batch, mars_verify=True, **{name: small}, **new)
+        refused = False
+    except ValueError as error:
+        refused = "StaticCache of at least" in str(error)
+    check(refused, "a user's StaticCache too small for MARS is refused, not replaced")
 
 
 def check(ok: bool, what: str) -> None:

@@ -17,7 +17,7 @@ import re
 
 import torch
 import transformers
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.utils import logging
@@ -100,9 +100,26 @@ def static_cache_size(cache) -> int:
     raise unsupported("StaticCache.get_max_cache_shape()")
 
 
+def mark_user_cache(generate_kwargs: dict) -> None:
+    """Mark a cache the caller passed to `generate()` as theirs (transformers marks it, `_is_user_defined`, only in
+    recent releases), so that MARS never replaces it with one of its own size."""
+    for name in ("cache", "past_key_values"):
+        cache = generate_kwargs.get(name)
+        if cache is not None and not isinstance(cache, (tuple, list)):
+            cache._mars_user_defined = True
+
+
 def user_defined_cache(cache) -> bool:
     """Whether the user passed this cache (then MARS may not resize it) rather than `generate()` making it."""
-    return bool(getattr(cache, "_is_user_defined", False))
+    return bool(getattr(cache, "_mars_user_defined", False) or getattr(cache, "_is_user_defined", False))
+
+
+def recurrent(model) -> bool:
+    """Whether some layers keep a recurrent state (which cannot drop masks): the cache's own flags where the release
+    has them, else the model class's `_is_stateful`."""
+    probe = DynamicCache(config=model.config)
+    flags = list(getattr(probe, "is_linear", [])) + list(getattr(probe, "is_dummy", []))
+    return bool(getattr(model, "_is_stateful", False) or any(flags))
 
 
 def new_static_cache(model, generation_config, batch_size: int, size: int, model_kwargs: dict, full_layers=False):
@@ -138,8 +155,8 @@ def compiled_forward(model, generation_config, model_kwargs: dict):
 
 
 def counts_static_writes(cache) -> bool:
-    """Whether a `StaticCache`'s layers place each write after the last (transformers 5: `cumulative_length`), or
-    where the forward's `cache_position` says (transformers 4)."""
+    """Whether a `StaticCache`'s layers place each write after the last (`cumulative_length`, from 5.4), or where
+    the forward's `cache_position` says (before)."""
     return all(hasattr(layer, "cumulative_length") for layer in cache.layers)
 
 
@@ -161,7 +178,7 @@ def build_attention_mask(
     model, batch_size: int, q_length: int, kv_length: int, q_offset: int, mask_function, **kwargs
 ):
     """The 4D mask of `model`'s attention implementation from `transformers.masking_utils`' own builder, whose
-    queries were given as `cache_position` before 5.0 and as `q_length`/`q_offset` since."""
+    queries were given as `cache_position` before 5.4 and as `q_length`/`q_offset` since."""
     build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     if "q_length" in inspect.signature(build).parameters:
         span = dict(q_length=q_length, q_offset=q_offset)

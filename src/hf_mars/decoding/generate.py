@@ -40,9 +40,11 @@ from .compat import (
     compiled_forward,
     eos_token_ids,
     forward_takes,
+    mark_user_cache,
     model_cache,
     new_static_cache,
     pad_token,
+    recurrent,
     static_cache_size,
     supports_logits_to_keep,
     user_defined_cache,
@@ -196,6 +198,7 @@ class MARSGenerationMixin(GenerationMixin):
         stopping_criteria, generation_config = _stop_strings_as_criterion(
             base, generation_config, stopping_criteria, kwargs
         )
+        mark_user_cache(kwargs)
         decode = functools.partial(mars_decode, settings=settings, streamer=streamer)
         return super().generate(
             inputs, generation_config, logits_processor, stopping_criteria, custom_generate=decode, **kwargs
@@ -665,11 +668,11 @@ def _check_cache_layers(model, generation_config, prompt_length: int, slots_per_
     """Recurrent layers cannot drop masks. Sliding-window layers are exact where MARS builds their 4D masks (sdpa,
     eager: windows counted in positions); elsewhere only while the generation fits in the window, since holes push
     slots apart. `slots_per_token`: the most cache slots a pass may fill per token it yields (holes included)."""
-    probe = DynamicCache(config=model.config)
-    if any(getattr(probe, "is_linear", [])) or any(getattr(probe, "is_dummy", [])):
+    if recurrent(model):
         raise ValueError(
             f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks."
         )
+    probe = DynamicCache(config=model.config)
     sliding = [getattr(layer, "is_sliding", False) for layer in probe.layers]
     windows = {layer.sliding_window for layer, slides in zip(probe.layers, sliding) if slides}
     if not windows:
