@@ -82,8 +82,21 @@ def to_mars(
     if tau is not None:
         gen.mars_tau = tau
     gen._from_model_config = False  # otherwise the mars_* keys are dropped when the checkpoint is reloaded
+    _keep_rope_readable(model.config)
     model.__class__ = mars_class(type(model))
     return model
+
+
+def _keep_rope_readable(config) -> None:
+    """Write RoPE's base also as the top-level `rope_theta` (and a non-default scaling as `rope_scaling`) that
+    transformers 4 reads: transformers 5 saves only `rope_parameters`, and 4.57 would silently fall back to a base of
+    10000 (a Qwen2.5 base, 1e6, would then decode garbage). Transformers 5 reads the file with both keys alike."""
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        return
+    config.rope_theta = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        config.rope_scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
 
 
 def convert_checkpoint(

@@ -24,10 +24,15 @@ def main(checkpoint: str, inputs: str) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, torch_dtype=torch.float32)
     assert type(model).__name__.startswith("MARS"), type(model)
-    batch = {k: torch.tensor(v) for k, v in json.loads(open(inputs).read()).items()}
+    given = json.loads(open(inputs).read())
+    theta = given.pop("rope_theta")
+    batch = {k: torch.tensor(v) for k, v in given.items()}
     new = dict(max_new_tokens=16, eos_token_id=None, pad_token_id=0)
     greedy = GenerationMixin.generate(model, **batch, do_sample=False, **new)
     print(f"transformers {transformers.__version__}: loaded {type(model).__name__}")
+    inverse = model.model.rotary_emb.inv_freq.double()  # 1 / base ** (2i / dim): the base the model really uses
+    base = float((1 / inverse[1]) ** (len(inverse)))
+    check(abs(base / theta - 1) < 1e-6, f"RoPE base {theta} read (the model uses {base:.6g})")
     for mode in (
         dict(mars_tau=1.0),
         dict(mars_verify=True),

@@ -40,13 +40,14 @@ def oldest_python() -> str:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("range")
-    tok, model = make_tokenizer(), make_model("llama")
+    tok, model = make_tokenizer(), make_model("llama", rope_theta=5e5)  # not the default base: read, not assumed
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # confidences spread over (0, 1): τ = 0.6 accepts several tokens some passes
     hf_mars.to_mars(model, tok, block_size=4)
     model.save_pretrained(folder / "mars-llama")
     enc = tok(["hello world, how", "a", "the quick brown fox jumps"], return_tensors="pt", padding=True)
-    (folder / "inputs.json").write_text(json.dumps({k: v.tolist() for k, v in enc.items()}))
+    inputs = {k: v.tolist() for k, v in enc.items()} | {"rope_theta": 5e5}
+    (folder / "inputs.json").write_text(json.dumps(inputs))
     return folder / "mars-llama", folder / "inputs.json"
 
 
@@ -60,7 +61,7 @@ def test_checkpoint_code_decodes_exactly_at_both_ends_of_the_range(checkpoint, e
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     version = transformers.__version__ if end == "newest" else OLDEST
     assert f"transformers {version}: loaded MARSLlamaForCausalLM" in result.stdout
-    assert "FAILED" not in result.stdout and result.stdout.count("ok ") == 11
+    assert "FAILED" not in result.stdout and result.stdout.count("ok ") == 12
 
 
 def test_an_untested_release_is_named_once_in_one_line(monkeypatch, caplog):
