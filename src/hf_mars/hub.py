@@ -339,7 +339,8 @@ def push_to_hub(
 
     Uploaded: `*.safetensors` (+ index), config.json, generation_config.json, the remote code
     (`decoding.REMOTE_FILES`),
-    tokenizer files, and README.md (the card). Skipped, and listed in the result: pickles (`.bin`, `.pt`, ...), a
+    tokenizer files (`tokenizer_config.json` as transformers 4 reads it too: `portable_tokenizer_config`), and
+    README.md (the card). Skipped, and listed in the result: pickles (`.bin`, `.pt`, ...), a
     README.md of the folder's own, and anything else. One commit. Returns a `PushResult`; print `.summary()`.
     """
     folder = Path(folder)
@@ -358,7 +359,8 @@ def push_to_hub(
         if "pickle" in why:
             logger.warning("Not uploading %s: %s.", path, why)
     card_bytes = str(card).encode()
-    operations = [CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(folder / path)) for path in upload]
+    portable = {"tokenizer_config.json": portable_tokenizer_config(folder / "tokenizer_config.json")}
+    operations = [CommitOperationAdd(path, portable.get(path) or str(folder / path)) for path in upload]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card_bytes))
 
     api = HfApi(token=token)
@@ -366,8 +368,30 @@ def push_to_hub(
     info = api.create_commit(
         repo_id, operations, commit_message=commit_message or "Upload MARS checkpoint", revision=revision, token=token
     )
-    sizes = [(path, (folder / path).stat().st_size) for path in upload] + [("README.md", len(card_bytes))]
+    sizes = [(path, len(portable[path]) if portable.get(path) else (folder / path).stat().st_size) for path in upload]
+    sizes.append(("README.md", len(card_bytes)))
     return PushResult(repo_id, "model", revision or "main", info.commit_url, info.oid, sizes, skipped)
+
+
+def portable_tokenizer_config(path: Path) -> bytes | None:
+    """`tokenizer_config.json` as transformers 4 also reads it, or None when there is none to change.
+
+    Transformers 5 saves the class as `TokenizersBackend` and the special tokens as an `extra_special_tokens` list;
+    4.57 knows neither and cannot load the tokenizer. `PreTrainedTokenizerFast` and `additional_special_tokens` load
+    alike in both (same ids, `<|mask|>` a special token), so a checkpoint's code range holds for its tokenizer too.
+    """
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    changed = config.get("tokenizer_class") == "TokenizersBackend"
+    if changed:
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        extra = config.pop("extra_special_tokens")
+        known = config.get("additional_special_tokens") or []
+        config["additional_special_tokens"] = known + [t for t in extra if t not in known]
+        changed = True
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode() if changed else None
 
 
 SPACE_IGNORE = ["__pycache__/*", "**/__pycache__/*", "*.pyc", ".*", "**/.*", "*.egg-info/*"]

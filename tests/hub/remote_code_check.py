@@ -3,7 +3,8 @@
 
     python remote_code_check.py CHECKPOINT INPUTS.json
 
-It loads CHECKPOINT with `trust_remote_code=True`, then checks, in float32 on a left-padded batch: τ = 1 and lossless
+It loads CHECKPOINT with `trust_remote_code=True` and its tokenizer, then checks: the tokenizer encodes as where it
+was saved, with `<|mask|>`; the model uses the saved RoPE base; in float32 on a left-padded batch, τ = 1 and lossless
 mode (chain, tree, static cache) give plain greedy `generate()`'s tokens; τ-mode's batch equals its rows decoded
 alone; the cache is returned; a user's static cache too small for MARS is refused. It prints one line per check and
 exits 1 on the first failure. It imports only the standard library, torch and transformers.
@@ -16,7 +17,7 @@ import sys
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GenerationMixin, StaticCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
@@ -25,11 +26,16 @@ def main(checkpoint: str, inputs: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(checkpoint, trust_remote_code=True, torch_dtype=torch.float32)
     assert type(model).__name__.startswith("MARS"), type(model)
     given = json.loads(open(inputs).read())
-    theta = given.pop("rope_theta")
+    theta, prompts = given.pop("rope_theta"), given.pop("prompts")
     batch = {k: torch.tensor(v) for k, v in given.items()}
     new = dict(max_new_tokens=16, eos_token_id=None, pad_token_id=0)
     greedy = GenerationMixin.generate(model, **batch, do_sample=False, **new)
     print(f"transformers {transformers.__version__}: loaded {type(model).__name__}")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    check(mask_id == model.config.mars_mask_token_id, f"the tokenizer loads, <|mask|> = {mask_id}")
+    ids = tokenizer(prompts, return_tensors="pt", padding=True).input_ids
+    check(torch.equal(ids, batch["input_ids"]), "the tokenizer encodes as where it was saved")
     inverse = model.model.rotary_emb.inv_freq.double()  # 1 / base ** (2i / dim): the base the model really uses
     base = float((1 / inverse[1]) ** (len(inverse)))
     check(abs(base / theta - 1) < 1e-6, f"RoPE base {theta} read (the model uses {base:.6g})")

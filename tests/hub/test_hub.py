@@ -117,8 +117,15 @@ def test_push_uploads_a_checkpoint_that_loads_from_the_hub(hub, checkpoint):
     assert set(files) == CHECKPOINT_FILES | {"README.md", ".gitattributes"}  # no pickles, no trainer state
     assert set(repo.files("main")) == {".gitattributes"}  # the branch was created; main is untouched
     assert [c["summary"] for c in repo.commits] == ["initial commit", "Upload MARS checkpoint"]  # one commit
-    for name in CHECKPOINT_FILES:
+    for name in CHECKPOINT_FILES - {"tokenizer_config.json"}:
         assert files[name] == (path / name).read_bytes()
+    # The tokenizer's config as transformers 4 reads it too; the same settings otherwise
+    sent, saved = json.loads(files["tokenizer_config.json"]), json.loads((path / "tokenizer_config.json").read_text())
+    assert sent["tokenizer_class"] == "PreTrainedTokenizerFast" and "extra_special_tokens" not in sent
+    assert set(saved["extra_special_tokens"]) <= set(sent["additional_special_tokens"])
+    assert {k: v for k, v in sent.items() if k not in ("tokenizer_class", "additional_special_tokens")} == {
+        k: v for k, v in saved.items() if k not in ("tokenizer_class", "extra_special_tokens")
+    }
     assert hub.create_payloads == [
         {"name": "tiny-mars", "organization": "me", "visibility": "private", "type": "model"}
     ]

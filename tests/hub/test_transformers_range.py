@@ -19,6 +19,7 @@ from helpers import make_model, make_tokenizer
 
 import hf_mars
 from hf_mars.decoding import compat
+from hf_mars.hub import portable_tokenizer_config
 
 CHECK = Path(__file__).with_name("remote_code_check.py")
 OLDEST = compat.TESTED_TRANSFORMERS[0]
@@ -45,8 +46,12 @@ def checkpoint(tmp_path_factory):
         model.lm_head.weight.mul_(4.0)  # confidences spread over (0, 1): τ = 0.6 accepts several tokens some passes
     hf_mars.to_mars(model, tok, block_size=4)
     model.save_pretrained(folder / "mars-llama")
-    enc = tok(["hello world, how", "a", "the quick brown fox jumps"], return_tensors="pt", padding=True)
-    inputs = {k: v.tolist() for k, v in enc.items()} | {"rope_theta": 5e5}
+    tok.save_pretrained(folder / "mars-llama")
+    config = folder / "mars-llama" / "tokenizer_config.json"
+    config.write_bytes(portable_tokenizer_config(config) or config.read_bytes())  # as `hf-mars push` uploads it
+    prompts = ["hello world, how", "a", "the quick brown fox jumps"]
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    inputs = {k: v.tolist() for k, v in enc.items()} | {"rope_theta": 5e5, "prompts": prompts}
     (folder / "inputs.json").write_text(json.dumps(inputs))
     return folder / "mars-llama", folder / "inputs.json"
 
@@ -61,7 +66,7 @@ def test_checkpoint_code_decodes_exactly_at_both_ends_of_the_range(checkpoint, e
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     version = transformers.__version__ if end == "newest" else OLDEST
     assert f"transformers {version}: loaded MARSLlamaForCausalLM" in result.stdout
-    assert "FAILED" not in result.stdout and result.stdout.count("ok ") == 12
+    assert "FAILED" not in result.stdout and result.stdout.count("ok ") == 14
 
 
 def test_an_untested_release_is_named_once_in_one_line(monkeypatch, caplog):
