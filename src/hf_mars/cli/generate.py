@@ -98,8 +98,6 @@ def _encode(tokenizer, prompt: str, chat: bool):
 
 def _mars_arguments(model, args) -> dict:
     """The `mars_*` arguments of `generate()`; None leaves a setting to the checkpoint (lossless: mars_lossless)."""
-    from ..decoding.generate import mars_settings
-
     tau = args.tau
     mars = dict(
         mars_tau=tau,
@@ -109,10 +107,10 @@ def _mars_arguments(model, args) -> dict:
         mars_lookup=args.lookup,
     )
     cost = args.mask_cost
-    if cost == "auto":  # measured for 1 .. B-1 masks of the model's B; this run's B may be smaller
-        from ..tools.bench import measure_mask_cost
+    if cost == "auto":
+        from ..tools.bench import auto_mask_cost
 
-        cost = measure_mask_cost(model)[: mars_settings(model, **mars)["mars_block_size"] - 1]
+        cost = auto_mask_cost(model, **mars)
     return {**mars, "mars_mask_cost": cost}
 
 

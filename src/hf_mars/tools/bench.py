@@ -173,10 +173,9 @@ def methods(
         return out, counter.count * out.shape[0]
 
     def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=None, lookup=None, **kw):
-        if cost == "auto":  # measured for 1 .. B-1 masks of the model's own B; this run's B may be smaller
-            batch = kw["input_ids"].shape[0]
-            block = block or mars_settings(model, None, batch, mars_tau=tau, mars_verify=verify)["mars_block_size"]
-            cost = measured["auto"][: block - 1]
+        if cost == "auto":
+            mars = dict(mars_tau=tau, mars_verify=verify, mars_block_size=block)
+            cost = auto_mask_cost(model, kw["input_ids"].shape[0], measured["auto"], **mars)
         return generate_mars(model, tau, verify, cost, block, candidates, lookup, **extra, **kw)
 
     table = {"ar": ar}
@@ -386,6 +385,15 @@ def _run_batch(
             tally.passes[name] += new if row_passes is None else row_passes
             tally.outputs[name] += tokenizer.batch_decode(generated, skip_special_tokens=True)
         bar.update(1)
+
+
+def auto_mask_cost(model, batch_size: int = 1, measured: list[float] | None = None, **mars_kwargs) -> list[float]:
+    """`mars_mask_cost="auto"` resolved for a call with these `mars_*` kwargs: the cost of 1 .. B-1 masks measured
+    on this machine (`measured`, else `measure_mask_cost` now) for the model's own B, cut to the B this call runs
+    with, which may be smaller."""
+    costs = measured if measured is not None else measure_mask_cost(model, batch_size)
+    kwargs = {key: value for key, value in mars_kwargs.items() if key != "mars_mask_cost"}
+    return costs[: mars_settings(model, None, batch_size, **kwargs)["mars_block_size"] - 1]
 
 
 def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: int = 7) -> list[float]:

