@@ -6,11 +6,7 @@ import pytest
 import torch
 from helpers import Recorder, make_model, make_tokenizer, toy_prompts
 from transformers import (
-    AutoModelForCausalLM,
-    Gemma3TextConfig,
     GenerationMixin,
-    MistralConfig,
-    Qwen2Config,
     StoppingCriteria,
 )
 
@@ -477,38 +473,24 @@ def _slides(window, *kinds):
     return [kind if window or kind == "full_attention" else "full_attention" for kind in kinds]
 
 
-SLIDING = {  # tiny configs with a window of 8 (None: the same model without one)
-    "mistral": lambda window, **kw: MistralConfig(sliding_window=window, **kw),  # every layer slides
-    "gemma3": lambda window, **kw: Gemma3TextConfig(
-        sliding_window=8, layer_types=_slides(window, "sliding_attention", "full_attention"), head_dim=16, **kw
+SLIDING = {  # a window of 8 (None: the same model without one); hybrid Gemma 3 and Qwen2, all-sliding Mistral
+    "mistral": lambda window: dict(sliding_window=window),
+    "gemma3": lambda window: dict(
+        sliding_window=8, layer_types=_slides(window, "sliding_attention", "full_attention"), head_dim=16
     ),
-    "qwen2": lambda window, **kw: Qwen2Config(
+    "qwen2": lambda window: dict(
         use_sliding_window=bool(window),
         sliding_window=window,
         max_window_layers=1,
         layer_types=_slides(window, "full_attention", "sliding_attention"),
-        **kw,
     ),
 }
 
 
 def sliding_mars_model(family, attention="sdpa", window=8):
     tok = make_tokenizer()
-    common = dict(
-        vocab_size=272,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        eos_token_id=None,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        initializer_range=0.2,  # peaked distributions: confidences spread over (0, 1)
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(SLIDING[family](window, **common), attn_implementation=attention).eval()
+    model = make_model(family, eos_token_id=None, **SLIDING[family](window))
+    model.set_attn_implementation(attention)
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     return hf_mars.to_mars(model, tok, block_size=4), tok

@@ -11,14 +11,28 @@ import random
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CONFIGS = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+CONFIGS = {
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "gemma3": Gemma3TextConfig,
+}
 
 
 def toy_tokenizer() -> PreTrainedTokenizerFast:
