@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> None:
     import torch
 
-    from ..tools.evals import eval_prompts, format_tau_table, tau_table, write_tau_table
+    from ..tools.evals import evaluate_and_write
     from ..tools.loading import load_checkpoint
 
     model, tokenizer = load_checkpoint(args.model, None, args.dtype)
@@ -38,28 +38,19 @@ def run(args) -> None:
     if args.device:
         model = model.to(args.device)
         base = base.to(args.device) if base is not None else None
-    rows = eval_prompts(args.gsm8k, args.humaneval)
-    table = tau_table(
+    written = evaluate_and_write(
         model,
         tokenizer,
-        rows,
+        args.output,
+        name=args.model or "shipped",
+        gsm8k=args.gsm8k,
+        humaneval=args.humaneval,
+        meta=dict(dtype=args.dtype, threads=torch.get_num_threads()),
         taus=args.taus,
         base_model=base,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
     )
-    print(format_tau_table(table))
-    meta = dict(
-        model=args.model or "shipped",
-        gsm8k=args.gsm8k,
-        humaneval=args.humaneval,
-        dtype=args.dtype,
-        device=str(model.device),
-        max_new_tokens=args.max_new_tokens,
-        threads=torch.get_num_threads(),
-    )
-    title = f"{meta['model']}: {args.gsm8k} GSM8K, {args.humaneval} HumanEval, {args.dtype}"
-    written = write_tau_table(table, args.output, meta, title)
     print("Wrote " + ", ".join(str(path) for path in written))
 
 

@@ -260,6 +260,18 @@ def save_tau_plot(table: list[dict], path: str | Path, title: str | None = None)
     return Path(path)
 
 
+def evaluate_and_write(model, tokenizer, out, *, name: str, gsm8k: int, humaneval: int, meta: dict, **table_kwargs):
+    """The eval of `hf-mars eval` and of the recipe's eval stage: `tau_table` over `gsm8k` GSM8K test and `humaneval`
+    HumanEval problems (`table_kwargs`: taus, base_model, batch_size, max_new_tokens), printed, then written to `out`
+    with `meta` (`write_tau_table`). Returns the files written."""
+    table = tau_table(model, tokenizer, eval_prompts(gsm8k, humaneval), **table_kwargs)
+    print(format_tau_table(table))
+    meta = dict(model=name, gsm8k=gsm8k, humaneval=humaneval, device=str(model.device), **meta)
+    meta["max_new_tokens"] = table_kwargs.get("max_new_tokens")
+    title = f"{name}: {gsm8k} GSM8K, {humaneval} HumanEval, {meta.get('dtype')}"
+    return write_tau_table(table, out, meta, title)
+
+
 def write_tau_table(table: list[dict], out: str | Path, meta: dict, title: str) -> list[Path]:
     """What `hf-mars eval` and the recipe's eval stage leave in `out`: eval.md (the table), eval.json (`meta`, the
     rows, and the answers beside them, so the rows stay a τ table as `hf-mars push --tau-table` reads one) and

@@ -273,7 +273,7 @@ def evaluate(recipe: Recipe) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .evals import eval_prompts, format_tau_table, tau_table, write_tau_table
+    from .evals import evaluate_and_write
     from .loading import load_checkpoint
 
     device = resolve_device(recipe.device)
@@ -282,27 +282,19 @@ def evaluate(recipe: Recipe) -> Path:
     if recipe.eval_base:
         base = AutoModelForCausalLM.from_pretrained(base_model(recipe), dtype=getattr(torch, recipe.dtype))
         base = base.to(device).eval()
-    rows = eval_prompts(recipe.eval_gsm8k, recipe.eval_humaneval)
-    table = tau_table(
+    written = evaluate_and_write(
         model.to(device),
         tokenizer,
-        rows,
+        out,
+        name=recipe.checkpoint.name,
+        gsm8k=recipe.eval_gsm8k,
+        humaneval=recipe.eval_humaneval,
+        meta=dict(dtype=recipe.dtype),
         taus=recipe.eval_taus,
         base_model=base,
         batch_size=recipe.eval_batch_size,
         max_new_tokens=recipe.max_new_tokens,
     )
-    print(format_tau_table(table))
-    meta = dict(
-        model=str(recipe.checkpoint),
-        gsm8k=recipe.eval_gsm8k,
-        humaneval=recipe.eval_humaneval,
-        dtype=recipe.dtype,
-        device=device,
-        max_new_tokens=recipe.max_new_tokens,
-    )
-    title = f"{recipe.checkpoint.name}: {recipe.eval_gsm8k} GSM8K, {recipe.eval_humaneval} HumanEval"
-    written = write_tau_table(table, out, meta, title)
     print("[eval] wrote " + ", ".join(str(path) for path in written))
     return out
 
