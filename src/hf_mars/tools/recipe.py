@@ -228,7 +228,7 @@ def export(recipe: Recipe) -> Path:
     if (recipe.checkpoint / "config.json").is_file():
         _skip("export", recipe.checkpoint)
         return recipe.checkpoint
-    from .shipped import build_checkpoint, export_delta
+    from .shipped import build_checkpoint, export_delta, merge_delta, save_checkpoint
 
     delta = export_delta(recipe.train_dir, recipe.out / "delta", max_mb=float("inf"))
     size = sum(f.stat().st_size for f in delta.iterdir()) / 2**20
@@ -237,30 +237,9 @@ def export(recipe: Recipe) -> Path:
     else:
         config = json.loads((delta / "adapter_config.json").read_text())
         (delta / "adapter_config.json").write_text(json.dumps(dict(config, base_model_name_or_path=recipe.model)))
-        merge_delta(recipe.model, delta, recipe.checkpoint)
+        save_checkpoint(recipe.checkpoint, *merge_delta(recipe.model, delta))
     print(f"[export] delta {delta} ({size:.1f} MB); merged MARS checkpoint {recipe.checkpoint}")
     return recipe.checkpoint
-
-
-def merge_delta(base: str, delta: Path, dst: Path) -> Path:
-    """Merge a delta into a base other than the shipped one (build_checkpoint's steps without the shipped extras:
-    lossless trees tuned for the shipped model, its model card, the cache stamp)."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..convert import to_mars
-
-    mars = json.loads((delta / "mars.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    to_mars(model, tokenizer, block_size=mars["mars_block_size"])
-    model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
-    partial = dst.with_name(dst.name + ".partial")  # renamed when complete: a half-saved folder is never "done"
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(dst)
-    return dst
 
 
 def evaluate(recipe: Recipe) -> Path:

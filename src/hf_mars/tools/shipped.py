@@ -77,7 +77,7 @@ def _build_base(dst: Path) -> None:
     model.load_state_dict(gguf_model.state_dict(), assign=True)
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
-    _save(dst, model, tokenizer)
+    save_checkpoint(dst, model, tokenizer)
 
 
 def base_checkpoint() -> Path:
@@ -140,16 +140,30 @@ def _build_stamp(delta: Path, code: Path = REMOTE_DIR) -> str:
 
 
 def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
-    """Merge `delta` into the base model and save the full MARS checkpoint (remote code included) in `dst`."""
+    """Merge `delta` into the base model and save the full MARS checkpoint (remote code included) in `dst`, with the
+    shipped checkpoint's extras: its lossless trees, its model card, the build stamp."""
+    delta, dst = Path(delta), Path(dst)
+    base = base_checkpoint()
+    logger.warning("Building the MARS checkpoint in %s (once)...", dst)
+    model, tokenizer = merge_delta(base, delta)
+    model.generation_config.mars_lossless = {size: dict(tree) for size, tree in LOSSLESS.items()}
+    extra = {"hf_mars_delta.txt": _build_stamp(delta) + "\n"}
+    if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
+        extra["README.md"] = MODEL_CARD.read_text()
+    save_checkpoint(dst, model, tokenizer, extra)
+    return dst
+
+
+def merge_delta(base: str | Path, delta: str | Path):
+    """`(model, tokenizer)`: the MARS model of a delta (a LoRA adapter plus the `<|mask|>` row, and its `mars.json`)
+    merged into its base model, float32."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..convert import to_mars
 
-    delta, dst = Path(delta), Path(dst)
+    delta = Path(delta)
     mars = json.loads((delta / "mars.json").read_text())
-    base = base_checkpoint()
-    logger.warning("Building the MARS checkpoint in %s (once)...", dst)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(0)  # the resized <|mask|> row is random until the adapter's trained row replaces it
@@ -162,12 +176,7 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
         )
     with _quiet():
         model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
-    model.generation_config.mars_lossless = {size: dict(tree) for size, tree in LOSSLESS.items()}
-    extra = {"hf_mars_delta.txt": _build_stamp(delta) + "\n"}
-    if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
-        extra["README.md"] = MODEL_CARD.read_text()
-    _save(dst, model, tokenizer, extra)
-    return dst
+    return model, tokenizer
 
 
 @contextlib.contextmanager
@@ -184,7 +193,7 @@ def _quiet():
         convert_logger.setLevel(level)
 
 
-def _save(dst: Path, model, tokenizer, extra: dict[str, str] | None = None) -> None:
+def save_checkpoint(dst: Path, model, tokenizer, extra: dict[str, str] | None = None) -> None:
     """Save into `dst.partial`, then rename over `dst`: an interrupted build never leaves a half checkpoint."""
     tmp = dst.with_name(dst.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
