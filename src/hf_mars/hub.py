@@ -29,6 +29,7 @@ from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundErro
 from huggingface_hub.utils import filter_repo_objects
 
 from .decoding import REMOTE_FILES
+from .tools.tables import markdown_table
 
 logger = logging.getLogger(__name__)
 
@@ -201,12 +202,8 @@ def tau_table_markdown(table: dict) -> str:
             return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
         return "" if value is None else str(value)
 
-    lines = [
-        "| " + " | ".join(names.get(c, c.replace("_", " ")) for c in columns) + " |",
-        "| " + " | ".join("---" for _ in columns) + " |",
-    ]
-    lines += ["| " + " | ".join(cell(c, row.get(c)) for c in columns) + " |" for row in table["rows"]]
-    return "\n".join(lines)
+    head = [names.get(c, c.replace("_", " ")) for c in columns]
+    return markdown_table(head, [[cell(c, row.get(c)) for c in columns] for row in table["rows"]])
 
 
 # -- the model card ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from .bench import count_new_tokens, eos_token_ids, generate_ar, generate_mars
 from .data import gsm8k_test, humaneval
 from .loading import chat_text
+from .tables import markdown_table
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _CODE = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.S)
@@ -216,12 +217,11 @@ def format_tau_table(table: list[dict]) -> str:
     with_base = any(row.get("tau") is None for row in table)
     head = ["setting", "tokens/forward", "same as τ = 1"] + ["same as base"] * with_base
     head += [TASK_NAMES[t] for t in tasks]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    rows = []
     for row in table:
         cells = [row["setting"].replace("tau", "τ"), f"{row['tokens_per_forward']:.2f}", _percent(row, "same_as_tau1")]
-        cells += [_percent(row, "same_as_base")] * with_base + [_percent(row, t, 1) for t in tasks]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells + [_percent(row, "same_as_base")] * with_base + [_percent(row, t, 1) for t in tasks])
+    return markdown_table(head, rows)
 
 
 def _percent(row: dict, key: str, digits: int = 0) -> str:

@@ -18,6 +18,7 @@ import time
 import torch
 
 from ..decoding.compat import CACHE_ARG
+from .tables import markdown_table
 
 # What each mode is run with (eos_token_id=None: every row decodes max_new_tokens, so all modes do the same work)
 MODES = {
@@ -124,6 +125,5 @@ def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24,
 
 
 def format_pass_costs(rows: list[dict]) -> str:
-    lines = ["| batch | method | ms per pass | per pass / plain step |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['batch']} | {r['method']} | {r['ms']:.2f} | {r['ratio']:.2f}x |" for r in rows]
-    return "\n".join(lines)
+    head = ["batch", "method", "ms per pass", "per pass / plain step"]
+    return markdown_table(head, [[str(r["batch"]), r["method"], f"{r['ms']:.2f}", f"{r['ratio']:.2f}x"] for r in rows])
