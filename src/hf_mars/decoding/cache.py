@@ -18,11 +18,42 @@ This file is copied into MARS checkpoints (trust_remote_code): it imports torch,
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from transformers import DynamicCache, StaticCache
 
 from .compat import CACHE_ARG, rewind_static_layers, static_cache_size, static_write_at
 from .tree import NO_DRAFTS, DraftTree
+
+
+class KVBook(Protocol):
+    """What the decoding loop asks of a MARS cache; `MARSCache` (dynamic) and `StaticMARSCache` (fixed shapes) both
+    answer, so that the loop never asks which one it has.
+
+    Attributes:
+        fixed_shapes: every pass has the same shape (a static cache: drafts trees keep their whole shape).
+        real, positions, next_position, length: see `MARSCache`.
+    """
+
+    fixed_shapes: bool
+    real: torch.Tensor
+    positions: torch.Tensor
+    next_position: torch.Tensor
+
+    @property
+    def length(self) -> int: ...
+    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float) -> int: ...
+    def wide_mask(self, width: int) -> bool: ...
+    def step_inputs(self, new_real, num_masks: int, tree: DraftTree = NO_DRAFTS, dense=None): ...
+    def forward_kwargs(self, width: int) -> dict: ...
+    def kv_length(self, width: int) -> int: ...
+    def key_positions(self) -> torch.Tensor: ...
+    def commit(self, new_real, num_masks: int, dense: bool | None = None) -> None: ...
+    def pending_width(self, width: int, accepted: torch.Tensor) -> tuple[int, bool]: ...
+    def retire(self, stopped: torch.Tensor) -> tuple[torch.Tensor | None, bool]: ...
+    def tidy(self, passes: int, every: int, at: float) -> None: ...
+    def real_slots(self, batch_size: int): ...
 
 
 class MARSCache(DynamicCache):
@@ -81,6 +112,17 @@ class MARSCache(DynamicCache):
         masks = torch.ones(new_real.shape[0], (len(tree) + 1) * num_masks, dtype=torch.bool, device=new_real.device)
         return torch.cat([self.real, new_real, masks], dim=1).long(), position_ids
 
+    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float) -> int:
+        """Masks per group this pass: none at τ >= 1; else the largest a row is offered (or more, where a wider pass
+        is cheaper: `MaskSchedule.width`)."""
+        if tau >= 1.0:
+            return 0
+        return schedule.most if schedule.constant else schedule.width(offered)
+
+    def wide_mask(self, width: int) -> bool:
+        """Whether a pass of `width` tokens takes a 4D mask built by MARS, once, rather than by every layer."""
+        return width > 1
+
     @property
     def kv(self) -> MARSCache:
         """What the model's forward reads and writes: this cache itself."""
@@ -112,6 +154,25 @@ class MARSCache(DynamicCache):
         self.positions = torch.cat([self.positions, self.fed_positions[:, : new_real.shape[1]]], dim=1)
         self.dense = self.dense and (dense if dense is not None else bool(new_real.all()))
         self.next_position = self.next_position + new_real.sum(dim=1)
+
+    def pending_width(self, width: int, accepted: torch.Tensor) -> tuple[int, bool]:
+        """`(width, dense)` of the next pass's pending tokens (`accepted` per row, at most `width`): as wide as the
+        most any row took, and dense when every row took as many (one read from the device)."""
+        most, fewest = torch.stack([accepted.max(), accepted.min()]).tolist()
+        return most, fewest == most
+
+    def retire(self, stopped: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """Drop the rows that `stopped`: `(the indices of the rows kept, or None when none left, whether any is)`."""
+        if not bool(stopped.any()):
+            return None, True
+        alive = (~stopped).nonzero().view(-1)
+        self.keep_rows(alive)
+        return alive, bool(alive.numel())
+
+    def tidy(self, passes: int, every: int, at: float) -> None:
+        """Every `every` passes, squeeze out holes once they are more than `at` of a batched cache."""
+        if passes % every == 0 and self.real.shape[0] > 1 and self.hole_fraction() > at:
+            self.compact()
 
     def keep_rows(self, rows: torch.LongTensor) -> None:
         """Drop finished rows, so that they stop costing compute (their K/V are set aside if `keep_retired`)."""
@@ -204,6 +265,25 @@ class StaticMARSCache:
 
     def kv_length(self, width: int) -> int:
         return self.size
+
+    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float) -> int:
+        """All B-1 masks below τ = 1, whatever a row is offered (it uses only those), so that the shape stays."""
+        return schedule.most if tau < 1.0 else 0
+
+    def wide_mask(self, width: int) -> bool:
+        """Never: a static pass builds its mask inside the compiled graph (except for a tree or a window)."""
+        return False
+
+    def pending_width(self, width: int, accepted: torch.Tensor) -> tuple[int, bool]:
+        """Always `width` pending slots, the unfilled ones holes: the shape stays and nothing is read."""
+        return width, False
+
+    def retire(self, stopped: torch.Tensor) -> tuple[None, bool]:
+        """Rows that stopped stay in the batch, idle, as in `generate()`: `(None, whether any row still decodes)`."""
+        return None, bool((~stopped).any())
+
+    def tidy(self, passes: int, every: int, at: float) -> None:
+        """Nothing: compaction would change the shapes."""
 
     def key_positions(self) -> torch.Tensor:
         """`(batch, max_cache_len)`: the position id of every slot (this pass's included; unwritten ones unseen)."""

@@ -8,13 +8,17 @@ fed at all: that is exactly greedy (or sampled) autoregressive decoding, at its 
 feeds a pass's mask predictions back as drafts that the next pass verifies (`verify.py`).
 
 `mars_decode` is one loop of named phases: `_forward` (one pass over `[pending | drafts | masks]`), `_accept`
-(τ's test, or verification), `_commit` (write the tokens, let the stopping criteria judge them, stream them),
-`_next_inputs` (what the next pass feeds) and `_retire` (rows that stopped leave the batch). τ is read before every
-pass, so it may be a number, a callable, or a `TauController` changed while a generation runs.
+(τ's test, or verification: which tokens each row takes), `_commit` (write them: K/V into the cache, tokens into
+the text, which the stopping criteria judge; stream them), `_next_inputs` (what the next pass feeds) and `_retire`
+(rows that stopped stop decoding). τ is read before every pass, so it may be a number, a callable, or a
+`TauController` changed while a generation runs. A run's state is three small objects: `_Plan` (fixed before the
+first pass), `_Text` (every row's text and progress; a row decodes while `active`) and `_Feed` (what the next pass
+feeds).
 
-With `cache_implementation="static"` the K/V live in transformers' `StaticCache` and every pass after the first has
-the same shape (`StaticMARSCache`), so the compiled forward of `generate()`'s own compile path (`compile_config`)
-is reused from pass to pass; the tokens are the dynamic cache's.
+The loop never asks which cache it has: both answer `cache.KVBook`. With `cache_implementation="static"` the K/V
+live in transformers' `StaticCache` and every pass after the first has the same shape (`StaticMARSCache`), so the
+compiled forward of `generate()`'s own compile path (`compile_config`) is reused from pass to pass; the tokens are
+the dynamic cache's.
 
 This file is copied into MARS checkpoints (trust_remote_code), with the sibling modules it imports.
 """
@@ -34,7 +38,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache, prefix_cache
+from .cache import KVBook, MARSCache, StaticMARSCache, prefix_cache
 from .compat import (
     CACHE_ARG,
     compiled_forward,
@@ -256,45 +260,6 @@ def _stop_strings_as_criterion(base, generation_config, stopping_criteria, kwarg
     return stopping_criteria, generation_config
 
 
-@dataclass
-class _Run:
-    """What one MARS generation carries from pass to pass.
-
-    `rows` are the rows still decoding, as indices into the batch; `pending`, `drafts` and the cache hold those rows,
-    in that order. `sequences`, `decoded`, `ended` and `passes` cover the whole batch.
-    """
-
-    settings: MARSSettings
-    processors: LogitsProcessorList
-    sequences: torch.Tensor  # (batch, prompt + budget + room): the prompt, then each row's decoded tokens, then pad
-    prompt_length: int
-    prompt_real: torch.Tensor  # (batch, prompt_length): which prompt positions hold tokens (not padding)
-    budget: int  # new tokens allowed (what MaxLengthCriteria allows)
-    pad_token_id: int
-    eos: torch.Tensor
-    do_sample: bool
-    candidates: int  # lossless mode: candidates of the first draft (1 where drafts stay a chain)
-    lookup: int  # lossless mode: tokens of prompt lookup's branch (0 where drafts stay a chain)
-    logits_to_keep: bool
-    window: SlidingWindow | None  # the model's sliding window, whose masks MARS builds (None: no sliding layers)
-    rows: torch.Tensor
-    pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
-    pending_real: torch.Tensor
-    drafts: Drafts
-    cache: MARSCache | StaticMARSCache
-    compiled: Callable | None  # the compiled forward of passes after the first (a static cache), else None
-    schedule: MaskSchedule
-    stopping: Stopping
-    decoded: torch.Tensor  # (batch,) new tokens decoded
-    ended: torch.Tensor  # (batch,) rows that reached EOS or the length limit: they decode no more
-    passes: torch.Tensor  # (batch,) passes each row took part in
-    active: torch.Tensor  # (batch,) rows still decoding (with a static cache, the others stay in the batch, idle)
-    live: bool = True  # any row still decoding
-    dense: bool | None = None  # whether the pending tokens fill their slots (no holes); None: not known
-    streamer: object = None
-    stats: MARSStats = field(default_factory=MARSStats)
-
-
 @dataclass(frozen=True)
 class SlidingWindow:
     """The sliding window of a model's sliding-window layers: `size` positions; `everywhere`: every layer slides (one
@@ -302,6 +267,63 @@ class SlidingWindow:
 
     size: int
     everywhere: bool
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one generation runs with, fixed before its first pass."""
+
+    settings: MARSSettings
+    processors: LogitsProcessorList
+    do_sample: bool
+    candidates: int  # lossless mode: candidates of the first draft (1 where drafts stay a chain)
+    lookup: int  # lossless mode: tokens of prompt lookup's branch (0 where drafts stay a chain)
+    prompt_length: int
+    budget: int  # new tokens allowed (what MaxLengthCriteria allows)
+    pad_token_id: int
+    eos: torch.Tensor
+    logits_to_keep: bool
+    window: SlidingWindow | None  # the model's sliding window, whose masks MARS builds (None: no sliding layers)
+    compiled: Callable | None  # the compiled forward of passes after the first (a static cache), else None
+    streamer: object = None
+
+
+@dataclass
+class _Text:
+    """Every row of the batch: its text and how far it got. A row decodes while it is `active`; it stops being active
+    once its text has `ended` (EOS or the length limit) or the stopping criteria have settled it."""
+
+    sequences: torch.Tensor  # (batch, prompt + budget + room): the prompt, then each row's decoded tokens, then pad
+    prompt_real: torch.Tensor  # (batch, prompt_length): which prompt positions hold tokens (not padding)
+    decoded: torch.Tensor  # (batch,) new tokens decoded
+    passes: torch.Tensor  # (batch,) passes each row took part in
+    ended: torch.Tensor  # (batch,) rows whose text reached EOS or the length limit
+    active: torch.Tensor  # (batch,) rows still decoding
+
+
+@dataclass
+class _Feed:
+    """What the next pass feeds, for the rows the cache holds (`rows`: their indices in the batch, in its order)."""
+
+    rows: torch.Tensor
+    pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
+    pending_real: torch.Tensor
+    drafts: Drafts
+    dense: bool | None = None  # whether the pending tokens fill their slots (no holes); None: not known
+
+
+@dataclass
+class _Run:
+    """What one MARS generation carries from pass to pass."""
+
+    plan: _Plan
+    text: _Text
+    feed: _Feed
+    cache: KVBook
+    schedule: MaskSchedule
+    stopping: Stopping
+    stats: MARSStats = field(default_factory=MARSStats)
+    live: bool = True  # any row still decoding
 
 
 @dataclass
@@ -314,6 +336,7 @@ class _Pass:
     logits: torch.Tensor  # (rows, outputs, vocab): at the root, at each draft, then each group of masks
     histories: Histories | None
     end: torch.Tensor | None = None  # lossless mode: where each row's kept drafts end (0: the root)
+    kept_drafts: torch.Tensor | None = None  # lossless mode: (rows, drafts) the drafts verified and kept
 
     @property
     def within(self) -> torch.Tensor:
@@ -337,8 +360,8 @@ def mars_decode(
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
     run = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, settings, model_kwargs)
-    run.streamer = streamer
     if streamer is not None:
+        run = replace(run, plan=replace(run.plan, streamer=streamer))
         streamer.put(input_ids.cpu())
     while run.live:
         step = _forward(model, run, read_tau(settings.tau))
@@ -366,38 +389,31 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     # history: with sampling, or a history-reading processor, drafts stay a chain
     do_sample = generation_config.do_sample
     branching = not do_sample and (not processors or history_free(processors))
-    zeros = torch.zeros(batch, dtype=torch.long, device=device)
     candidates = settings.draft_candidates if branching else 1
     lookup = settings.lookup if settings.verify and branching else 0
     cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window)
     cached = cache.length  # a cache passed in holds the first tokens of every row already
-    return _Run(
+    plan = _Plan(
         settings=settings,
         processors=processors,
-        sequences=sequences,
+        do_sample=do_sample,
+        candidates=candidates,
+        lookup=lookup,
         prompt_length=prompt_length,
         budget=budget,
         pad_token_id=pad_token_id,
         eos=eos,
-        do_sample=do_sample,
-        candidates=candidates,
-        lookup=lookup,
         logits_to_keep=supports_logits_to_keep(model),
         window=window,
-        rows=torch.arange(batch, device=device),
-        prompt_real=prompt_real,
-        pending=input_ids[:, cached:],
-        pending_real=prompt_real[:, cached:],
-        drafts=Drafts.none(batch, device),
-        cache=cache,
         compiled=compiled,
-        schedule=MaskSchedule(settings.mask_cost, batch, settings.block_size - 1, device),
-        stopping=Stopping(criteria, sequences, prompt_length, pad_token_id),
-        decoded=zeros,
-        ended=torch.zeros(batch, dtype=torch.bool, device=device),
-        passes=zeros.clone(),
-        active=torch.ones(batch, dtype=torch.bool, device=device),
     )
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    everyone = torch.ones(batch, dtype=torch.bool, device=device)
+    text = _Text(sequences, prompt_real, decoded=zeros, passes=zeros.clone(), ended=~everyone, active=everyone)
+    rows = torch.arange(batch, device=device)
+    feed = _Feed(rows, input_ids[:, cached:], prompt_real[:, cached:], Drafts.none(batch, device))
+    schedule = MaskSchedule(settings.mask_cost, batch, settings.block_size - 1, device)
+    return _Run(plan, text, feed, cache, schedule, Stopping(criteria, sequences, prompt_length, pad_token_id))
 
 
 def _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window):
@@ -442,49 +458,47 @@ def _continued(cache, prompt_real, keep_retired: bool) -> MARSCache:
 
 def _forward(model, run: _Run, tau: float) -> _Pass:
     """One forward pass over `[pending | drafts | masks]`: one group of masks after the root (τ-mode: the only one)
-    and, in lossless mode, one after each draft, each continuing the text it follows (see `DraftTree`). With a
-    static cache every pass feeds all B-1 masks (a row uses those it is offered), so that its shape stays."""
-    offered = run.schedule.offer(run.rows) if tau < 1.0 else torch.zeros_like(run.rows)
-    fixed = run.cache.fixed_shapes
-    if fixed or run.schedule.constant:  # all B-1 masks (or none at τ >= 1): known without reading the device
-        masks = run.schedule.most if tau < 1.0 else 0
-    else:
-        masks = run.schedule.width(offered)
-    tree = run.drafts.tree
+    and, in lossless mode, one after each draft, each continuing the text it follows (see `DraftTree`). How many
+    masks a group has is the cache's call (a static cache feeds all B-1, whatever a row is offered, so that its shape
+    stays)."""
+    plan, feed, cache = run.plan, run.feed, run.cache
+    offered = run.schedule.offer(feed.rows) if tau < 1.0 else torch.zeros_like(feed.rows)
+    masks = cache.masks_per_group(run.schedule, offered, tau)
+    tree = feed.drafts.tree
     groups = len(tree) + 1
-    new_real = torch.cat([run.pending_real, run.drafts.real], dim=1)
-    mask_2d, position_ids = run.cache.step_inputs(new_real, masks, tree, run.dense if not len(tree) else None)
-    wide = new_real.shape[1] + groups * masks > 1 and not fixed  # a static pass builds its mask in the graph
-    attention_mask = _attention_mask(model, run, tree, mask_2d, masks, wide)
-    mask_ids = run.pending.new_full((run.rows.numel(), groups * masks), run.settings.mask_token_id)
+    new_real = torch.cat([feed.pending_real, feed.drafts.real], dim=1)
+    mask_2d, position_ids = cache.step_inputs(new_real, masks, tree, feed.dense if not len(tree) else None)
+    attention_mask = _attention_mask(model, run, tree, mask_2d, masks, new_real.shape[1] + groups * masks)
+    mask_ids = feed.pending.new_full((feed.rows.numel(), groups * masks), plan.settings.mask_token_id)
     needed = len(tree) + 1 + groups * masks
-    forward = run.compiled if run.compiled is not None and run.stats.forward_passes else model  # prefill: eager
-    input_ids = torch.cat([run.pending, run.drafts.tokens, mask_ids], dim=1)
+    forward = plan.compiled if plan.compiled is not None and run.stats.forward_passes else model  # prefill: eager
+    input_ids = torch.cat([feed.pending, feed.drafts.tokens, mask_ids], dim=1)
     outputs = forward(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=True,
-        **run.cache.forward_kwargs(input_ids.shape[1]),
+        **cache.forward_kwargs(input_ids.shape[1]),
         return_dict=True,
-        **({"logits_to_keep": needed} if run.logits_to_keep else {}),
+        **({"logits_to_keep": needed} if plan.logits_to_keep else {}),
     )
     logits = outputs.logits[:, -needed:].float()
-    lengths = run.prompt_length + run.decoded[run.rows]
-    histories = Histories(run.processors, run.sequences, run.rows, lengths) if run.processors else None
+    lengths = plan.prompt_length + run.text.decoded[feed.rows]
+    histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths) if plan.processors else None
     return _Pass(tau, offered, masks, logits, histories)
 
 
-def _attention_mask(model, run: _Run, tree, mask_2d, masks: int, wide: bool):
+def _attention_mask(model, run: _Run, tree, mask_2d, masks: int, width: int):
     """What the forward takes as its attention mask. The 2D slot map (or None: no holes) where the model's own causal
-    mask is exact; else 4D masks built here, once per pass: for a draft tree, for a wide pass (rather than in every
-    layer), and, with sliding-window layers, wherever slots are not positions (holes, padding, a static cache), since
-    the model would count its window in slots."""
-    window = run.window
+    mask is exact; else 4D masks built here, once per pass: for a draft tree, for a wide pass where the cache leaves
+    it to MARS (rather than to every layer), and, with sliding-window layers, wherever slots are not positions
+    (holes, padding, a static cache), since the model would count its window in slots."""
+    window = run.plan.window
     windowed = window is not None and mask_2d is not None
-    if not (len(tree) or windowed or (wide and model.config._attn_implementation in _BRANCHING)):
+    wide = run.cache.wide_mask(width) and model.config._attn_implementation in _BRANCHING
+    if not (len(tree) or windowed or wide):
         return mask_2d
-    build = functools.partial(tree_attention, model, run.cache, tree, mask_2d, run.pending.shape[1], masks)
+    build = functools.partial(tree_attention, model, run.cache, tree, mask_2d, run.feed.pending.shape[1], masks)
     if window is None:
         return build()
     if window.everywhere:
@@ -493,134 +507,126 @@ def _attention_mask(model, run: _Run, tree, mask_2d, masks: int, wide: bool):
 
 
 def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens each row takes from this pass: `(tokens, accepted)`, cut at EOS and the length limit. Commits the
-    real tokens' K/V to the cache and tells the mask schedule what its masks were worth."""
-    rows, tree, schedule = run.rows, run.drafts.tree, run.schedule
-    if run.settings.verify:
-        tokens, accepted, kept, step.end = verify(
-            step.logits[:, : len(tree) + 1], run.drafts, step.histories, run.do_sample
+    """The tokens each row takes from this pass: `(tokens, accepted)`, cut at EOS and the length limit (a row no
+    longer active takes none). Tells the mask schedule what its masks were worth."""
+    plan, text, feed, schedule = run.plan, run.text, run.feed, run.schedule
+    rows, tree = feed.rows, feed.drafts.tree
+    if plan.settings.verify:
+        tokens, accepted, step.kept_drafts, step.end = verify(
+            step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample
         )
         # The drafts the last pass's masks proposed paid for what of them was kept
-        schedule.update(rows, schedule.last[rows], kept[:, : tree.from_masks].sum(dim=1), run.passes[rows])
-        run.cache.commit(torch.cat([run.pending_real, kept], dim=1), (len(tree) + 1) * step.masks)  # rejected: holes
+        paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
+        schedule.update(rows, schedule.last[rows], paid, text.passes[rows])
+        schedule.last[rows] = step.offered
     else:
-        run.cache.commit(run.pending_real, step.masks, run.dense)
-        tokens, confs = choose(step.logits, step.histories, run.do_sample, run.settings.confidence)
+        tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
         accepted = torch.ones_like(tokens[:, 0])  # slot 0 always; then left to right while confident
         if step.masks:
             accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
-        schedule.update(rows, step.offered, accepted - 1, run.passes[rows])
-    if run.settings.verify:
-        schedule.last[rows] = step.offered
-    left = run.budget - run.decoded[rows]
-    accepted = torch.minimum(accepted, left)
-    if run.cache.fixed_shapes:  # rows that finished but stay in a static cache's batch take nothing
-        accepted = accepted.masked_fill(~run.active[rows], 0)
+        schedule.update(rows, step.offered, accepted - 1, text.passes[rows])
+    left = plan.budget - text.decoded[rows]
+    accepted = torch.minimum(accepted, left).masked_fill(~text.active[rows], 0)
     ended = accepted >= left
-    if run.eos.numel():
+    if plan.eos.numel():
         slots = torch.arange(tokens.shape[1], device=tokens.device)
-        is_eos = torch.isin(tokens, run.eos) & (slots < accepted[:, None])
+        is_eos = torch.isin(tokens, plan.eos) & (slots < accepted[:, None])
         hit = is_eos.any(dim=1)
         accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
         ended |= hit
-    run.ended[rows] = run.ended[rows] | ended if run.cache.fixed_shapes else ended
+    text.ended[rows] |= ended
     return tokens, accepted
 
 
 def _commit(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
-    """Write the accepted tokens, let the stopping criteria judge them as `generate()` would, stream them."""
-    rows, width = run.rows, tokens.shape[1]
+    """Write what the pass decided: the real tokens' K/V into the cache (the masks' and rejected drafts' are dropped,
+    or left as holes), the accepted tokens into the text, which the stopping criteria then judge as `generate()`
+    would; stream them."""
+    plan, text, feed = run.plan, run.text, run.feed
+    rows, width = feed.rows, tokens.shape[1]
+    if plan.settings.verify:  # the root and the kept drafts are cached; rejected drafts leave holes
+        fed = torch.cat([feed.pending_real, step.kept_drafts], dim=1)
+        run.cache.commit(fed, (len(feed.drafts.tree) + 1) * step.masks)
+    else:
+        run.cache.commit(feed.pending_real, step.masks, feed.dense)
     slots = torch.arange(width, device=tokens.device)
-    positions = (run.prompt_length + run.decoded[rows])[:, None] + slots  # `sequences` has room past the budget
-    taken = tokens.masked_fill(slots >= accepted[:, None], run.pad_token_id)  # pad where nothing was written yet
-    run.sequences.index_put_((rows[:, None], positions), taken)
-    run.decoded[rows] += accepted
-    run.passes[rows] += run.active[rows].long() if run.cache.fixed_shapes else 1  # idle rows take no pass
-    streamed = run.stopping.kept[0].item() if run.streamer is not None else 0
-    run.stopping.judge(run.decoded, run.ended)
+    positions = (plan.prompt_length + text.decoded[rows])[:, None] + slots  # `sequences` has room past the budget
+    taken = tokens.masked_fill(slots >= accepted[:, None], plan.pad_token_id)  # pad where nothing was written yet
+    text.sequences.index_put_((rows[:, None], positions), taken)
+    text.decoded[rows] += accepted
+    text.passes[rows] += text.active[rows].long()  # idle rows take no pass
+    streamed = run.stopping.new_tokens[0].item() if plan.streamer is not None else 0
+    run.stopping.judge(text.decoded, text.ended)
     stats = run.stats
     stats.forward_passes += 1
     stats.tau_per_step.append(step.tau)
     stats.masks_per_step.append(step.masks)
-    whole = rows.numel() == run.decoded.numel()  # rows are the whole batch, in order
-    stats.accepted_per_step.append(accepted if whole else torch.zeros_like(run.decoded).index_put((rows,), accepted))
-    if run.streamer is not None:  # batch 1: the row is judged as soon as it decodes
-        start = run.prompt_length + streamed
-        run.streamer.put(run.sequences[0, start : run.prompt_length + run.stopping.kept[0]].cpu())
+    whole = rows.numel() == text.decoded.numel()  # rows are the whole batch, in order
+    stats.accepted_per_step.append(accepted if whole else torch.zeros_like(text.decoded).index_put((rows,), accepted))
+    if plan.streamer is not None:  # batch 1: the row is judged as soon as it decodes
+        start = plan.prompt_length + streamed
+        plan.streamer.put(text.sequences[0, start : plan.prompt_length + run.stopping.new_tokens[0]].cpu())
 
 
 def _next_inputs(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
     """What the next pass feeds. τ-mode: this pass's accepted tokens, right-aligned (shorter rows leave holes in the
     cache). Lossless mode: the last token (kept drafts are cached already) and the next drafts, proposed by the group
     of masks that followed the last kept draft, which saw the text as it now stands."""
-    fixed = run.cache.fixed_shapes
-    if not run.settings.verify:
+    plan, feed = run.plan, run.feed
+    if not plan.settings.verify:
         if tokens.shape[1] == 1:  # no masks were fed: one token each
-            run.pending, run.pending_real, run.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
+            feed.pending, feed.pending_real, feed.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
             return
-        width, fewest = (tokens.shape[1], 0) if fixed else torch.stack([accepted.max(), accepted.min()]).tolist()
-        run.pending, run.pending_real = _right_align(tokens, accepted, width, run.pad_token_id)
-        run.dense = fewest == width  # no row leaves a hole
+        width, feed.dense = run.cache.pending_width(tokens.shape[1], accepted)
+        feed.pending, feed.pending_real = _right_align(tokens, accepted, width, plan.pad_token_id)
         return
-    run.dense = None  # unknown: drafts may leave slots empty
-    rows = run.rows
-    run.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
-    run.pending_real = torch.ones_like(run.pending, dtype=torch.bool)
+    feed.dense = None  # unknown: drafts may leave slots empty
+    rows = feed.rows
+    feed.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
+    feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
+    full = run.cache.fixed_shapes  # the tree keeps its whole shape, filled or not
     drafts = Drafts.none(rows.numel(), rows.device)
-    lengths = run.prompt_length + run.decoded[rows]
+    lengths = plan.prompt_length + run.text.decoded[rows]
     if step.masks:
         if step.histories is not None:
             step.histories.lengths = lengths  # now including this pass's tokens
-        groups = len(run.drafts.tree) + 1
+        groups = len(feed.drafts.tree) + 1
         followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
         followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
-        drafts = propose(
-            followed,
-            step.histories,
-            step.tau,
-            step.within,
-            run.settings,
-            run.do_sample,
-            run.candidates,
-            run.pad_token_id,
-            fixed,
-        )
-    if run.lookup and (step.masks or not fixed):
-        drafts = add_lookup(drafts, run.sequences[rows], lengths, run.lookup, run.pad_token_id, fixed)
-    run.drafts = drafts
+        proposal = (step.histories, step.tau, step.within, plan.settings, plan.do_sample, plan.candidates)
+        drafts = propose(followed, *proposal, plan.pad_token_id, full)
+    if plan.lookup:
+        drafts = add_lookup(drafts, run.text.sequences[rows], lengths, plan.lookup, plan.pad_token_id, full)
+    feed.drafts = drafts
 
 
 def _retire(run: _Run) -> None:
-    """Rows that stopped, or reached EOS or the length limit, leave the batch, so they stop costing compute. With a
-    static cache they stay, idle, so that shapes stay (as `generate()` keeps finished rows)."""
-    stopped = run.ended[run.rows] | run.stopping.settled[run.rows]
-    if run.cache.fixed_shapes:
-        run.active = ~stopped
-        run.live = bool(run.active.any())
-        return
-    if bool(stopped.any()):
-        alive = (~stopped).nonzero().view(-1)
-        run.rows, run.pending, run.pending_real = run.rows[alive], run.pending[alive], run.pending_real[alive]
-        run.drafts = run.drafts.select(alive)
-        run.cache.keep_rows(alive)
-        run.live = bool(alive.numel())
-    every = run.stats.forward_passes % _COMPACT_EVERY == 0
-    if every and run.rows.numel() > 1 and run.cache.hole_fraction() > _COMPACT_AT:
-        run.cache.compact()
+    """Rows that stopped, or reached EOS or the length limit, stop decoding. The cache decides whether they leave its
+    batch (a dynamic one drops them, so they stop costing compute) or stay, idle (a static one, so that shapes stay,
+    as `generate()` keeps finished rows)."""
+    text, feed = run.text, run.feed
+    stopped = text.ended[feed.rows] | run.stopping.settled[feed.rows]
+    text.active[feed.rows] = ~stopped
+    alive, run.live = run.cache.retire(stopped)
+    if alive is not None:
+        feed.rows, feed.pending, feed.pending_real = feed.rows[alive], feed.pending[alive], feed.pending_real[alive]
+        feed.drafts = feed.drafts.select(alive)
+    run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)
 
 
 def _finish(run: _Run, generation_config):
-    if run.streamer is not None:
-        run.streamer.end()
-    new_tokens = run.stopping.kept
-    run.stats.new_tokens, run.stats.passes_per_row = new_tokens, run.passes
-    sequences = run.sequences[:, : run.prompt_length + int(new_tokens.max())]
+    plan, text = run.plan, run.text
+    if plan.streamer is not None:
+        plan.streamer.end()
+    new_tokens = run.stopping.new_tokens
+    run.stats.new_tokens, run.stats.passes_per_row = new_tokens, text.passes
+    sequences = text.sequences[:, : plan.prompt_length + int(new_tokens.max())]
     if not generation_config.return_dict_in_generate:
         return sequences
     cache = None
     if generation_config.use_cache is not False:  # as `generate()`: K/V of every position but the last
-        limits = (run.prompt_length + new_tokens).clamp(max=sequences.shape[1] - 1)
-        tokens_at = torch.cat([run.prompt_real, run.prompt_real.new_ones(sequences.shape[0], sequences.shape[1])], 1)
+        limits = (plan.prompt_length + new_tokens).clamp(max=sequences.shape[1] - 1)
+        tokens_at = torch.cat([text.prompt_real, text.prompt_real.new_ones(sequences.shape)], dim=1)
         cache = prefix_cache(run.cache, tokens_at[:, : sequences.shape[1]], limits)
     return with_cache(MARSGenerateOutput, cache, sequences=sequences, mars_stats=run.stats)
 

@@ -24,7 +24,7 @@ class Stopping:
 
     Attributes:
         unfinished (`(batch,)` bool): rows the criteria have not stopped.
-        kept (`(batch,)` long): each row's new tokens that the criteria have seen and kept.
+        new_tokens (`(batch,)` long): each row's new tokens that the criteria have seen and kept.
     """
 
     def __init__(self, criteria, sequences: torch.Tensor, prompt_length: int, pad_token_id: int):
@@ -34,7 +34,7 @@ class Stopping:
         self.sequences, self.prompt_length, self.pad_token_id = sequences, prompt_length, pad_token_id
         batch, device = sequences.shape[0], sequences.device
         self.unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        self.kept = torch.zeros(batch, dtype=torch.long, device=device)
+        self.new_tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.judged = 0  # steps the criteria have been called for (lockstep)
 
     @property
@@ -46,7 +46,7 @@ class Stopping:
         """After a pass: rows hold `decoded` new tokens in `sequences`; `ended` rows decode no more (they hit EOS or
         the length limit, where the criteria will stop them)."""
         if self.per_row:
-            self.kept = torch.where(self.unfinished, decoded, self.kept)
+            self.new_tokens = torch.where(self.unfinished, decoded, self.new_tokens)
             self.unfinished &= ~ended
             return
         open_rows = ~self.settled
@@ -67,7 +67,11 @@ class Stopping:
         stop = self.criteria(self.sequences[:, :width], None).to(self.unfinished.device)
         newly = self.unfinished & stop
         # a finished row keeps its length where it turns into padding, else it grows with the batch
-        self.kept = torch.where(self.unfinished, step, self.kept) if self.pads else torch.full_like(self.kept, step)
+        self.new_tokens = (
+            torch.where(self.unfinished, step, self.new_tokens)
+            if self.pads
+            else torch.full_like(self.new_tokens, step)
+        )
         self.unfinished &= ~stop
         if self.pads and bool(newly.any()):  # a finished row continues as padding
             self.sequences[newly, width:] = self.pad_token_id

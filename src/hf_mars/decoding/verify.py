@@ -111,14 +111,14 @@ def propose(
     do_sample: bool,
     candidates: int,
     pad_token_id: int,
-    fixed: bool = False,
+    full_tree: bool = False,
 ):
     """The next drafts from the masks that followed each row's last kept token (`followed`: `(rows, masks, vocab)`).
 
     A chain of the masks' confident tokens, plus the first mask's confident runner-ups as siblings of the first
     draft (greedy, `candidates - 1` of them). With sampling, each draft keeps the distribution it was drawn from,
     zeroed where it would not have been proposed, which is what speculative sampling needs. Slots that no row fills
-    are left out, unless `fixed` (a static cache): then the tree always has its full shape, so every pass has one.
+    are left out, unless `full_tree` (a static cache): then the tree always has its whole shape, so every pass has one.
     """
     device = followed.device
     guesses, confs, q = choose(followed, histories, do_sample, settings.confidence, True)
@@ -129,7 +129,7 @@ def propose(
         rest = q[:, 0].scatter(1, guesses[:, :1], -1.0)  # not the first draft again (ties happen)
         probs, others = rest.topk(candidates - 1, dim=-1)
         siblings = (probs >= tau) & (count > 0)[:, None]
-    if fixed:
+    if full_tree:
         chain, any_sibling = followed.shape[1], siblings is not None
     else:  # drafts that no row proposes are not fed: one read from the device says how many there are
         any_sibling = siblings.any() if siblings is not None else torch.zeros((), dtype=torch.bool, device=device)
@@ -151,11 +151,11 @@ def propose(
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
 
 
-def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int, fixed: bool = False) -> Drafts:
+def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int, full_tree=False) -> Drafts:
     """One more branch: what followed the text's last n-gram where it occurred before (`tree.lookup`); all
-    `num_tokens` slots if `fixed` (see `propose`)."""
+    `num_tokens` slots if `full_tree` (see `propose`)."""
     found, found_real = lookup(sequences, lengths, num_tokens)
-    reach = num_tokens if fixed else int(found_real.sum(dim=1).max())
+    reach = num_tokens if full_tree else int(found_real.sum(dim=1).max())
     if not reach:
         return drafts
     start = len(drafts.tree)
