@@ -8,7 +8,8 @@ import torch
 from helpers import make_model, make_tokenizer
 
 import hf_mars
-from hf_mars.tools.bench import format_table, measure_mask_cost, run_benchmark, save
+from hf_mars.tools.bench import format_table, run_benchmark, save
+from hf_mars.tools.calibrate import measure_mask_cost
 from hf_mars.tools.evals import load_prompts
 
 
@@ -105,7 +106,7 @@ def test_heldout_prompts_are_scored_by_task():
 def test_new_tokens_count_the_eos_even_when_it_is_the_pad_token():
     from types import SimpleNamespace
 
-    from hf_mars.tools.bench import count_new_tokens
+    from hf_mars.tools.decode import count_new_tokens
 
     generated = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
     assert count_new_tokens(generated, SimpleNamespace(pad_token_id=2), [2]) == 3 + 5 + 1

@@ -84,7 +84,8 @@ def run_host_bound(args) -> None:
 
 
 def run(args) -> None:
-    from ..tools.bench import format_table, measure_mask_cost, run_benchmark
+    from ..tools.bench import format_table, run_benchmark
+    from ..tools.calibrate import measure_mask_cost
     from ..tools.evals import load_prompts
 
     if args.host_bound:

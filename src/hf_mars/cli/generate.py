@@ -108,7 +108,7 @@ def _mars_arguments(model, args) -> dict:
     )
     cost = args.mask_cost
     if cost == "auto":
-        from ..tools.bench import auto_mask_cost
+        from ..tools.calibrate import auto_mask_cost
 
         cost = auto_mask_cost(model, **mars)
     return {**mars, "mars_mask_cost": cost}

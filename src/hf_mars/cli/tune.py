@@ -53,8 +53,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..tools.bench import save_lossless_preset, tune_lossless
     from ..tools.evals import load_prompts
+    from ..tools.tuning import save_lossless_preset, tune_lossless
 
     if args.save and args.model is not None and not Path(args.model).is_dir():  # say so before minutes of measuring
         raise SystemExit(f"--save writes into a local checkpoint folder; {args.model} is not one.")

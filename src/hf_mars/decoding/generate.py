@@ -162,7 +162,7 @@ class MARSGenerationMixin(GenerationMixin):
                 (code, maths, quotes of the prompt). Ignored where drafts stay a chain. Default: 0.
             mars_mask_cost (`float` or list of `float`, *optional*):
                 What masks add to the time of a pass, as a share of a one-token pass: c per mask, or a list whose
-                (k-1)-th entry is the cost of a pass with k masks (`hf_mars.tools.bench.measure_mask_cost` measures
+                (k-1)-th entry is the cost of a pass with k masks (`hf_mars.tools.calibrate.measure_mask_cost` measures
                 it). 0 (default): B-1 masks in every pass, as the paper. With a cost, each row is offered only the
                 masks whose expected accepted tokens are worth their time, estimated from its own recent passes (see
                 `MaskSchedule`), so text the masks cannot predict stays near AR speed. Lossless mode stays exact.

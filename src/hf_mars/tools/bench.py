@@ -22,12 +22,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from transformers import GenerationMixin
 
-from ..decoding.compat import CACHE_ARG
-from ..decoding.generate import mars_settings
-from .trees import TUNE_TREES, tree_name
+from .calibrate import auto_mask_cost, measure_mask_cost
+from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars, static_compiled, sync
+from .trees import tree_name
 
 
 @dataclass
@@ -76,11 +75,11 @@ class ForwardCounter:
                 self.remove()
 
     def _enter(self, *args):
-        _sync(self.model)
+        sync(self.model)
         self._start = time.perf_counter()
 
     def _exit(self, *args):
-        _sync(self.model)
+        sync(self.model)
         self.seconds += time.perf_counter() - self._start
         self.count += 1
 
@@ -91,53 +90,6 @@ class ForwardCounter:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def generate_ar(model, **inputs):
-    """Plain greedy `generate()` of transformers (the reference): `(sequences, None)`."""
-    return GenerationMixin.generate(model, do_sample=False, **inputs), None
-
-
-def static_compiled(model, longest_prompt: int, max_new_tokens: int, batch_sizes, trees=()) -> dict:
-    """`generate()` kwargs for a static cache and `generate()`'s compile path, for plain decoding and MARS alike.
-
-    `max_cache_len` is the most slots any method here needs (τ-mode, the default lossless tree, `trees`), so every
-    method's cache has one size and nothing recompiles for a longer prompt. On a GPU `generate()` compiles with its
-    default `CompileConfig` (CUDA graphs); elsewhere it is told to compile all the same.
-    """
-    from transformers import CompileConfig
-
-    calls = [dict(mars_tau=0.5), dict(mars_verify=True)]
-    calls += [
-        dict(mars_verify=True, mars_block_size=b, mars_draft_candidates=n, mars_lookup=lookup)
-        for b, n, lookup in trees
-    ]
-    slots = max(
-        model.mars_cache_length(longest_prompt, max_new_tokens, batch, **call)
-        for batch in batch_sizes
-        for call in calls
-    )
-    kwargs = dict(cache_implementation="static", max_cache_len=slots)
-    if model.device.type != "cuda":
-        kwargs["compile_config"] = CompileConfig(mode="default")
-        kwargs["compile_config"]._compile_all_devices = True  # generate()'s own switch for compiling off a GPU
-    return kwargs
-
-
-def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=None, lookup=None, **inputs):
-    """Greedy MARS decoding: `(sequences, row_passes)`. `None`: the model's default (lossless: its `mars_lossless`)."""
-    out = model.generate(
-        mars_tau=tau,
-        mars_verify=verify,
-        mars_mask_cost=mask_cost,
-        mars_block_size=block_size,
-        mars_draft_candidates=candidates,
-        mars_lookup=lookup,
-        do_sample=False,
-        return_dict_in_generate=True,
-        **inputs,
-    )
-    return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
 def methods(
@@ -201,69 +153,6 @@ def methods(
                         )
                     )
     return table
-
-
-def tune_lossless(
-    model,
-    tokenizer,
-    prompts,
-    trees=TUNE_TREES,
-    taus=(0.0,),
-    batch_size: int = 1,
-    max_new_tokens: int = 96,
-    repeats: int = 1,
-    progress: bool = True,
-) -> tuple[dict, Cell, list[Cell]]:
-    """Find the fastest lossless draft tree for this model and machine: `(best, fastest, cells)`.
-
-    Runs plain `generate()` and lossless mode with the model's current default tree and with each `(B, n, L)` of
-    `trees` at each τ, on `prompts`, at `batch_size`, side by side (`run_benchmark`, mask cost 0). `best` is the
-    `mars_lossless` entry of the fastest (`save_lossless_preset` writes it into a checkpoint for that batch size, where
-    `generate(mars_verify=True)` reads it), `fastest` its measurement, `cells` all of them, to print. Lossless mode's
-    text is the same for every tree (up to rounding), so speed alone decides.
-    """
-    cells = run_benchmark(
-        model,
-        tokenizer,
-        prompts,
-        taus=taus,
-        batch_sizes=(batch_size,),
-        max_new_tokens=max_new_tokens,
-        repeats=repeats,
-        verify=True,
-        prompt_lookup=0,
-        mask_costs=(0.0,),
-        progress=progress,
-        trees=trees,
-        tau_mode=False,
-    )
-    presets, keys = {}, ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup")
-    for tau in taus:
-        default = mars_settings(model, None, batch_size, mars_tau=tau, mars_verify=True)
-        presets[f"lossless tau={tau}"] = {key: default[key] for key in keys}
-        for block, n, lookup in trees:
-            presets[f"lossless {tree_name(block, n, lookup)} tau={tau}"] = dict(
-                mars_tau=tau, mars_block_size=block, mars_draft_candidates=n, mars_lookup=lookup
-            )
-    fastest = max((c for c in cells if c.method in presets), key=lambda c: c.speedup)
-    return presets[fastest.method], fastest, cells
-
-
-def save_lossless_preset(folder: str | Path, preset: dict, batch_size: int = 1) -> Path:
-    """Write `preset` into the checkpoint folder's generation config as `mars_lossless`'s entry for `batch_size`: its
-    lossless defaults from that batch size up. Entries for other batch sizes stay; a flat one counts as batch 1's."""
-    from transformers import GenerationConfig
-
-    folder = Path(folder)
-    if not (folder / "generation_config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no generation_config.json: pass a local MARS checkpoint folder.")
-    config = GenerationConfig.from_pretrained(folder)
-    entries = getattr(config, "mars_lossless", None) or {}
-    if entries and not all(str(key).isdigit() for key in entries):
-        entries = {"1": entries}
-    config.mars_lossless = {**entries, str(batch_size): dict(preset)}
-    config.save_pretrained(folder)
-    return folder / "generation_config.json"
 
 
 def run_benchmark(
@@ -372,11 +261,11 @@ def _run_batch(
             continue
         if warm_up:
             run(model, counter, **inputs, max_new_tokens=warm_up_tokens)
-        _sync(model)
+        sync(model)
         counter.reset()
         start = time.perf_counter()
         sequences, row_passes = run(model, counter, **inputs, max_new_tokens=max_new_tokens)
-        _sync(model)
+        sync(model)
         tally.add_time(name, time.perf_counter() - start, counter.seconds)
         if repeat == 0:
             generated = sequences[:, inputs["input_ids"].shape[1] :]
@@ -385,91 +274,6 @@ def _run_batch(
             tally.passes[name] += new if row_passes is None else row_passes
             tally.outputs[name] += tokenizer.batch_decode(generated, skip_special_tokens=True)
         bar.update(1)
-
-
-def auto_mask_cost(model, batch_size: int = 1, measured: list[float] | None = None, **mars_kwargs) -> list[float]:
-    """`mars_mask_cost="auto"` resolved for a call with these `mars_*` kwargs: the cost of 1 .. B-1 masks measured
-    on this machine (`measured`, else `measure_mask_cost` now) for the model's own B, cut to the B this call runs
-    with, which may be smaller."""
-    costs = measured if measured is not None else measure_mask_cost(model, batch_size)
-    kwargs = {key: value for key, value in mars_kwargs.items() if key != "mars_mask_cost"}
-    return costs[: mars_settings(model, None, batch_size, **kwargs)["mars_block_size"] - 1]
-
-
-def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: int = 7) -> list[float]:
-    """What masks add to the time of a decoding pass on this model and machine: `mars_mask_cost` as a list.
-
-    Times forwards over 1 to B tokens (B = the model's block size) after `context` cached tokens, `repeats` times each
-    in alternation, and returns, for k = 1 .. B-1 masks, `median(t_{k+1}) / median(t_1) - 1`. Measured, not assumed:
-    the cost depends on the dtype's matrix kernels (a pass over a few rows may cost as much as over eight, or a pass
-    over 2 tokens more than over 4) and so differs between machines.
-
-    At batch > 1 the passes carry an attention mask with holes, as batched decoding's do (left-padded prompts, rows
-    that accepted fewer tokens): attention without a mask takes another path at another speed, so timing it would
-    misjudge what decoding pays.
-    """
-    from transformers import DynamicCache
-
-    block = int(model.config.mars_block_size)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (batch_size, context + block), device=model.device)
-    real = torch.ones_like(ids)
-    real[1::2, : max(1, context // 8)] = 0  # every other row left-padded, as in a batch of unequal prompts
-
-    def mask(end: int):
-        return real[:, :end] if batch_size > 1 else None
-
-    cache = DynamicCache(config=model.config)
-    times = {width: [] for width in range(1, block + 1)}
-    with torch.no_grad():
-        model(input_ids=ids[:, :context], attention_mask=mask(context), **{CACHE_ARG: cache}, use_cache=True)
-        for _ in range(repeats + 1):  # the first round warms up
-            for width in times:
-                _sync(model)
-                start = time.perf_counter()
-                model(
-                    input_ids=ids[:, context : context + width],
-                    attention_mask=mask(context + width),
-                    **{CACHE_ARG: cache},
-                    use_cache=True,
-                    logits_to_keep=width,
-                )
-                _sync(model)
-                times[width].append(time.perf_counter() - start)
-                cache.crop(-width)
-    one = statistics.median(times[1][1:])
-    return [round(max(0.0, statistics.median(times[w][1:]) / one - 1), 3) for w in range(2, block + 1)]
-
-
-def _sync(model):
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def eos_token_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id
-    return [ids] if isinstance(ids, int) else list(ids or [tokenizer.eos_token_id])
-
-
-def count_new_tokens(generated, tokenizer, eos_ids) -> int:
-    """Generated tokens up to and including each row's first EOS (rows that stopped early are right-padded).
-
-    Counting non-pad tokens instead would miss the EOS where it doubles as the pad token (SmolLM2, Qwen).
-    """
-    width = generated.shape[1]
-    slot = torch.arange(width, device=generated.device)
-    ends = (
-        torch.isin(generated, torch.tensor(eos_ids, device=generated.device))
-        if eos_ids
-        else torch.zeros_like(generated, dtype=torch.bool)
-    )
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in eos_ids:
-        ends |= torch.cat(
-            [generated[:, 1:] == tokenizer.pad_token_id, torch.zeros_like(generated[:, :1], dtype=torch.bool)], dim=1
-        )
-    # A row ends at its first EOS, or just before its right padding; rows with neither ran to max_new_tokens
-    last = torch.where(ends, slot, width).min(dim=1).values
-    return int(torch.clamp(last + 1, max=width).sum())
 
 
 def _cells(table, batch_size, batches, tally: _Tally) -> list[Cell]:

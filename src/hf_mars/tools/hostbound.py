@@ -57,7 +57,7 @@ def pass_costs(
 ) -> list[dict]:
     """ms per plain `generate()` step and ms per MARS pass in each mode, side by side in one run: the modes take
     turns within each repeat (so a busy machine slows them alike) and the median repeat counts."""
-    from .bench import static_compiled
+    from .decode import static_compiled
 
     rows = []
     for batch in batch_sizes:
@@ -76,7 +76,7 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
     (the first run of each, which compiles what it compiles, is not timed)."""
     from transformers import GenerationMixin
 
-    from .bench import auto_mask_cost
+    from .calibrate import auto_mask_cost
 
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **extra)
     runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
