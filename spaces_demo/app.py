@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import gradio as gr
 import pandas as pd
@@ -148,6 +149,7 @@ def spans_html(spans: list[tuple[str, int]], block_size: int) -> str:
 
 
 def figures(name: str, tokens: int, passes: int | None, seconds: float, extra: str = "") -> str:
+    """A run's figures in one line: tokens, forward passes (AR: one per token), tokens per forward, tokens/s."""
     per_forward = f" · **{tokens / passes:.2f}** tokens/forward" if passes else ""
     rate = tokens / seconds if seconds > 0 else 0.0
     passes = f"**{passes or tokens}** forward passes{per_forward}"
@@ -171,12 +173,372 @@ def lossless_tree(model) -> dict:
     return model.mars_settings(mars_verify=True)
 
 
-def build_demo(model, tokenizer) -> gr.Blocks:
-    """The app around a loaded MARS model (shared read-only by every session); `launch()` it, or test it."""
-    trained_block = int(model.config.mars_block_size)
+# The τ slider's own event, run while an answer streams: the running generation reads it before every pass. Its why
+# is a comment, not a docstring: Gradio would publish a docstring as the /set_tau endpoint's description.
+def set_tau(tau, session: Session):
+    session.tau = float(tau)
 
-    def set_tau(tau, session: Session):
-        session.tau = float(tau)
+
+def record_run(session: Session, decoder: str, tau: float, tokens_per_forward: float, tokens_per_second: float):
+    """One point on the session's plots, for a finished run of either decoder."""
+    session.runs.append(
+        dict(
+            run=len(session.runs) + 1,
+            decoder=decoder,
+            tau=tau,
+            tokens_per_forward=tokens_per_forward,
+            tokens_per_second=tokens_per_second,
+        )
+    )
+
+
+# One chat turn through MARS, in three phases: prepare its settings, stream its answer pass by pass, finish it (the
+# figures, the plot, what the AR comparison replays). Plain AR then runs as the next event, in two: stream, finish.
+
+
+class Turn:
+    """One MARS answer: what it was asked with, and what of it has been shown so far (shared by the three phases).
+    A plain class, not a dataclass: the tests load this file as a module that is not in sys.modules."""
+
+    def __init__(self, history: list[dict], inputs: dict, settings: dict, mars: dict, tree: dict, lossless, mask_cost):
+        self.history = history  # the chat, the user's new message included
+        self.inputs, self.prompt_tokens = inputs, inputs["input_ids"].shape[1]  # the conversation as model inputs
+        self.settings = settings  # max_new_tokens and sampling, which the AR comparison replays
+        self.mars = mars  # MARS's own generate() arguments: its mask cost, and its block size or verification
+        self.block_size = tree["mars_block_size"]  # of the draft tree this answer runs
+        self.most = max(tree["mars_block_size"] - 1, tree["mars_lookup"]) + 1  # the most tokens a pass can yield
+        self.lossless, self.mask_cost = bool(lossless), float(mask_cost)
+        self.taus: list[float] = []  # τ as the decoder read it, once before every forward pass
+        self.ids: list[int] = []  # the answer's tokens so far
+        self.passes = 0
+        self.spans: list[tuple[str, int]] = []  # (text, tokens accepted) for each pass shown
+        self.shown = ""  # the answer's text so far, less a character still incomplete
+
+
+def prepare(
+    model,
+    tokenizer,
+    message,
+    history,
+    tau,
+    block_size,
+    max_new_tokens,
+    do_sample,
+    temperature,
+    top_p,
+    mask_cost,
+    lossless,
+    session: Session,
+) -> Turn:
+    """The request as generate() arguments, refused with a message if empty or too long; sets the session's τ."""
+    history = list(history or [])
+    if not message or not message.strip():
+        raise gr.Error("Type a message first.")
+    # Block size and max new tokens: their sliders' bounds, which Gradio enforces on every request, API included.
+    inputs = encode(tokenizer, history, message)
+    sampling = (
+        dict(do_sample=True, temperature=float(temperature), top_p=float(top_p))
+        if do_sample
+        else dict(do_sample=False)
+    )
+    session.tau = float(tau)
+    cost = dict(mars_mask_cost=float(mask_cost)) if mask_cost else {}  # 0: the default, also of older checkpoints
+    # Lossless mode drafts with the checkpoint's own tree (generation_config.mars_lossless: block size, candidates
+    # for the first draft, prompt lookup; `hf-mars tune` measures it), τ still from the slider
+    tree = lossless_tree(model) if lossless else dict(mars_block_size=int(block_size), mars_lookup=0)
+    verify = dict(mars_verify=True) if lossless else dict(mars_block_size=int(block_size))
+    return Turn(
+        history=history + [{"role": "user", "content": message}],
+        inputs=inputs,
+        settings=dict(max_new_tokens=int(max_new_tokens), **sampling),
+        mars=dict(**cost, **verify),
+        tree=tree,
+        lossless=lossless,
+        mask_cost=mask_cost,
+    )
+
+
+def stream_mars(model, tokenizer, turn: Turn, session: Session):
+    """Run MARS in a thread and yield the outputs as its passes come, reading the session's τ before every pass;
+    returns the finished job. Closed early (Stop, a closed tab), it stops the generation at its next pass."""
+    stop, streamer = threading.Event(), ChunkStreamer()
+
+    def tau_now():  # read by the decoder once before every forward pass
+        turn.taus.append(session.tau)
+        return turn.taus[-1]
+
+    job = in_thread(
+        model.generate,
+        streamer.queue,
+        **turn.inputs,
+        **turn.settings,
+        mars_tau=tau_now,
+        **turn.mars,
+        streamer=streamer,
+        stopping_criteria=[StopOn(stop)],
+        return_dict_in_generate=True,
+    )
+    start = time.perf_counter()
+    try:
+        for batch in batches(streamer.queue):
+            for chunk in batch:
+                add_pass(tokenizer, turn, chunk)
+            if batch:
+                yield live_outputs(turn, session, time.perf_counter() - start)
+    finally:
+        stop.set()  # cancelled or disconnected: the generation thread stops at its next pass
+    job["thread"].join()
+    if "error" in job:
+        raise gr.Error(f"Generation failed: {job['error']}")
+    return job
+
+
+def add_pass(tokenizer, turn: Turn, chunk: list[int]) -> None:
+    """One forward pass's accepted tokens: one more span, unless they end inside a character."""
+    turn.ids, turn.passes = turn.ids + chunk, turn.passes + 1
+    text = tokenizer.decode(turn.ids, skip_special_tokens=True)
+    if not text.endswith("\ufffd"):  # a character still incomplete waits for the next pass
+        turn.spans.append((text[len(turn.shown) :], len(chunk)))
+        turn.shown = text
+
+
+def live_outputs(turn: Turn, session: Session, elapsed: float) -> tuple:
+    """The outputs while MARS writes: the answer so far, its spans, figures and stats; the plots wait for its end."""
+    new = len(turn.ids)
+    stats = dict(
+        decoder="MARS",
+        done=False,
+        new_tokens=new,
+        forward_passes=turn.passes,
+        seconds=elapsed,
+        tokens_per_second=new / elapsed,
+        tau_per_pass=turn.taus[: turn.passes],
+        block_size=turn.block_size,
+        lossless=turn.lossless,
+        prompt_tokens=turn.prompt_tokens,
+    )
+    return (
+        "",
+        turn.history + [{"role": "assistant", "content": turn.shown}],
+        spans_html(turn.spans, turn.most),
+        figures("MARS", new, turn.passes, elapsed, f" · τ now {session.tau:.2f}"),
+        stats,
+        gr.skip(),
+        gr.skip(),
+    )
+
+
+def final_stats(turn: Turn, mars, seconds: float) -> dict:
+    """The finished run's stats as generate() counted them (its `mars_stats`), shown under "Per-pass details"."""
+    new = int(mars.new_tokens[0])
+    return dict(
+        decoder="MARS",
+        done=True,
+        new_tokens=new,
+        forward_passes=mars.forward_passes,
+        seconds=seconds,
+        tokens_per_forward=new / mars.forward_passes,
+        tokens_per_second=new / seconds,
+        tau_per_pass=list(mars.tau_per_step),
+        accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
+        masks_per_pass=list(getattr(mars, "masks_per_step", [])),
+        mask_cost=turn.mask_cost,
+        block_size=turn.block_size,
+        lossless=turn.lossless,
+        prompt_tokens=turn.prompt_tokens,
+    )
+
+
+def finish_mars(tokenizer, turn: Turn, job: dict, session: Session) -> tuple:
+    """The final outputs: the whole answer, its figures, a point on the plots, and what the AR comparison replays."""
+    seconds, out = job["seconds"], job["out"]
+    mars = out.mars_stats
+    stats = final_stats(turn, mars, seconds)
+    mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
+    record_run(session, "MARS", round(mean_tau, 3), stats["tokens_per_forward"], stats["tokens_per_second"])
+    answer = tokenizer.decode(out.sequences[0, turn.prompt_tokens :], skip_special_tokens=True)
+    if turn.spans and answer.startswith(turn.shown) and answer != turn.shown:  # a held-back incomplete character
+        turn.spans[-1] = (turn.spans[-1][0] + answer[len(turn.shown) :], turn.spans[-1][1])
+    session.last = dict(
+        inputs=turn.inputs,
+        settings=turn.settings,
+        ids=out.sequences[0].tolist(),
+        tokens_per_second=stats["tokens_per_second"],
+    )
+    return (
+        "",
+        turn.history + [{"role": "assistant", "content": answer}],
+        spans_html(turn.spans, turn.most),
+        figures("MARS", stats["new_tokens"], mars.forward_passes, seconds, f" · mean τ {mean_tau:.2f}"),
+        stats,
+        *[runs_frame(session)] * 2,
+    )
+
+
+def stream_ar(model, tokenizer, last: dict):
+    """The last MARS run's inputs through transformers' own `GenerationMixin.generate` (plain AR, its own KV cache),
+    in a thread; yields its text as it comes, returns the finished job."""
+    stop = threading.Event()
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    job = in_thread(
+        functools.partial(GenerationMixin.generate, model),
+        streamer.text_queue,
+        **last["inputs"],
+        **last["settings"],
+        streamer=streamer,
+        stopping_criteria=[StopOn(stop)],
+    )
+    text, start = "", time.perf_counter()
+    try:
+        for batch in batches(streamer.text_queue):  # None: the streamer's end, or `in_thread`'s on error
+            text += "".join(batch)
+            yield (
+                text,
+                f"**plain AR generate()**: {time.perf_counter() - start:.2f} s so far",
+                gr.skip(),
+                gr.skip(),
+            )
+    finally:
+        stop.set()
+    job["thread"].join()
+    if "error" in job:
+        raise gr.Error(f"AR generation failed: {job['error']}")
+    return job
+
+
+def finish_ar(tokenizer, job: dict, last: dict, session: Session) -> tuple:
+    """AR's final outputs: its answer, its figures against MARS's (speed-up, same text or not), a plot point."""
+    seconds, ids = job["seconds"], job["out"][0].tolist()
+    new = len(ids) - last["inputs"]["input_ids"].shape[1]
+    rate = new / seconds
+    same = "identical to" if ids == last["ids"] else "differs from"
+    record_run(session, "AR generate()", 1.0, 1.0, rate)
+    extra = f" · MARS speed-up **{last['tokens_per_second'] / rate:.2f}x** · output {same} MARS"
+    return (
+        tokenizer.decode(ids[-new:] if new else [], skip_special_tokens=True),
+        figures("plain AR generate()", new, None, seconds, extra),
+        *[runs_frame(session)] * 2,
+    )
+
+
+# The page, top to bottom: a header; the chat next to the settings; MARS's answer next to plain AR's; the plots;
+# the last run's details. Each function lays out its part and returns its components by name.
+
+
+def chat_column() -> dict:
+    """Left of the settings: the chat, the message box and its buttons."""
+    with gr.Column(scale=3):
+        chatbot = gr.Chatbot(label="Chat", height=320, elem_id="chat")
+        message = gr.Textbox(
+            label="Message",
+            placeholder="Ask something, then press Enter",
+            max_length=4 * MAX_INPUT_TOKENS,
+            elem_id="message",
+        )
+        with gr.Row():
+            send, stop_button, clear = (
+                gr.Button("Send", variant="primary"),
+                gr.Button("Stop"),
+                gr.Button("New chat"),
+            )
+    return dict(chatbot=chatbot, message=message, send=send, stop_button=stop_button, clear=clear)
+
+
+def mars_settings(model) -> dict:
+    """MARS's own settings, each slider's bounds enforced by Gradio on every request: τ, block size (at most the
+    trained one), answer length, mask cost, lossless."""
+    trained_block = int(model.config.mars_block_size)
+    tau = gr.Slider(
+        0.0,
+        1.0,
+        value=0.9,
+        step=0.05,
+        label="τ (confidence threshold)",
+        info="1 = plain AR; change it mid-answer",
+        elem_id="tau",
+    )
+    block_size = gr.Slider(
+        1,
+        trained_block,
+        value=trained_block,
+        step=1,
+        label="Block size (tokens per pass at most)",
+        info=f"the model was trained with {trained_block}; lossless mode uses the "
+        f"checkpoint's draft tree (B = {lossless_tree(model)['mars_block_size']})",
+    )
+    max_new = gr.Slider(
+        1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens", elem_id="max-new"
+    )
+    mask_cost = gr.Slider(
+        0.0,
+        2.0,
+        value=0.0,
+        step=0.05,
+        label="Mask cost (share of a one-token pass)",
+        info="0 = B-1 masks every pass (the paper); above 0, a mask is fed only where "
+        "its acceptance pays for its compute (CPU: about 0.7 in float32, near 0 in bfloat16)",
+        elem_id="mask-cost",
+    )
+    lossless = gr.Checkbox(
+        label="Lossless: verify the drafts (exactly the AR text)",
+        value=False,
+        elem_id="lossless",
+        info="the masks' guesses, and text that repeats, are checked by the model in the "
+        "next pass: τ sets how many are drafted, not the text",
+    )
+    return dict(tau=tau, block_size=block_size, max_new=max_new, mask_cost=mask_cost, lossless=lossless)
+
+
+def settings_column(model) -> dict:
+    """Right of the chat: MARS's settings, then sampling's and whether plain AR runs after."""
+    with gr.Column(scale=2):
+        settings = mars_settings(model)
+        do_sample = gr.Checkbox(label="Sample", value=False)
+        temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
+        top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p")
+        compare = gr.Checkbox(label="Then run plain AR generate() on the same prompt", value=True)
+    return dict(**settings, do_sample=do_sample, temperature=temperature, top_p=top_p, compare=compare)
+
+
+def answers_row() -> dict:
+    """MARS's answer as colored spans and its figures, next to plain AR's answer and figures."""
+    with gr.Row():
+        with gr.Column():
+            mars_figures = gr.Markdown("**MARS**: waiting for a message", elem_id="mars-figures")
+            mars_spans = gr.HTML(label="MARS answer: one span per forward pass", elem_id="mars-spans")
+        with gr.Column():
+            ar_figures = gr.Markdown("**plain AR generate()**: runs after MARS", elem_id="ar-figures")
+            ar_text = gr.Textbox(label="plain AR answer", lines=6, interactive=False, elem_id="ar-text")
+    return dict(mars_figures=mars_figures, mars_spans=mars_spans, ar_figures=ar_figures, ar_text=ar_text)
+
+
+def plots_row(trained_block: int) -> dict:
+    """The session's runs against τ, both decoders: tokens per forward pass, and tokens per second."""
+    with gr.Row():
+        plot_kw = dict(
+            value=runs_frame(Session()),
+            x="tau",
+            color="decoder",
+            x_lim=[0, 1.05],
+            height=240,
+            color_map=dict(zip(DECODERS, ["#f97316", "#475569"])),
+        )
+        per_forward = gr.ScatterPlot(
+            y="tokens_per_forward",
+            title="tokens per forward vs τ (your runs)",
+            elem_id="plot-forward",
+            y_lim=[0, trained_block],
+            **plot_kw,
+        )
+        per_second = gr.ScatterPlot(
+            y="tokens_per_second", title="tokens/s vs τ (your runs)", elem_id="plot-speed", **plot_kw
+        )
+    return dict(per_forward=per_forward, per_second=per_second)
+
+
+def handlers(model, tokenizer):
+    """The two generating events' functions, over the shared model: MARS's answer in its three phases, then plain AR.
+    Their names and parameters are the API's (/respond, /compare_ar)."""
 
     def respond(
         message,
@@ -193,178 +555,62 @@ def build_demo(model, tokenizer) -> gr.Blocks:
     ):
         """Stream the MARS answer pass by pass; the session's τ is read before every pass. Lossless: drafts verified
         by the model itself, so the text is plain AR's (greedy) or distributed as its samples."""
-        history = list(history or [])
-        if not message or not message.strip():
-            raise gr.Error("Type a message first.")
-        # Block size and max new tokens: their sliders' bounds, which Gradio enforces on every request, API included.
-        inputs = encode(tokenizer, history, message)
-        prompt_tokens = inputs["input_ids"].shape[1]
-        sampling = (
-            dict(do_sample=True, temperature=float(temperature), top_p=float(top_p))
-            if do_sample
-            else dict(do_sample=False)
+        turn = prepare(
+            model,
+            tokenizer,
+            message,
+            history,
+            tau,
+            block_size,
+            max_new_tokens,
+            do_sample,
+            temperature,
+            top_p,
+            mask_cost,
+            lossless,
+            session,
         )
-        settings = dict(max_new_tokens=int(max_new_tokens), **sampling)
-        session.tau, taus, stop, streamer = float(tau), [], threading.Event(), ChunkStreamer()
-        cost = dict(mars_mask_cost=float(mask_cost)) if mask_cost else {}  # 0: the default, also of older checkpoints
-        # Lossless mode drafts with the checkpoint's own tree (generation_config.mars_lossless: block size, candidates
-        # for the first draft, prompt lookup; `hf-mars tune` measures it), τ still from the slider
-        tree = lossless_tree(model) if lossless else dict(mars_block_size=int(block_size), mars_lookup=0)
-        verify = dict(mars_verify=True) if lossless else dict(mars_block_size=int(block_size))
-        most = max(tree["mars_block_size"] - 1, tree["mars_lookup"]) + 1  # the most tokens a pass can yield
-
-        def tau_now():  # read by the decoder once before every forward pass
-            taus.append(session.tau)
-            return taus[-1]
-
-        job = in_thread(
-            model.generate,
-            streamer.queue,
-            **inputs,
-            **settings,
-            mars_tau=tau_now,
-            **cost,
-            **verify,
-            streamer=streamer,
-            stopping_criteria=[StopOn(stop)],
-            return_dict_in_generate=True,
-        )
-        ids, spans, shown, passes, start = [], [], "", 0, time.perf_counter()
-        history.append({"role": "user", "content": message})
-        try:
-            for batch in batches(streamer.queue):
-                for chunk in batch:
-                    ids, passes = ids + chunk, passes + 1  # one chunk per forward pass
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    if not text.endswith("\ufffd"):  # a character still incomplete waits for the next pass
-                        spans.append((text[len(shown) :], len(chunk)))
-                        shown = text
-                if not batch:
-                    continue
-                elapsed = time.perf_counter() - start
-                stats = dict(
-                    decoder="MARS",
-                    done=False,
-                    new_tokens=len(ids),
-                    forward_passes=passes,
-                    seconds=elapsed,
-                    tokens_per_second=len(ids) / elapsed,
-                    tau_per_pass=taus[:passes],
-                    block_size=tree["mars_block_size"],
-                    lossless=bool(lossless),
-                    prompt_tokens=prompt_tokens,
-                )
-                yield (
-                    "",
-                    history + [{"role": "assistant", "content": shown}],
-                    spans_html(spans, most),
-                    figures("MARS", len(ids), passes, elapsed, f" · τ now {session.tau:.2f}"),
-                    stats,
-                    gr.skip(),
-                    gr.skip(),
-                )
-        finally:
-            stop.set()  # cancelled or disconnected: the generation thread stops at its next pass
-        job["thread"].join()
-        if "error" in job:
-            raise gr.Error(f"Generation failed: {job['error']}")
-        seconds, out = job["seconds"], job["out"]
-        mars = out.mars_stats
-        new = int(mars.new_tokens[0])
-        stats = dict(
-            decoder="MARS",
-            done=True,
-            new_tokens=new,
-            forward_passes=mars.forward_passes,
-            seconds=seconds,
-            tokens_per_forward=new / mars.forward_passes,
-            tokens_per_second=new / seconds,
-            tau_per_pass=list(mars.tau_per_step),
-            accepted_per_pass=[int(a[0]) for a in mars.accepted_per_step],
-            masks_per_pass=list(getattr(mars, "masks_per_step", [])),
-            mask_cost=float(mask_cost),
-            block_size=tree["mars_block_size"],
-            lossless=bool(lossless),
-            prompt_tokens=prompt_tokens,
-        )
-        mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
-        session.runs.append(
-            dict(
-                run=len(session.runs) + 1,
-                decoder="MARS",
-                tau=round(mean_tau, 3),
-                tokens_per_forward=stats["tokens_per_forward"],
-                tokens_per_second=stats["tokens_per_second"],
-            )
-        )
-        answer = tokenizer.decode(out.sequences[0, prompt_tokens:], skip_special_tokens=True)
-        if spans and answer.startswith(shown) and answer != shown:  # a held-back incomplete character at the end
-            spans[-1] = (spans[-1][0] + answer[len(shown) :], spans[-1][1])
-        session.last = dict(
-            inputs=inputs,
-            settings=settings,
-            ids=out.sequences[0].tolist(),
-            tokens_per_second=stats["tokens_per_second"],
-        )
-        yield (
-            "",
-            history + [{"role": "assistant", "content": answer}],
-            spans_html(spans, most),
-            figures("MARS", new, mars.forward_passes, seconds, f" · mean τ {mean_tau:.2f}"),
-            stats,
-            *[runs_frame(session)] * 2,
-        )
+        job = yield from stream_mars(model, tokenizer, turn, session)
+        yield finish_mars(tokenizer, turn, job, session)
 
     def compare_ar(compare, session: Session):
         """The same inputs through transformers' own `GenerationMixin.generate` (plain AR, its own KV cache)."""
         if not compare or session.last is None:
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
             return
-        last, stop = session.last, threading.Event()
-        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        job = in_thread(
-            functools.partial(GenerationMixin.generate, model),
-            streamer.text_queue,
-            **last["inputs"],
-            **last["settings"],
-            streamer=streamer,
-            stopping_criteria=[StopOn(stop)],
-        )
-        text, start = "", time.perf_counter()
-        try:
-            for batch in batches(streamer.text_queue):  # None: the streamer's end, or `in_thread`'s on error
-                text += "".join(batch)
-                yield (
-                    text,
-                    f"**plain AR generate()**: {time.perf_counter() - start:.2f} s so far",
-                    gr.skip(),
-                    gr.skip(),
-                )
-        finally:
-            stop.set()
-        job["thread"].join()
-        if "error" in job:
-            raise gr.Error(f"AR generation failed: {job['error']}")
-        seconds, ids = job["seconds"], job["out"][0].tolist()
-        new = len(ids) - last["inputs"]["input_ids"].shape[1]
-        rate = new / seconds
-        same = "identical to" if ids == last["ids"] else "differs from"
-        session.runs.append(
-            dict(
-                run=len(session.runs) + 1,
-                decoder="AR generate()",
-                tau=1.0,
-                tokens_per_forward=1.0,
-                tokens_per_second=rate,
-            )
-        )
-        extra = f" · MARS speed-up **{last['tokens_per_second'] / rate:.2f}x** · output {same} MARS"
-        yield (
-            tokenizer.decode(ids[-new:] if new else [], skip_special_tokens=True),
-            figures("plain AR generate()", new, None, seconds, extra),
-            *[runs_frame(session)] * 2,
-        )
+        last = session.last
+        job = yield from stream_ar(model, tokenizer, last)
+        yield finish_ar(tokenizer, job, last, session)
 
+    return respond, compare_ar
+
+
+def wire_events(model, tokenizer, ui: SimpleNamespace) -> None:
+    """The event chain: τ's own event; Enter or Send runs MARS, then plain AR; Stop cancels both; New chat clears."""
+    respond, compare_ar = handlers(model, tokenizer)
+    ui.tau.change(
+        set_tau, [ui.tau, ui.session], None, api_name="set_tau", concurrency_limit=None, show_progress="hidden"
+    )
+    plot_outputs = [ui.per_forward, ui.per_second]
+    mars_inputs = [ui.message, ui.chatbot, ui.tau, ui.block_size, ui.max_new, ui.do_sample, ui.temperature, ui.top_p]
+    mars_event = gr.on(
+        [ui.message.submit, ui.send.click],
+        respond,
+        [*mars_inputs, ui.mask_cost, ui.lossless, ui.session],
+        [ui.message, ui.chatbot, ui.mars_spans, ui.mars_figures, ui.stats, *plot_outputs],
+        api_name="respond",
+    )
+    ar_event = mars_event.then(
+        compare_ar, [ui.compare, ui.session], [ui.ar_text, ui.ar_figures, *plot_outputs], api_name="compare_ar"
+    )
+    ui.stop_button.click(None, cancels=[mars_event, ar_event], api_visibility="private")
+    ui.clear.click(
+        lambda: ([], "", "", None), None, [ui.chatbot, ui.mars_spans, ui.ar_text, ui.stats], api_visibility="private"
+    )
+
+
+def build_demo(model, tokenizer) -> gr.Blocks:
+    """The app around a loaded MARS model (shared read-only by every session); `launch()` it, or test it."""
     with gr.Blocks(title="MARS: several tokens per forward pass") as demo:
         session = gr.State(Session())  # deep-copied for each browser session
         gr.Markdown(
@@ -374,111 +620,12 @@ def build_demo(model, tokenizer) -> gr.Blocks:
             "while an answer is written and watch the passes change."
         )
         with gr.Row():
-            with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat", height=320, elem_id="chat")
-                message = gr.Textbox(
-                    label="Message",
-                    placeholder="Ask something, then press Enter",
-                    max_length=4 * MAX_INPUT_TOKENS,
-                    elem_id="message",
-                )
-                with gr.Row():
-                    send, stop_button, clear = (
-                        gr.Button("Send", variant="primary"),
-                        gr.Button("Stop"),
-                        gr.Button("New chat"),
-                    )
-            with gr.Column(scale=2):
-                tau = gr.Slider(
-                    0.0,
-                    1.0,
-                    value=0.9,
-                    step=0.05,
-                    label="τ (confidence threshold)",
-                    info="1 = plain AR; change it mid-answer",
-                    elem_id="tau",
-                )
-                block_size = gr.Slider(
-                    1,
-                    trained_block,
-                    value=trained_block,
-                    step=1,
-                    label="Block size (tokens per pass at most)",
-                    info=f"the model was trained with {trained_block}; lossless mode uses the "
-                    f"checkpoint's draft tree (B = {lossless_tree(model)['mars_block_size']})",
-                )
-                max_new = gr.Slider(
-                    1,
-                    MAX_NEW_TOKENS,
-                    value=min(128, MAX_NEW_TOKENS),
-                    step=1,
-                    label="Max new tokens",
-                    elem_id="max-new",
-                )
-                mask_cost = gr.Slider(
-                    0.0,
-                    2.0,
-                    value=0.0,
-                    step=0.05,
-                    label="Mask cost (share of a one-token pass)",
-                    info="0 = B-1 masks every pass (the paper); above 0, a mask is fed only where "
-                    "its acceptance pays for its compute (CPU: about 0.7 in float32, near 0 in bfloat16)",
-                    elem_id="mask-cost",
-                )
-                lossless = gr.Checkbox(
-                    label="Lossless: verify the drafts (exactly the AR text)",
-                    value=False,
-                    elem_id="lossless",
-                    info="the masks' guesses, and text that repeats, are checked by the model in the "
-                    "next pass: τ sets how many are drafted, not the text",
-                )
-                do_sample = gr.Checkbox(label="Sample", value=False)
-                temperature = gr.Slider(0.05, 2.0, value=0.7, step=0.05, label="Temperature")
-                top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top p")
-                compare = gr.Checkbox(label="Then run plain AR generate() on the same prompt", value=True)
-        with gr.Row():
-            with gr.Column():
-                mars_figures = gr.Markdown("**MARS**: waiting for a message", elem_id="mars-figures")
-                mars_spans = gr.HTML(label="MARS answer: one span per forward pass", elem_id="mars-spans")
-            with gr.Column():
-                ar_figures = gr.Markdown("**plain AR generate()**: runs after MARS", elem_id="ar-figures")
-                ar_text = gr.Textbox(label="plain AR answer", lines=6, interactive=False, elem_id="ar-text")
-        with gr.Row():
-            plot_kw = dict(
-                value=runs_frame(Session()),
-                x="tau",
-                color="decoder",
-                x_lim=[0, 1.05],
-                height=240,
-                color_map=dict(zip(DECODERS, ["#f97316", "#475569"])),
-            )
-            per_forward = gr.ScatterPlot(
-                y="tokens_per_forward",
-                title="tokens per forward vs τ (your runs)",
-                elem_id="plot-forward",
-                y_lim=[0, trained_block],
-                **plot_kw,
-            )
-            per_second = gr.ScatterPlot(
-                y="tokens_per_second", title="tokens/s vs τ (your runs)", elem_id="plot-speed", **plot_kw
-            )
+            chat, settings = chat_column(), settings_column(model)
+        answers, plots = answers_row(), plots_row(int(model.config.mars_block_size))
         with gr.Accordion("Per-pass details", open=False):
             stats = gr.JSON(label="last MARS run")
-
-        tau.change(set_tau, [tau, session], None, api_name="set_tau", concurrency_limit=None, show_progress="hidden")
-        plot_outputs = [per_forward, per_second]
-        mars_event = gr.on(
-            [message.submit, send.click],
-            respond,
-            [message, chatbot, tau, block_size, max_new, do_sample, temperature, top_p, mask_cost, lossless, session],
-            [message, chatbot, mars_spans, mars_figures, stats, *plot_outputs],
-            api_name="respond",
-        )
-        ar_event = mars_event.then(
-            compare_ar, [compare, session], [ar_text, ar_figures, *plot_outputs], api_name="compare_ar"
-        )
-        stop_button.click(None, cancels=[mars_event, ar_event], api_visibility="private")
-        clear.click(lambda: ([], "", "", None), None, [chatbot, mars_spans, ar_text, stats], api_visibility="private")
+        ui = SimpleNamespace(session=session, stats=stats, **chat, **settings, **answers, **plots)
+        wire_events(model, tokenizer, ui)
     return demo
 
 
@@ -518,6 +665,7 @@ def load_model(path: str | None = None, revision: str | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`python app.py`, as a Space runs it: load the checkpoint, warm it up, serve."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="MARS checkpoint: Hub repo id or folder (default: $MARS_MODEL)")
     parser.add_argument(
