@@ -26,6 +26,15 @@ import shlex
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ..training import train as training
+from .data import build_prompt_mix, distill, write_training_set
+from .evals import evaluate_and_write
+from .loading import load_checkpoint
+from .shipped import base_checkpoint, build_checkpoint, export_delta, merge_delta, save_checkpoint
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DATA_SETTINGS = ("prompts", "sources", "seed", "model", "max_new_tokens")
 
@@ -78,8 +87,6 @@ class Recipe:
 
 
 def resolve_device(device: str) -> str:
-    import torch
-
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -93,8 +100,6 @@ def base_model(recipe: Recipe) -> str:
         if not (Path(recipe.model) / "config.json").is_file():
             raise FileNotFoundError(f"--model {recipe.model}: no config.json there (pass a saved model's folder)")
         return recipe.model
-    from .shipped import base_checkpoint
-
     return str(base_checkpoint())
 
 
@@ -121,8 +126,6 @@ def _skip(stage: str, path: Path) -> None:
 
 def make_prompts(recipe: Recipe) -> list[dict]:
     """Stage 1: the decontaminated prompt mix (data.build_prompt_mix), as prompts.jsonl and a report."""
-    from .data import build_prompt_mix
-
     path, report_path = recipe.out / "prompts.jsonl", recipe.out / "prompts.json"
     if report_path.is_file():
         _skip("prompts", path)
@@ -144,11 +147,6 @@ def self_distill(recipe: Recipe, prompts: list[dict]) -> dict:
     if done.is_file():
         _skip("distill", recipe.out / "train.jsonl")
         return json.loads(done.read_text())
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .data import distill, write_training_set
-
     device = resolve_device(recipe.device)
     base = base_model(recipe)
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -211,11 +209,9 @@ def train(recipe: Recipe) -> Path:
     if _trained(recipe):
         _skip("train", recipe.train_dir)
         return recipe.train_dir
-    from ..training.train import run
-
     args = train_arguments(recipe, base_model(recipe), resolve_device(recipe.device))
     print(f"[train] hf-mars train {shlex.join(args)}")
-    run(args)
+    training.run(args)
     return recipe.train_dir
 
 
@@ -228,8 +224,6 @@ def export(recipe: Recipe) -> Path:
     if (recipe.checkpoint / "config.json").is_file():
         _skip("export", recipe.checkpoint)
         return recipe.checkpoint
-    from .shipped import build_checkpoint, export_delta, merge_delta, save_checkpoint
-
     delta = export_delta(recipe.train_dir, recipe.out / "delta", max_mb=float("inf"))
     size = sum(f.stat().st_size for f in delta.iterdir()) / 2**20
     if recipe.model is None:
@@ -249,12 +243,6 @@ def evaluate(recipe: Recipe) -> Path:
     if (out / "eval.json").is_file():
         _skip("eval", out / "eval.md")
         return out
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .evals import evaluate_and_write
-    from .loading import load_checkpoint
-
     device = resolve_device(recipe.device)
     model, tokenizer = load_checkpoint(str(recipe.checkpoint), None, recipe.dtype)
     base = None
