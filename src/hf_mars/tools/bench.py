@@ -22,10 +22,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
 from transformers import GenerationMixin
 
 from .calibrate import auto_mask_cost, measure_mask_cost
 from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars, static_compiled, sync
+from .plots import save_figure, tau_figure
 from .trees import tree_name
 
 
@@ -179,7 +181,6 @@ def run_benchmark(
     `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`); `tau_mode=False`: no
     τ-mode cells. `compiled`: a static cache and `torch.compile` for plain decoding and MARS (`static_compiled`).
     """
-    from tqdm.auto import tqdm
 
     measured = {}  # "auto": the mask cost at the batch size being run, read by the "cost=auto" methods
     extra = None
@@ -320,7 +321,6 @@ def save(
     Path(json_path).write_text(json.dumps({"meta": meta or {}, "cells": [asdict(c) for c in cells]}, indent=2))
     if png_path is None:
         return
-    from .plots import save_figure, tau_figure
 
     plt, fig, axes = tau_figure(
         ["tokens per forward", "speed-up over AR generate()"], "The benchmark's plot needs matplotlib"

@@ -7,6 +7,7 @@ import statistics
 import time
 
 import torch
+from transformers import DynamicCache
 
 from ..decoding.compat import CACHE_ARG
 from ..decoding.generate import mars_settings
@@ -34,7 +35,6 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
     that accepted fewer tokens): attention without a mask takes another path at another speed, so timing it would
     misjudge what decoding pays.
     """
-    from transformers import DynamicCache
 
     block = int(model.config.mars_block_size)
     vocab = model.get_input_embeddings().weight.shape[0]

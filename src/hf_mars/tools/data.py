@@ -48,6 +48,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from tqdm.auto import tqdm
+
 from .decode import eos_token_ids
 from .loading import chat_text
 
@@ -422,8 +425,6 @@ def distill(
     and left out of training by `write_training_set`). Returns {"answered", "finished", "new_tokens", "seconds",
     "stopped"} for this call; "stopped" is "time budget" or "done".
     """
-    import torch
-    from tqdm.auto import tqdm
 
     out = Path(out)
     done = set()

@@ -5,7 +5,7 @@ benchmark and the evals count, the static-cache-and-compile settings a GPU serve
 from __future__ import annotations
 
 import torch
-from transformers import GenerationMixin
+from transformers import CompileConfig, GenerationMixin
 
 
 def generate_ar(model, **inputs):
@@ -20,7 +20,6 @@ def static_compiled(model, longest_prompt: int, max_new_tokens: int, batch_sizes
     method's cache has one size and nothing recompiles for a longer prompt. On a GPU `generate()` compiles with its
     default `CompileConfig` (CUDA graphs); elsewhere it is told to compile all the same.
     """
-    from transformers import CompileConfig
 
     calls = [dict(mars_tau=0.5), dict(mars_verify=True)]
     calls += [

@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import GenerationMixin
 
 from ..convert import to_mars
+from ..training.trainer import MARSConfig, MARSTrainer
 from .toy import counting_dataset, toy_model, toy_tokenizer
 
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
@@ -22,9 +24,6 @@ TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)
 
 def train_toy(steps: int, block_size: int, output_dir: str | Path, seed: int = 0):
     """A ~0.9M-parameter MARS model trained on `steps` batches of 16 counting examples."""
-    from datasets import Dataset
-
-    from ..training.trainer import MARSConfig, MARSTrainer
 
     tokenizer = toy_tokenizer()
     model = toy_model(

@@ -13,10 +13,12 @@ import re
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .data import gsm8k_test, humaneval
 from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars
 from .loading import chat_text
+from .plots import save_figure, tau_figure
 from .tables import markdown_table
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -113,7 +115,6 @@ def _prompt_row(row: dict, tokenizer, where: str) -> dict:
 def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
     """Greedy answers (text) and tokens per forward, over all rows and per task: plain `generate()` when `tau` is
     None, else MARS at τ. A batch holds one task's rows, of similar lengths."""
-    from tqdm.auto import tqdm
 
     tokenizer.padding_side = "left"
     eos_ids = eos_token_ids(model, tokenizer)
@@ -232,7 +233,6 @@ def save_tau_plot(table: list[dict], path: str | Path, title: str | None = None)
     """eval.png: tokens per forward against τ, over all prompts and per set (left); each set's accuracy and the
     shares of answers identical to τ = 1's and to the base model's against τ (right; the base model's accuracy as
     dashed lines). The style of bench.png (`plots.tau_figure`)."""
-    from .plots import save_figure, tau_figure
 
     plt, fig, axes = tau_figure(["tokens per forward", "percent"], "The evaluation's plot needs matplotlib")
     mars = sorted((row for row in table if row.get("tau") is not None), key=lambda row: row["tau"])

@@ -16,9 +16,16 @@ import statistics
 import time
 
 import torch
+from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
 
+from ..convert import to_mars
+from ..decoding.cache import MARSCache
 from ..decoding.compat import CACHE_ARG
+from ..decoding.tree import NO_DRAFTS, tree_attention
+from .calibrate import auto_mask_cost
+from .decode import static_compiled
 from .tables import markdown_table
+from .toy import toy_tokenizer
 
 # What each mode is run with (eos_token_id=None: every row decodes max_new_tokens, so all modes do the same work)
 MODES = {
@@ -31,10 +38,6 @@ MODES = {
 
 def host_bound_model(layers: int = 30, hidden: int = 64, seed: int = 0):
     """`(model, tokenizer)`: a random `layers`-deep Llama of width `hidden`, made MARS (B = 4), float32."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from ..convert import to_mars
-    from .toy import toy_tokenizer
 
     tokenizer = toy_tokenizer()
     config = LlamaConfig(
@@ -57,7 +60,6 @@ def pass_costs(
 ) -> list[dict]:
     """ms per plain `generate()` step and ms per MARS pass in each mode, side by side in one run: the modes take
     turns within each repeat (so a busy machine slows them alike) and the median repeat counts."""
-    from .decode import static_compiled
 
     rows = []
     for batch in batch_sizes:
@@ -74,9 +76,6 @@ def pass_costs(
 def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -> tuple[dict, dict]:
     """Median seconds of a whole generation, and its forward passes, for plain `generate()` and each MARS mode
     (the first run of each, which compiles what it compiles, is not timed)."""
-    from transformers import GenerationMixin
-
-    from .calibrate import auto_mask_cost
 
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **extra)
     runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
@@ -102,8 +101,6 @@ def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24,
     """ms of the model's forward alone over `width` new tokens after `context` cached ones, with the attention mask a
     MARS pass builds (none for one token, as a plain step): the floor under what a pass of that width can cost,
     whatever the decoding loop does. Widths take turns; medians."""
-    from ..decoding.cache import MARSCache
-    from ..decoding.tree import NO_DRAFTS, tree_attention
 
     ids = torch.full((batch, context + max(widths)), 7)
     cache = MARSCache(batch, ids.device)

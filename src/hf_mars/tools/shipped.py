@@ -10,6 +10,7 @@ them into the base and saves a full MARS checkpoint in a cache folder, once.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
@@ -19,7 +20,11 @@ import warnings
 from pathlib import Path
 
 import torch
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from ..convert import to_mars
 from ..decoding import REMOTE_DIR, REMOTE_FILES
 
 logger = logging.getLogger(__name__)
@@ -59,7 +64,6 @@ def gguf_path() -> Path:
 
 def _build_base(dst: Path) -> None:
     """Dequantize the GGUF and save it as a plain float32 transformers checkpoint in `dst`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"Reading the base model needs the `gguf` package: {INSTALL_HINT}")
@@ -95,7 +99,6 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
     The adapter (LoRA matrices and the trained `<|mask|>` row) is stored in float16, with the MARS settings of the
     run's config in `mars.json`. Refuses a delta over `max_mb`: the repository ships it.
     """
-    from safetensors.torch import load_file, save_file
 
     trained, dst = Path(trained), Path(dst)
     if not (trained / "adapter_model.safetensors").is_file():
@@ -129,7 +132,6 @@ def export_delta(trained: str | Path, dst: str | Path = DELTA_DIR, max_mb: float
 def _build_stamp(delta: Path, code: Path = REMOTE_DIR) -> str:
     """Hash of what a built checkpoint is made of: the delta and the decoding code copied into it (remote code), so
     that a new delta or a new hf_mars release rebuilds the cached checkpoint instead of serving stale code."""
-    import hashlib
 
     digest = hashlib.sha256(json.dumps(LOSSLESS, sort_keys=True).encode())
     for path in [delta / name for name in ("adapter_model.safetensors", "adapter_config.json", "mars.json")] + [
@@ -157,10 +159,6 @@ def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
 def merge_delta(base: str | Path, delta: str | Path):
     """`(model, tokenizer)`: the MARS model of a delta (a LoRA adapter plus the `<|mask|>` row, and its `mars.json`)
     merged into its base model, float32."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..convert import to_mars
 
     delta = Path(delta)
     mars = json.loads((delta / "mars.json").read_text())

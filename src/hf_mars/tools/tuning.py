@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import GenerationConfig
+
 from ..decoding.generate import mars_settings
 from .bench import Cell, run_benchmark
 from .trees import TUNE_TREES, tree_name
@@ -59,7 +61,6 @@ def tune_lossless(
 def save_lossless_preset(folder: str | Path, preset: dict, batch_size: int = 1) -> Path:
     """Write `preset` into the checkpoint folder's generation config as `mars_lossless`'s entry for `batch_size`: its
     lossless defaults from that batch size up. Entries for other batch sizes stay; a flat one counts as batch 1's."""
-    from transformers import GenerationConfig
 
     folder = Path(folder)
     if not (folder / "generation_config.json").is_file():
