@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .compat import CACHE_ARG, rewind_static_layers, static_cache_size, static_write_at
+from .compat import CACHE_ARG, counts_static_writes, rewind_static_layers, static_cache_size
 from .tree import NO_DRAFTS, DraftTree
 
 
@@ -33,12 +33,11 @@ class KVBook(Protocol):
 
     Attributes:
         fixed_shapes: every pass has the same shape (a static cache: drafts trees keep their whole shape).
-        real, positions, next_position, length: see `MARSCache`.
+        real, next_position, length: see `MARSCache`.
     """
 
     fixed_shapes: bool
     real: torch.Tensor
-    positions: torch.Tensor
     next_position: torch.Tensor
 
     @property
@@ -48,7 +47,7 @@ class KVBook(Protocol):
     def step_inputs(self, new_real, num_masks: int, tree: DraftTree = NO_DRAFTS, dense=None): ...
     def forward_kwargs(self, width: int) -> dict: ...
     def kv_length(self, width: int) -> int: ...
-    def key_positions(self) -> torch.Tensor: ...
+    def key_positions(self, position_ids: torch.Tensor) -> torch.Tensor: ...
     def commit(self, new_real, num_masks: int, dense: bool | None = None) -> None: ...
     def pending_width(self, width: int, accepted: torch.Tensor) -> tuple[int, bool]: ...
     def retire(self, stopped: torch.Tensor) -> tuple[torch.Tensor | None, bool]: ...
@@ -62,9 +61,8 @@ class MARSCache(DynamicCache):
     Rows leave the batch as they finish (`keep_rows`), and passes are as wide as their content: shapes change.
 
     Attributes:
-        real (`torch.BoolTensor` of shape `(batch, cached_len)`): which cache slots hold real tokens.
-        positions (`torch.LongTensor` of shape `(batch, cached_len)`): the position id of each slot's token (a
-            sliding window counts positions, not slots, which holes push apart).
+        real (`torch.BoolTensor` of shape `(batch, cached_len)`): which cache slots hold real tokens (a real slot's
+            position id is the count of real slots before it).
         next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
     """
 
@@ -73,8 +71,6 @@ class MARSCache(DynamicCache):
     def __init__(self, batch_size: int, device: torch.device | str, keep_retired: bool = False):
         super().__init__()  # no config: every layer a full `DynamicLayer`, whose `crop` drops the trailing masks
         self.real = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
-        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-        self.fed_positions = self.positions  # the position ids of the pass under way
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.dense = True  # no slot is a hole
         self.rows = torch.arange(batch_size, device=device)  # the batch rows this cache still holds
@@ -89,7 +85,6 @@ class MARSCache(DynamicCache):
         new = cls(attention_mask.shape[0], attention_mask.device, keep_retired)
         for index, layer in enumerate(cache.layers):
             new.update(layer.keys[:, :, :length], layer.values[:, :, :length], index)
-        new.fed_positions = (attention_mask[:, :length].long().cumsum(dim=1) - 1).clamp(min=0)
         new.commit(attention_mask[:, :length].bool(), 0)
         return new
 
@@ -106,7 +101,7 @@ class MARSCache(DynamicCache):
         Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
         as `generate()` does for unpadded batches.
         """
-        position_ids = self.fed_positions = _positions(self.next_position, new_real, num_masks, tree)
+        position_ids = _positions(self.next_position, new_real, num_masks, tree)
         if self.dense and (dense if dense is not None else bool(new_real.all())):
             return None, position_ids
         masks = torch.ones(new_real.shape[0], (len(tree) + 1) * num_masks, dtype=torch.bool, device=new_real.device)
@@ -141,9 +136,10 @@ class MARSCache(DynamicCache):
         """Keys a pass of `width` tokens attends over."""
         return self.length + width
 
-    def key_positions(self) -> torch.Tensor:
-        """`(batch, kv_length)`: the position id of every key the pass under way attends over."""
-        return torch.cat([self.positions, self.fed_positions], dim=1)
+    def key_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """`(batch, kv_length)`: the position id of every key a pass fed at `position_ids` attends over (a hole's is
+        that of the real slot before it: the attention mask hides it anyway)."""
+        return torch.cat([_slot_positions(self.real), position_ids], dim=1)
 
     def commit(self, new_real: torch.BoolTensor, num_masks: int, dense: bool | None = None) -> None:
         """After a pass: drop the K/V of the trailing masks and record the real tokens just cached (`dense`: see
@@ -151,7 +147,6 @@ class MARSCache(DynamicCache):
         if num_masks:
             self.crop(-num_masks)
         self.real = torch.cat([self.real, new_real], dim=1)
-        self.positions = torch.cat([self.positions, self.fed_positions[:, : new_real.shape[1]]], dim=1)
         self.dense = self.dense and (dense if dense is not None else bool(new_real.all()))
         self.next_position = self.next_position + new_real.sum(dim=1)
 
@@ -181,7 +176,7 @@ class MARSCache(DynamicCache):
             kv = [(layer.keys[gone], layer.values[gone]) for layer in self.layers]
             self.retired.append((self.rows[gone], self.real[gone], kv))
         self.batch_select_indices(rows)
-        self.real, self.positions = self.real[rows], self.positions[rows]
+        self.real = self.real[rows]
         self.next_position = self.next_position[rows]
         self.rows = self.rows[rows]
 
@@ -219,7 +214,7 @@ class MARSCache(DynamicCache):
                 continue
             layer.keys = _gather_slots(layer.keys, order)
             layer.values = _gather_slots(layer.values, order)
-        self.real, self.positions = self.real.gather(1, order), self.positions.gather(1, order)
+        self.real = self.real.gather(1, order)
         self.dense = bool(self.real.all())
 
 
@@ -235,7 +230,6 @@ class StaticMARSCache:
     Attributes:
         kv (`StaticCache`): what the model's forward reads and writes.
         real (`torch.BoolTensor` of shape `(batch, max_cache_len)`): which slots hold real tokens (or this pass's).
-        positions (`torch.LongTensor` of shape `(batch, max_cache_len)`): the position id of each slot's token.
         next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
         length (`int`): slots committed so far.
     """
@@ -246,7 +240,7 @@ class StaticMARSCache:
         self.kv = cache
         self.size = static_cache_size(cache)
         self.real = torch.zeros(batch_size, self.size, dtype=torch.bool, device=device)
-        self.positions = torch.zeros(batch_size, self.size, dtype=torch.long, device=device)
+        self.counts_writes = counts_static_writes(cache)  # else each pass says where it writes (`compat`)
         self.next_position = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
 
@@ -259,9 +253,7 @@ class StaticMARSCache:
             raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
         self.real[:, self.length + new_real.shape[1] : self.length + width] = True
-        position_ids = _positions(self.next_position, new_real, num_masks, tree)
-        self.positions[:, self.length : self.length + width] = position_ids
-        return self.real, position_ids
+        return self.real, _positions(self.next_position, new_real, num_masks, tree)
 
     def kv_length(self, width: int) -> int:
         return self.size
@@ -285,13 +277,17 @@ class StaticMARSCache:
     def tidy(self, passes: int, every: int, at: float) -> None:
         """Nothing: compaction would change the shapes."""
 
-    def key_positions(self) -> torch.Tensor:
-        """`(batch, max_cache_len)`: the position id of every slot (this pass's included; unwritten ones unseen)."""
-        return self.positions
+    def key_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """`(batch, max_cache_len)`: the position id of every slot: committed, this pass's, then unwritten (unseen)."""
+        rest = position_ids.new_zeros(position_ids.shape[0], self.size - self.length - position_ids.shape[1])
+        return torch.cat([_slot_positions(self.real[:, : self.length]), position_ids, rest], dim=1)
 
     def forward_kwargs(self, width: int) -> dict:
         """The cache's keyword arguments of the model's forward: it, and where the pass writes (see `compat`)."""
-        return {CACHE_ARG: self.kv, **static_write_at(self.kv, self.length, width, self.real.device)}
+        if self.counts_writes:
+            return {CACHE_ARG: self.kv}
+        slots = torch.arange(self.length, self.length + width, device=self.real.device)
+        return {CACHE_ARG: self.kv, "cache_position": slots}
 
     def real_slots(self, batch_size: int):
         """`(real, [(keys, values) per layer])`: the committed slots (see `MARSCache.real_slots`)."""
@@ -299,7 +295,7 @@ class StaticMARSCache:
 
     def commit(self, new_real: torch.BoolTensor, num_masks: int, dense: bool | None = None) -> None:
         """After a pass: the layers step back over the masks, and the real tokens just cached are recorded."""
-        if num_masks:
+        if num_masks and self.counts_writes:  # else the next pass's `cache_position` overwrites them
             rewind_static_layers(self.kv, num_masks)
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
         self.length += new_real.shape[1]
@@ -326,6 +322,11 @@ def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> Dynami
         keys, values = (_gather_slots(t, slots) * valid for t in (keys, values))
         out.update(keys, values, layer)
     return out
+
+
+def _slot_positions(real: torch.Tensor) -> torch.Tensor:
+    """The position id of each cached slot: the real slots before it (positions count real tokens only)."""
+    return real.long().cumsum(dim=1) - 1
 
 
 def _positions(next_position, new_real, num_masks: int, tree: DraftTree):

@@ -60,11 +60,6 @@ def forward_takes(model, *names: str) -> bool:
     return set(names) <= set(inspect.signature(model.forward).parameters)
 
 
-def takes_cache(model) -> bool:
-    """Whether `model.forward` takes a KV cache (under this release's name, `CACHE_ARG`)."""
-    return forward_takes(model, CACHE_ARG)
-
-
 def model_cache(model_kwargs: dict):
     """The cache `generate()` prepared for the decoding loop (or the user passed), if any."""
     return model_kwargs.get(CACHE_ARG)
@@ -160,18 +155,10 @@ def counts_static_writes(cache) -> bool:
     return all(hasattr(layer, "cumulative_length") for layer in cache.layers)
 
 
-def static_write_at(cache, start: int, width: int, device) -> dict:
-    """The forward kwargs that write a pass of `width` tokens at slots `start...` of a `StaticCache`."""
-    if counts_static_writes(cache):
-        return {}
-    return {"cache_position": torch.arange(start, start + width, device=device)}
-
-
 def rewind_static_layers(cache, slots: int) -> None:
-    """Step every layer of a `StaticCache` back `slots` slots, so the next write overwrites them (where writes are
-    placed by `cache_position`, the next pass's positions do that)."""
-    if counts_static_writes(cache):
-        torch._foreach_sub_([layer.cumulative_length for layer in cache.layers], slots)
+    """Step every layer of a `StaticCache` that counts its writes back `slots` slots, so the next write overwrites
+    them."""
+    torch._foreach_sub_([layer.cumulative_length for layer in cache.layers], slots)
 
 
 def build_attention_mask(
@@ -180,11 +167,16 @@ def build_attention_mask(
     """The 4D mask of `model`'s attention implementation from `transformers.masking_utils`' own builder, whose
     queries were given as `cache_position` before 5.4 and as `q_length`/`q_offset` since."""
     build = ALL_MASK_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    if "q_length" in inspect.signature(build).parameters:
+    if _takes_q_length(build):
         span = dict(q_length=q_length, q_offset=q_offset)
     else:
         span = dict(cache_position=torch.arange(q_offset, q_offset + q_length, device=kwargs.get("device")))
     return build(batch_size=batch_size, kv_length=kv_length, mask_function=mask_function, **span, **kwargs)
+
+
+@functools.cache
+def _takes_q_length(build) -> bool:  # read once per builder: a signature costs more than the rest of a mask's set-up
+    return "q_length" in inspect.signature(build).parameters
 
 
 def with_cache(output_cls, cache, **fields):

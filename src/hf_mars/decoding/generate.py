@@ -359,9 +359,9 @@ def mars_decode(
     """The MARS decoding loop; `generate()` calls it with prepared inputs, processors and criteria."""
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
-    run = _prepare(model, input_ids, logits_processor, stopping_criteria, generation_config, settings, model_kwargs)
+    criteria = stopping_criteria
+    run = _prepare(model, input_ids, logits_processor, criteria, generation_config, settings, streamer, model_kwargs)
     if streamer is not None:
-        run = replace(run, plan=replace(run.plan, streamer=streamer))
         streamer.put(input_ids.cpu())
     while run.live:
         step = _forward(model, run, read_tau(settings.tau))
@@ -372,7 +372,7 @@ def mars_decode(
     return _finish(run, generation_config)
 
 
-def _prepare(model, input_ids, processors, criteria, generation_config, settings, model_kwargs) -> _Run:
+def _prepare(model, input_ids, processors, criteria, generation_config, settings, streamer, model_kwargs) -> _Run:
     """Check what MARS can do exactly, then set up the cache, the mask schedule and the stopping criteria."""
     batch, prompt_length = input_ids.shape
     device = input_ids.device
@@ -406,6 +406,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
         logits_to_keep=supports_logits_to_keep(model),
         window=window,
         compiled=compiled,
+        streamer=streamer,
     )
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     everyone = torch.ones(batch, dtype=torch.bool, device=device)
@@ -468,7 +469,7 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
     groups = len(tree) + 1
     new_real = torch.cat([feed.pending_real, feed.drafts.real], dim=1)
     mask_2d, position_ids = cache.step_inputs(new_real, masks, tree, feed.dense if not len(tree) else None)
-    attention_mask = _attention_mask(model, run, tree, mask_2d, masks, new_real.shape[1] + groups * masks)
+    attention_mask = _attention_mask(model, run, tree, mask_2d, masks, position_ids)
     mask_ids = feed.pending.new_full((feed.rows.numel(), groups * masks), plan.settings.mask_token_id)
     needed = len(tree) + 1 + groups * masks
     forward = plan.compiled if plan.compiled is not None and run.stats.forward_passes else model  # prefill: eager
@@ -488,22 +489,21 @@ def _forward(model, run: _Run, tau: float) -> _Pass:
     return _Pass(tau, offered, masks, logits, histories)
 
 
-def _attention_mask(model, run: _Run, tree, mask_2d, masks: int, width: int):
+def _attention_mask(model, run: _Run, tree, mask_2d, masks: int, position_ids):
     """What the forward takes as its attention mask. The 2D slot map (or None: no holes) where the model's own causal
     mask is exact; else 4D masks built here, once per pass: for a draft tree, for a wide pass where the cache leaves
     it to MARS (rather than to every layer), and, with sliding-window layers, wherever slots are not positions
     (holes, padding, a static cache), since the model would count its window in slots."""
     window = run.plan.window
     windowed = window is not None and mask_2d is not None
-    wide = run.cache.wide_mask(width) and model.config._attn_implementation in _BRANCHING
+    wide = run.cache.wide_mask(position_ids.shape[1]) and model.config._attn_implementation in _BRANCHING
     if not (len(tree) or windowed or wide):
         return mask_2d
     build = functools.partial(tree_attention, model, run.cache, tree, mask_2d, run.feed.pending.shape[1], masks)
     if window is None:
         return build()
-    if window.everywhere:
-        return build(window=window.size)
-    return {"full_attention": build(), "sliding_attention": build(window=window.size)}
+    sliding = build(window=window.size, positions=position_ids)
+    return sliding if window.everywhere else {"full_attention": build(), "sliding_attention": sliding}
 
 
 def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:

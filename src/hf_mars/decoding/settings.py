@@ -54,6 +54,13 @@ def check_tau(tau) -> float:
     return float(tau)
 
 
+def check_verify(verify) -> bool:
+    """Validate `mars_verify`: a bool, not something truthy (a "False" string would turn lossless mode on)."""
+    if not isinstance(verify, bool):
+        raise ValueError(f"mars_verify must be True or False, got {verify!r}")
+    return verify
+
+
 def read_tau(tau) -> float:
     """The current value of `mars_tau`: a number, or a callable (e.g. `TauController`) read at every pass."""
     return check_tau(tau() if callable(tau) else tau)
@@ -78,8 +85,7 @@ class MARSSettings:
         _check_count("mars_block_size", self.block_size, 1)
         if self.confidence not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {self.confidence!r}")
-        if not isinstance(self.verify, bool):
-            raise ValueError(f"mars_verify must be True or False, got {self.verify!r}")
+        check_verify(self.verify)
         _check_count("mars_draft_candidates", self.draft_candidates, 1)
         _check_count("mars_lookup", self.lookup, 0)
         for name, value in (("mars_draft_candidates", self.draft_candidates > 1), ("mars_lookup", self.lookup)):
@@ -108,13 +114,14 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
     (in lossless mode each config's `mars_lossless` preset before its own keys), the default. Lossless mode's output
     does not depend on τ, so it runs without one (τ = 0: every draft is proposed, the tree's shape bounds the pass).
     """
-    configs = [c for c in (generation_config, model.generation_config) if c is not None]
-    configs = [c for i, c in enumerate(configs) if all(c is not d for d in configs[:i])]
+    configs = [model.generation_config]
+    if generation_config is not None and generation_config is not model.generation_config:
+        configs.insert(0, generation_config)  # the call's config first
     for config in configs:
         _check_keys(config)
-    verify = _first_set(kwargs.get("mars_verify"), *(getattr(c, "mars_verify", None) for c in configs), False)
-    if not isinstance(verify, bool):
-        raise ValueError(f"mars_verify must be True or False, got {verify!r}")
+    verify = check_verify(
+        _first_set(kwargs.get("mars_verify"), *(getattr(c, "mars_verify", None) for c in configs), False)
+    )
     layers = []  # where each setting is looked up, in order
     for config in configs:
         layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]

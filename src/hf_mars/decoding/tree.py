@@ -99,14 +99,17 @@ def _visibility(tree: DraftTree, num_pending: int, num_masks: int) -> torch.Bool
     return sees
 
 
-def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num_masks: int, window=None):
+def tree_attention(
+    model, cache, tree: DraftTree, mask_2d, num_pending: int, num_masks: int, window=None, positions=None
+):
     """The 4D attention mask of a pass, in the format of the model's attention implementation (sdpa or eager).
 
     Built by the mask builders of `transformers.masking_utils` from `DraftTree.visibility` (without drafts: plain
     causal) and the cache's holes (`mask_2d`), with an index-based mask function (no per-pass vmap). An sdpa mask is
     made additive here, once per pass: given a boolean mask, sdpa converts it in every layer.
 
-    `window`: a sliding window's size. A query then also sees only the keys less than `window` positions behind it:
+    `window`: a sliding window's size, with `positions` the pass's position ids. A query then also sees only the
+    keys less than `window` positions behind it:
     positions, not slots, since holes push slots apart (for the keys of a left-padded row without holes the two are
     the same test, the one `generate()` applies).
     """
@@ -119,8 +122,7 @@ def tree_attention(model, cache, tree: DraftTree, mask_2d, num_pending: int, num
     if window is None:
         sees = lambda b, h, q, kv: seen[q - past, kv]
     else:
-        keys = cache.key_positions()
-        queries = keys[:, past : past + width]
+        keys, queries = cache.key_positions(positions), positions
         sees = lambda b, h, q, kv: seen[q - past, kv] & (keys[b, kv] > queries[b, q - past] - window)
     mask = build_attention_mask(
         model,
