@@ -130,71 +130,35 @@ class MARSGenerationMixin(GenerationMixin):
     ):
         r"""`GenerationMixin.generate`, plus MARS decoding when `mars_tau` is given (or set in the generation config).
 
-        Args:
-            mars_tau (`float` or callable, *optional*):
-                Confidence threshold in [0, 1]; 1 is exactly autoregressive decoding. A callable (e.g.
-                `TauController`) is read before every forward pass. Defaults to `generation_config.mars_tau`; when
-                neither is set, this is the base model's `generate()`, untouched (in lossless mode: τ = 0).
-            mars_block_size (`int`, *optional*):
-                B: at most B tokens per forward pass. Defaults to the value the model was trained with.
-            mars_confidence (`str`, *optional*):
-                "probability" (default), "entropy" or "margin"; see `scoring.confidence`.
-            mars_verify (`bool`, *optional*):
-                Lossless mode: the confident mask predictions of a pass are drafts, fed as real tokens in the next
-                pass and kept only where they equal the model's own next-token prediction there (plus that
-                prediction after the last match). That pass feeds one group of masks after each possible number of
-                kept drafts, so that whatever it keeps, it proposes the next drafts. The output is exactly greedy
-                `generate()`'s, for any τ; τ only decides how many drafts are proposed (and so how wide a pass is).
-                With sampling, drafts are accepted by speculative sampling, so the output is distributed exactly as
-                the model's own samples. "Exactly" holds as far as a pass over several tokens computes the logits of
-                one-token passes: in float32 it does; in bfloat16 kernels may round a wide pass differently, and
-                near-ties flip, as with prompt lookup (docs/decoding.md). Defaults to
-                `generation_config.mars_verify`, else `False`.
-            mars_draft_candidates (`int`, *optional*):
-                Lossless mode, greedy: how many candidates the first draft gets (the first mask's top tokens), each
-                verified in the same pass with its own group of masks. More make a wider pass that accepts more
-                tokens. With sampling, or a logits processor that reads the history, drafts stay a chain (1).
-                Default: 1.
-            mars_lookup (`int`, *optional*):
-                Lossless mode, greedy: also draft up to this many tokens by prompt lookup, i.e. the tokens that
-                followed the last occurrence of the text's final n-gram (n = 3, 2, 1) earlier in the prompt or the
-                output, as one more branch of the draft tree, verified in the same pass. It pays where text repeats
-                (code, maths, quotes of the prompt). Ignored where drafts stay a chain. Default: 0.
-            mars_mask_cost (`float` or list of `float`, *optional*):
-                What masks add to the time of a pass, as a share of a one-token pass: c per mask, or a list whose
-                (k-1)-th entry is the cost of a pass with k masks (`hf_mars.tools.calibrate.measure_mask_cost` measures
-                it). 0 (default): B-1 masks in every pass, as the paper. With a cost, each row is offered only the
-                masks whose expected accepted tokens are worth their time, estimated from its own recent passes (see
-                `MaskSchedule`), so text the masks cannot predict stays near AR speed. Lossless mode stays exact.
-                Defaults to `generation_config.mars_mask_cost`.
+        Args (each read from the keyword, then the `generation_config` passed, then `model.generation_config`; in
+        lossless mode a config's `mars_lossless` preset comes first: docs/decoding.md, "Settings"):
+            mars_tau (`float` or callable): confidence threshold in [0, 1]; 1 is exactly autoregressive decoding. A
+                callable (e.g. `TauController`) is read before every pass. Unset everywhere: the base `generate()`.
+            mars_block_size (`int`): B, at most B tokens per pass. Default: the B the model was trained with.
+            mars_confidence (`str`): "probability" (default), "entropy" or "margin" (`scoring.confidence`).
+            mars_verify (`bool`): lossless mode. The masks' guesses become drafts, kept only where they equal the
+                model's own prediction (greedy) or by speculative sampling, so the output is `generate()`'s for any
+                τ (exactly in float32; in bfloat16 near-ties can flip: docs/decoding.md). τ only sets how many
+                drafts are proposed.
+            mars_draft_candidates (`int`): lossless, greedy: candidates for the first draft (default 1, a chain).
+            mars_lookup (`int`): lossless, greedy: a branch of up to this many drafts by prompt lookup (default 0).
+            mars_mask_cost (`float` or list): what masks add to a pass, as a share of a one-token pass (per mask, or
+                per count of masks). 0 (default): B-1 masks every pass; else each row is offered only the masks
+                worth their time, judged from its recent passes (`MaskSchedule`).
+            streamer: as `generate()`'s; each pass's accepted tokens arrive as one chunk.
 
-        With `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts forward
-        passes and accepted tokens. Works with greedy decoding and sampling (`do_sample`, temperature, top_k, top_p
-        and the other logits processors), EOS ids, `max_new_tokens`, `stop_strings` (pass `tokenizer=`), stopping
-        criteria (called exactly as `generate()` calls them: see `stopping.py`) and streamers (each pass's accepted
-        tokens arrive as one chunk).
-
-        Every `mars_*` argument reads the same way from a keyword, the `generation_config` passed, and
-        `model.generation_config`, in that order. In lossless mode, `mars_tau`, `mars_block_size`,
-        `mars_draft_candidates`, `mars_lookup` and `mars_mask_cost` are read from each config's `mars_lossless` (a
-        dict, or dicts by batch size: `hf-mars tune` measures the fastest tree for a machine and saves it there)
-        before its own keys (`model.mars_settings(...)` shows what a call will run with).
+        Works with greedy decoding and sampling, logits processors, EOS ids, `max_new_tokens`, `stop_strings`,
+        stopping criteria (called exactly as `generate()` calls them: `stopping.py`) and static caches. With
+        `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts passes and
+        accepted tokens. `model.mars_settings(...)` shows what a call will run with.
         """
         base = generation_config if generation_config is not None else self.generation_config
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
-        settings = resolve_settings(
-            self,
-            generation_config,
-            batch_size,
-            mars_tau=mars_tau,
-            mars_block_size=mars_block_size,
-            mars_confidence=mars_confidence,
-            mars_verify=mars_verify,
-            mars_draft_candidates=mars_draft_candidates,
-            mars_lookup=mars_lookup,
-            mars_mask_cost=mars_mask_cost,
-        )
+        mars_kwargs = dict(mars_tau=mars_tau, mars_block_size=mars_block_size, mars_confidence=mars_confidence)
+        mars_kwargs.update(mars_verify=mars_verify, mars_draft_candidates=mars_draft_candidates)
+        mars_kwargs.update(mars_lookup=mars_lookup, mars_mask_cost=mars_mask_cost)
+        settings = resolve_settings(self, generation_config, batch_size, **mars_kwargs)
         if settings is None:
             extra = {"streamer": streamer} if streamer is not None else {}
             return super().generate(inputs, generation_config, logits_processor, stopping_criteria, **extra, **kwargs)
