@@ -14,6 +14,7 @@ import sys
 # Modules, in the order `hf-mars --help` lists their commands (`push` registers push and push-space).
 COMMANDS = (
     "generate",
+    "serve",
     "train",
     "demo",
     "bench",
@@ -29,6 +30,7 @@ COMMANDS = (
 DESCRIPTION = "MARS multi-token decoding for Hugging Face causal LMs: decode, measure, train, convert and publish."
 EPILOG = """examples:
     hf-mars generate [MODEL] [--prompt "..."] [--tau 0.9] [--lossless [--draft-candidates N] [--lookup L]]
+    hf-mars serve [MODEL] [--port 8000] [--max-batch-size 8]    (OpenAI-compatible; mars_tau etc. per request)
     hf-mars tune [MODEL] [--limit 8] [--trees 2x3+4 ...] [--save]    (the fastest lossless draft tree on this machine)
     hf-mars train --model_name_or_path M --dataset_name D --output_dir O [TRL SFT arguments] [--mars_block_size 4]
     hf-mars recipe --output-dir OUT [--prompts 100000] [--max-new-tokens 512] [--full-finetune] [--time-budget S]

@@ -1,0 +1,150 @@
+"""An OpenAI-compatible MARS server: transformers serve's app, loader and handlers, with three changes.
+
+- Loading: transformers serve finds a model's class by the name in `config.architectures`, which a MARS checkpoint's
+  remote class is not; `MARSModelManager` loads it through `AutoModelForCausalLM(..., trust_remote_code=True)`.
+- Requests: `/v1/chat/completions` and `/v1/completions` take the `mars_*` settings as top-level fields (an OpenAI
+  client's `extra_body`) or inside the `generation_config` JSON string transformers serve already reads; the
+  checkpoint's generation config is the default. A setting `generate()` would refuse is answered with HTTP 400 and
+  `generate()`'s own message, before anything is queued. `usage` gains `forward_passes` and `tokens_per_forward`.
+- Generation: one `MARSBatcher` (batcher.py) decodes concurrent requests together. transformers' continuous
+  batching runs its own paged-cache decoder, where MARS does not run, so it is not offered.
+"""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoModelForCausalLM
+from transformers.cli.serving.chat_completion import ChatCompletionHandler
+from transformers.cli.serving.completion import CompletionHandler
+from transformers.cli.serving.model_manager import ModelManager
+from transformers.cli.serving.response import ResponseHandler
+from transformers.cli.serving.server import build_server
+from transformers.cli.serving.systemone import SystemOneHandler
+from transformers.cli.serving.transcription import TranscriptionHandler
+from transformers.cli.serving.utils import GenerationState, split_revision
+
+from ..decoding.settings import SETTING_KEYS
+from .batcher import MARSBatcher
+
+try:  # the serving extra: FastAPI and the OpenAI types
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+    from openai.types.completion_usage import CompletionUsage
+except ImportError as err:  # pragma: no cover - said once, where the server starts
+    raise ImportError("hf-mars serve needs the serving extra: pip install 'hf_mars[serve]'") from err
+
+
+class MARSModelManager(ModelManager):
+    """transformers serve's model manager, loading through the checkpoint's `auto_map` (its remote MARS class)."""
+
+    def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None, gguf_file=None):
+        if gguf_file is not None:
+            raise ValueError("A MARS checkpoint is a transformers folder, not a GGUF file.")
+        model_id, revision = split_revision(model_id_and_revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_id, revision=revision, dtype=self.dtype, device_map=self.device, trust_remote_code=True
+        )
+        if not hasattr(model, "mars_settings"):
+            raise ValueError(f"{model_id} is not a MARS checkpoint: its config has no MARS class in `auto_map`.")
+        return model.eval()
+
+
+class MARSGenerationState(GenerationState):
+    """Every request of the served model goes to its one batcher."""
+
+    def __init__(self, batcher: MARSBatcher, compile: bool = False):
+        super().__init__(continuous_batching=False, compile=compile)
+        self.batcher = batcher
+
+    def get_manager(self, model_id: str, use_cb: bool = False) -> MARSBatcher:
+        return self.batcher
+
+    def shutdown(self) -> None:
+        self.batcher.stop()
+
+
+class MARSRequests:
+    """What MARS adds to a transformers serve handler: `mars_*` fields, checked as `generate()` checks them, and
+    MARS usage. Mixed in before the handler class."""
+
+    def __init__(self, *args, model, batcher: MARSBatcher, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model, self.batcher = model, batcher
+        self.max_tokens = getattr(model.config, "max_position_embeddings", None) or 32768
+
+    def _validate_request(self, body: dict) -> None:
+        super()._validate_request({key: value for key, value in body.items() if key not in SETTING_KEYS})
+
+    async def handle_request(self, body: dict, request_id: str):
+        response = await super().handle_request(body, request_id)
+        if isinstance(response, JSONResponse):  # not streamed: the usage is in the body
+            content = json.loads(response.body)
+            if content.get("usage") is not None:
+                content["usage"].update(self.batcher.usage(request_id) or {})
+            response = JSONResponse(
+                content, headers={k: v for k, v in response.headers.items() if k != "content-length"}
+            )
+        return response
+
+    def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
+        try:
+            config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
+                config.max_new_tokens = min(config.max_new_tokens or self.max_tokens, self.max_tokens)  # a default
+            fields = {key: body[key] for key in SETTING_KEYS if key in body}
+            self._check(config, fields)
+        except (ValueError, TypeError) as err:  # what generate() would refuse, said before anything runs
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        for key, value in fields.items():  # the batcher's generate() call reads them from the config
+            setattr(config, key, value)
+        return config
+
+    def _check(self, config, fields: dict) -> None:
+        """Refuse what `generate(generation_config=config, **fields)` would refuse: the top-level fields are read as
+        its keywords (a draft-tree field without a MARS mode is refused, not ignored)."""
+        budget = config.max_new_tokens
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= self.max_tokens:
+            raise ValueError(f"max_tokens must be an integer in [1, {self.max_tokens}], got {budget!r}")
+        self.model.mars_settings(config, **fields)
+
+    def _build_chunk_sse(self, request_id: str, *args, usage=None, **kwargs):
+        if usage is not None:  # the stream's last chunk
+            usage = CompletionUsage.model_validate({**usage.model_dump(), **(self.batcher.usage(request_id) or {})})
+        return super()._build_chunk_sse(request_id, *args, usage=usage, **kwargs)
+
+
+class MARSChatCompletionHandler(MARSRequests, ChatCompletionHandler):
+    """`/v1/chat/completions` with MARS settings."""
+
+
+class MARSCompletionHandler(MARSRequests, CompletionHandler):
+    """`/v1/completions` with MARS settings."""
+
+
+def build_app(model: str, dtype: str = "auto", device: str = "auto", compile: bool = False, max_batch_size: int = 8):
+    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its batcher."""
+    manager = MARSModelManager(device=device, dtype=dtype, force_model=model)
+    loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
+    batcher = MARSBatcher(loaded, getattr(tokenizer, "tokenizer", tokenizer), max_batch_size=max_batch_size)
+    state = MARSGenerationState(batcher, compile=compile)
+    shared = dict(model_manager=manager, generation_state=state)
+    app = build_server(
+        manager,
+        MARSChatCompletionHandler(**shared, model=loaded, batcher=batcher),
+        completion_handler=MARSCompletionHandler(**shared, model=loaded, batcher=batcher),
+        response_handler=ResponseHandler(**shared),
+        transcription_handler=TranscriptionHandler(manager, state),
+        systemone_handler=SystemOneHandler(**shared),
+        generation_state=state,
+    )
+    app.add_exception_handler(HTTPException, _openai_error)
+    return app, batcher
+
+
+async def _openai_error(request, error: HTTPException) -> JSONResponse:
+    """A refused request answers as OpenAI's API does (`error.message`, which its clients raise with), keeping
+    FastAPI's `detail` for clients of transformers serve."""
+    kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    body = {"error": {"message": str(error.detail), "type": kind, "code": error.status_code}, "detail": error.detail}
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)

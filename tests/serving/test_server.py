@@ -1,0 +1,202 @@
+"""`hf-mars serve` on loopback: a tiny random MARS checkpoint, the openai client, many requests at once.
+
+The texts are checked against offline `generate()` on a second copy of the checkpoint, so a request that received
+another request's tokens, or lost its own, fails."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from helpers import make_model, make_tokenizer
+from openai import AsyncOpenAI, BadRequestError, OpenAI
+from tokenizers.decoders import DecodeStream
+from transformers import AutoModelForCausalLM
+
+from hf_mars import to_mars
+
+uvicorn = pytest.importorskip("uvicorn")
+
+MODES = {"tau=1": {"mars_tau": 1.0}, "lossless": {"mars_verify": True}, "tau=0.9": {"mars_tau": 0.9}}
+MAX_TOKENS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server on a free loopback port, its batcher, the checkpoint's path, and an offline copy of the model."""
+    from hf_mars.serving.server import build_app
+
+    path = str(tmp_path_factory.mktemp("served"))
+    # llama: transformers serve parses Qwen chat replies with a response template, which keeps special tokens in the
+    # stream; a model without one streams what `decode(skip_special_tokens=True)` gives, which the tests compare
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    app, batcher = build_app(path, dtype="float32", device="cpu", max_batch_size=16)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not uv.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    offline = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+    yield {"url": f"http://127.0.0.1:{port}", "batcher": batcher, "path": path, "offline": offline, "tok": tok}
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _client(server) -> OpenAI:
+    return OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _offline(server, content: str, mode: dict) -> tuple[str, int]:
+    """What `generate()` gives this prompt alone, as the server's chat handler tokenizes it, detokenized as a stream
+    is (token by token: a character whose bytes the budget cuts is not sent)."""
+    tok, model = server["tok"], server["offline"]
+    messages = [{"role": "user", "content": content}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    if mode.get("mars_tau") == 1.0 or mode.get("mars_verify"):
+        mode = {}  # τ = 1 and lossless mode must give plain greedy generate()'s text
+    out = model.generate(**ids, do_sample=False, max_new_tokens=MAX_TOKENS, **mode)
+    stream = DecodeStream([], skip_special_tokens=True)
+    tokens = out[0, ids["input_ids"].shape[1] :].tolist()
+    pieces = [stream.step(tok._tokenizer, token) for token in tokens]
+    return "".join(piece for piece in pieces if piece is not None), len(tokens)
+
+
+def test_lists_the_model_and_is_healthy(server):
+    assert [m.id for m in _client(server).models.list().data] == [server["path"]]
+    assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
+
+
+def test_32_concurrent_streams_each_get_their_own_text(server):
+    jobs = [(f"count {i} to {i + 9}", name) for i in range(32) for name in [list(MODES)[i % 3]]]
+
+    async def stream(content: str, mode: str):
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=120) as client:
+            chunks = await client.chat.completions.create(
+                model=server["path"],
+                messages=[{"role": "user", "content": content}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                extra_body=MODES[mode],
+            )
+            parts, usage = [], None
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                usage = chunk.usage or usage
+        return "".join(parts), usage
+
+    async def all_at_once():
+        return await asyncio.gather(*[stream(content, mode) for content, mode in jobs])
+
+    before = len(server["batcher"].batch_sizes)
+    results = asyncio.run(all_at_once())
+    assert max(server["batcher"].batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    for (content, mode), (text, usage) in zip(jobs, results):
+        assert (text, usage.completion_tokens) == _offline(server, content, MODES[mode]), (content, mode)
+        assert 1 <= usage.forward_passes <= usage.completion_tokens
+        assert usage.tokens_per_forward == pytest.approx(usage.completion_tokens / usage.forward_passes, abs=1e-3)
+
+
+def test_completions_read_mars_settings_from_the_generation_config_string(server):
+    prompt = "<|im_start|>user\ncount 3 to 9<|im_end|>\n<|im_start|>assistant\n"
+    reply = _client(server).completions.create(
+        model=server["path"],
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        extra_body={"generation_config": '{"mars_verify": true, "do_sample": false}'},
+    )
+    tok, model = server["tok"], server["offline"]
+    ids = tok(prompt, return_tensors="pt")
+    out = model.generate(**ids, do_sample=False, max_new_tokens=MAX_TOKENS)
+    assert reply.choices[0].text == tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert reply.usage.forward_passes <= reply.usage.completion_tokens
+
+
+def test_a_client_that_disconnects_frees_its_row(server):
+    batcher = server["batcher"]
+    body = {
+        "model": server["path"],
+        "messages": [{"role": "user", "content": "count forever"}],
+        "max_tokens": 480,
+        "stream": True,
+        "mars_verify": True,
+    }
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server["url"] + "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            for n, _ in enumerate(response.iter_lines()):
+                if n >= 3:
+                    break
+    deadline = time.monotonic() + 60
+    while not any(row["request_id"] == request_id for row in batcher.finished):
+        assert time.monotonic() < deadline, "the disconnected row was never released"
+        time.sleep(0.05)
+    row = next(row for row in batcher.finished if row["request_id"] == request_id)
+    assert row["cancelled"] and row["tokens"] < 480
+    reply = _client(server).chat.completions.create(
+        model=server["path"], messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert reply.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"mars_tau": 2}, "mars_tau must be a number in [0, 1]"),
+        ({"mars_verify": "yes"}, "mars_verify must be True or False"),
+        ({"max_tokens": -1}, "max_tokens must be an integer in [1, 512]"),
+        ({"max_tokens": 10**9}, "max_tokens must be an integer in [1, 512]"),
+        ({"model": "someone/else"}, "Server is pinned to"),
+        ({"mars_draft_candidates": 3}, "mars_draft_candidates"),
+    ],
+)
+def test_invalid_requests_get_a_400_with_the_reason_and_the_server_goes_on(server, fields, reason):
+    body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    response = httpx.post(server["url"] + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert reason in response.json()["detail"]
+    assert (
+        _client(server)
+        .chat.completions.create(model=server["path"], messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        .choices[0]
+        .message.content
+        is not None
+    )
+
+
+def test_malformed_json_and_unknown_fields_are_refused(server):
+    url = server["url"] + "/v1/chat/completions"
+    broken = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=60)
+    assert broken.status_code == 422
+    body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "mars_taus": 0.9}
+    assert httpx.post(url, json=body, timeout=60).status_code == 422
+    with pytest.raises(BadRequestError, match="mars_tau"):
+        _client(server).chat.completions.create(
+            model=server["path"], messages=[{"role": "user", "content": "hi"}], extra_body={"mars_tau": -0.5}
+        )
+
+
+def test_continuous_batching_is_refused_by_name():
+    from hf_mars.cli import main
+
+    with pytest.raises(SystemExit, match="continuous-batching"):
+        main(["serve", "--continuous-batching", "/nonexistent"])
