@@ -200,3 +200,18 @@ def test_continuous_batching_is_refused_by_name():
 
     with pytest.raises(SystemExit, match="continuous-batching"):
         main(["serve", "--continuous-batching", "/nonexistent"])
+
+
+def test_serve_bench_measures_plain_and_mars_side_by_side(server):
+    from hf_mars.tools.serve_bench import run_serve_bench, serve_table
+
+    rows = run_serve_bench(server["url"] + "/v1", server["path"], clients=(1, 3), per_client=1, max_tokens=6, rounds=1)
+    assert [(r["clients"], r["mode"]) for r in rows] == [
+        (1, "plain"),
+        (1, "MARS lossless"),
+        (3, "plain"),
+        (3, "MARS lossless"),
+    ]
+    assert all(r["requests"] == r["clients"] and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
+    table = serve_table(rows)
+    assert table.count("\n") == 5 and "1.00x" in table  # a plain row against itself
