@@ -10,6 +10,7 @@ import sys
 
 COMMANDS = [
     "generate",
+    "serve",
     "train",
     "demo",
     "bench",
