@@ -12,6 +12,7 @@ REMOTE_FILES = (
     "modeling.py",  # the MARS<Base> classes that a checkpoint's auto_map names
     "generate.py",  # MARSGenerationMixin.generate and the decoding loop
     "settings.py",  # MARSSettings: the validated mars_* arguments of one call
+    "costs.py",  # mars_lossless="auto": pass costs measured on this machine, the tree that pays most
     "scoring.py",  # logits processors, token choice, confidence
     "schedule.py",  # MaskSchedule: how many masks each row is offered
     "cache.py",  # MARSCache: a DynamicCache that keeps real tokens only

@@ -139,18 +139,16 @@ class MARSGenerationMixin(GenerationMixin):
             mars_verify (`bool`): lossless mode. The masks' guesses become drafts, kept only where they equal the
                 model's own prediction (greedy) or by speculative sampling, so the output is `generate()`'s for any
                 τ (exactly in float32; in bfloat16 near-ties can flip: docs/decoding.md). τ only sets how many
-                drafts are proposed.
+                drafts are proposed. With `mars_lossless="auto"` the tree is the one this machine's pass costs
+                favour, or none (`costs.py`).
             mars_draft_candidates (`int`): lossless, greedy: candidates for the first draft (default 1, a chain).
             mars_lookup (`int`): lossless, greedy: a branch of up to this many drafts by prompt lookup (default 0).
             mars_mask_cost (`float` or list): what masks add to a pass, as a share of a one-token pass (per mask, or
-                per count of masks). 0 (default): B-1 masks every pass; else each row is offered only the masks
-                worth their time, judged from its recent passes (`MaskSchedule`).
-            streamer: as `generate()`'s; each pass's accepted tokens arrive as one chunk.
+                per count). 0 (default): B-1 masks every pass; else only the masks worth their time (`MaskSchedule`).
 
-        Works with greedy decoding and sampling, logits processors, EOS ids, `max_new_tokens`, `stop_strings`,
-        stopping criteria (called exactly as `generate()` calls them: `stopping.py`) and static caches. With
-        `return_dict_in_generate=True` the result is a `MARSGenerateOutput` whose `mars_stats` counts passes and
-        accepted tokens. `model.mars_settings(...)` shows what a call will run with.
+        Works with sampling, logits processors, EOS ids, `stop_strings`, stopping criteria (called as `generate()`
+        calls them), static caches and streamers (a pass's tokens as one chunk). `return_dict_in_generate=True`
+        gives a `MARSGenerateOutput` with `mars_stats`. `model.mars_settings(...)` shows what a call runs with.
         """
         base = generation_config if generation_config is not None else self.generation_config
         ids = inputs if inputs is not None else kwargs.get("input_ids")
@@ -159,10 +157,12 @@ class MARSGenerationMixin(GenerationMixin):
         mars_kwargs.update(mars_verify=mars_verify, mars_draft_candidates=mars_draft_candidates)
         mars_kwargs.update(mars_lookup=mars_lookup, mars_mask_cost=mars_mask_cost)
         settings = resolve_settings(self, generation_config, batch_size, **mars_kwargs)
-        if settings is None:
+        if settings is not None:
+            _refuse_unsupported(base, kwargs, "mars_verify" if settings.verify else "mars_tau")
+        if settings is None or settings.plain:  # plain decoding: the base model's generate(), with stats if MARS
             extra = {"streamer": streamer} if streamer is not None else {}
-            return super().generate(inputs, generation_config, logits_processor, stopping_criteria, **extra, **kwargs)
-        _refuse_unsupported(base, kwargs, "mars_verify" if settings.verify else "mars_tau")
+            out = super().generate(inputs, generation_config, logits_processor, stopping_criteria, **extra, **kwargs)
+            return out if settings is None else _with_plain_stats(out, ids.shape[-1] if ids is not None else 0, base)
         stopping_criteria, generation_config = _stop_strings_as_criterion(
             base, generation_config, stopping_criteria, kwargs
         )
@@ -196,6 +196,19 @@ def static_cache_length(settings: MARSSettings, prompt_length: int, max_new_toke
     per_pass = 1 + settings.drafts_per_pass
     groups = per_pass if settings.verify else 1  # groups of masks: after the root and after each draft
     return prompt_length + max_new_tokens * per_pass + per_pass + groups * (settings.block_size - 1)
+
+
+def _with_plain_stats(out, prompt_length: int, generation_config):
+    """Lossless mode that ran as plain decoding (no tree pays on this machine) reports one token per pass."""
+    if not isinstance(out, GenerateDecoderOnlyOutput):
+        return out
+    generated = out.sequences[:, prompt_length:]
+    eos = eos_token_ids(generation_config, generated.device)
+    ended = torch.isin(generated, eos) if eos.numel() else torch.zeros_like(generated, dtype=torch.bool)
+    width = generated.shape[1]
+    new_tokens = torch.where(ended.any(dim=1), ended.float().argmax(dim=1) + 1, width)
+    stats = MARSStats(width, new_tokens, passes_per_row=new_tokens.clone(), masks_per_step=[0] * width)
+    return MARSGenerateOutput(**{**out, "mars_stats": stats})
 
 
 def _refuse_unsupported(base, kwargs, mode: str) -> None:

@@ -14,6 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from .costs import check_acceptance, choose_tree, parse_tree, pass_costs, pass_width
+
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Lossless mode's own defaults, read from `generation_config.mars_lossless`
 LOSSLESS_KEYS = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup", "mars_mask_cost")
@@ -27,7 +29,9 @@ SETTING_KEYS = (
     "mars_lookup",
     "mars_mask_cost",
     "mars_lossless",
+    "mars_acceptance",
 )
+TREE_KEYS = ("mars_block_size", "mars_draft_candidates", "mars_lookup")
 
 
 class TauController:
@@ -94,6 +98,11 @@ class MARSSettings:
         _check_mask_cost(self.mask_cost, self.block_size)
 
     @property
+    def plain(self) -> bool:
+        """Lossless mode without drafts or masks: plain decoding, which `generate()` runs as the base model's."""
+        return self.verify and self.drafts_per_pass == 0
+
+    @property
     def drafts_per_pass(self) -> int:
         """The most drafts a pass verifies (lossless mode) or masks it may accept (τ-mode)."""
         masks = self.block_size - 1
@@ -125,6 +134,8 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
     layers = []  # where each setting is looked up, in order
     for config in configs:
         layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]
+    if verify and all(kwargs.get(key) is None for key in TREE_KEYS) and wants_auto(configs):
+        layers.insert(0, auto_tree(model, configs, batch_size))
 
     def setting(name, default=None):
         return _first_set(kwargs.get(name), *(layer.get(name) for layer in layers), default)
@@ -168,19 +179,43 @@ def mars_settings(model, generation_config=None, batch_size: int = 1, **kwargs) 
     return None if settings is None else settings.as_kwargs()
 
 
+def wants_auto(configs) -> bool:
+    """Lossless mode picks its tree on this machine (`costs.py`) where the first config that sets `mars_lossless`
+    sets "auto", or where none sets it and one holds the checkpoint's `mars_acceptance`."""
+    preset = _first_set(*(getattr(c, "mars_lossless", None) for c in configs))
+    return preset == "auto" or (preset is None and any(getattr(c, "mars_acceptance", None) for c in configs))
+
+
+def auto_tree(model, configs, batch_size: int) -> dict:
+    """The tree of the checkpoint's `mars_acceptance` with the most tokens per second at this batch size on this
+    machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding."""
+    acceptance = _first_set(*(getattr(c, "mars_acceptance", None) for c in configs))
+    if acceptance is None:
+        raise ValueError(
+            'mars_lossless="auto" needs the checkpoint\'s mars_acceptance: `hf-mars tune --save` measures it.'
+        )
+    acceptance = check_acceptance(acceptance)
+    costs = pass_costs(model, batch_size, [pass_width(*parse_tree(name)) for name in acceptance])
+    tree = choose_tree(acceptance, costs) or (1, 1, 0)
+    return dict(zip(TREE_KEYS, tree), mars_tau=0.0)
+
+
 def lossless_preset(generation_config, batch_size: int = 1) -> dict:
-    """`generation_config.mars_lossless` for this batch size, checked; {} when there is none.
+    """`generation_config.mars_lossless` for this batch size, checked; {} when there is none (or it is "auto").
 
     It is a dict over `LOSSLESS_KEYS`, or such dicts by batch size (`{"1": {...}, "4": {...}}`): a batch uses the
     entry of the largest size it reaches, else the smallest.
     """
     preset = getattr(generation_config, "mars_lossless", None) or {}
+    if preset == "auto":
+        return {}
     if isinstance(preset, dict) and preset and all(isinstance(k, str) and k.isdigit() for k in preset):
         sizes = sorted(int(k) for k in preset)
         preset = preset[str(max([n for n in sizes if n <= batch_size] or sizes[:1]))]
     if not isinstance(preset, dict) or not set(preset) <= set(LOSSLESS_KEYS):
         raise ValueError(
-            f"generation_config.mars_lossless must be a dict over {LOSSLESS_KEYS} (or such dicts by batch size), "
+            f'generation_config.mars_lossless must be "auto" or a dict over {LOSSLESS_KEYS} (or such dicts by batch '
+            "size), "
             f"got {getattr(generation_config, 'mars_lossless', None)!r}"
         )
     return preset

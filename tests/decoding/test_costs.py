@@ -1,0 +1,161 @@
+"""`mars_lossless="auto"`: the tree chosen from the checkpoint's tokens per forward and this machine's pass costs
+(`decoding/costs.py`), the costs' cache and what invalidates it, and the output, which stays greedy `generate()`'s."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import make_model, make_tokenizer, toy_prompts
+from transformers import GenerationMixin
+
+import hf_mars
+from hf_mars.decoding import costs
+from hf_mars.decoding.costs import choose_tree, machine_key, parse_tree, pass_costs, pass_width
+
+ACCEPTANCE = {"2x1": 1.6, "2x3+4": 2.1, "4x3+8": 2.6}  # tokens per forward, as `hf-mars tune` measures them
+WIDTHS = sorted({1, *(pass_width(*parse_tree(name)) for name in ACCEPTANCE)})
+
+
+def table(seconds_per_extra_token: float) -> dict[int, float]:
+    """Pass costs by width: 10 ms for one token, plus this much per further token."""
+    return {w: 0.010 + seconds_per_extra_token * (w - 1) for w in WIDTHS}
+
+
+def test_trees_are_named_and_sized_as_a_lossless_pass_builds_them():
+    assert parse_tree("2x3+4") == (2, 3, 4) and parse_tree("4x1") == (4, 1, 0)
+    assert pass_width(2, 1, 0) == 4  # root + one draft, each followed by one mask
+    assert pass_width(2, 3, 4) == (1 + 1 + 2 + 4) * 2  # root, B-1 drafts, 2 runner-ups, 4 lookup drafts
+    for bad in ("1x2", "2x0", "2-3", "x3+1", ""):
+        with pytest.raises(ValueError, match="BxN"):
+            parse_tree(bad)
+
+
+def test_free_width_picks_the_widest_tree_and_costly_width_picks_none():
+    assert choose_tree(ACCEPTANCE, table(0.0)) == (4, 3, 8)  # a pass costs the same at any width (a GPU, batch 1)
+    assert choose_tree(ACCEPTANCE, table(0.0002)) == (2, 3, 4)  # wide passes cost a little: a medium tree pays most
+    assert choose_tree(ACCEPTANCE, table(0.001)) == (2, 1, 0)  # only the narrowest still pays
+    assert choose_tree(ACCEPTANCE, table(0.01)) is None  # every tree loses to plain decoding: no drafts
+    # A tree must beat plain decoding by the margin, not merely tie it
+    assert choose_tree({"2x1": 1.05}, {1: 1.0, 4: 1.0}) is None
+    assert choose_tree({"2x1": 1.05}, {1: 1.0, 4: 1.0}, margin=1.0) == (2, 1, 0)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def counting(monkeypatch, measured: dict[int, float] | None = None) -> list:
+    """Replace the clock: every measurement is recorded, and returns `measured` (or 1 ms per token)."""
+    calls = []
+
+    def measure(model, batch_size, widths, **_):
+        calls.append((model.dtype, batch_size, tuple(widths)))
+        return {w: (measured or {}).get(w, 0.001 * w) for w in widths}
+
+    monkeypatch.setattr(costs, "measure_pass_costs", measure)
+    return calls
+
+
+def test_pass_costs_are_measured_once_per_machine_dtype_batch_and_model_shape(cache_dir, monkeypatch):
+    calls = counting(monkeypatch)
+    model = make_model("llama")
+    first = pass_costs(model, 1, [4, 16])
+    assert calls == [(torch.float32, 1, (1, 4, 16))] and set(first) == {1, 4, 16}
+    assert pass_costs(model, 1, [16, 4]) == first and len(calls) == 1  # cached: not measured again
+    saved = json.loads((cache_dir / "pass_costs.json").read_text())
+    assert list(saved) == [machine_key(model, 1)] and "float32" in machine_key(model, 1)
+    pass_costs(model, 1, [4, 8])  # a new width: only it is measured
+    assert calls[-1] == (torch.float32, 1, (8,))
+    pass_costs(model, 4, [4])  # another batch size
+    pass_costs(model.to(torch.bfloat16), 1, [4])  # another dtype
+    pass_costs(make_model("llama", hidden_size=96, intermediate_size=192), 1, [4])  # another model shape
+    assert [c[:2] for c in calls[-3:]] == [(torch.float32, 4), (torch.bfloat16, 1), (torch.float32, 1)]
+    assert len(json.loads((cache_dir / "pass_costs.json").read_text())) == 4
+    pass_costs(model.to(torch.float32), 1, [4], refresh=True)  # `hf-mars tune --refresh-costs`
+    assert calls[-1] == (torch.float32, 1, (1, 4))
+
+
+def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatch):
+    model = make_model("llama")
+    key = machine_key(model, 1)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert machine_key(model, 1) != key  # other instructions: other kernels
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert machine_key(model, 1) != key
+    finally:
+        torch.set_num_threads(threads)
+    assert machine_key(model, 1) == key
+
+
+def test_real_measurement_times_every_width_with_the_batch_mask(cache_dir):
+    model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=2)
+    measured = costs.measure_pass_costs(model, 2, [1, 4, 8], context=16, repeats=2)
+    assert set(measured) == {1, 4, 8} and all(0.0 < s < 5.0 for s in measured.values())
+
+
+@pytest.fixture
+def auto_model(trained_toy):
+    """The trained toy checkpoint with `mars_lossless="auto"` and measured tokens per forward."""
+    model, tok = trained_toy
+    config = model.generation_config
+    config.mars_lossless, config.mars_acceptance = "auto", dict(ACCEPTANCE)
+    try:
+        yield model, tok
+    finally:
+        del config.mars_lossless, config.mars_acceptance
+
+
+@pytest.mark.parametrize("extra_token_cost,tree", [(0.0, (4, 3, 8)), (0.001, (2, 1, 0)), (0.01, (1, 1, 0))])
+def test_auto_runs_the_tree_the_costs_pick_with_greedy_output(
+    auto_model, cache_dir, monkeypatch, extra_token_cost, tree
+):
+    model, tok = auto_model
+    counting(monkeypatch, table(extra_token_cost))
+    for batch in (1, 4):
+        settings = hf_mars.mars_settings(model, None, batch, mars_verify=True)
+        assert (settings["mars_block_size"], settings["mars_draft_candidates"], settings["mars_lookup"]) == tree
+    enc = toy_prompts(tok, n=4, seed=13)
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=30)
+    out = model.generate(**enc, mars_verify=True, max_new_tokens=30, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    tokens_per_forward = out.mars_stats.new_tokens.sum().item() / out.mars_stats.passes_per_row.sum().item()
+    if tree == (1, 1, 0):  # no tree pays: plain decoding, one token per pass, still reported as MARS stats
+        assert (
+            tokens_per_forward == 1.0
+            and out.mars_stats.forward_passes == reference.shape[1] - enc["input_ids"].shape[1]
+        )
+    else:
+        assert tokens_per_forward > 1.0
+    # A tree named in the call wins over the machine's choice
+    named = hf_mars.mars_settings(model, mars_verify=True, mars_block_size=2, mars_draft_candidates=3)
+    assert (named["mars_block_size"], named["mars_draft_candidates"]) == (2, 3)
+    assert hf_mars.mars_settings(model, mars_tau=0.9)["mars_block_size"] == 4  # τ-mode: the model's own B
+
+
+def test_auto_without_acceptance_or_with_bad_acceptance_is_refused(trained_toy, cache_dir, monkeypatch):
+    model, tok = trained_toy
+    counting(monkeypatch, table(0.0))
+    config = model.generation_config
+    config.mars_lossless = "auto"
+    enc = toy_prompts(tok, n=1)
+    try:
+        with pytest.raises(ValueError, match="mars_acceptance.*hf-mars tune --save"):
+            model.generate(**enc, mars_verify=True, max_new_tokens=4)
+        for bad in ({"2x1": 0.5}, {"1x1": 1.5}, ["2x1"]):
+            config.mars_acceptance = bad
+            with pytest.raises(ValueError, match="mars_acceptance|BxN"):
+                model.generate(**enc, mars_verify=True, max_new_tokens=4)
+        del config.mars_lossless  # acceptance alone also means auto
+        config.mars_acceptance = {"2x1": 1.7}
+        assert hf_mars.mars_settings(model, mars_verify=True)["mars_block_size"] == 2  # a free wide pass: the tree pays
+    finally:
+        for name in ("mars_lossless", "mars_acceptance"):
+            if hasattr(config, name):
+                delattr(config, name)
