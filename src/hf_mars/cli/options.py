@@ -23,8 +23,8 @@ def mask_cost(text: str):
 
 
 def draft_tree(text: str) -> tuple[int, int, int]:
-    """`BxN` or `BxN+L` (see `hf_mars.tools.trees.parse_tree`), refused as argparse refuses a bad value."""
-    from ..tools.trees import parse_tree
+    """`BxN` or `BxN+L` (see `hf_mars.decoding.costs.parse_tree`), refused as argparse refuses a bad value."""
+    from ..decoding.costs import parse_tree  # imports torch: only once a tree is given, so --help stays fast
 
     try:
         return parse_tree(text)
@@ -39,5 +39,10 @@ def add_model(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
 def add_machine(parser: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
     """Where and how `bench` and `tune` load the model: revision, dtype, device."""
     parser.add_argument("--revision")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help=dtype_help)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", *DTYPES],
+        help=dtype_help or "default float32; `auto`: where lossless decoding is expected fastest here (says why)",
+    )
     parser.add_argument("--device", help="e.g. cuda (default: where the model loads)")

@@ -39,7 +39,19 @@ def add_parser(subparsers) -> None:
     tune.add_argument(
         "--save",
         action="store_true",
-        help="write the fastest into the checkpoint's generation_config.json as mars_lossless",
+        help="write each tree's tokens per forward into the checkpoint's generation_config.json (mars_acceptance) "
+        "and the fastest tree here as its mars_lossless for --batch-size",
+    )
+    tune.add_argument(
+        "--auto",
+        action="store_true",
+        help='with --save: set mars_lossless="auto" instead, so that every machine picks its tree from '
+        "mars_acceptance and its own pass costs (for a checkpoint others will run)",
+    )
+    tune.add_argument(
+        "--refresh-costs",
+        action="store_true",
+        help="measure this machine's pass costs again (they are cached per device, dtype, batch and model shape)",
     )
     tune.add_argument("--revision")
     tune.add_argument(
@@ -54,8 +66,10 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> None:
     from ..tools.evals import load_prompts
-    from ..tools.tuning import save_lossless_preset, tune_lossless
+    from ..tools.tuning import acceptance, save_acceptance, save_lossless_preset, tune_lossless
 
+    if args.auto and not args.save:
+        raise SystemExit("--auto says what --save writes: pass both.")
     if args.save and args.model is not None and not Path(args.model).is_dir():  # say so before minutes of measuring
         raise SystemExit(f"--save writes into a local checkpoint folder; {args.model} is not one.")
     model, tokenizer = load_on_device(args)
@@ -70,11 +84,18 @@ def run(args) -> None:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
     )
+    measured = acceptance(cells, args.trees, args.taus[0])
     _report(model, args, len(prompts), cells, best, fastest)
+    _report_costs(model, args, cells, measured)
     if args.save:
         folder = Path(args.model) if args.model is not None else _shipped()
-        written = save_lossless_preset(folder, best, args.batch_size)
-        print(f"Saved to {written} for batch size {args.batch_size} and up: generate(mars_verify=True) now uses it.")
+        written = save_acceptance(folder, measured, auto=args.auto)
+        print(f"Saved mars_acceptance (tokens per forward of {len(measured)} trees) to {written}.")
+        if args.auto:
+            print('mars_lossless = "auto": generate(mars_verify=True) picks the tree from them on each machine.')
+        else:
+            written = save_lossless_preset(folder, best, args.batch_size)
+            print(f"Saved to {written} for batch size {args.batch_size} and up: generate(mars_verify=True) uses it.")
 
 
 def _report(model, args, n_prompts: int, cells, best: dict, fastest) -> None:
@@ -98,3 +119,26 @@ def _shipped() -> Path:
     from ..tools.shipped import default_checkpoint
 
     return default_checkpoint()
+
+
+def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
+    """What `mars_lossless="auto"` would pick here from the measured tokens per forward and this machine's pass
+    costs, each tree's predicted speed-up beside the one just measured: the cost model checked against the clock."""
+    from ..decoding.costs import choose_tree, parse_tree, pass_costs, pass_width, tree_key
+    from ..tools.trees import tree_name
+
+    costs = pass_costs(
+        model, args.batch_size, [pass_width(*parse_tree(name)) for name in measured], args.refresh_costs
+    )
+    by_method = {cell.method: cell for cell in cells}
+    print(f"\nPass costs here (seconds per forward by width, batch {args.batch_size}) and the trees they predict:\n")
+    print("| tree | width | tokens/forward | pass cost vs 1 token | predicted | measured |")
+    print("|---|---|---|---|---|---|")
+    for name, tokens in measured.items():
+        width = pass_width(*parse_tree(name))
+        cell = by_method[f"lossless {tree_name(*parse_tree(name))} tau={args.taus[0]}"]
+        ratio = costs[width] / costs[1]
+        print(f"| {name} | {width} | {tokens:.2f} | {ratio:.2f}x | {tokens / ratio:.2f}x | {cell.speedup:.2f}x |")
+    choice = choose_tree(measured, costs)
+    picked = tree_key(*choice) if choice else "none (plain decoding: no tree beats it by the margin here)"
+    print(f'\nmars_lossless="auto" would run: {picked}')

@@ -3,15 +3,8 @@ call (`mars_mask_cost="auto"`)."""
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import torch
-from transformers import DynamicCache
-
-from ..decoding.compat import CACHE_ARG
+from ..decoding.costs import measure_pass_costs
 from ..decoding.generate import mars_settings
-from .decode import sync
 
 
 def auto_mask_cost(model, batch_size: int = 1, measured: list[float] | None = None, **mars_kwargs) -> list[float]:
@@ -26,42 +19,11 @@ def auto_mask_cost(model, batch_size: int = 1, measured: list[float] | None = No
 def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: int = 7) -> list[float]:
     """What masks add to the time of a decoding pass on this model and machine: `mars_mask_cost` as a list.
 
-    Times forwards over 1 to B tokens (B = the model's block size) after `context` cached tokens, `repeats` times each
-    in alternation, and returns, for k = 1 .. B-1 masks, `median(t_{k+1}) / median(t_1) - 1`. Measured, not assumed:
-    the cost depends on the dtype's matrix kernels (a pass over a few rows may cost as much as over eight, or a pass
+    For k = 1 .. B-1 masks (B = the model's block size), `t(k+1) / t(1) - 1`, where t(w) is the time of a pass over
+    w tokens (`costs.measure_pass_costs`, the measurement `mars_lossless="auto"` chooses trees by). Measured, not
+    assumed: it depends on the dtype's matrix kernels (a pass over a few rows may cost as much as over eight, or a pass
     over 2 tokens more than over 4) and so differs between machines.
-
-    At batch > 1 the passes carry an attention mask with holes, as batched decoding's do (left-padded prompts, rows
-    that accepted fewer tokens): attention without a mask takes another path at another speed, so timing it would
-    misjudge what decoding pays.
     """
-
     block = int(model.config.mars_block_size)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (batch_size, context + block), device=model.device)
-    real = torch.ones_like(ids)
-    real[1::2, : max(1, context // 8)] = 0  # every other row left-padded, as in a batch of unequal prompts
-
-    def mask(end: int):
-        return real[:, :end] if batch_size > 1 else None
-
-    cache = DynamicCache(config=model.config)
-    times = {width: [] for width in range(1, block + 1)}
-    with torch.no_grad():
-        model(input_ids=ids[:, :context], attention_mask=mask(context), **{CACHE_ARG: cache}, use_cache=True)
-        for _ in range(repeats + 1):  # the first round warms up
-            for width in times:
-                sync(model)
-                start = time.perf_counter()
-                model(
-                    input_ids=ids[:, context : context + width],
-                    attention_mask=mask(context + width),
-                    **{CACHE_ARG: cache},
-                    use_cache=True,
-                    logits_to_keep=width,
-                )
-                sync(model)
-                times[width].append(time.perf_counter() - start)
-                cache.crop(-width)
-    one = statistics.median(times[1][1:])
-    return [round(max(0.0, statistics.median(times[w][1:]) / one - 1), 3) for w in range(2, block + 1)]
+    times = measure_pass_costs(model, batch_size, range(1, block + 1), context=context, repeats=repeats)
+    return [round(max(0.0, times[w] / times[1] - 1), 3) for w in range(2, block + 1)]

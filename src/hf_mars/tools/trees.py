@@ -15,14 +15,3 @@ TUNE_TREES = ((2, 1, 0), (2, 3, 0), (2, 3, 4), (2, 2, 6), (3, 2, 4), (4, 1, 4), 
 def tree_name(block: int, candidates: int, lookup: int) -> str:
     """How bench names a lossless draft tree: "B=2 n=3 L=4" (no "L=" when lookup is 0)."""
     return f"B={block} n={candidates}" + (f" L={lookup}" if lookup else "")
-
-
-def parse_tree(text: str) -> tuple[int, int, int]:
-    """`BxN` or `BxN+L` -> `(B, N, L)`: block size B >= 2, N >= 1 candidates for the first draft, L >= 0 tokens of
-    prompt lookup (default 0)."""
-    tree, _, lookup = text.partition("+")
-    block, _, n = tree.partition("x")
-    lookup = lookup or "0"
-    if not (block.isdigit() and n.isdigit() and lookup.isdigit() and int(block) >= 2 and int(n) >= 1):
-        raise ValueError(f"BxN or BxN+L with B >= 2, N >= 1, L >= 0 (e.g. 2x3+4), not {text!r}")
-    return int(block), int(n), int(lookup)

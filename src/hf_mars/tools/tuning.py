@@ -1,5 +1,7 @@
-"""Tuning: the fastest lossless draft tree for a model, machine and batch size, measured side by side with plain
-decoding (`bench.run_benchmark`), and saved into a checkpoint's generation config as its `mars_lossless` preset."""
+"""Tuning: lossless draft trees measured side by side with plain decoding (`bench.run_benchmark`). What each tree
+earns (tokens per forward) belongs to the checkpoint and is saved as its `mars_acceptance`, from which
+`mars_lossless="auto"` picks a tree on each machine; the fastest tree here can also be saved as this machine's
+`mars_lossless` preset."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from pathlib import Path
 
 from transformers import GenerationConfig
 
+from ..decoding.costs import check_acceptance, tree_key
 from ..decoding.generate import mars_settings
 from .bench import Cell, run_benchmark
 from .trees import TUNE_TREES, tree_name
@@ -63,12 +66,38 @@ def save_lossless_preset(folder: str | Path, preset: dict, batch_size: int = 1) 
     lossless defaults from that batch size up. Entries for other batch sizes stay; a flat one counts as batch 1's."""
 
     folder = Path(folder)
-    if not (folder / "generation_config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no generation_config.json: pass a local MARS checkpoint folder.")
-    config = GenerationConfig.from_pretrained(folder)
+    config = _generation_config(folder)
     entries = getattr(config, "mars_lossless", None) or {}
+    entries = {} if entries == "auto" else entries  # a preset for this machine replaces the choice by costs
     if entries and not all(str(key).isdigit() for key in entries):
         entries = {"1": entries}
     config.mars_lossless = {**entries, str(batch_size): dict(preset)}
     config.save_pretrained(folder)
     return folder / "generation_config.json"
+
+
+def acceptance(cells: list[Cell], trees, tau: float = 0.0) -> dict[str, float]:
+    """Tokens per forward of each of `trees` at `tau` (`tune_lossless`'s cells), as `mars_acceptance`: a property of
+    the checkpoint and the prompts, the same on any machine (up to rounding)."""
+    by_method = {cell.method: cell for cell in cells}
+    return {
+        tree_key(*tree): round(by_method[f"lossless {tree_name(*tree)} tau={tau}"].tokens_per_forward, 3)
+        for tree in trees
+    }
+
+
+def save_acceptance(folder: str | Path, measured: dict[str, float], auto: bool = False) -> Path:
+    """Merge `measured` into the checkpoint folder's `mars_acceptance` (trees measured before stay); with `auto`, set
+    `mars_lossless="auto"`, so that each machine picks its tree from them (a checkpoint for others to download)."""
+    config = _generation_config(folder)
+    config.mars_acceptance = check_acceptance({**(getattr(config, "mars_acceptance", None) or {}), **measured})
+    if auto:
+        config.mars_lossless = "auto"
+    config.save_pretrained(folder)
+    return Path(folder) / "generation_config.json"
+
+
+def _generation_config(folder: str | Path) -> GenerationConfig:
+    if not (Path(folder) / "generation_config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no generation_config.json: pass a local MARS checkpoint folder.")
+    return GenerationConfig.from_pretrained(folder)
