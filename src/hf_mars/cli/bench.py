@@ -56,6 +56,14 @@ def add_parser(subparsers) -> None:
         help="plain generate() and MARS with a static cache and generate()'s torch.compile path, as a GPU server "
         "runs a small model (prompt lookup stays eager); the first run of each method compiles and is not timed",
     )
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: `hf-mars serve` on loopback under --clients concurrent streaming clients, MARS lossless "
+        "against plain decoding in interleaved rounds (uses --max-new-tokens, --repeats as rounds, --dtype, --device)",
+    )
+    bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="with --serve (default: 1 4 16)")
+    bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
     add_machine(bench)
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
     bench.set_defaults(run=run)
@@ -83,6 +91,38 @@ def run_host_bound(args) -> None:
             )
 
 
+def run_serve(args) -> None:
+    import json
+
+    from ..tools.loading import resolve_checkpoint
+    from ..tools.serve_bench import run_serve_bench, serve_table, start_server
+
+    if args.dtype == "auto":
+        raise SystemExit("--serve runs the server in one dtype: pass --dtype float32 or bfloat16.")
+    model = args.model or resolve_checkpoint(None)
+    url, server = start_server(model, args.dtype, args.device or "auto", args.max_batch_size)
+    try:
+        rows = run_serve_bench(url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats)
+    finally:
+        server.should_exit = True
+    print(
+        f"\nhf-mars serve on {_cpu_or_gpu(args)}, {args.dtype}, max batch {args.max_batch_size}, streaming clients:\n"
+    )
+    print(serve_table(rows))
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve_bench.json").write_text(json.dumps({"model": model, "dtype": args.dtype, "rows": rows}, indent=1))
+    print(f"\nWrote {out / 'serve_bench.json'}")
+
+
+def _cpu_or_gpu(args) -> str:
+    import torch
+
+    if (args.device or "").startswith("cuda") or (not args.device and torch.cuda.is_available()):
+        return f"cuda ({torch.cuda.get_device_name()})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
 def run(args) -> None:
     from ..tools.bench import format_table, run_benchmark
     from ..tools.calibrate import measure_mask_cost
@@ -90,6 +130,8 @@ def run(args) -> None:
 
     if args.host_bound:
         return run_host_bound(args)
+    if args.serve:
+        return run_serve(args)
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
     costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`
@@ -113,6 +155,7 @@ def run(args) -> None:
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
+    plain = _fastest_plain(model, tokenizer, prompts, args, cells)
     print(
         "\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
         + "; ".join(f"{b}: {c}" for b, c in costs.items())
@@ -125,18 +168,63 @@ def run(args) -> None:
         max_new_tokens=args.max_new_tokens,
         mask_cost=costs,
         compiled=args.compile,
+        fastest_plain=plain,
     )
     _save(cells, Path(args.output), meta)
 
 
 def load_on_device(args):
-    """The checkpoint of `bench`/`tune`, moved to `--device` if given: `(model, tokenizer)`."""
+    """The checkpoint of `bench`/`tune`, moved to `--device` if given: `(model, tokenizer)`. `--dtype auto` loads it
+    in float32, then keeps the dtype `choose_dtype` picks, says why, and sets `args.dtype` to it."""
     from ..tools.loading import load_checkpoint
 
-    model, tokenizer = load_checkpoint(args.model, args.revision, args.dtype)
+    auto = args.dtype == "auto"
+    model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if auto else args.dtype)
     if args.device:
         model.to(args.device)
+    if auto:
+        from ..tools.dtypes import choose_dtype, in_dtype
+
+        choice = choose_dtype(model, min(getattr(args, "batch_sizes", [1])))
+        print(f"[{choice.reason()}]")
+        model, args.dtype = in_dtype(model, choice.dtype), str(choice.dtype).removeprefix("torch.")
     return model, tokenizer
+
+
+def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
+    """Plain `generate()` in the other dtypes this machine runs (after the main run, same prompts), and every cell
+    against the fastest plain decoding by batch size: `{batch size: [dtype, tokens/s]}`."""
+    from ..tools.bench import run_benchmark
+    from ..tools.dtypes import candidate_dtypes, in_dtype
+
+    fastest = {c.batch_size: [args.dtype, c.tokens_per_second] for c in cells if c.method == "ar"}
+    for dtype in candidate_dtypes(model):
+        if dtype == model.dtype or args.compile:
+            continue
+        other = run_benchmark(
+            in_dtype(model, dtype),
+            tokenizer,
+            prompts,
+            taus=(),
+            batch_sizes=args.batch_sizes,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            verify=False,
+            prompt_lookup=0,
+            mask_costs=(),
+            tau_mode=False,
+        )
+        for cell in other:
+            if cell.tokens_per_second > fastest[cell.batch_size][1]:
+                fastest[cell.batch_size] = [str(dtype).removeprefix("torch."), cell.tokens_per_second]
+    print("\nAgainst the fastest plain generate() here, by batch size:")
+    for batch, (dtype, rate) in fastest.items():
+        best = max((c for c in cells if c.batch_size == batch), key=lambda c: c.tokens_per_second)
+        print(
+            f"batch {batch}: plain {dtype} {rate:.1f} tokens/s; fastest here {best.method} ({args.dtype}) "
+            f"{best.tokens_per_second / rate:.2f}x it"
+        )
+    return fastest
 
 
 def device_name(model) -> str:

@@ -35,7 +35,13 @@ def add_parser(subparsers) -> None:
     )
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
-    gen.add_argument("--dtype", default="float32", choices=DTYPES)
+    gen.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", *DTYPES],
+        help="float32 (default: lossless output identical to float32 generate()), or `auto`: the dtype where "
+        "lossless decoding is expected fastest on this machine, from pass costs measured here (said with the reason)",
+    )
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
     gen.add_argument(
@@ -74,7 +80,9 @@ def run(args) -> None:
     args.lossless = args.lossless or by_default
     if not args.lossless and (args.draft_candidates is not None or args.lookup is not None):
         raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
-    model, tokenizer = load_checkpoint(args.model, args.revision, args.dtype)
+    model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
+    if args.dtype == "auto":
+        model = _auto_dtype(model)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
     mars = _mars_arguments(model, args)
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
@@ -85,6 +93,14 @@ def run(args) -> None:
         _compare_with_ar(model, inputs, out, seconds, args.max_new_tokens)
     if by_default:
         print(TAU_NOTE, file=sys.stderr)
+
+
+def _auto_dtype(model):
+    from ..tools.dtypes import choose_dtype, in_dtype
+
+    choice = choose_dtype(model)
+    print(f"[{choice.reason()}]", file=sys.stderr)
+    return in_dtype(model, choice.dtype)
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
@@ -163,17 +179,33 @@ def _stream(model, tokenizer, inputs, mars: dict, max_new_tokens: int):
 
 
 def _compare_with_ar(model, inputs, out, mars_seconds: float, max_new_tokens: int) -> None:
-    """The reference is transformers' own generate() (with its KV cache), not the MARS loop at τ = 1."""
+    """The reference is transformers' own generate() (with its KV cache), not the MARS loop at τ = 1: in this dtype,
+    and in the others this machine runs, so that MARS is also set against the fastest plain decoding here."""
     import torch
     from transformers import GenerationMixin
 
-    start = time.perf_counter()
-    ar = GenerationMixin.generate(model, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    ar_seconds = time.perf_counter() - start
-    new, ar_new = int(out.mars_stats.new_tokens[0]), ar.shape[1] - inputs["input_ids"].shape[1]
-    same = torch.equal(ar[0], out.sequences[0])
+    from ..tools.dtypes import candidate_dtypes, in_dtype
+
+    new = int(out.mars_stats.new_tokens[0])
+    rates = {}
+    for dtype in sorted(candidate_dtypes(model), key=lambda d: d != model.dtype):  # this dtype first
+        plain = in_dtype(model, dtype)
+        if plain is not model:
+            GenerationMixin.generate(plain, **inputs, max_new_tokens=4, do_sample=False)  # warm-up
+        start = time.perf_counter()
+        ar = GenerationMixin.generate(plain, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        ar_new = ar.shape[1] - inputs["input_ids"].shape[1]
+        rates[dtype] = ar_new / (time.perf_counter() - start)
+        if dtype == model.dtype:
+            same = torch.equal(ar[0], out.sequences[0])
+            print(
+                f"[plain AR generate(): {ar_new} tokens, {rates[dtype]:.1f} tokens/s; "
+                f"MARS speed-up {(new / mars_seconds) / rates[dtype]:.2f}x; output identical to AR: {same}]",
+                file=sys.stderr,
+            )
+    fastest = max(rates, key=rates.get)
     print(
-        f"[plain AR generate(): {ar_new} tokens, {ar_new / ar_seconds:.1f} tokens/s; "
-        f"MARS speed-up {(new / mars_seconds) / (ar_new / ar_seconds):.2f}x; output identical to AR: {same}]",
+        f"[fastest plain generate() here: {str(fastest).removeprefix('torch.')}, {rates[fastest]:.1f} tokens/s; "
+        f"MARS ({str(model.dtype).removeprefix('torch.')}) {(new / mars_seconds) / rates[fastest]:.2f}x it]",
         file=sys.stderr,
     )
