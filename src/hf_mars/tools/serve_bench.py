@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import uvicorn
 from openai import AsyncOpenAI
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from ..serving.server import build_app
 from .tables import markdown_table
@@ -50,6 +51,7 @@ class Timing:
 
 def start_server(model: str, dtype: str, device: str, max_batch_size: int, port: int = 0):
     """The app on a loopback port in a background thread: `(url, server)`; `server.should_exit = True` stops it."""
+    hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
     app, _ = build_app(model, dtype, device, max_batch_size=max_batch_size)
     if not port:
         with socket.socket() as probe:
