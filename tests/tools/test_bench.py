@@ -89,7 +89,7 @@ def test_prompts_from_jsonl(tmp_path):
 
 
 def test_heldout_prompts_are_scored_by_task():
-    from hf_mars.tools.data import gsm8k_test, humaneval
+    from hf_mars.tools.eval_sets import gsm8k_test, humaneval
 
     tok = make_tokenizer()
     prompts = load_prompts("heldout", tok, limit=4)

@@ -8,19 +8,15 @@ import pytest
 import torch
 from helpers import make_model, make_tokenizer
 
-from hf_mars.tools.data import (
-    distill,
-    humaneval,
-    training_prompts,
-    write_reference_set,
-    write_training_set,
-)
+from hf_mars.tools.distillation import distill, write_reference_set, write_training_set
+from hf_mars.tools.eval_sets import humaneval
 from hf_mars.tools.evals import (
     format_tau_table,
     gsm8k_correct,
     humaneval_correct,
     tau_table,
 )
+from hf_mars.tools.sourcing import training_prompts
 
 
 def test_reference_set_has_the_prompts_of_the_training_set(tmp_path):

@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> None:
     from ..tools import recipe
-    from ..tools.data import write_reference_set
+    from ..tools.distillation import write_reference_set
 
     check(args)
     config = recipe.Recipe.from_args(args)

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .data import gsm8k_test, humaneval
 from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars
+from .eval_sets import gsm8k_test, humaneval
 from .loading import chat_text
 from .plots import save_figure, tau_figure
 from .tables import markdown_table
@@ -71,7 +71,7 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
     `path` is a JSONL file, one object per line with `prompt` (a user message) or `messages` (a chat; the last
     assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
     evaluation sets, GSM8K test and HumanEval, alternating (answer match, executed tests), which no training prompt
-    of the shipped delta comes from, directly or through a derived source (`data.overlap` checks); or
+    of the shipped delta comes from, directly or through a derived source (`decontamination.overlap` checks); or
     `None`/`"toy"`: held-out prompts of the toy task.
     """
     if path == "heldout":

@@ -4,9 +4,10 @@ Each stage writes its result under `output_dir` and is skipped when that result 
 interruption (or after a finished run) continues where the last one stopped:
 
 1. prompts: `prompts.jsonl` and `prompts.json` (per-source counts, prompts dropped as overlapping an evaluation
-   set), by `data.build_prompt_mix`; done when `prompts.json` is there.
+   set), by `sourcing.build_prompt_mix`; done when `prompts.json` is there.
 2. distill: `distilled.jsonl` (every answer; an interrupted run resumes it), `train.jsonl` (the finished answers)
-   and `distill.json` (throughput, when it stopped), by `data.distill` and `data.write_training_set` on the device.
+   and `distill.json` (throughput, when it stopped), by `distillation.distill` and `distillation.write_training_set`
+   on the device.
 3. train: `mars-lora/` or `mars-full/`, by `hf-mars train` (`training.train.run`); TRL's checkpoints inside are
    resumed; done when the final save is there.
 4. export: `delta/` (LoRA: the adapter and the `<|mask|>` row in float16, `shipped.export_delta`) and `checkpoint/`
@@ -30,10 +31,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..training import train as training
-from .data import build_prompt_mix, distill, write_training_set
+from .distillation import distill, write_training_set
 from .evals import evaluate_and_write
 from .loading import load_checkpoint
 from .shipped import base_checkpoint, build_checkpoint, export_delta, merge_delta, save_checkpoint
+from .sourcing import build_prompt_mix
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DATA_SETTINGS = ("prompts", "sources", "seed", "model", "max_new_tokens")
@@ -125,7 +127,7 @@ def _skip(stage: str, path: Path) -> None:
 
 
 def make_prompts(recipe: Recipe) -> list[dict]:
-    """Stage 1: the decontaminated prompt mix (data.build_prompt_mix), as prompts.jsonl and a report."""
+    """Stage 1: the decontaminated prompt mix (sourcing.build_prompt_mix), as prompts.jsonl and a report."""
     path, report_path = recipe.out / "prompts.jsonl", recipe.out / "prompts.json"
     if report_path.is_file():
         _skip("prompts", path)
@@ -142,7 +144,8 @@ def make_prompts(recipe: Recipe) -> list[dict]:
 
 
 def self_distill(recipe: Recipe, prompts: list[dict]) -> dict:
-    """Stage 2: the base model answers the prompts (data.distill) on the device; train.jsonl keeps finished answers."""
+    """Stage 2: the base model answers the prompts (distillation.distill) on the device; train.jsonl keeps finished
+    answers."""
     done = recipe.out / "distill.json"
     if done.is_file():
         _skip("distill", recipe.out / "train.jsonl")

