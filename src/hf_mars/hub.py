@@ -351,6 +351,20 @@ def push_to_hub(
         revision=revision,
         template=card_template,
     )
+    operations, sizes, skipped = _checkpoint_commit(folder, card)
+    api = HfApi(token=token)
+    _prepare_repo(api, repo_id, repo_type="model", private=private, revision=revision, token=token)
+    info = api.create_commit(
+        repo_id, operations, commit_message=commit_message or "Upload MARS checkpoint", revision=revision, token=token
+    )
+    return PushResult(repo_id, "model", revision or "main", info.commit_url, info.oid, sizes, skipped)
+
+
+def _checkpoint_commit(
+    folder: Path, card: ModelCard
+) -> tuple[list[CommitOperationAdd], list[tuple[str, int]], list[tuple[str, str]]]:
+    """The one commit of `push_to_hub`: the checkpoint's files (its tokenizer config made portable) and the card as
+    README.md; with each file's size as sent, and the files left out (a pickle among them is warned about)."""
     upload, skipped = select_files(folder)
     for path, why in skipped:
         if "pickle" in why:
@@ -359,15 +373,9 @@ def push_to_hub(
     portable = {"tokenizer_config.json": portable_tokenizer_config(folder / "tokenizer_config.json")}
     operations = [CommitOperationAdd(path, portable.get(path) or str(folder / path)) for path in upload]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card_bytes))
-
-    api = HfApi(token=token)
-    _prepare_repo(api, repo_id, repo_type="model", private=private, revision=revision, token=token)
-    info = api.create_commit(
-        repo_id, operations, commit_message=commit_message or "Upload MARS checkpoint", revision=revision, token=token
-    )
     sizes = [(path, len(portable[path]) if portable.get(path) else (folder / path).stat().st_size) for path in upload]
     sizes.append(("README.md", len(card_bytes)))
-    return PushResult(repo_id, "model", revision or "main", info.commit_url, info.oid, sizes, skipped)
+    return operations, sizes, skipped
 
 
 def portable_tokenizer_config(path: Path) -> bytes | None:
@@ -412,6 +420,34 @@ def push_space(
     which an installed wheel does not have) is uploaded as it is, caches and hidden files excepted; its README.md
     carries the Space's YAML.
     """
+    folder = _space_folder(folder)
+    api = HfApi(token=token)
+    try:  # a typo here would only show as a Space that fails to start
+        api.repo_info(model_repo, revision=model_revision, token=token)
+    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise ValueError(
+            f"Model repo {model_repo} (revision {model_revision or 'main'}) not found on the Hub: push it first."
+        ) from err
+    _prepare_repo(api, space_id, repo_type="space", private=private, revision=None, token=token, space_sdk="gradio")
+    _point_space_at(api, space_id, model_repo, model_revision, token)
+    info = api.upload_folder(
+        repo_id=space_id,
+        folder_path=folder,
+        repo_type="space",
+        ignore_patterns=list(SPACE_IGNORE),
+        commit_message=commit_message or f"MARS demo for {model_repo}",
+        token=token,
+    )
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    uploaded = list(filter_repo_objects(files, ignore_patterns=SPACE_IGNORE))
+    sizes = [(path, (folder / path).stat().st_size) for path in uploaded]
+    skipped = [(path, "cache or hidden file") for path in files if path not in uploaded]
+    return PushResult(space_id, "space", "main", info.commit_url, info.oid, sizes, skipped)
+
+
+def _space_folder(folder: str | Path | None) -> Path:
+    """The Space folder to upload (default: the source checkout's spaces_demo/), refused unless it holds a Gradio
+    app: an upload without one would only show as a Space that fails to build."""
     if folder is None:
         if not (SPACE_FOLDER / "app.py").is_file():
             raise ValueError(
@@ -430,15 +466,12 @@ def push_space(
     app_file = (meta.app_file if meta is not None else None) or "app.py"
     if not (folder / app_file).is_file():
         raise ValueError(f"{folder} has no {app_file}: a Gradio Space needs its app file.")
+    return folder
 
-    api = HfApi(token=token)
-    try:  # a typo here would only show as a Space that fails to start
-        api.repo_info(model_repo, revision=model_revision, token=token)
-    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise ValueError(
-            f"Model repo {model_repo} (revision {model_revision or 'main'}) not found on the Hub: push it first."
-        ) from err
-    _prepare_repo(api, space_id, repo_type="space", private=private, revision=None, token=token, space_sdk="gradio")
+
+def _point_space_at(api: HfApi, space_id: str, model_repo: str, model_revision: str | None, token) -> None:
+    """Set the Space's variables that pick its checkpoint: `MARS_MODEL`, and `MARS_REVISION` when a revision is
+    pinned (else a previous pin is removed)."""
     api.add_space_variable(
         space_id, "MARS_MODEL", model_repo, description="MARS checkpoint the demo loads", token=token
     )
@@ -446,16 +479,3 @@ def push_space(
         api.add_space_variable(space_id, "MARS_REVISION", model_revision, token=token)
     elif "MARS_REVISION" in api.get_space_variables(space_id, token=token):  # a stale pin would outlive the model
         api.delete_space_variable(space_id, "MARS_REVISION", token=token)
-    info = api.upload_folder(
-        repo_id=space_id,
-        folder_path=folder,
-        repo_type="space",
-        ignore_patterns=list(SPACE_IGNORE),
-        commit_message=commit_message or f"MARS demo for {model_repo}",
-        token=token,
-    )
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    uploaded = list(filter_repo_objects(files, ignore_patterns=SPACE_IGNORE))
-    sizes = [(path, (folder / path).stat().st_size) for path in uploaded]
-    skipped = [(path, "cache or hidden file") for path in files if path not in uploaded]
-    return PushResult(space_id, "space", "main", info.commit_url, info.oid, sizes, skipped)

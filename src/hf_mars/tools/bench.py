@@ -135,6 +135,12 @@ def methods(
     table = {"ar": ar}
     if prompt_lookup:
         table["prompt-lookup"] = lookup
+    return table | _mars_methods(mars, taus, mask_costs, verify, trees, tau_mode)
+
+
+def _mars_methods(mars, taus, mask_costs, verify: bool, trees, tau_mode: bool) -> dict:
+    """The MARS and lossless entries of `methods`' table: `mars` with one τ, mask cost and draft tree bound each."""
+    table = {}
     for tau in taus:
         for cost in mask_costs:
             suffix = f" cost={cost}" if cost else ""
@@ -198,31 +204,44 @@ def run_benchmark(
             if "auto" in mask_costs:
                 known = (measured_costs or {}).get(batch_size)
                 measured["auto"] = known if known is not None else measure_mask_cost(model, batch_size)
-            batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
-            if not batches:
-                raise ValueError(f"{len(prompts)} prompts are too few for batch size {batch_size}.")
-            tally = _Tally(table)
-            for repeat in range(repeats):
-                for batch in batches:
-                    _run_batch(
-                        model,
-                        tokenizer,
-                        table,
-                        counter,
-                        batch,
-                        tally,
-                        repeat,
-                        max_new_tokens,
-                        bar,
-                        warm_up=repeat == 0 and batch is batches[0],
-                        warm_up_tokens=max_new_tokens if compiled else 8,  # compile every shape before timing
-                    )
-                tally.end_repeat()
+            batches = _batches(prompts, batch_size)
+            tally = _repeat_batches(model, tokenizer, table, counter, batches, repeats, max_new_tokens, bar, compiled)
             cells += _cells(table, batch_size, batches, tally)
     finally:
         counter.remove()
         bar.close()
     return cells
+
+
+def _batches(prompts: list[dict], batch_size: int) -> list[list[dict]]:
+    """`prompts` in full batches of `batch_size` (a last, smaller one is left out: every cell runs one batch size)."""
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts) - batch_size + 1, batch_size)]
+    if not batches:
+        raise ValueError(f"{len(prompts)} prompts are too few for batch size {batch_size}.")
+    return batches
+
+
+def _repeat_batches(model, tokenizer, table, counter, batches, repeats, max_new_tokens, bar, compiled) -> _Tally:
+    """Every method on every batch, `repeats` times (all methods on a batch before the next batch), timed into a
+    `_Tally`; each method is warmed up on the first batch before its first timing."""
+    tally = _Tally(table)
+    for repeat in range(repeats):
+        for batch in batches:
+            _run_batch(
+                model,
+                tokenizer,
+                table,
+                counter,
+                batch,
+                tally,
+                repeat,
+                max_new_tokens,
+                bar,
+                warm_up=repeat == 0 and batch is batches[0],
+                warm_up_tokens=max_new_tokens if compiled else 8,  # compile every shape before timing
+            )
+        tally.end_repeat()
+    return tally
 
 
 class _Tally:

@@ -41,25 +41,13 @@ def distill(
     and left out of training by `write_training_set`). Returns {"answered", "finished", "new_tokens", "seconds",
     "stopped"} for this call; "stopped" is "time budget" or "done".
     """
-
     out = Path(out)
-    done = set()
-    if out.exists():
-        done = {json.loads(line)["messages"][0]["content"] for line in out.open()}
-    todo = list({p["prompt"]: p for p in prompts if p["prompt"] not in done}.values())
+    todo = _unanswered(prompts, out)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     texts = {p["prompt"]: chat_text(tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in todo}
-    lengths = {
-        k: len(ids) for k, ids in zip(texts, tokenizer(list(texts.values()), add_special_tokens=False).input_ids)
-    }
-    window = batch_size * 16
-    todo = [
-        p
-        for i in range(0, len(todo), window)
-        for p in sorted(todo[i : i + window], key=lambda p: lengths[p["prompt"]])
-    ]
+    todo = _in_length_windows(todo, texts, tokenizer, window=batch_size * 16)
     eos_ids = torch.tensor(eos_token_ids(model, tokenizer))  # generate() stops at any: an answer that did is finished
     stats = {"answered": 0, "finished": 0, "new_tokens": 0, "seconds": 0.0, "stopped": "done"}
     start = time.monotonic()
@@ -69,25 +57,56 @@ def distill(
                 stats["stopped"] = "time budget"
                 break
             chunk = todo[i : i + batch_size]
-            enc = tokenizer(
-                [texts[p["prompt"]] for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False
-            )
-            with torch.inference_mode():
-                seqs = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False)
-            for p, row in zip(chunk, seqs[:, enc.input_ids.shape[1] :].cpu()):
-                eos = torch.isin(row, eos_ids).nonzero()
-                finished = len(eos) > 0
-                answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-                messages = [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": answer}]
-                f.write(json.dumps({"messages": messages, "source": p["source"], "finished": finished}) + "\n")
-                stats["finished"] += finished
-                stats["new_tokens"] += int(eos[0, 0]) + 1 if finished else len(row)
+            answers = _answer_batch(model, tokenizer, [texts[p["prompt"]] for p in chunk], max_new_tokens)
+            for p, tokens in zip(chunk, answers):
+                row, length = _answered_row(tokenizer, p, tokens, eos_ids)
+                f.write(json.dumps(row) + "\n")
+                stats["finished"] += row["finished"]
+                stats["new_tokens"] += length
             f.flush()
             stats["answered"] += len(chunk)
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.monotonic() - start):.0f}")
     stats["seconds"] = round(time.monotonic() - start, 1)
     return stats
+
+
+def _unanswered(prompts: list[dict], out: Path) -> list[dict]:
+    """The prompts not yet answered in `out`, each once: what a resumed run has left to do."""
+    done = set()
+    if out.exists():
+        done = {json.loads(line)["messages"][0]["content"] for line in out.open()}
+    return list({p["prompt"]: p for p in prompts if p["prompt"] not in done}.values())
+
+
+def _in_length_windows(todo: list[dict], texts: dict[str, str], tokenizer, window: int) -> list[dict]:
+    """`todo` in windows of `window` prompts, each window sorted by the token length of its chat text: a batch holds
+    prompts of similar length (little padding), and a run stopped early has answered a sample of the whole mix."""
+    ids = tokenizer(list(texts.values()), add_special_tokens=False).input_ids
+    lengths = {prompt: len(tokens) for prompt, tokens in zip(texts, ids)}
+    return [
+        p
+        for i in range(0, len(todo), window)
+        for p in sorted(todo[i : i + window], key=lambda p: lengths[p["prompt"]])
+    ]
+
+
+def _answer_batch(model, tokenizer, texts: list[str], max_new_tokens: int) -> torch.Tensor:
+    """The model's greedy answers to chat texts, generated as one left-padded batch: their new tokens, on the CPU."""
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        seqs = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False)
+    return seqs[:, enc.input_ids.shape[1] :].cpu()
+
+
+def _answered_row(tokenizer, prompt: dict, tokens: torch.Tensor, eos_ids: torch.Tensor) -> tuple[dict, int]:
+    """A `distill` row for one answer, and the answer's length in tokens: up to its first EOS when it finished."""
+    eos = torch.isin(tokens, eos_ids).nonzero()
+    finished = len(eos) > 0
+    answer = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    messages = [{"role": "user", "content": prompt["prompt"]}, {"role": "assistant", "content": answer}]
+    length = int(eos[0, 0]) + 1 if finished else len(tokens)
+    return {"messages": messages, "source": prompt["source"], "finished": finished}, length
 
 
 def write_training_set(distilled: str | Path, out: str | Path) -> tuple[int, int]:
