@@ -11,16 +11,20 @@ from helpers import make_model, make_tokenizer, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
-from hf_mars.decoding import costs
-from hf_mars.decoding.costs import choose_tree, machine_key, parse_tree, pass_costs, pass_width
+from hf_mars.decoding import costs as cost_model
+from hf_mars.decoding.costs import Costs, choose_tree, machine_key, parse_tree, pass_costs, pass_width
 
 ACCEPTANCE = {"2x1": 1.6, "2x3+4": 2.1, "4x3+8": 2.6}  # tokens per forward, as `hf-mars tune` measures them
 WIDTHS = sorted({1, *(pass_width(*parse_tree(name)) for name in ACCEPTANCE)})
 
 
 def table(seconds_per_extra_token: float) -> dict[int, float]:
-    """Pass costs by width: 10 ms for one token, plus this much per further token."""
+    """Forward costs by width: 10 ms for one token, plus this much per further token."""
     return {w: 0.010 + seconds_per_extra_token * (w - 1) for w in WIDTHS}
+
+
+def costs(seconds_per_extra_token: float, plain_overhead: float = 0.0, mars_overhead: float = 0.0) -> Costs:
+    return Costs(table(seconds_per_extra_token), plain_overhead, mars_overhead)
 
 
 def test_trees_are_named_and_sized_as_a_lossless_pass_builds_them():
@@ -33,13 +37,21 @@ def test_trees_are_named_and_sized_as_a_lossless_pass_builds_them():
 
 
 def test_free_width_picks_the_widest_tree_and_costly_width_picks_none():
-    assert choose_tree(ACCEPTANCE, table(0.0)) == (4, 3, 8)  # a pass costs the same at any width (a GPU, batch 1)
-    assert choose_tree(ACCEPTANCE, table(0.0002)) == (2, 3, 4)  # wide passes cost a little: a medium tree pays most
-    assert choose_tree(ACCEPTANCE, table(0.001)) == (2, 1, 0)  # only the narrowest still pays
-    assert choose_tree(ACCEPTANCE, table(0.01)) is None  # every tree loses to plain decoding: no drafts
+    assert choose_tree(ACCEPTANCE, costs(0.0)) == (4, 3, 8)  # a pass costs the same at any width (a GPU, batch 1)
+    assert choose_tree(ACCEPTANCE, costs(0.0002)) == (2, 3, 4)  # wide passes cost a little: a medium tree pays most
+    assert choose_tree(ACCEPTANCE, costs(0.001)) == (2, 1, 0)  # only the narrowest still pays
+    assert choose_tree(ACCEPTANCE, costs(0.01)) is None  # every tree loses to plain decoding: no drafts
     # A tree must beat plain decoding by the margin, not merely tie it
-    assert choose_tree({"2x1": 1.05}, {1: 1.0, 4: 1.0}) is None
-    assert choose_tree({"2x1": 1.05}, {1: 1.0, 4: 1.0}, margin=1.0) == (2, 1, 0)
+    assert choose_tree({"2x1": 1.05}, Costs({1: 1.0, 4: 1.0})) is None
+    assert choose_tree({"2x1": 1.05}, Costs({1: 1.0, 4: 1.0}), margin=1.0) == (2, 1, 0)
+
+
+def test_the_loop_s_own_time_per_step_counts():
+    """Where a step's host work sets its time (a small model on a GPU), a lossless pass that does more of it than a
+    plain step must earn that too: free width alone does not make a tree pay."""
+    assert choose_tree(ACCEPTANCE, costs(0.0, plain_overhead=0.005, mars_overhead=0.005)) == (4, 3, 8)
+    assert choose_tree(ACCEPTANCE, costs(0.0, plain_overhead=0.005, mars_overhead=0.020)) == (4, 3, 8)  # 2.6/30 ms
+    assert choose_tree(ACCEPTANCE, costs(0.0, plain_overhead=0.005, mars_overhead=0.050)) is None  # 2.6/60 ms
 
 
 @pytest.fixture
@@ -49,14 +61,16 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def counting(monkeypatch, measured: dict[int, float] | None = None) -> list:
-    """Replace the clock: every measurement is recorded, and returns `measured` (or 1 ms per token)."""
+    """Replace the clock: every forward measurement is recorded, and returns `measured` (or 1 ms per token); a step
+    adds nothing to its forward."""
     calls = []
 
     def measure(model, batch_size, widths, **_):
         calls.append((model.dtype, batch_size, tuple(widths)))
         return {w: (measured or {}).get(w, 0.001 * w) for w in widths}
 
-    monkeypatch.setattr(costs, "measure_pass_costs", measure)
+    monkeypatch.setattr(cost_model, "measure_pass_costs", measure)
+    monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
     return calls
 
 
@@ -64,7 +78,7 @@ def test_pass_costs_are_measured_once_per_machine_dtype_batch_and_model_shape(ca
     calls = counting(monkeypatch)
     model = make_model("llama")
     first = pass_costs(model, 1, [4, 16])
-    assert calls == [(torch.float32, 1, (1, 4, 16))] and set(first) == {1, 4, 16}
+    assert calls == [(torch.float32, 1, (1, 4, 16))] and set(first.forward) == {1, 4, 16}
     assert pass_costs(model, 1, [16, 4]) == first and len(calls) == 1  # cached: not measured again
     saved = json.loads((cache_dir / "pass_costs.json").read_text())
     assert list(saved) == [machine_key(model, 1)] and "float32" in machine_key(model, 1)
@@ -96,8 +110,11 @@ def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatc
 
 def test_real_measurement_times_every_width_with_the_batch_mask(cache_dir):
     model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=2)
-    measured = costs.measure_pass_costs(model, 2, [1, 4, 8], context=16, repeats=2)
+    measured = cost_model.measure_pass_costs(model, 2, [1, 4, 8], context=16, repeats=2)
     assert set(measured) == {1, 4, 8} and all(0.0 < s < 5.0 for s in measured.values())
+    overheads = cost_model.measure_overheads(model, 2, measured, context=16, repeats=1)  # real generate() calls
+    assert set(overheads) == {"plain_overhead", "mars_overhead"} and all(0.0 <= s < 5.0 for s in overheads.values())
+    assert model.generation_config.eos_token_id is not None  # the timing runs' config was a copy
 
 
 @pytest.fixture
@@ -117,7 +134,7 @@ def test_auto_runs_the_tree_the_costs_pick_with_greedy_output(
     auto_model, cache_dir, monkeypatch, extra_token_cost, tree
 ):
     model, tok = auto_model
-    counting(monkeypatch, table(extra_token_cost))
+    counting(monkeypatch, table(extra_token_cost))  # width 1 and the trees' widths
     for batch in (1, 4):
         settings = hf_mars.mars_settings(model, None, batch, mars_verify=True)
         assert (settings["mars_block_size"], settings["mars_draft_candidates"], settings["mars_lookup"]) == tree
@@ -154,8 +171,26 @@ def test_auto_without_acceptance_or_with_bad_acceptance_is_refused(trained_toy, 
                 model.generate(**enc, mars_verify=True, max_new_tokens=4)
         del config.mars_lossless  # acceptance alone also means auto
         config.mars_acceptance = {"2x1": 1.7}
-        assert hf_mars.mars_settings(model, mars_verify=True)["mars_block_size"] == 2  # a free wide pass: the tree pays
+        assert (
+            hf_mars.mars_settings(model, mars_verify=True)["mars_block_size"] == 2
+        )  # a free wide pass: the tree pays
     finally:
         for name in ("mars_lossless", "mars_acceptance"):
             if hasattr(config, name):
                 delattr(config, name)
+
+
+def test_mask_cost_auto_is_read_from_the_same_pass_costs(trained_toy, cache_dir, monkeypatch):
+    model, tok = trained_toy
+    calls = counting(monkeypatch, {1: 0.010, 2: 0.012, 3: 0.015, 4: 0.020})
+    settings = hf_mars.mars_settings(model, mars_tau=0.9, mars_mask_cost="auto")
+    assert settings["mars_mask_cost"] == [0.2, 0.5, 1.0] and len(calls) == 1  # B = 4: 1, 2, 3 masks
+    assert hf_mars.mars_settings(model, mars_tau=0.9, mars_block_size=2, mars_mask_cost="auto")["mars_mask_cost"] == [
+        0.2
+    ]
+    assert len(calls) == 1  # cached
+    enc = toy_prompts(tok, n=2, seed=5)
+    out = model.generate(**enc, mars_tau=1.0, mars_mask_cost="auto", max_new_tokens=12)
+    assert torch.equal(out, GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=12))
+    with pytest.raises(ValueError, match='"auto"'):
+        model.generate(**enc, mars_tau=0.9, mars_mask_cost="fast", max_new_tokens=4)

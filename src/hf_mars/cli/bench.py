@@ -19,6 +19,9 @@ def add_parser(subparsers) -> None:
         help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, default) or `toy`",
     )
     bench.add_argument("--limit", type=int, default=32, help="use the first N prompts (default 32)")
+    bench.add_argument(
+        "--skip", type=int, default=0, help="start after the first N prompts (e.g. those `tune` measured trees on)"
+    )
     bench.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     bench.add_argument("--max-new-tokens", type=int, default=128)
@@ -133,7 +136,7 @@ def run(args) -> None:
     if args.serve:
         return run_serve(args)
     model, tokenizer = load_on_device(args)
-    prompts = load_prompts(args.prompts, tokenizer, limit=args.limit)
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.skip + args.limit)[args.skip :]
     costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`
     cells = run_benchmark(
         model,
@@ -183,7 +186,7 @@ def load_on_device(args):
     if args.device:
         model.to(args.device)
     if auto:
-        from ..tools.dtypes import choose_dtype, in_dtype
+        from ..decoding.costs import choose_dtype, in_dtype
 
         choice = choose_dtype(model, min(getattr(args, "batch_sizes", [1])))
         print(f"[{choice.reason()}]")
@@ -194,8 +197,8 @@ def load_on_device(args):
 def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
     """Plain `generate()` in the other dtypes this machine runs (after the main run, same prompts), and every cell
     against the fastest plain decoding by batch size: `{batch size: [dtype, tokens/s]}`."""
+    from ..decoding.costs import candidate_dtypes, in_dtype
     from ..tools.bench import run_benchmark
-    from ..tools.dtypes import candidate_dtypes, in_dtype
 
     fastest = {c.batch_size: [args.dtype, c.tokens_per_second] for c in cells if c.method == "ar"}
     for dtype in candidate_dtypes(model):

@@ -84,7 +84,7 @@ def run(args) -> None:
     if args.dtype == "auto":
         model = _auto_dtype(model)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
-    mars = _mars_arguments(model, args)
+    mars = _mars_arguments(args)
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         _warm_up(model, inputs, mars)
     _print_settings(model, mars, args.lossless)
@@ -96,7 +96,7 @@ def run(args) -> None:
 
 
 def _auto_dtype(model):
-    from ..tools.dtypes import choose_dtype, in_dtype
+    from ..decoding.costs import choose_dtype, in_dtype
 
     choice = choose_dtype(model)
     print(f"[{choice.reason()}]", file=sys.stderr)
@@ -112,22 +112,16 @@ def _encode(tokenizer, prompt: str, chat: bool):
     return tokenizer(prompt, return_tensors="pt")
 
 
-def _mars_arguments(model, args) -> dict:
+def _mars_arguments(args) -> dict:
     """The `mars_*` arguments of `generate()`; None leaves a setting to the checkpoint (lossless: mars_lossless)."""
-    tau = args.tau
-    mars = dict(
-        mars_tau=tau,
+    return dict(
+        mars_tau=args.tau,
         mars_verify=args.lossless or None,  # not given: the checkpoint's generation config decides
         mars_block_size=args.block_size,
         mars_draft_candidates=args.draft_candidates,
         mars_lookup=args.lookup,
+        mars_mask_cost=args.mask_cost,  # "auto": generate() reads this machine's pass costs
     )
-    cost = args.mask_cost
-    if cost == "auto":
-        from ..tools.calibrate import auto_mask_cost
-
-        cost = auto_mask_cost(model, **mars)
-    return {**mars, "mars_mask_cost": cost}
 
 
 def _warm_up(model, inputs, mars: dict) -> None:
@@ -184,7 +178,7 @@ def _compare_with_ar(model, inputs, out, mars_seconds: float, max_new_tokens: in
     import torch
     from transformers import GenerationMixin
 
-    from ..tools.dtypes import candidate_dtypes, in_dtype
+    from ..decoding.costs import candidate_dtypes, in_dtype
 
     new = int(out.mars_stats.new_tokens[0])
     rates = {}

@@ -131,14 +131,18 @@ def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
         model, args.batch_size, [pass_width(*parse_tree(name)) for name in measured], args.refresh_costs
     )
     by_method = {cell.method: cell for cell in cells}
-    print(f"\nPass costs here (seconds per forward by width, batch {args.batch_size}) and the trees they predict:\n")
-    print("| tree | width | tokens/forward | pass cost vs 1 token | predicted | measured |")
+    print(
+        f"\nPass costs here (batch {args.batch_size}: a one-token forward {costs.forward[1] * 1e3:.1f} ms, plus "
+        f"{costs.plain_overhead * 1e3:.1f} ms a plain step, {costs.mars_overhead * 1e3:.1f} ms a lossless pass) "
+        "and the speed-ups they predict:\n"
+    )
+    print("| tree | pass width | tokens/forward | forward vs 1 token | predicted | measured |")
     print("|---|---|---|---|---|---|")
     for name, tokens in measured.items():
-        width = pass_width(*parse_tree(name))
-        cell = by_method[f"lossless {tree_name(*parse_tree(name))} tau={args.taus[0]}"]
-        ratio = costs[width] / costs[1]
-        print(f"| {name} | {width} | {tokens:.2f} | {ratio:.2f}x | {tokens / ratio:.2f}x | {cell.speedup:.2f}x |")
+        tree, cell = parse_tree(name), by_method[f"lossless {tree_name(*parse_tree(name))} tau={args.taus[0]}"]
+        width, predicted = pass_width(*tree), costs.tree_rate(tree, tokens) / costs.plain_rate()
+        ratio = costs.forward[width] / costs.forward[1]
+        print(f"| {name} | {width} | {tokens:.2f} | {ratio:.2f}x | {predicted:.2f}x | {cell.speedup:.2f}x |")
     choice = choose_tree(measured, costs)
     picked = tree_key(*choice) if choice else "none (plain decoding: no tree beats it by the margin here)"
     print(f'\nmars_lossless="auto" would run: {picked}')

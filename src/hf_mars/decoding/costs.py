@@ -12,6 +12,7 @@ pass is nearly free (a GPU at small batch, a CPU with native bfloat16 matrix uni
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -21,10 +22,11 @@ import platform
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationMixin
 
 from .compat import CACHE_ARG, supports_logits_to_keep
 
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 # A tree must promise this much more than plain decoding: a bare forward's time leaves out the loop's host work per
 # pass (choosing, verifying, cache bookkeeping), which plain decoding pays less of
 MARGIN = 1.1
+OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, which `measure_overheads` times
 _TREE = re.compile(r"^(\d+)x(\d+)(?:\+(\d+))?$")
 # What a pass's cost depends on in a model's config: its shape, not its weights
 _SHAPE_KEYS = (
@@ -65,21 +68,50 @@ def pass_width(block: int, candidates: int, lookup: int) -> int:
     return (drafts + 1) * block
 
 
-def choose_tree(acceptance: dict, costs: dict, margin: float = MARGIN) -> tuple[int, int, int] | None:
-    """The tree of `acceptance` (tree -> tokens per forward) with the most tokens per second under `costs` (pass
-    width -> seconds), or `None` where no tree beats plain decoding (1 token per `costs[1]`) by `margin`."""
+@dataclass
+class Costs:
+    """What decoding costs on this machine at one dtype and batch size, in seconds: a bare forward by pass width, and
+    what a step adds to its forward (choosing tokens, the cache, Python and dispatch: all of a step's time on a GPU
+    at small batch), for plain `generate()` per token and for a lossless pass."""
+
+    forward: dict[int, float]
+    plain_overhead: float = 0.0
+    mars_overhead: float = 0.0
+
+    def plain_rate(self) -> float:
+        """Tokens per second of plain decoding."""
+        return 1 / (self.forward[1] + self.plain_overhead)
+
+    def tree_rate(self, tree: tuple[int, int, int], tokens_per_forward: float) -> float:
+        """Tokens per second of lossless mode with `tree`, at that many tokens per forward."""
+        return tokens_per_forward / (self.forward[pass_width(*tree)] + self.mars_overhead)
+
+
+def mask_costs(model, batch_size: int, block_size: int) -> list[float]:
+    """`mars_mask_cost="auto"`: what 1 .. B-1 masks add to a one-token pass here, from the cached pass costs."""
+    return mask_shares(pass_costs(model, batch_size, range(1, block_size + 1)).forward, block_size)
+
+
+def mask_shares(forward: dict[int, float], block_size: int) -> list[float]:
+    """Forward costs by width -> `mars_mask_cost` as a list: `t(k+1) / t(1) - 1` for k = 1 .. B-1 masks."""
+    return [round(max(0.0, forward[w] / forward[1] - 1), 3) for w in range(2, block_size + 1)]
+
+
+def choose_tree(acceptance: dict, costs: Costs, margin: float = MARGIN) -> tuple[int, int, int] | None:
+    """The tree of `acceptance` (tree -> tokens per forward) with the most tokens per second under `costs`, or `None`
+    where no tree beats plain decoding by `margin`."""
     return best_rate(acceptance, costs, margin)[0]
 
 
-def best_rate(acceptance: dict, costs: dict, margin: float = MARGIN) -> tuple[tuple[int, int, int] | None, float]:
-    """`(tree, tokens per second)` of `choose_tree`'s choice; `(None, 1 / costs[1])` for plain decoding."""
-    best, top = None, margin / costs[1]
+def best_rate(acceptance: dict, costs: Costs, margin: float = MARGIN) -> tuple[tuple[int, int, int] | None, float]:
+    """`(tree, tokens per second)` of `choose_tree`'s choice; `(None, plain decoding's rate)` where none pays."""
+    best, top = None, margin * costs.plain_rate()
     for name, tokens in acceptance.items():
         tree = parse_tree(name)
-        rate = tokens / costs[pass_width(*tree)]
+        rate = costs.tree_rate(tree, tokens)
         if rate > top:
             best, top = tree, rate
-    return best, top if best else 1 / costs[1]
+    return best, top if best else costs.plain_rate()
 
 
 def check_acceptance(acceptance) -> dict:
@@ -127,19 +159,22 @@ def costs_path() -> Path:
     return cache_dir() / "pass_costs.json"
 
 
-def pass_costs(model, batch_size: int, widths, refresh: bool = False) -> dict[int, float]:
-    """Seconds per pass for each of `widths` (and 1) on this machine, measured once and cached (`refresh`: again)."""
+def pass_costs(model, batch_size: int, widths, refresh: bool = False) -> Costs:
+    """This machine's `Costs` for `widths` (and 1), measured once and cached per `machine_key` (`refresh`: again)."""
     path, key = costs_path(), machine_key(model, batch_size)
     table = json.loads(path.read_text()) if path.is_file() else {}
-    known = {int(w): s for w, s in table.get(key, {}).items()} if not refresh else {}
-    missing = sorted({1, *widths} - set(known))
-    if missing:
-        logger.warning("MARS: measuring pass costs on this machine for widths %s (once; cached in %s)", missing, path)
-        known.update(measure_pass_costs(model, batch_size, missing))
-        table[key] = {str(w): s for w, s in sorted(known.items())}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=1, sort_keys=True))
-    return known
+    entry = {} if refresh else table.get(key, {})
+    forward = {int(w): s for w, s in entry.get("forward", {}).items()}
+    missing = sorted({1, OVERHEAD_TREE_WIDTH, *widths} - set(forward))
+    if not missing and "overhead" in entry:
+        return Costs(forward, **entry["overhead"])
+    logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
+    forward.update(measure_pass_costs(model, batch_size, missing) if missing else {})
+    overhead = entry.get("overhead") or measure_overheads(model, batch_size, forward)
+    table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}, "overhead": overhead}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True))
+    return Costs(forward, **overhead)
 
 
 @torch.no_grad()
@@ -176,6 +211,107 @@ def measure_pass_costs(model, batch_size: int, widths, context: int = 256, repea
     return {w: statistics.median(t) for w, t in times.items()}
 
 
+@torch.no_grad()
+def measure_overheads(model, batch_size: int, forward: dict[int, float], context: int = 256, repeats: int = 2) -> dict:
+    """What a step adds to its bare forward (`forward`, by width): plain `generate()` per token, and a lossless pass
+    with the narrowest tree (2x1) per pass, each timed at two lengths so that the prompt's prefill cancels out, on a
+    random prompt with no end-of-sequence token."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (batch_size, context), device=model.device)
+    real = torch.ones_like(ids)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.do_sample = None, False
+    tree = dict(mars_verify=True, mars_tau=0.0, mars_block_size=2, mars_draft_candidates=1, mars_lookup=0)
+
+    def steps(plain: bool, new_tokens: int) -> tuple[float, int]:
+        config.max_new_tokens, config.return_dict_in_generate = new_tokens, not plain
+        _sync(model)
+        start = time.perf_counter()
+        if plain:
+            count = GenerationMixin.generate(model, ids, generation_config=config, attention_mask=real).shape[1]
+            count -= context
+        else:
+            out = model.generate(ids, generation_config=config, attention_mask=real, mars_mask_cost=0.0, **tree)
+            count = out.mars_stats.forward_passes
+        _sync(model)
+        return time.perf_counter() - start, count
+
+    # The fastest of the rounds at each length: a pause of the machine lengthens a run, never shortens it
+    fastest, counts = {}, {}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for plain in (True, False):
+            for length in (4, 20):
+                seconds, counts[plain, length] = steps(plain, length)
+                if round_:
+                    fastest[plain, length] = min(seconds, fastest.get((plain, length), seconds))
+    per_step = {
+        plain: (fastest[plain, 20] - fastest[plain, 4]) / max(counts[plain, 20] - counts[plain, 4], 1)
+        for plain in (True, False)
+    }
+    return {
+        "plain_overhead": max(0.0, per_step[True] - forward[1]),
+        "mars_overhead": max(0.0, per_step[False] - forward[OVERHEAD_TREE_WIDTH]),
+    }
+
+
 def _sync(model) -> None:
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
+
+
+# Which dtype to decode in. Plain bfloat16 decoding is faster than float32 on most CPUs (half the bytes to read), but
+# a wide bfloat16 pass is cheap only where the CPU computes bfloat16 natively (AVX512-BF16, AMX) or on a GPU;
+# elsewhere it is emulated, and a draft tree can lose what the dtype gained. So the choice is made from the same pass
+# costs, per dtype, and the checkpoint's `mars_acceptance`.
+
+
+@dataclass
+class DtypeChoice:
+    dtype: torch.dtype
+    plain: dict[torch.dtype, float]  # expected tokens/s of plain decoding, by dtype
+    lossless: dict[torch.dtype, tuple[tuple[int, int, int] | None, float]]  # (tree or None, tokens/s), by dtype
+
+    @property
+    def fastest_plain(self) -> torch.dtype:
+        return max(self.plain, key=self.plain.get)
+
+    def reason(self) -> str:
+        """One line: what was chosen, and the expected rates that chose it."""
+
+        def rate(dtype):
+            tree, tokens = self.lossless[dtype]
+            how = f"tree {tree_key(*tree)}" if tree else "plain, no tree pays"
+            return f"{_name(dtype)} {tokens:.0f} tokens/s ({how}; plain {self.plain[dtype]:.0f})"
+
+        return f"dtype {_name(self.dtype)}: expected lossless " + ", ".join(rate(d) for d in self.lossless)
+
+
+def candidate_dtypes(model) -> list[torch.dtype]:
+    """float32, and bfloat16 where the device runs it at all: every CPU torch runs on, a GPU that supports it."""
+    if model.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return [torch.float32]
+    return [torch.float32, torch.bfloat16]
+
+
+def choose_dtype(model, batch_size: int = 1) -> DtypeChoice:
+    """The dtype of the highest expected lossless tokens per second at `batch_size` (a plain one-token pass where
+    the checkpoint has no `mars_acceptance`). Costs a few seconds per dtype the first time on a machine."""
+    acceptance = getattr(model.generation_config, "mars_acceptance", None)
+    acceptance = check_acceptance(acceptance) if acceptance else {}
+    widths = [pass_width(*parse_tree(name)) for name in acceptance]
+    plain, lossless = {}, {}
+    for dtype in candidate_dtypes(model):
+        copied = in_dtype(model, dtype)
+        costs = pass_costs(copied, batch_size, widths)
+        plain[dtype], lossless[dtype] = costs.plain_rate(), best_rate(acceptance, costs)
+        del copied
+    return DtypeChoice(max(lossless, key=lambda d: lossless[d][1]), plain, lossless)
+
+
+def in_dtype(model, dtype: torch.dtype):
+    """`model` in `dtype`: itself if it is, else a converted copy (the original stays as it is)."""
+    return model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

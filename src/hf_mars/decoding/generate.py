@@ -124,7 +124,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_verify: bool | None = None,
         mars_draft_candidates: int | None = None,
         mars_lookup: int | None = None,
-        mars_mask_cost: float | list[float] | None = None,
+        mars_mask_cost: float | list[float] | str | None = None,
         streamer=None,
         **kwargs,
     ):
@@ -143,8 +143,8 @@ class MARSGenerationMixin(GenerationMixin):
                 favour, or none (`costs.py`).
             mars_draft_candidates (`int`): lossless, greedy: candidates for the first draft (default 1, a chain).
             mars_lookup (`int`): lossless, greedy: a branch of up to this many drafts by prompt lookup (default 0).
-            mars_mask_cost (`float` or list): what masks add to a pass, as a share of a one-token pass (per mask, or
-                per count). 0 (default): B-1 masks every pass; else only the masks worth their time (`MaskSchedule`).
+            mars_mask_cost (`float`, list or "auto"): what masks add to a pass, as a share of a one-token pass (per
+                count; "auto": measured here). 0 (default): B-1 masks every pass; else only those worth their time.
 
         Works with sampling, logits processors, EOS ids, `stop_strings`, stopping criteria (called as `generate()`
         calls them), static caches and streamers (a pass's tokens as one chunk). `return_dict_in_generate=True`

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .costs import check_acceptance, choose_tree, parse_tree, pass_costs, pass_width
+from .costs import check_acceptance, choose_tree, mask_costs, parse_tree, pass_costs, pass_width
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Lossless mode's own defaults, read from `generation_config.mars_lossless`
@@ -160,6 +160,8 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
             "predict at most that many tokens ahead."
         )
     cost = setting("mars_mask_cost", 0.0)
+    if cost == "auto" and isinstance(block_size, int) and block_size >= 1:
+        cost = mask_costs(model, batch_size, block_size)
     return MARSSettings(
         tau=tau,
         block_size=block_size,
@@ -245,7 +247,8 @@ def _check_mask_cost(cost, block_size: int) -> None:
         )
     if not all(not isinstance(c, bool) and isinstance(c, (int, float)) and 0 <= c < math.inf for c in costs):
         raise ValueError(
-            f"mars_mask_cost must be a number >= 0 or a list of them (0 = B-1 masks every pass), got {cost!r}"
+            f'mars_mask_cost must be a number >= 0, a list of them (0 = B-1 masks every pass) or "auto" (measured '
+            f"on this machine), got {cost!r}"
         )
 
 

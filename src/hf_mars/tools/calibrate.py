@@ -3,7 +3,7 @@ call (`mars_mask_cost="auto"`)."""
 
 from __future__ import annotations
 
-from ..decoding.costs import measure_pass_costs
+from ..decoding.costs import mask_shares, measure_pass_costs
 from ..decoding.generate import mars_settings
 
 
@@ -25,5 +25,4 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
     over 2 tokens more than over 4) and so differs between machines.
     """
     block = int(model.config.mars_block_size)
-    times = measure_pass_costs(model, batch_size, range(1, block + 1), context=context, repeats=repeats)
-    return [round(max(0.0, times[w] / times[1] - 1), 3) for w in range(2, block + 1)]
+    return mask_shares(measure_pass_costs(model, batch_size, range(1, block + 1), context, repeats), block)
