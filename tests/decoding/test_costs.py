@@ -194,3 +194,24 @@ def test_mask_cost_auto_is_read_from_the_same_pass_costs(trained_toy, cache_dir,
     assert torch.equal(out, GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=12))
     with pytest.raises(ValueError, match='"auto"'):
         model.generate(**enc, mars_tau=0.9, mars_mask_cost="fast", max_new_tokens=4)
+
+
+def test_the_dtype_is_the_one_where_lossless_decoding_is_fastest(auto_model, cache_dir, monkeypatch):
+    """bfloat16 reads half the bytes (a faster one-token pass) but may make wide passes costly (emulated): the choice
+    weighs both, from the same pass costs, and says why."""
+    model, _ = auto_model
+    per_dtype = {
+        torch.float32: table(0.0001),  # wide passes nearly free
+        torch.bfloat16: {w: 0.008 + 0.004 * (w - 1) for w in WIDTHS},  # faster one-token pass, costly width
+    }
+    monkeypatch.setattr(
+        cost_model, "measure_pass_costs", lambda m, b, widths, **_: {w: per_dtype[m.dtype][w] for w in widths}
+    )
+    monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    choice = model.mars_dtype()
+    assert choice.dtype == torch.float32 and choice.fastest_plain == torch.bfloat16
+    assert choice.lossless[torch.bfloat16][0] is None  # no tree pays in bfloat16 here
+    assert "float32" in choice.reason() and "bfloat16" in choice.reason() and "no tree pays" in choice.reason()
+    assert model.dtype == torch.float32  # the model itself is not converted
+    per_dtype[torch.bfloat16] = {w: 0.008 for w in WIDTHS}  # native bfloat16: width free too
+    assert cost_model.choose_dtype(model, batch_size=2).dtype == torch.bfloat16  # another batch size: measured anew

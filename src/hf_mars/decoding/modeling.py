@@ -16,7 +16,7 @@ import transformers
 # files that the class's own file imports, not what those import in turn.
 from .cache import MARSCache, StaticMARSCache
 from .compat import TESTED_TRANSFORMERS, warn_if_untested
-from .costs import choose_dtype, choose_tree, in_dtype
+from .costs import choose_tree
 from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
 from .schedule import MaskSchedule
 from .scoring import STATELESS
@@ -38,9 +38,7 @@ __all__ = [
     "STATELESS",
     "StaticMARSCache",
     "Stopping",
-    "choose_dtype",
     "choose_tree",
-    "in_dtype",
     "TauController",
     "mars_class",
 ]
