@@ -158,6 +158,7 @@ def run(args) -> None:
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
+    print(_lossless_trees(model, args.batch_sizes))
     plain = _fastest_plain(model, tokenizer, prompts, args, cells)
     print(
         "\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
@@ -192,6 +193,22 @@ def load_on_device(args):
         print(f"[{choice.reason()}]")
         model, args.dtype = in_dtype(model, choice.dtype), str(choice.dtype).removeprefix("torch.")
     return model, tokenizer
+
+
+def _lossless_trees(model, batch_sizes) -> str:
+    """Which tree "lossless tau=..." ran at each batch size (the checkpoint's `mars_lossless`: "auto" picks here)."""
+    from ..decoding.costs import tree_key
+
+    trees = []
+    for batch in batch_sizes:
+        s = model.mars_settings(batch_size=batch, mars_verify=True)
+        tree = (s["mars_block_size"], s["mars_draft_candidates"], s["mars_lookup"])
+        trees.append(f"batch {batch}: " + (tree_key(*tree) if tree[0] > 1 else "none (plain decoding)"))
+    preset = getattr(model.generation_config, "mars_lossless", None)
+    source = (
+        "auto: from this machine's pass costs" if preset == "auto" else "the checkpoint's preset" if preset else ""
+    )
+    return f"\nLossless mode's tree ({source or 'the model defaults'}): " + ", ".join(trees)
 
 
 def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
