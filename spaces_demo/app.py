@@ -215,33 +215,23 @@ class Turn:
         self.shown = ""  # the answer's text so far, less a character still incomplete
 
 
-def prepare(
-    model,
-    tokenizer,
-    message,
-    history,
-    tau,
-    block_size,
-    max_new_tokens,
-    do_sample,
-    temperature,
-    top_p,
-    mask_cost,
-    lossless,
-    session: Session,
-) -> Turn:
-    """The request as generate() arguments, refused with a message if empty or too long; sets the session's τ."""
-    history = list(history or [])
-    if not message or not message.strip():
-        raise gr.Error("Type a message first.")
-    # Block size and max new tokens: their sliders' bounds, which Gradio enforces on every request, API included.
-    inputs = encode(tokenizer, history, message)
+def sampling_settings(max_new_tokens, do_sample, temperature, top_p) -> dict:
+    """generate()'s length and sampling arguments, the part of a request that the AR comparison replays."""
     sampling = (
         dict(do_sample=True, temperature=float(temperature), top_p=float(top_p))
         if do_sample
         else dict(do_sample=False)
     )
-    session.tau = float(tau)
+    return dict(max_new_tokens=int(max_new_tokens), **sampling)
+
+
+def prepare(model, tokenizer, message, history, settings: dict, block_size, mask_cost, lossless) -> Turn:
+    """The request as generate() arguments, refused with a message if empty or too long."""
+    history = list(history or [])
+    if not message or not message.strip():
+        raise gr.Error("Type a message first.")
+    # Block size and max new tokens: their sliders' bounds, which Gradio enforces on every request, API included.
+    inputs = encode(tokenizer, history, message)
     cost = dict(mars_mask_cost=float(mask_cost)) if mask_cost else {}  # 0: the default, also of older checkpoints
     # Lossless mode drafts with the checkpoint's own tree (generation_config.mars_lossless: block size, candidates
     # for the first draft, prompt lookup; `hf-mars tune` measures it), τ still from the slider
@@ -250,7 +240,7 @@ def prepare(
     return Turn(
         history=history + [{"role": "user", "content": message}],
         inputs=inputs,
-        settings=dict(max_new_tokens=int(max_new_tokens), **sampling),
+        settings=settings,
         mars=dict(**cost, **verify),
         tree=tree,
         lossless=lossless,
@@ -555,21 +545,9 @@ def handlers(model, tokenizer):
     ):
         """Stream the MARS answer pass by pass; the session's τ is read before every pass. Lossless: drafts verified
         by the model itself, so the text is plain AR's (greedy) or distributed as its samples."""
-        turn = prepare(
-            model,
-            tokenizer,
-            message,
-            history,
-            tau,
-            block_size,
-            max_new_tokens,
-            do_sample,
-            temperature,
-            top_p,
-            mask_cost,
-            lossless,
-            session,
-        )
+        settings = sampling_settings(max_new_tokens, do_sample, temperature, top_p)
+        turn = prepare(model, tokenizer, message, history, settings, block_size, mask_cost, lossless)
+        session.tau = float(tau)
         job = yield from stream_mars(model, tokenizer, turn, session)
         yield finish_mars(tokenizer, turn, job, session)
 
