@@ -25,6 +25,7 @@ adapter, e.g. a previous `--use_peft` output or the shipped delta. Progress and 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,12 +79,28 @@ def resume_point(training_args):
     return resume
 
 
+def check_processes(training_args) -> None:
+    """Refuse a launch of several processes that would train as that many unsynchronised copies.
+
+    torchrun (and `accelerate launch` with a GPU or FSDP config, which runs torchrun) starts the processes, but on a
+    machine without a GPU they join one process group (gloo) only with `--use_cpu`: otherwise each trains alone on
+    the whole data set, and all of them write the same output folder.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size != launched:
+        raise ValueError(
+            f"{launched} processes were launched, but each would train alone (world size {training_args.world_size}):"
+            " on a machine without a GPU pass --use_cpu, which makes them train together over gloo."
+        )
+
+
 def main(script_args, training_args, model_args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import get_peft_config
 
     import hf_mars
 
+    check_processes(training_args)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     model = AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
