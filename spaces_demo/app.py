@@ -15,6 +15,7 @@ import functools
 import html
 import os
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,7 +32,8 @@ DEMO_OUTPUT = "outputs/mars-demo"
 MAX_INPUT_TOKENS = int(os.environ.get("MARS_MAX_INPUT_TOKENS", 1024))  # longer conversations lose their oldest turns
 MAX_NEW_TOKENS = int(os.environ.get("MARS_MAX_NEW_TOKENS", 512))
 CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once; the model is shared, read-only
-DTYPES = ("float32", "bfloat16", "float16")  # MARS_DTYPE: bfloat16 makes masks nearly free on CPUs that compute it
+# MARS_DTYPE: bfloat16 makes masks nearly free on CPUs that compute it; auto: where lossless decoding is fastest
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
 DECODERS = ["MARS", "AR generate()"]
 UPDATE_EVERY = 0.05  # seconds between UI updates at most 20 a second; each carries every pass since the last one
@@ -171,6 +173,18 @@ def lossless_tree(model) -> dict:
     if not hasattr(model, "mars_settings"):  # a checkpoint whose remote code predates mars_lossless: B-1 masks' chain
         return dict(mars_block_size=int(model.config.mars_block_size), mars_lookup=0)
     return model.mars_settings(mars_verify=True)
+
+
+def tree_description(model) -> str:
+    """Lossless mode's tree in words: the checkpoint's preset, or (`mars_lossless="auto"`) the one measured fastest
+    on this machine, which may be no tree at all."""
+    tree = lossless_tree(model)
+    if tree["mars_block_size"] == 1:
+        return "no draft tree: none is expected to beat plain decoding on this machine"
+    auto = getattr(model.generation_config, "mars_lossless", None) == "auto"
+    whose = "the draft tree expected fastest on this machine" if auto else "the checkpoint's draft tree"
+    candidates, lookup = tree.get("mars_draft_candidates", 1), tree.get("mars_lookup", 0)
+    return f"{whose} (B = {tree['mars_block_size']}, {candidates} candidates, lookup {lookup})"
 
 
 # The τ slider's own event, run while an answer streams: the running generation reads it before every pass. Its why
@@ -453,8 +467,7 @@ def mars_settings(model) -> dict:
         value=trained_block,
         step=1,
         label="Block size (tokens per pass at most)",
-        info=f"the model was trained with {trained_block}; lossless mode uses the "
-        f"checkpoint's draft tree (B = {lossless_tree(model)['mars_block_size']})",
+        info=f"the model was trained with {trained_block}; lossless mode uses {tree_description(model)}",
     )
     max_new = gr.Slider(
         1, MAX_NEW_TOKENS, value=min(128, MAX_NEW_TOKENS), step=1, label="Max new tokens", elem_id="max-new"
@@ -596,6 +609,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
             "The model appends `<|mask|>` tokens and keeps the predictions it is at least "
             "τ sure of: several tokens per forward pass. **τ = 1 is the plain autoregressive model**; move the slider "
             "while an answer is written and watch the passes change."
+            f" *{str(model.dtype).removeprefix('torch.')} on {model.device.type}.*"
         )
         with gr.Row():
             chat, settings = chat_column(), settings_column(model)
@@ -632,14 +646,25 @@ def load_model(path: str | None = None, revision: str | None = None):
         raise SystemExit(f"MARS_DTYPE must be one of {', '.join(DTYPES)}, not {dtype!r}.")
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     model = AutoModelForCausalLM.from_pretrained(
-        path, revision=revision, trust_remote_code=True, dtype=getattr(torch, dtype)
+        path, revision=revision, trust_remote_code=True, dtype=getattr(torch, dtype, torch.float32)
     ).eval()
     if (
         getattr(model.config, "mars_block_size", None) is None
         or getattr(model.config, "mars_mask_token_id", None) is None
     ):
         raise SystemExit(f"{path} is not a MARS checkpoint (its config has no mars_block_size / mars_mask_token_id).")
-    return model, tokenizer
+    return (in_fastest_dtype(model) if dtype == "auto" else model), tokenizer
+
+
+def in_fastest_dtype(model):
+    """MARS_DTYPE=auto: the dtype where lossless decoding is expected fastest on this machine, from the pass costs the
+    checkpoint's code measures here (cached after the first start); float32 where that code predates it."""
+    if not hasattr(model, "mars_dtype"):
+        print("MARS_DTYPE=auto: checkpoint code too old to measure dtypes; float32", file=sys.stderr)
+        return model
+    choice = model.mars_dtype()
+    print(f"MARS_DTYPE=auto: {choice.reason()}", file=sys.stderr)
+    return model.to(choice.dtype)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -262,3 +262,20 @@ def test_model_dtype_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("MARS_DTYPE", "bf16")
     with pytest.raises(SystemExit, match="MARS_DTYPE must be one of float32, bfloat16, float16"):
         app.load_model()
+
+
+def test_auto_dtype_is_measured_here_and_said(tmp_path, monkeypatch, capsys):
+    """MARS_DTYPE=auto: the checkpoint's code measures pass costs in float32 and bfloat16 on this machine (in a
+    fresh cache), loads the model in the dtype it chose, says why, and the page and the lossless control say so."""
+    app = load_app()
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MARS_MODEL", str(save_checkpoint(tmp_path / "ckpt")))
+    monkeypatch.setenv("MARS_DTYPE", "auto")
+    model, tokenizer = app.load_model()
+    said = capsys.readouterr().err
+    chosen = str(model.dtype).removeprefix("torch.")
+    assert f"MARS_DTYPE=auto: dtype {chosen}: expected lossless float32 " in said and "bfloat16" in said
+    assert (tmp_path / "cache" / "pass_costs.json").is_file()  # measured here, not assumed
+    texts = [c["props"].get("value") for c in app.build_demo(model, tokenizer).config["components"]]
+    header = next(text for text in texts if isinstance(text, str) and text.startswith("# MARS"))
+    assert f"*{chosen} on cpu.*" in header
