@@ -96,7 +96,8 @@ def test_pass_costs_are_measured_once_per_machine_dtype_batch_and_model_shape(ca
 def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatch):
     model = make_model("llama")
     key = machine_key(model, 1)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    other = "AVX512" if torch.backends.cpu.get_cpu_capability() == "AVX2" else "AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
     assert machine_key(model, 1) != key  # other instructions: other kernels
     monkeypatch.undo()
     threads = torch.get_num_threads()

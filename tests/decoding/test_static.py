@@ -21,6 +21,7 @@ MODES = {
     "tau=0.5 mask cost": dict(mars_tau=0.5, mars_mask_cost=0.2),
     "lossless chain": dict(mars_verify=True),
     "lossless tree": dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4),
+    "lossless per-depth tree": dict(mars_verify=True, mars_draft_candidates=[2, 3, 2], mars_lookup=2),
 }
 
 

@@ -23,7 +23,7 @@ def test_lossless_equals_greedy_generate_at_every_tau_on_a_trained_model(trained
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=60)
     speed = {}
     for tau in (1.0, 0.9, 0.7, 0.0):
-        for candidates, lookup in ((1, 0), (3, 0), (3, 4)):
+        for candidates, lookup in ((1, 0), (3, 0), (3, 4), ((3, 3, 3), 0), ((1, 3), 4), ((2, 2, 2), 0)):
             out = model.generate(
                 **enc,
                 mars_tau=tau,
@@ -34,10 +34,12 @@ def test_lossless_equals_greedy_generate_at_every_tau_on_a_trained_model(trained
                 return_dict_in_generate=True,
             )
             assert torch.equal(out.sequences, reference), f"tau={tau}, candidates={candidates}, lookup={lookup}"
+            assert out.mars_stats.forward_passes > 1
             speed[tau, candidates, lookup] = tokens_per_forward(out.mars_stats)
     assert speed[1.0, 1, 0] == speed[1.0, 3, 0] == 1.0
     assert speed[0.7, 1, 0] > 1.15 and speed[0.0, 1, 0] > 1.15  # drafts get accepted: more than one token per pass
     assert speed[0.0, 3, 0] > speed[0.0, 1, 0]  # runner-up candidates for the first draft are accepted too
+    assert speed[0.0, (3, 3, 3), 0] > speed[0.0, 3, 0]  # and runner-ups at every depth
     # τ-mode at the same τ accepts more, but its output may differ from AR; lossless mode never does
     fast = model.generate(**enc, mars_tau=0.0, max_new_tokens=60, return_dict_in_generate=True)
     assert tokens_per_forward(fast.mars_stats) > speed[0.0, 1, 0]
@@ -83,7 +85,10 @@ def test_lossless_defaults_come_from_the_generation_config_preset(trained_toy):
         del model.generation_config.mars_lossless
 
 
-@pytest.mark.parametrize("mask_cost,candidates,lookup", [(0.0, 1, 0), (0.2, 1, 0), (0.0, 3, 0), (0.0, 3, 4)])
+@pytest.mark.parametrize(
+    "mask_cost,candidates,lookup",
+    [(0.0, 1, 0), (0.2, 1, 0), (0.0, 3, 0), (0.0, 3, 4), (0.0, [2, 3], 0), (0.2, [3, 2, 2], 3), (0.0, [1, 1, 4], 2)],
+)
 def test_lossless_rows_alone_equal_the_batch(trained_toy, mask_cost, candidates, lookup):
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=77)
@@ -118,7 +123,15 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
     for kwargs in (dict(), dict(repetition_penalty=1.3)):
         reference = base.generate(**enc, do_sample=False, max_new_tokens=30, **kwargs)
         for tau in (0.9, 0.3, 0.0):
-            for cost, candidates, lookup in ((0.0, 1, 0), (0.3, 1, 0), (0.0, 4, 0), (0.0, 2, 5)):
+            for cost, candidates, lookup in (
+                (0.0, 1, 0),
+                (0.3, 1, 0),
+                (0.0, 4, 0),
+                (0.0, 2, 5),
+                (0.0, [2, 2, 3, 2], 0),
+                (0.3, [3, 2], 0),
+                (0.0, [1, 3], 5),
+            ):
                 out = mars.generate(
                     **enc,
                     mars_tau=tau,

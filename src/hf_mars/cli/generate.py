@@ -56,7 +56,10 @@ def add_parser(subparsers) -> None:
     gen.add_argument(
         "--draft-candidates",
         type=int,
-        help="lossless: candidates for the first draft (mars_draft_candidates; `hf-mars tune` finds the fastest)",
+        nargs="+",
+        metavar="N",
+        help="lossless: candidates for the first draft, or one count per draft depth (`4 3 2`) "
+        "(mars_draft_candidates; `hf-mars tune` finds the fastest)",
     )
     gen.add_argument(
         "--lookup",
@@ -118,10 +121,17 @@ def _mars_arguments(args) -> dict:
         mars_tau=args.tau,
         mars_verify=args.lossless or None,  # not given: the checkpoint's generation config decides
         mars_block_size=args.block_size,
-        mars_draft_candidates=args.draft_candidates,
+        mars_draft_candidates=_candidates(args.draft_candidates),
         mars_lookup=args.lookup,
         mars_mask_cost=args.mask_cost,  # "auto": generate() reads this machine's pass costs
     )
+
+
+def _candidates(counts: list[int] | None):
+    """`--draft-candidates` as `mars_draft_candidates`: one count is N for the first draft, several are per depth."""
+    if counts is None:
+        return None
+    return counts[0] if len(counts) == 1 else counts
 
 
 def _warm_up(model, inputs, mars: dict) -> None:
@@ -139,7 +149,9 @@ def _print_settings(model, mars: dict, lossless: bool) -> None:
     mode = "lossless " if lossless else ""
     tree = ""
     if lossless:
-        tree = f", {settings['mars_draft_candidates']} draft candidates, lookup {settings['mars_lookup']}"
+        counts = settings["mars_draft_candidates"]
+        per_depth = f"draft candidates {','.join(map(str, counts))} per depth" if isinstance(counts, list) else ""
+        tree = f", {per_depth or f'{counts} draft candidates'}, lookup {settings['mars_lookup']}"
     print(
         f"[MARS {mode}τ={settings['mars_tau']}, block size {settings['mars_block_size']}{tree}, "
         f"mask cost {settings['mars_mask_cost']}]",

@@ -1,4 +1,5 @@
-"""`hf-mars tune`: time lossless draft trees against plain `generate()` on this machine and keep the fastest."""
+"""`hf-mars tune`: time lossless draft trees against plain `generate()` on this machine and keep the fastest; measure
+the masks' per-depth accuracy and propose per-depth trees to time next."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ def add_parser(subparsers) -> None:
         nargs="+",
         metavar="BxN[+L]",
         default=list(TUNE_TREES),
-        help="draft trees to try: block size B, N candidates for the first draft, L prompt-lookup "
-        "tokens (default: " + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES) + ")",
+        help="draft trees to try: block size B, N candidates for the first draft or counts per draft depth "
+        "(4x3,2,2), L prompt-lookup tokens (default: "
+        + " ".join(f"{b}x{n}+{lookup}" for b, n, lookup in TUNE_TREES)
+        + "); tune also prints per-depth trees worth trying",
     )
     tune.add_argument("--taus", type=float, nargs="+", default=[0.0], help="τ values to try (default 0: every draft)")
     tune.add_argument(
@@ -87,6 +90,7 @@ def run(args) -> None:
     measured = acceptance(cells, args.trees, args.taus[0])
     _report(model, args, len(prompts), cells, best, fastest)
     _report_costs(model, args, cells, measured)
+    _propose(model, tokenizer, prompts, args)
     if args.save:
         folder = Path(args.model) if args.model is not None else _shipped()
         written = save_acceptance(folder, measured, auto=args.auto)
@@ -146,3 +150,32 @@ def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
     choice = choose_tree(measured, costs)
     picked = tree_key(*choice) if choice else "none (plain decoding: no tree beats it by the margin here)"
     print(f'\nmars_lossless="auto" would run: {picked}')
+
+
+def _propose(model, tokenizer, prompts, args) -> None:
+    """The masks' per-depth top-k accuracy along the greedy outputs of the prompts, and the per-depth trees it
+    favours at each pass width up to the widest of --trees (expected tokens per forward, lookup aside), to time next
+    with --trees."""
+    from ..decoding.costs import pass_width, tree_key
+    from ..tools.tuning import chain_accuracy, depth_accuracy, depth_ranks, propose_trees
+
+    ranks = depth_ranks(model, tokenizer, prompts, args.max_new_tokens)
+    if not len(ranks):
+        print("\nThe outputs are too short to measure per-depth accuracy.")
+        return
+    shown = (1, 2, 3, 5, 8)
+    print(f"\nHow often the true next token is among mask d's top k ({len(ranks)} positions of greedy outputs):\n")
+    print("| depth | " + " | ".join(f"top-{k}" for k in shown) + " |")
+    print("|---|" + "---|" * len(shown))
+    for depth, row in enumerate(depth_accuracy(ranks), start=1):
+        print(f"| {depth} | " + " | ".join(f"{row[k - 1]:.0%}" for k in shown) + " |")
+    widest = max(pass_width(*tree) for tree in args.trees)
+    frontier = propose_trees(chain_accuracy(ranks), widest)
+    print(f"\nPer-depth trees with the most expected tokens per forward, by pass width up to {widest}:\n")
+    print("| pass width | tree | expected tokens/forward |")
+    print("|---|---|---|")
+    for width, tree, tokens in frontier:
+        print(f"| {width} | {tree_key(*tree)} | {tokens:.2f} |")
+    step = -(-len(frontier) // 6)  # about six trees, from the narrowest to the widest
+    picks = frontier[::step] + ([frontier[-1]] if (len(frontier) - 1) % step else [])
+    print("\nTime some here: hf-mars tune --trees " + " ".join(tree_key(*tree) for _, tree, _ in picks))

@@ -1,7 +1,8 @@
 """`mars_lossless="auto"`: the draft tree with the most tokens per second on this machine, or none at all.
 
 Two measurements meet here. What a tree earns, tokens per pass, belongs to the checkpoint: `hf-mars tune` measures it
-once, on any machine, and stores it in the generation config as `mars_acceptance` (`{"BxN+L": tokens per forward}`).
+once, on any machine, and stores it in the generation config as `mars_acceptance` (`{"BxN+L": tokens per forward}`,
+N an int or per-depth counts, "4x3,2+4": `parse_tree`).
 What a pass costs belongs to the machine: the time of a forward over w tokens for this device, dtype, thread count,
 batch size and architecture, measured here at first use (a few seconds) and cached per machine in
 `$HF_MARS_CACHE/pass_costs.json` (default `~/.cache/hf_mars`). A tree runs only if it beats plain decoding, one
@@ -29,6 +30,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin
 
 from .compat import CACHE_ARG, supports_logits_to_keep
+from .tree import canonical_candidates, runner_ups
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 # pass (choosing, verifying, cache bookkeeping), which plain decoding pays less of
 MARGIN = 1.1
 OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, which `measure_overheads` times
-_TREE = re.compile(r"^(\d+)x(\d+)(?:\+(\d+))?$")
+_TREE = re.compile(r"^(\d+)x(\d+(?:,\d+)*)(?:\+(\d+))?$")
 # What a pass's cost depends on in a model's config: its shape, not its weights
 _SHAPE_KEYS = (
     "model_type",
@@ -50,21 +52,29 @@ _SHAPE_KEYS = (
 )
 
 
-def parse_tree(name: str) -> tuple[int, int, int]:
-    """`"BxN"` or `"BxN+L"` -> `(B, N, L)`: block size, candidates for the first draft, prompt-lookup drafts."""
+def parse_tree(name: str) -> tuple[int, int | tuple[int, ...], int]:
+    """`"BxN"`, `"BxN+L"` or `"Bx4,3,2+L"` -> `(B, N, L)`: block size, `mars_draft_candidates` (N for the first
+    draft, or counts per draft depth, at most B-1 of them; in `canonical_candidates` form), prompt-lookup drafts."""
     match = _TREE.match(str(name))
-    if match is None or int(match[1]) < 2 or int(match[2]) < 1:
-        raise ValueError(f"a draft tree is written BxN or BxN+L with B >= 2, N >= 1 (e.g. 2x3+4), not {name!r}")
-    return int(match[1]), int(match[2]), int(match[3] or 0)
+    counts = [int(k) for k in match[2].split(",")] if match else []
+    if match is None or int(match[1]) < 2 or min(counts) < 1 or len(counts) > int(match[1]) - 1:
+        raise ValueError(
+            "a draft tree is written BxN or BxN+L with B >= 2, N >= 1 (e.g. 2x3+4), N also as counts per draft "
+            f"depth, at most B-1 of them (e.g. 4x3,2+4), not {name!r}"
+        )
+    return int(match[1]), canonical_candidates(counts), int(match[3] or 0)
 
 
-def tree_key(block: int, candidates: int, lookup: int) -> str:
-    return f"{block}x{candidates}" + (f"+{lookup}" if lookup else "")
+def tree_key(block: int, candidates, lookup: int) -> str:
+    """The name of a tree in `mars_acceptance`: `parse_tree`'s inverse, candidates in `canonical_candidates` form."""
+    counts = canonical_candidates(candidates)
+    written = str(counts) if isinstance(counts, int) else ",".join(map(str, counts))
+    return f"{block}x{written}" + (f"+{lookup}" if lookup else "")
 
 
-def pass_width(block: int, candidates: int, lookup: int) -> int:
+def pass_width(block: int, candidates, lookup: int) -> int:
     """Tokens in a lossless pass over a full tree: the root and its drafts, each followed by a group of B-1 masks."""
-    drafts = (block - 1) + (candidates - 1) + lookup
+    drafts = (block - 1) + runner_ups(candidates) + lookup
     return (drafts + 1) * block
 
 
@@ -82,7 +92,7 @@ class Costs:
         """Tokens per second of plain decoding."""
         return 1 / (self.forward[1] + self.plain_overhead)
 
-    def tree_rate(self, tree: tuple[int, int, int], tokens_per_forward: float) -> float:
+    def tree_rate(self, tree: tuple, tokens_per_forward: float) -> float:
         """Tokens per second of lossless mode with `tree`, at that many tokens per forward."""
         return tokens_per_forward / (self.forward[pass_width(*tree)] + self.mars_overhead)
 
@@ -97,13 +107,13 @@ def mask_shares(forward: dict[int, float], block_size: int) -> list[float]:
     return [round(max(0.0, forward[w] / forward[1] - 1), 3) for w in range(2, block_size + 1)]
 
 
-def choose_tree(acceptance: dict, costs: Costs, margin: float = MARGIN) -> tuple[int, int, int] | None:
+def choose_tree(acceptance: dict, costs: Costs, margin: float = MARGIN) -> tuple | None:
     """The tree of `acceptance` (tree -> tokens per forward) with the most tokens per second under `costs`, or `None`
     where no tree beats plain decoding by `margin`."""
     return best_rate(acceptance, costs, margin)[0]
 
 
-def best_rate(acceptance: dict, costs: Costs, margin: float = MARGIN) -> tuple[tuple[int, int, int] | None, float]:
+def best_rate(acceptance: dict, costs: Costs, margin: float = MARGIN) -> tuple[tuple | None, float]:
     """`(tree, tokens per second)` of `choose_tree`'s choice; `(None, plain decoding's rate)` where none pays."""
     best, top = None, margin * costs.plain_rate()
     for name, tokens in acceptance.items():
@@ -114,8 +124,14 @@ def best_rate(acceptance: dict, costs: Costs, margin: float = MARGIN) -> tuple[t
     return best, top if best else costs.plain_rate()
 
 
+def pay_limit(acceptance: dict) -> float:
+    """The most a pass may cost, in one-token passes, for the best tree of `acceptance` to beat plain decoding."""
+    return max(acceptance.values()) / MARGIN
+
+
 def check_acceptance(acceptance) -> dict:
-    """`mars_acceptance`, checked: tree names -> tokens per forward (numbers >= 1)."""
+    """`mars_acceptance`, checked: tree names (`parse_tree`'s, per-depth counts included) -> tokens per forward
+    (numbers >= 1)."""
     if not isinstance(acceptance, dict) or not acceptance:
         raise ValueError(f"mars_acceptance must be a dict of draft trees to tokens per forward, got {acceptance!r}")
     for name, tokens in acceptance.items():
@@ -159,55 +175,114 @@ def costs_path() -> Path:
     return cache_dir() / "pass_costs.json"
 
 
-def pass_costs(model, batch_size: int, widths, refresh: bool = False) -> Costs:
-    """This machine's `Costs` for `widths` (and 1), measured once and cached per `machine_key` (`refresh`: again)."""
-    path, key = costs_path(), machine_key(model, batch_size)
+def cost_batch(batch_size: int) -> int:
+    """The batch size whose pass costs stand for `batch_size`: the next power of two. How a pass's cost grows with
+    its width changes slowly with the batch, and a server that meets every size up to 64 measures seven of them, not
+    sixty-four, each a pause for the requests waiting on it."""
+    return 1 << (max(batch_size, 1) - 1).bit_length()
+
+
+def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit: float | None = None) -> Costs:
+    """This machine's `Costs` for `widths` (and 1), measured once and cached per `machine_key` at `cost_batch`
+    (`refresh`: again).
+
+    `limit`: what a pass may cost, in one-token passes, and still pay (the best tree's tokens per forward over the
+    margin). A width past it is never timed once a narrower one is measured past it: it counts as costing what that
+    one did, a floor, since a wider pass costs no less. Where wide passes are dear (an emulated dtype, a big batch)
+    the first use then times a few narrow passes instead of every width.
+    """
+    path, key = costs_path(), machine_key(model, cost_batch(batch_size))
     table = json.loads(path.read_text()) if path.is_file() else {}
     entry = {} if refresh else table.get(key, {})
     forward = {int(w): s for w, s in entry.get("forward", {}).items()}
-    missing = sorted({1, OVERHEAD_TREE_WIDTH, *widths} - set(forward))
-    if not missing and "overhead" in entry:
-        return Costs(forward, **entry["overhead"])
-    logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
-    forward.update(measure_pass_costs(model, batch_size, missing) if missing else {})
-    overhead = entry.get("overhead") or measure_overheads(model, batch_size, forward)
-    table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}, "overhead": overhead}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1, sort_keys=True))
-    return Costs(forward, **overhead)
+    untimed = entry.get("untimed")  # [width, limit]: from that width on, left out by a run with that limit
+    wanted = sorted({1, OVERHEAD_TREE_WIDTH, *widths})
+    missing = [w for w in wanted if w not in forward and not _past(forward, w, limit, untimed)]
+    overhead = entry.get("overhead")
+    hopeless = _past(forward, OVERHEAD_TREE_WIDTH + 1, limit)  # a pass of the narrowest tree cannot pay
+    if missing or (overhead is None and not hopeless):
+        logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
+        batch = cost_batch(batch_size)
+        if missing:
+            forward.update(measure_pass_costs(model, batch, missing, limit=limit, one=forward.get(1)))
+            left_out = [w for w in missing if w not in forward]
+            untimed = [min(left_out), limit] if left_out else untimed
+        if overhead is None and not _past(forward, OVERHEAD_TREE_WIDTH + 1, limit):
+            overhead = measure_overheads(model, batch, forward)
+        table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}, "overhead": overhead}
+        table[key].update({"untimed": untimed} if untimed else {})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True))
+    known = {w: forward[w] if w in forward else _floor(forward, w, limit) for w in wanted}
+    return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)))
+
+
+def _past(forward: dict[int, float], width: int, limit: float | None, untimed: list | None = None) -> bool:
+    """Whether `width` cannot pay under `limit` (one-token passes) without timing it: a narrower pass is measured
+    past the limit, or a run with this limit or a larger one left it out."""
+    if limit is None:
+        return False
+    left_out = untimed is not None and width >= untimed[0] and limit <= untimed[1]
+    return left_out or any(w < width and s > limit * forward[1] for w, s in forward.items())
+
+
+def _floor(forward: dict[int, float], width: int, limit: float) -> float:
+    """The cost an untimed `width` counts as: the widest narrower pass's, and at least `limit` one-token passes (a
+    wider pass costs no less; past the limit, it loses)."""
+    return max(forward[max(w for w in forward if w < width)], limit * forward[1])
 
 
 @torch.no_grad()
-def measure_pass_costs(model, batch_size: int, widths, context: int = 256, repeats: int = 7) -> dict[int, float]:
+def measure_pass_costs(
+    model, batch_size: int, widths, context: int = 256, repeats: int = 7, limit: float | None = None, one=None
+) -> dict[int, float]:
     """Median seconds of a forward over each of `widths` new tokens after `context` cached ones, at `batch_size`.
 
     Widths are taken in turn, `repeats` times after one warm-up round, so that drift (clock, other load) falls on all
     of them alike; `torch.utils.benchmark` times one statement at a time, which would not. At batch > 1 the passes
     carry an attention mask with holes, as batched decoding's do (left-padded prompts): attention without a mask
-    takes another path at another speed.
+    takes another path at another speed. `limit` (see `pass_costs`; `one`: a one-token pass's seconds where width 1
+    is not among `widths`): the warm-up goes from narrow to wide and stops at the first width clearly past it; the
+    wider ones are left out.
     """
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (batch_size, context + max(widths)), device=model.device)
     real = torch.ones_like(ids)
     real[1::2, : max(1, context // 8)] = 0  # every other row left-padded, as in a batch of unequal prompts
-
-    def forward(start: int, end: int, **extra):
-        mask = real[:, :end] if batch_size > 1 else None
-        model(input_ids=ids[:, start:end], attention_mask=mask, **{CACHE_ARG: cache}, use_cache=True, **extra)
-
-    cache = DynamicCache(config=model.config)
-    forward(0, context)
-    times = {w: [] for w in widths}
     keep = supports_logits_to_keep(model)
-    for round_ in range(repeats + 1):
-        for width in widths:
-            _sync(model)
-            start = time.perf_counter()
-            forward(context, context + width, **({"logits_to_keep": width} if keep else {}))
-            _sync(model)
-            if round_:
-                times[width].append(time.perf_counter() - start)
-            cache.crop(-width)
+    cache = DynamicCache(config=model.config)
+
+    def timed(width: int) -> float:
+        mask = real[:, : context + width] if batch_size > 1 else None
+        extra = {"logits_to_keep": width} if keep else {}
+        _sync(model)
+        start = time.perf_counter()
+        model(
+            input_ids=ids[:, context : context + width],
+            attention_mask=mask,
+            **{CACHE_ARG: cache},
+            use_cache=True,
+            **extra,
+        )
+        _sync(model)
+        seconds = time.perf_counter() - start
+        cache.crop(-width)
+        return seconds
+
+    prefill_mask = real[:, :context] if batch_size > 1 else None
+    model(input_ids=ids[:, :context], attention_mask=prefill_mask, **{CACHE_ARG: cache}, use_cache=True)
+    kept = []
+    for width in sorted(widths):  # the warm-up round
+        seconds = timed(width)
+        one = seconds if width == 1 else one
+        kept.append(width)
+        # 1.25: a margin for a cold first run
+        if limit is not None and width > 1 and one is not None and seconds > 1.25 * limit * one:
+            break
+    times = {w: [] for w in kept}
+    for _ in range(repeats):
+        for width in kept:
+            times[width].append(timed(width))
     return {w: statistics.median(t) for w, t in times.items()}
 
 
@@ -269,7 +344,7 @@ def _sync(model) -> None:
 class DtypeChoice:
     dtype: torch.dtype
     plain: dict[torch.dtype, float]  # expected tokens/s of plain decoding, by dtype
-    lossless: dict[torch.dtype, tuple[tuple[int, int, int] | None, float]]  # (tree or None, tokens/s), by dtype
+    lossless: dict[torch.dtype, tuple[tuple | None, float]]  # ((B, N, L) or None, tokens/s), by dtype
 
     @property
     def fastest_plain(self) -> torch.dtype:
@@ -302,7 +377,7 @@ def choose_dtype(model, batch_size: int = 1) -> DtypeChoice:
     plain, lossless = {}, {}
     for dtype in candidate_dtypes(model):
         copied = in_dtype(model, dtype)
-        costs = pass_costs(copied, batch_size, widths)
+        costs = pass_costs(copied, batch_size, widths, limit=pay_limit(acceptance) if acceptance else None)
         plain[dtype], lossless[dtype] = costs.plain_rate(), best_rate(acceptance, costs)
         del copied
     return DtypeChoice(max(lossless, key=lambda d: lossless[d][1]), plain, lossless)

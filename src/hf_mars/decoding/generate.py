@@ -123,7 +123,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_block_size: int | None = None,
         mars_confidence: str | None = None,
         mars_verify: bool | None = None,
-        mars_draft_candidates: int | None = None,
+        mars_draft_candidates: int | list[int] | None = None,
         mars_lookup: int | None = None,
         mars_mask_cost: float | list[float] | str | None = None,
         streamer=None,
@@ -142,7 +142,7 @@ class MARSGenerationMixin(GenerationMixin):
                 τ (exactly in float32; in bfloat16 near-ties can flip: docs/decoding.md). τ only sets how many
                 drafts are proposed. With `mars_lossless="auto"` the tree is the one this machine's pass costs
                 favour, or none (`costs.py`).
-            mars_draft_candidates (`int`): lossless, greedy: candidates for the first draft (default 1, a chain).
+            mars_draft_candidates (`int`/list): lossless, greedy: first-draft candidates, or per depth (default 1).
             mars_lookup (`int`): lossless, greedy: a branch of up to this many drafts by prompt lookup (default 0).
             mars_mask_cost (`float`, list or "auto"): what masks add to a pass, as a share of a one-token pass (per
                 count; "auto": measured here). 0 (default): B-1 masks every pass; else only those worth their time.
@@ -259,7 +259,7 @@ class _Plan:
     settings: MARSSettings
     processors: LogitsProcessorList
     do_sample: bool
-    candidates: int  # lossless mode: candidates of the first draft (1 where drafts stay a chain)
+    candidates: int | tuple[int, ...]  # lossless mode: `mars_draft_candidates` (1 where drafts stay a chain)
     lookup: int  # lossless mode: tokens of prompt lookup's branch (0 where drafts stay a chain)
     prompt_length: int
     budget: int  # new tokens allowed (what MaxLengthCriteria allows)

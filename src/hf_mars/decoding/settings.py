@@ -14,7 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .costs import check_acceptance, choose_tree, mask_costs, parse_tree, pass_costs, pass_width
+from .costs import check_acceptance, choose_tree, mask_costs, parse_tree, pass_costs, pass_width, pay_limit
+from .tree import runner_ups
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
 # Lossless mode's own defaults, read from `generation_config.mars_lossless`
@@ -79,7 +80,7 @@ class MARSSettings:
     mask_token_id: int
     confidence: str = "probability"
     verify: bool = False
-    draft_candidates: int = 1
+    draft_candidates: int | tuple[int, ...] = 1
     lookup: int = 0
     mask_cost: float | tuple[float, ...] = 0.0
 
@@ -90,9 +91,10 @@ class MARSSettings:
         if self.confidence not in CONFIDENCE_MEASURES:
             raise ValueError(f"mars_confidence must be one of {CONFIDENCE_MEASURES}, got {self.confidence!r}")
         check_verify(self.verify)
-        _check_count("mars_draft_candidates", self.draft_candidates, 1)
+        _check_candidates(self.draft_candidates, self.block_size)
         _check_count("mars_lookup", self.lookup, 0)
-        for name, value in (("mars_draft_candidates", self.draft_candidates > 1), ("mars_lookup", self.lookup)):
+        shaping = (("mars_draft_candidates", runner_ups(self.draft_candidates)), ("mars_lookup", self.lookup))
+        for name, value in shaping:
             if value and not self.verify:
                 raise ValueError(f"{name} shapes lossless mode's draft tree: it needs mars_verify=True.")
         _check_mask_cost(self.mask_cost, self.block_size)
@@ -106,13 +108,13 @@ class MARSSettings:
     def drafts_per_pass(self) -> int:
         """The most drafts a pass verifies (lossless mode) or masks it may accept (τ-mode)."""
         masks = self.block_size - 1
-        return masks + self.draft_candidates - 1 + self.lookup if self.verify else masks
+        return masks + runner_ups(self.draft_candidates) + self.lookup if self.verify else masks
 
     def as_kwargs(self) -> dict:
         """The `generate()` keyword arguments these settings stand for (`mars_tau=...`, ...)."""
         kwargs = {f"mars_{name}": value for name, value in asdict(self).items()}
-        cost = kwargs["mars_mask_cost"]
-        kwargs["mars_mask_cost"] = list(cost) if isinstance(cost, tuple) else cost
+        for name in ("mars_mask_cost", "mars_draft_candidates"):
+            kwargs[name] = list(kwargs[name]) if isinstance(kwargs[name], tuple) else kwargs[name]
         return kwargs
 
 
@@ -168,9 +170,9 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
         mask_token_id=mask_token_id,
         confidence=setting("mars_confidence", "probability"),
         verify=verify,
-        draft_candidates=setting("mars_draft_candidates", 1),
+        draft_candidates=_as_tuple(setting("mars_draft_candidates", 1)),
         lookup=setting("mars_lookup", 0),
-        mask_cost=tuple(cost) if isinstance(cost, list) else cost,
+        mask_cost=_as_tuple(cost),
     )
 
 
@@ -197,7 +199,8 @@ def auto_tree(model, configs, batch_size: int) -> dict:
             'mars_lossless="auto" needs the checkpoint\'s mars_acceptance: `hf-mars tune --save` measures it.'
         )
     acceptance = check_acceptance(acceptance)
-    costs = pass_costs(model, batch_size, [pass_width(*parse_tree(name)) for name in acceptance])
+    widths = [pass_width(*parse_tree(name)) for name in acceptance]
+    costs = pass_costs(model, batch_size, widths, limit=pay_limit(acceptance))
     tree = choose_tree(acceptance, costs) or (1, 1, 0)
     return dict(zip(TREE_KEYS, tree), mars_tau=0.0)
 
@@ -237,6 +240,25 @@ def _check_keys(generation_config) -> None:
 def _check_count(name: str, value, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _check_candidates(candidates, block_size: int) -> None:
+    """An int >= 1 (candidates for the first draft), or counts >= 1 per draft depth, one for each of at most B-1."""
+    if not isinstance(candidates, (list, tuple)):
+        _check_count("mars_draft_candidates", candidates, 1)
+        return
+    depths = block_size - 1
+    counts = all(not isinstance(k, bool) and isinstance(k, int) and k >= 1 for k in candidates)
+    if not (counts and 1 <= len(candidates) <= depths):
+        raise ValueError(
+            "mars_draft_candidates must be an integer >= 1 (candidates for the first draft) or a list of them, one "
+            f"per draft depth, at most B-1 = {depths} long, got {list(candidates)!r}"
+        )
+
+
+def _as_tuple(value):
+    """A list read from a generation config (JSON) as a tuple, which the frozen settings can hold."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _check_mask_cost(cost, block_size: int) -> None:

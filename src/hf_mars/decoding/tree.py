@@ -18,6 +18,8 @@ from .compat import build_attention_mask
 
 # Prompt lookup (`mars_lookup`): the longest n-gram it matches
 LOOKUP_NGRAM = 3
+# Tree shapes kept built: chain lengths x the depths with runner-ups fed x lookup's reach
+SHAPES = 1024
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class DraftTree:
     from_masks: int = 0
 
     @staticmethod
-    @functools.lru_cache(maxsize=256)
+    @functools.lru_cache(maxsize=SHAPES)
     def of(parents: tuple[int, ...], from_masks: int | None = None) -> DraftTree:
         """The shared tree of this shape (built once)."""
         return DraftTree(parents, len(parents) if from_masks is None else from_masks)
@@ -77,13 +79,35 @@ class DraftTree:
 NO_DRAFTS = DraftTree()  # a pass without drafts (τ-mode, or lossless mode's first pass)
 
 
-@functools.lru_cache(maxsize=256)
+def depth_candidates(candidates, depths: int) -> tuple[int, ...]:
+    """`mars_draft_candidates` as drafts at each of the depths 1 .. `depths`: an int N is N at depth 1 and one (the
+    chain) below it; a list gives depth d's count at index d - 1, and one past its end."""
+    counts = (candidates,) if isinstance(candidates, int) else tuple(candidates)
+    return (counts + (1,) * depths)[:depths]
+
+
+def runner_ups(candidates) -> int:
+    """How many drafts `mars_draft_candidates` adds to the chain: the runner-ups of every depth."""
+    counts = (candidates,) if isinstance(candidates, int) else tuple(candidates)
+    return sum(count - 1 for count in counts)
+
+
+def canonical_candidates(candidates) -> int | tuple[int, ...]:
+    """One spelling per tree: trailing ones dropped (the chain is there anyway), an int where only depth 1 has
+    runner-ups, so `[3, 1, 1]`, `[3]` and `3` are all `3`."""
+    counts = list((candidates,) if isinstance(candidates, int) else candidates)
+    while len(counts) > 1 and counts[-1] == 1:
+        counts.pop()
+    return counts[0] if len(counts) == 1 else tuple(counts)
+
+
+@functools.lru_cache(maxsize=SHAPES)
 def _on_device(tree: DraftTree, device: str):
     parent_slots = torch.tensor(tree.parents, dtype=torch.long) + 1
     return tree.lineage.to(device), tree.depths.to(device), parent_slots.to(device)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=SHAPES)
 def _visibility(tree: DraftTree, num_pending: int, num_masks: int) -> torch.BoolTensor:
     k, pending, lineage = len(tree), num_pending, tree.lineage
     total = pending + k + (k + 1) * num_masks

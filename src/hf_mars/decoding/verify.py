@@ -3,8 +3,12 @@
 Each pass feeds the drafts of the last one as real tokens and keeps those equal to the model's own prediction at
 their parent (greedy), or accepts them by speculative sampling; the output is then exactly the model's own. The same
 pass proposes the next drafts from the group of masks that followed its last kept draft: a chain (mask j's top token
-follows mask j-1's), the runner-ups of the first mask as siblings of the first draft (`mars_draft_candidates`), and
-a branch of prompt lookup (`mars_lookup`).
+follows mask j-1's), runner-ups (`mars_draft_candidates`), and a branch of prompt lookup (`mars_lookup`).
+
+Runner-ups: with k_d candidates at depth d, mask d's next k_d - 1 tokens are siblings of the chain's depth-d draft
+(they follow the chain's depth d-1 draft, or the root), leaves of the tree. An int N is `[N, 1, 1, ...]`: runner-ups
+for the first draft only. A mask's prediction does not depend on the drafts before it, so its runner-ups may follow
+any draft of the depth above; the chain is where a path most often continues, so that is where they go.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .scoring import choose, processed
-from .tree import NO_DRAFTS, DraftTree, lookup
+from .tree import NO_DRAFTS, DraftTree, depth_candidates, lookup
 
 
 @dataclass
@@ -109,38 +113,35 @@ def propose(
     within,
     settings,
     do_sample: bool,
-    candidates: int,
+    candidates,
     pad_token_id: int,
     full_tree: bool = False,
 ):
     """The next drafts from the masks that followed each row's last kept token (`followed`: `(rows, masks, vocab)`).
 
-    A chain of the masks' confident tokens, plus the first mask's confident runner-ups as siblings of the first
-    draft (greedy, `candidates - 1` of them). With sampling, each draft keeps the distribution it was drawn from,
-    zeroed where it would not have been proposed, which is what speculative sampling needs. Slots that no row fills
-    are left out, unless `full_tree` (a static cache): then the tree always has its whole shape, so every pass has one.
+    A chain of the masks' confident tokens, plus confident runner-ups at the depths `candidates` (an int or per-depth
+    counts, `mars_draft_candidates`) gives them, each where the chain reaches its depth (greedy only). With sampling,
+    each draft keeps the distribution it was drawn from, zeroed where it would not have been proposed, which is what
+    speculative sampling needs. Slots that no row fills are left out, unless `full_tree` (a static cache): then the
+    tree always has its whole shape, so every pass has one.
     """
     device = followed.device
     guesses, confs, q = choose(followed, histories, do_sample, settings.confidence, True)
     confident = (confs >= tau) & within
     count = confident.long().cumprod(dim=1).sum(dim=1)
-    siblings = None
-    if candidates > 1:  # the first mask's confident runner-ups, siblings of the first draft
-        rest = q[:, 0].scatter(1, guesses[:, :1], -1.0)  # not the first draft again (ties happen)
-        probs, others = rest.topk(candidates - 1, dim=-1)
-        siblings = (probs >= tau) & (count > 0)[:, None]
+    others = _runner_ups(q, guesses, count, tau, depth_candidates(candidates, followed.shape[1]))
     if full_tree:
-        chain, any_sibling = followed.shape[1], siblings is not None
+        chain, fed = followed.shape[1], [True] * len(others)
     else:  # drafts that no row proposes are not fed: one read from the device says how many there are
-        any_sibling = siblings.any() if siblings is not None else torch.zeros((), dtype=torch.bool, device=device)
-        chain, any_sibling = torch.stack([count.max(), any_sibling.long()]).tolist()
+        chain, *fed = torch.stack([count.max(), *(real.any().long() for _, _, real in others)]).tolist()
     real = torch.arange(chain, device=device) < count[:, None]
     tokens = guesses[:, :chain].masked_fill(~real, pad_token_id)
     parents = tuple(range(-1, chain - 1))
-    if chain and any_sibling:
-        tokens = torch.cat([tokens, others.masked_fill(~siblings, pad_token_id)], dim=1)
-        real = torch.cat([real, siblings], dim=1)
-        parents += (-1,) * (candidates - 1)
+    for (depth, siblings, sibling_real), feed in zip(others, fed):
+        if feed and chain >= depth:
+            tokens = torch.cat([tokens, siblings.masked_fill(~sibling_real, pad_token_id)], dim=1)
+            real = torch.cat([real, sibling_real], dim=1)
+            parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
     proposals = None
     if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
         by_probability = settings.confidence == "probability"
@@ -149,6 +150,18 @@ def propose(
         q = q * proposed * reached[..., None]
         proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[:, : chain + 1]
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
+
+
+def _runner_ups(q, guesses, count, tau: float, counts: tuple[int, ...]) -> list:
+    """`(depth, tokens, real)` for each depth d with `counts[d - 1] > 1`: mask d's most probable tokens after its top
+    one, real where confident and where the row's chain reaches depth d."""
+    found = []
+    for depth, k in enumerate(counts, start=1):
+        if k > 1:
+            rest = q[:, depth - 1].scatter(1, guesses[:, depth - 1 : depth], -1.0)  # not the chain's draft (ties)
+            probs, tokens = rest.topk(k - 1, dim=-1)
+            found.append((depth, tokens, (probs >= tau) & (count >= depth)[:, None]))
+    return found
 
 
 def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int, full_tree=False) -> Drafts:

@@ -1,5 +1,5 @@
-"""Lossless draft trees, written `(B, n, L)`: block size B, n candidates for the first draft, L tokens drafted by
-prompt lookup.
+"""Lossless draft trees, written `(B, n, L)`: block size B, n candidates for the first draft or a tuple of them per
+draft depth (`mars_draft_candidates`), L tokens drafted by prompt lookup.
 
 Apart from `bench` because the command line parses and lists trees before anything imports torch.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 TUNE_TREES = ((2, 1, 0), (2, 3, 0), (2, 3, 4), (2, 2, 6), (3, 2, 4), (4, 1, 4), (4, 3, 8))
 
 
-def tree_name(block: int, candidates: int, lookup: int) -> str:
-    """How bench names a lossless draft tree: "B=2 n=3 L=4" (no "L=" when lookup is 0)."""
-    return f"B={block} n={candidates}" + (f" L={lookup}" if lookup else "")
+def tree_name(block: int, candidates, lookup: int) -> str:
+    """How bench names a lossless draft tree: "B=2 n=3 L=4" (no "L=" when lookup is 0), "B=4 n=3,2" per depth."""
+    counts = ",".join(map(str, candidates)) if isinstance(candidates, (list, tuple)) else candidates
+    return f"B={block} n={counts}" + (f" L={lookup}" if lookup else "")
