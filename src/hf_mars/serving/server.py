@@ -126,6 +126,7 @@ def build_app(model: str, dtype: str = "auto", device: str = "auto", compile: bo
     """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its batcher."""
     manager = MARSModelManager(device=device, dtype=dtype, force_model=model)
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
+    measure_before_serving(loaded, max_batch_size)
     batcher = MARSBatcher(loaded, getattr(tokenizer, "tokenizer", tokenizer), max_batch_size=max_batch_size)
     state = MARSGenerationState(batcher, compile=compile)
     shared = dict(model_manager=manager, generation_state=state)
@@ -140,6 +141,18 @@ def build_app(model: str, dtype: str = "auto", device: str = "auto", compile: bo
     )
     app.add_exception_handler(HTTPException, _openai_error)
     return app, batcher
+
+
+def measure_before_serving(model, max_batch_size: int) -> None:
+    """Resolve lossless mode's tree at every batch size whose pass costs a batch may use (1, 2, 4, ... up to
+    `max_batch_size`): with `mars_lossless="auto"` this times passes on a machine that has not cached them, now,
+    at start, rather than inside the first request of each size, where its client would wait for it."""
+    size = 1
+    while True:
+        model.mars_settings(batch_size=min(size, max_batch_size), mars_verify=True)
+        if size >= max_batch_size:
+            return
+        size *= 2
 
 
 async def _openai_error(request, error: HTTPException) -> JSONResponse:
