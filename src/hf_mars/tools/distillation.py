@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from .decode import eos_token_ids
@@ -31,32 +33,81 @@ def distill(
     batch_size: int = 32,
     time_budget: float | None = None,
 ) -> dict:
-    """Answer each prompt greedily with `model` and append {"messages", "source", "finished"} rows to `out` (JSONL).
+    """Answer each prompt greedily with `model` and write {"messages", "source", "finished"} rows to `out` (JSONL).
 
-    Runs on the model's device in the model's dtype (load it in bfloat16 on a GPU). Resumable: prompts already in
-    `out` are skipped, so an interrupted run continues where it stopped. Batches are left-padded and hold prompts of
-    similar token length: the prompts are taken in their (shuffled) order in windows of 16 batches, each window
-    sorted by length, so a run stopped by `time_budget` (seconds) has answered a sample of the whole mix, not only
-    its shortest prompts. `finished` is False where the answer hit `max_new_tokens` (such rows are kept in the file,
-    and left out of training by `write_training_set`). Returns {"answered", "finished", "new_tokens", "seconds",
-    "stopped"} for this call; "stopped" is "time budget" or "done".
+    Runs on the model's device in the model's dtype (load it in bfloat16 on a GPU). Batches are left-padded and
+    hold prompts of similar token length: the prompts (each once, in their shuffled order) are taken in windows of
+    16 batches, each window sorted by length, so a run stopped by `time_budget` (seconds) has answered a sample of
+    the whole mix, not only its shortest prompts. `out` ends in that order whatever the run's history, so every run
+    of the same prompts ends with the same file. `finished` is False where the answer hit `max_new_tokens` (such rows
+    are kept in the file, and left out of training by `write_training_set`).
+
+    Resumable: prompts already in `out` or in a shard are skipped, so an interrupted run continues where it stopped.
+
+    Under `accelerate launch` (N processes, read from accelerate's `PartialState`) each process answers every N-th
+    batch of the unanswered prompts on its own device (a model the caller put on another device of the same kind
+    moves there) and appends its rows to its shard, `out` with `.shard-01-of-02` before the suffix; once every
+    process is done (finished or stopped by `time_budget`), the main process merges the shards into `out` and removes
+    them, and the other processes wait for it. Batches never mix processes, so a fresh run's batches are those of
+    one process. A killed run leaves its shards: the next run, with any number of processes, merges them first.
+
+    Returns the stats of all processes together: {"answered", "finished", "new_tokens"} summed, "seconds" of the
+    slowest, "stopped" ("time budget" if any process stopped at it, else "done"), "processes".
     """
+    state = PartialState(cpu=model.device.type == "cpu")  # CPU processes join a gloo group, not N lone runs
+    _place(model, state)
     out = Path(out)
-    todo = _unanswered(prompts, out)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    texts = {p["prompt"]: chat_text(tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in todo}
-    todo = _in_length_windows(todo, texts, tokenizer, window=batch_size * 16)
+    unique = list({p["prompt"]: p for p in prompts}.values())
+    texts = {p["prompt"]: chat_text(tokenizer, [{"role": "user", "content": p["prompt"]}]) for p in unique}
+    order = _in_length_windows(unique, texts, tokenizer, window=batch_size * 16)
+    rank = {p["prompt"]: i for i, p in enumerate(order)}
+    if state.is_main_process:
+        _merge(out, rank)  # a killed run's shards
+    state.wait_for_everyone()  # every process reads the same `out`, before any writes
+    done = {_prompt(row) for row in _rows(out)}
+    todo = [p for p in order if p["prompt"] not in done]
+    batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+    mine = batches[state.process_index :: state.num_processes]
+    target = out if state.num_processes == 1 else shard_path(out, state.process_index, state.num_processes)
+    stats = _answer_all(model, tokenizer, mine, texts, target, max_new_tokens, time_budget, state)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        _merge(out, rank)
+    state.wait_for_everyone()  # `out` is whole when any process returns
+    return _all_processes(stats, state)
+
+
+def shard_path(out: Path, index: int, processes: int) -> Path:
+    """Where process `index` of `processes` writes its answers: distilled.jsonl -> distilled.shard-01-of-02.jsonl."""
+    return out.with_name(f"{out.stem}.shard-{index + 1:02d}-of-{processes:02d}{out.suffix}")
+
+
+def _place(model, state: PartialState) -> None:
+    """With several processes, answer on this process's device: each process's `.to("cuda")` lands on GPU 0."""
+    if state.num_processes == 1 or getattr(model, "hf_device_map", None) is not None:
+        return  # one process, or a model the caller spread over devices itself
+    if model.device.type == state.device.type and model.device != state.device:
+        model.to(state.device)
+
+
+def _answer_all(model, tokenizer, batches, texts, target: Path, max_new_tokens, time_budget, state) -> dict:
+    """Answer `batches` in order, appending each batch's rows to `target` as it ends; this process's stats."""
     eos_ids = torch.tensor(eos_token_ids(model, tokenizer))  # generate() stops at any: an answer that did is finished
     stats = {"answered": 0, "finished": 0, "new_tokens": 0, "seconds": 0.0, "stopped": "done"}
+    desc = "self-distillation"
+    if state.num_processes > 1:
+        desc += f" (process 1 of {state.num_processes}, its share)"  # the other processes show no bar
+    total = sum(len(chunk) for chunk in batches)
     start = time.monotonic()
-    with out.open("a") as f, tqdm(total=len(todo), desc="self-distillation", unit="prompt") as bar:
-        for i in range(0, len(todo), batch_size):
+    bar = tqdm(total=total, desc=desc, unit="prompt", disable=not state.is_main_process)
+    with target.open("a") as f, bar:
+        for chunk in batches:
             if time_budget is not None and time.monotonic() - start >= time_budget:
                 stats["stopped"] = "time budget"
                 break
-            chunk = todo[i : i + batch_size]
             answers = _answer_batch(model, tokenizer, [texts[p["prompt"]] for p in chunk], max_new_tokens)
             for p, tokens in zip(chunk, answers):
                 row, length = _answered_row(tokenizer, p, tokens, eos_ids)
@@ -66,17 +117,51 @@ def distill(
             f.flush()
             stats["answered"] += len(chunk)
             bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{stats['new_tokens'] / (time.monotonic() - start):.0f}")
+            bar.set_postfix(tok_s=f"{stats['new_tokens'] / max(time.monotonic() - start, 1e-9):.0f}")
     stats["seconds"] = round(time.monotonic() - start, 1)
     return stats
 
 
-def _unanswered(prompts: list[dict], out: Path) -> list[dict]:
-    """The prompts not yet answered in `out`, each once: what a resumed run has left to do."""
-    done = set()
-    if out.exists():
-        done = {json.loads(line)["messages"][0]["content"] for line in out.open()}
-    return list({p["prompt"]: p for p in prompts if p["prompt"] not in done}.values())
+def _all_processes(stats: dict, state: PartialState) -> dict:
+    """Every process's stats, combined: what the whole run did (one process: its own stats)."""
+    every = gather_object([stats])
+    return {
+        "answered": sum(s["answered"] for s in every),
+        "finished": sum(s["finished"] for s in every),
+        "new_tokens": sum(s["new_tokens"] for s in every),
+        "seconds": max(s["seconds"] for s in every),
+        "stopped": "time budget" if any(s["stopped"] == "time budget" for s in every) else "done",
+        "processes": state.num_processes,
+    }
+
+
+def _prompt(row: dict) -> str:
+    return row["messages"][0]["content"]
+
+
+def _rows(path: Path) -> list[dict]:
+    """The rows of a `distill` file; a last line without its newline (the process was killed writing it) is left
+    out, and its prompt answered again."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]]
+
+
+def _merge(out: Path, rank: dict[str, int]) -> None:
+    """Rewrite `out` with its rows and its shards' rows, each prompt once, in `rank` order (rows of prompts not in
+    `rank` first, as they were), then remove the shards. Untouched when nothing would change."""
+    shards = sorted(out.parent.glob(f"{out.stem}.shard-*-of-*{out.suffix}"))
+    rows = {}
+    for row in [*_rows(out), *(row for shard in shards for row in _rows(shard))]:
+        rows.setdefault(_prompt(row), row)  # an answer merged once already and still in a shard: the first
+    ordered = sorted(rows.values(), key=lambda row: rank.get(_prompt(row), -1))
+    text = "".join(json.dumps(row) + "\n" for row in ordered)
+    if shards or not out.exists() or out.read_text() != text:
+        partial = out.with_name(out.name + ".merging")
+        partial.write_text(text)
+        partial.replace(out)  # atomic: a run killed here leaves `out` whole, old or new
+    for shard in shards:
+        shard.unlink()
 
 
 def _in_length_windows(todo: list[dict], texts: dict[str, str], tokenizer, window: int) -> list[dict]:
