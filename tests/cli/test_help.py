@@ -36,13 +36,29 @@ print(json.dumps(sorted({name.split(".")[0] for name in sys.modules} & heavy)))
 """
 
 
-def test_help_imports_neither_torch_nor_transformers():
-    argvs = [["--help"]] + [[command, "--help"] for command in COMMANDS if command != "train"]
+# Commands whose options TRL's parser reads from dataclasses: their --help loads TRL and transformers (not torch).
+TRL_PARSED = ("train", "recipe", "distill")
+
+
+def probe(argvs: list[list[str]]) -> list[str]:
     result = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == []
+    return json.loads(result.stdout)
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    assert probe([["--help"]] + [[command, "--help"] for command in COMMANDS if command not in TRL_PARSED]) == []
+
+
+def test_recipe_and_distill_help_lists_their_dataclass_defaults_without_torch():
+    assert "torch" not in probe([["recipe", "--help"], ["distill", "--help"]])
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_mars.cli", "distill", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--prompts PROMPTS" in result.stdout and "(default: 1000)" in result.stdout and "--config" in result.stdout
 
 
 def test_help_lists_every_command_with_a_one_line_description():

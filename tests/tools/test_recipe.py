@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
+import time
 
 import pytest
 import torch
 from helpers import make_model, make_tokenizer
+from safetensors.torch import load_file
+from transformers import GenerationMixin
 
+from hf_mars.cli.recipe import parse_settings
+from hf_mars.tools import recipe
 from hf_mars.tools.distillation import distill, write_reference_set, write_training_set
 from hf_mars.tools.eval_sets import humaneval
 from hf_mars.tools.evals import (
@@ -16,7 +22,9 @@ from hf_mars.tools.evals import (
     humaneval_correct,
     tau_table,
 )
+from hf_mars.tools.recipe_settings import DistillSettings, Recipe
 from hf_mars.tools.sourcing import training_prompts
+from hf_mars.training.trainer import MARSTrainer
 
 
 def test_reference_set_has_the_prompts_of_the_training_set(tmp_path):
@@ -166,6 +174,105 @@ def test_recipe_runs_every_stage_then_skips_what_is_done(toy_base, tmp_path, cap
     assert (out / "eval-full" / "eval.json").is_file()
 
 
+class VirtualTime:
+    """`time.monotonic` moved on by `generate_s` at each generate() call and by `step_s` at each training step: a time
+    budget then stops a stage after a known number of batches or steps, whatever this machine's speed. Counts the
+    training steps run."""
+
+    def __init__(self, monkeypatch):
+        self.offset, self.generate_s, self.step_s, self.steps = 0.0, 0.0, 0.0, 0
+        real_clock, real_generate, real_step = time.monotonic, GenerationMixin.generate, MARSTrainer.training_step
+
+        def generate(model, *args, **kwargs):
+            self.offset += self.generate_s
+            return real_generate(model, *args, **kwargs)
+
+        def training_step(trainer, *args, **kwargs):
+            self.offset += self.step_s
+            self.steps += 1
+            return real_step(trainer, *args, **kwargs)
+
+        monkeypatch.setattr(time, "monotonic", lambda: real_clock() + self.offset)
+        monkeypatch.setattr(GenerationMixin, "generate", generate)
+        monkeypatch.setattr(MARSTrainer, "training_step", training_step)
+
+
+def stages(out) -> dict:
+    return json.loads((out / "recipe.json").read_text())["stages"]
+
+
+def test_recipe_stopped_by_its_time_budget_continues_in_a_copy_elsewhere(toy_base, tmp_path, monkeypatch, capsys):
+    """Distillation stops between batches and training at a step with a checkpoint; a copy of the folder, with the
+    base model moved too, continues each where it stopped and ends with the weights of an uninterrupted run."""
+    clock = VirtualTime(monkeypatch)
+    run = ["--distill-batch-size", "4", "--train-args", "--max_steps 3"]
+    first, second, third = tmp_path / "first", tmp_path / "second", tmp_path / "third"
+
+    clock.generate_s = 100  # 12 prompts in 3 batches: the budget stops distillation after two
+    recipe_cli(toy_base, first, *run, "--time-budget", "150")
+    later = {"train": "not started", "export": "not started", "eval": "not started"}
+    assert stages(first) == {"prompts": "done", "distill": "stopped (time budget)", **later}
+    assert len((first / "distilled.jsonl").read_text().splitlines()) == 8 and not (first / "distill.json").exists()
+
+    shutil.copytree(first, second)
+    capsys.readouterr()
+    clock.step_s = 100  # the last batch, then one training step spends the budget
+    recipe_cli(toy_base, second, *run, "--time-budget", "150")
+    assert stages(second) == dict(later, prompts="done", distill="done", train="stopped (time budget)")
+    assert "not done yet: train, export, eval" in capsys.readouterr().out
+    assert json.loads((second / "distill.json").read_text())["total"] == 12
+    assert [p.name for p in (second / "mars-lora").glob("checkpoint-*")] == ["checkpoint-1"]
+    assert {"optimizer.pt", "scheduler.pt"} <= {p.name for p in (second / "mars-lora" / "checkpoint-1").iterdir()}
+    assert clock.steps == 1 and not (second / "mars-lora" / "mars.json").exists()
+
+    shutil.copytree(second, third)
+    (tmp_path / "another machine").mkdir()
+    base = toy_base.rename(tmp_path / "another machine" / toy_base.name)
+    recipe_cli(base, third, *run)  # no budget: to the end
+    assert set(stages(third).values()) == {"done"} and (third / "eval-lora" / "eval.json").is_file()
+    assert (
+        clock.steps == 3 and json.loads((third / "mars-lora" / "trainer_state.json").read_text())["global_step"] == 3
+    )
+    for path in third.rglob("*"):
+        if path.suffix in (".json", ".jsonl", ".md"):
+            text = path.read_text()
+            assert str(first) not in text and str(second) not in text, path  # the folder moved: nothing names it
+
+    whole = tmp_path / "whole"  # the same data, trained without a stop
+    whole.mkdir()
+    for name in ("prompts.jsonl", "prompts.json", "distilled.jsonl", "train.jsonl", "distill.json"):
+        shutil.copy(third / name, whole / name)
+    recipe_cli(base, whole, *run, "--eval-gsm8k", "0")
+    assert clock.steps == 6
+    resumed, uninterrupted = (load_file(out / "mars-lora" / "adapter_model.safetensors") for out in (third, whole))
+    assert resumed.keys() == uninterrupted.keys()
+    for name, weight in resumed.items():
+        torch.testing.assert_close(weight, uninterrupted[name], msg=name)
+
+
+def test_settings_come_from_one_dataclass_a_yaml_config_and_the_command_line(tmp_path):
+    config = tmp_path / "recipe.yaml"
+    config.write_text("output_dir: out\nprompts: 7\nmax_new_tokens: 9\neval_taus: [1.0, 0.5]\n")
+    argv = ["--config", str(config), "--prompts", "8", "--max_length", "99", "--no-eval-base", "--full-finetune"]
+    settings = parse_settings(Recipe, argv + ["--train-args", "--max_steps 3 --learning_rate 1e-3"], "recipe", "")
+    assert (settings.prompts, settings.max_new_tokens, settings.max_length) == (8, 9, 99)  # the command line wins
+    assert settings.eval_taus == [1.0, 0.5] and not settings.eval_base and settings.full_finetune
+    assert settings.batch_size == Recipe.__dataclass_fields__["batch_size"].default
+    assert parse_settings(Recipe, ["--output-dir", "a"], "recipe", "").output_dir == "a"
+    step1 = parse_settings(DistillSettings, ["--references"], "distill", "")  # other defaults, the same fields
+    assert (step1.prompts, step1.max_new_tokens, step1.distill_batch_size) == (1000, 192, 40)
+    assert step1.references and step1.output_dir == "outputs/recipe" and step1.seed == settings.seed
+
+    script, training, model = recipe.train_settings(settings, "base", "cpu")  # --train-args over the recipe's values
+    assert (training.max_steps, training.learning_rate, training.max_length) == (3, 1e-3, 99)
+    assert training.output_dir == str(settings.train_dir) and training.mars_block_size == settings.block_size
+    assert training.use_cpu and not model.use_peft and script.dataset_name == str(settings.out / "train.jsonl")
+    settings.full_finetune, settings.train_args = False, ""
+    _, training, model = recipe.train_settings(settings, "base", "cpu")
+    assert training.learning_rate == 4e-4 and model.use_peft and model.lora_r == 32
+    assert training.resume_from_checkpoint is None
+
+
 def test_recipe_and_distill_refuse_bad_input_in_one_line(toy_base, tmp_path):
     from hf_mars.cli import main
 
@@ -181,6 +288,9 @@ def test_recipe_and_distill_refuse_bad_input_in_one_line(toy_base, tmp_path):
     recipe_cli(toy_base, tmp_path / "e", "--eval-gsm8k", "0")
     with pytest.raises(SystemExit, match="other settings .*prompts 12 -> 13"):
         recipe_cli(toy_base, tmp_path / "e", "--prompts", "13")
+
+
+SETTINGS = {"recipe": Recipe, "distill": DistillSettings}
 
 
 def test_the_example_scripts_use_options_the_cli_has():
@@ -199,4 +309,6 @@ def test_the_example_scripts_use_options_the_cli_has():
     for command in commands:
         argv = shlex.split(command.replace('"$@"', "").split(" #")[0])[1:]
         if argv[0] != "train":
-            build_parser().parse_args([arg.replace("$OUT", "out") for arg in argv])
+            args = build_parser().parse_args([arg.replace("$OUT", "out") for arg in argv])
+        if argv[0] in SETTINGS:  # TRL's parser reads these commands' options
+            parse_settings(SETTINGS[argv[0]], args.argv, argv[0], "")

@@ -6,10 +6,10 @@ interruption (or after a finished run) continues where the last one stopped:
 1. prompts: `prompts.jsonl` and `prompts.json` (per-source counts, prompts dropped as overlapping an evaluation
    set), by `sourcing.build_prompt_mix`; done when `prompts.json` is there.
 2. distill: `distilled.jsonl` (every answer; an interrupted run resumes it), `train.jsonl` (the finished answers)
-   and `distill.json` (throughput, when it stopped), by `distillation.distill` and `distillation.write_training_set`
-   on the device.
-3. train: `mars-lora/` or `mars-full/`, by `hf-mars train` (`training.train.run`); TRL's checkpoints inside are
-   resumed; done when the final save is there.
+   and `distill.json` (throughput), by `distillation.distill` and `distillation.write_training_set` on the device;
+   done when `distill.json` is there.
+3. train: `mars-lora/` or `mars-full/`, by `training.train.train` on TRL's settings objects (`train_settings`);
+   TRL's checkpoints inside are resumed; done when the final save is there.
 4. export: `delta/` (LoRA: the adapter and the `<|mask|>` row in float16, `shipped.export_delta`) and `checkpoint/`
    (the merged MARS checkpoint, `shipped.build_checkpoint` for the shipped base); done when `checkpoint/config.json`.
 5. eval: `eval-lora/` or `eval-full/` (`eval.md`, `eval.json`, `eval.png`): the τ table of `evals.tau_table`,
@@ -18,13 +18,20 @@ interruption (or after a finished run) continues where the last one stopped:
 A full fine-tune's training folder is itself a MARS checkpoint (remote code included): the export stage has nothing
 to do and `checkpoint` is `mars-full/`. The settings that define the data (prompts, sources, seed, base model,
 answer length) are kept in `recipe.json`; a re-run with other values is refused instead of mixing two runs.
+
+`time_budget` (seconds) bounds a whole run: distillation stops between batches, training at a step end with a
+checkpoint (optimizer and scheduler included), and a later stage does not start once it is spent. `recipe.json`
+records each stage as done, stopped (time budget) or not started. Nothing in the folder names the folder itself, so
+the same command run in a copy of it, on another machine, continues the run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
-from dataclasses import asdict, dataclass, field, fields
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,58 +41,27 @@ from ..training import train as training
 from .distillation import distill, write_training_set
 from .evals import evaluate_and_write
 from .loading import load_checkpoint
+from .recipe_settings import DONE, NOT_STARTED, STOPPED, DataSettings, DistillSettings, Recipe
 from .shipped import base_checkpoint, build_checkpoint, export_delta, merge_delta, save_checkpoint
 from .sourcing import build_prompt_mix
+
+__all__ = ["Budget", "DataSettings", "DistillSettings", "Recipe", "run"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DATA_SETTINGS = ("prompts", "sources", "seed", "model", "max_new_tokens")
 
 
-@dataclass
-class Recipe:
-    """Every setting of a recipe run; the defaults are sized for one GPU, with 512-token answers (docs/recipe.md)."""
+class Budget:
+    """A run's time budget: `seconds` from its creation on `time.monotonic()`; None: no limit."""
 
-    output_dir: str
-    prompts: int = 100_000
-    sources: list[str] | None = None  # data.parse_sources; None: the default mix
-    seed: int = 0
-    model: str | None = None  # the base model's folder; None: the shipped checkpoint's base, SmolLM2-135M-Instruct
-    device: str = "auto"  # auto: cuda when there is one, else cpu
-    dtype: str = "bfloat16"
-    max_new_tokens: int = 512
-    distill_batch_size: int | None = None  # None: 512 on a GPU, 16 on a CPU
-    time_budget: float | None = None  # seconds of self-distillation; None: every prompt
-    full_finetune: bool = False
-    epochs: float = 2.0
-    batch_size: int = 32
-    learning_rate: float | None = None  # None: 4e-4 with LoRA, 1e-4 for a full fine-tune
-    max_length: int | None = None  # None: max_new_tokens + 512 (room for the prompt)
-    block_size: int = 4
-    train_args: list[str] = field(default_factory=list)  # more `hf-mars train` (TRL) arguments, appended last
-    eval_gsm8k: int = 256
-    eval_humaneval: int = 164
-    eval_taus: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8, 0.7)
-    eval_batch_size: int = 64
-    eval_base: bool = True  # also score the base model with plain generate()
+    def __init__(self, seconds: float | None):
+        self.deadline = None if seconds is None else time.monotonic() + seconds
 
-    @classmethod
-    def from_args(cls, args, **overrides) -> Recipe:
-        """The settings a command line gave (`hf-mars recipe`, `hf-mars distill`): its options of the same names,
-        then `overrides`."""
-        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        return cls(**{**given, **overrides})
+    def left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
-    @property
-    def out(self) -> Path:
-        return Path(self.output_dir)
-
-    @property
-    def train_dir(self) -> Path:
-        return self.out / ("mars-full" if self.full_finetune else "mars-lora")
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.train_dir if self.full_finetune else self.out / "checkpoint"
+    def spent(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
 
 def resolve_device(device: str) -> str:
@@ -96,7 +72,7 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def base_model(recipe: Recipe) -> str:
+def base_model(recipe: DataSettings) -> str:
     """The base model's folder: `recipe.model`, else the shipped checkpoint's base (built from its GGUF once)."""
     if recipe.model is not None:
         if not (Path(recipe.model) / "config.json").is_file():
@@ -105,36 +81,76 @@ def base_model(recipe: Recipe) -> str:
     return str(base_checkpoint())
 
 
-def check_settings(recipe: Recipe) -> None:
-    """Record the data-defining settings in recipe.json on the first run; refuse a re-run that changes them."""
+def data_settings(values: dict) -> dict:
+    """The settings that define the data, as `recipe.json` records them: the base model by its folder's name, so
+    that a copy of the run continues on a machine where the base model lies elsewhere."""
+    settings = {key: values.get(key) for key in DATA_SETTINGS}
+    settings["model"] = None if settings["model"] is None else Path(settings["model"]).name
+    return settings
+
+
+def check_settings(recipe: DataSettings) -> None:
+    """Record the data-defining settings in recipe.json on the first run, refuse a re-run that changes them, and list
+    this run's stages there (those not done yet as not started)."""
     path = recipe.out / "recipe.json"
-    settings = {key: getattr(recipe, key) for key in DATA_SETTINGS}
+    settings = data_settings(asdict(recipe))
     if path.is_file():
-        before = json.loads(path.read_text())["data"]
+        record = json.loads(path.read_text())
+        before = data_settings(record["data"])
         changed = [f"{k} {before.get(k)!r} -> {v!r}" for k, v in settings.items() if before.get(k) != v]
         if changed:
             raise ValueError(
                 f"{recipe.out} holds a run made with other settings ({'; '.join(changed)}): "
                 "use another --output-dir, or the same settings to continue it"
             )
-        return
+    else:
+        everything = {key: value for key, value in asdict(recipe).items() if key != "output_dir"}  # it may move
+        record = {"data": settings, "all": everything | settings}
+    record["stages"] = {stage: NOT_STARTED for stage in recipe.stages} | record.get("stages", {})
     recipe.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"data": settings, "all": asdict(recipe)}, indent=2, default=list))
+    _write_json(path, record)
+
+
+def mark(recipe: DataSettings, stage: str, status: str) -> None:
+    """Record in recipe.json how `stage` ended: done, or stopped (time budget)."""
+    path = recipe.out / "recipe.json"
+    record = json.loads(path.read_text())
+    record["stages"][stage] = status
+    _write_json(path, record)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Replace `path` whole (the processes of `accelerate launch ... distill` read and write it at the same time),
+    and only when `data` changes it: a run that finds everything done writes nothing."""
+    text = json.dumps(data, indent=2)
+    if path.is_file() and path.read_text() == text:
+        return
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def _skip(stage: str, path: Path) -> None:
     print(f"[{stage}] done already: {path}")
 
 
-def make_prompts(recipe: Recipe) -> list[dict]:
+def _out_of_time(stage: str) -> bool:
+    """Say that `stage` does not start; False, the stage's result (not done)."""
+    print(f"[{stage}] not started: the time budget is spent")
+    return False
+
+
+def make_prompts(recipe: DataSettings) -> list[dict]:
     """Stage 1: the decontaminated prompt mix (sourcing.build_prompt_mix), as prompts.jsonl and a report."""
     path, report_path = recipe.out / "prompts.jsonl", recipe.out / "prompts.json"
     if report_path.is_file():
         _skip("prompts", path)
+        mark(recipe, "prompts", DONE)
         return [json.loads(line) for line in path.open()]
     prompts, report = build_prompt_mix(recipe.prompts, recipe.sources, recipe.seed)
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     report_path.write_text(json.dumps(report, indent=2))
+    mark(recipe, "prompts", DONE)
     dropped = sum(report["dropped_overlapping"].values())
     print(
         f"[prompts] {len(prompts)} prompts from {len(report['counts'])} sources; {dropped} dropped for sharing a "
@@ -143,28 +159,37 @@ def make_prompts(recipe: Recipe) -> list[dict]:
     return prompts
 
 
-def self_distill(recipe: Recipe, prompts: list[dict]) -> dict:
-    """Stage 2: the base model answers the prompts (distillation.distill) on the device; train.jsonl keeps finished
-    answers."""
+def self_distill(recipe: DataSettings, prompts: list[dict], budget: Budget) -> bool:
+    """Stage 2: the base model answers the prompts (distillation.distill) on the device, within the budget; once
+    every prompt is answered, train.jsonl keeps the finished answers. Returns whether the stage is done."""
     done = recipe.out / "distill.json"
     if done.is_file():
         _skip("distill", recipe.out / "train.jsonl")
-        return json.loads(done.read_text())
+        mark(recipe, "distill", DONE)
+        return True
+    if budget.spent():
+        return _out_of_time("distill")
     device = resolve_device(recipe.device)
     base = base_model(recipe)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, recipe.dtype)).to(device).eval()
     batch = recipe.distill_batch_size or (512 if device.startswith("cuda") else 16)
+    distilled = recipe.out / "distilled.jsonl"
     stats = distill(
         model,
         tokenizer,
         prompts,
-        recipe.out / "distilled.jsonl",
+        distilled,
         max_new_tokens=recipe.max_new_tokens,
         batch_size=batch,
-        time_budget=recipe.time_budget,
+        time_budget=budget.left(),
     )
-    kept, total = write_training_set(recipe.out / "distilled.jsonl", recipe.out / "train.jsonl")
+    if stats["stopped"] != "done":
+        mark(recipe, "distill", STOPPED)
+        answered = len(distilled.read_text().splitlines())
+        print(f"[distill] stopped by the time budget: {answered} of {len(prompts)} prompts answered ({distilled})")
+        return False
+    kept, total = write_training_set(distilled, recipe.out / "train.jsonl")
     if not kept:
         raise ValueError(
             f"none of the {total} answers finished within {recipe.max_new_tokens} tokens: nothing to train on; "
@@ -172,32 +197,33 @@ def self_distill(recipe: Recipe, prompts: list[dict]) -> dict:
         )
     stats.update(kept=kept, total=total, device=device, batch_size=batch)
     done.write_text(json.dumps(stats, indent=2))
+    mark(recipe, "distill", DONE)
     rate = stats["new_tokens"] / max(stats["seconds"], 1e-9)
     print(
-        f"[distill] {stats['answered']} prompts answered in {stats['seconds']:.0f} s ({rate:.0f} new tokens/s, "
-        f"stopped: {stats['stopped']}); {kept} of {total} answers finished within {recipe.max_new_tokens} tokens"
+        f"[distill] {stats['answered']} prompts answered in {stats['seconds']:.0f} s ({rate:.0f} new tokens/s); "
+        f"{kept} of {total} answers finished within {recipe.max_new_tokens} tokens"
     )
-    return stats
+    return True
 
 
-def train_arguments(recipe: Recipe, base: str, device: str) -> list[str]:
-    """The `hf-mars train` command line of this recipe."""
+def train_settings(recipe: Recipe, base: str, device: str) -> tuple:
+    """TRL's (script, MARSConfig, model) settings of this recipe's training: the recipe's values, with any
+    `--train-args` parsed over them by `hf-mars train`'s own parser."""
     lr = recipe.learning_rate or (1e-4 if recipe.full_finetune else 4e-4)
-    args = ["--model_name_or_path", base, "--dataset_name", str(recipe.out / "train.jsonl")]
-    args += ["--output_dir", str(recipe.train_dir), "--mars_block_size", str(recipe.block_size)]
-    args += ["--num_train_epochs", str(recipe.epochs), "--per_device_train_batch_size", str(recipe.batch_size)]
-    args += ["--learning_rate", str(lr), "--lr_scheduler_type", "cosine", "--warmup_steps", "0.03"]
-    args += ["--max_length", str(recipe.max_length or recipe.max_new_tokens + 512)]
-    args += ["--bf16", str(recipe.dtype == "bfloat16").lower(), "--activation_checkpointing", "false"]
-    args += ["--logging_steps", "10", "--report_to", "none"]
-    args += ["--save_strategy", "steps", "--save_steps", "200", "--save_total_limit", "2", "--seed", str(recipe.seed)]
+    values = dict(model_name_or_path=base, dataset_name=str(recipe.out / "train.jsonl"))
+    values.update(output_dir=str(recipe.train_dir), mars_block_size=recipe.block_size, seed=recipe.seed)
+    values.update(num_train_epochs=recipe.epochs, per_device_train_batch_size=recipe.batch_size, learning_rate=lr)
+    values.update(lr_scheduler_type="cosine", warmup_steps=0.03)
+    values.update(max_length=recipe.max_length or recipe.max_new_tokens + 512)
+    values.update(bf16=recipe.dtype == "bfloat16", activation_checkpointing=False, use_cpu=device == "cpu")
+    values.update(logging_steps=10, report_to="none", save_strategy="steps", save_steps=200, save_total_limit=2)
     if not recipe.full_finetune:
-        args += ["--use_peft", "--lora_r", "32", "--lora_alpha", "64", "--lora_target_modules", *LORA_TARGETS]
-    if device == "cpu":
-        args += ["--use_cpu"]
+        values.update(use_peft=True, lora_r=32, lora_alpha=64, lora_target_modules=list(LORA_TARGETS))
     if any(recipe.train_dir.glob("checkpoint-*")):
-        args += ["--resume_from_checkpoint", "true"]
-    return args + list(recipe.train_args)
+        values.update(resume_from_checkpoint="true")
+    parser = training.make_parser()
+    parser.set_defaults_with_config(**values)
+    return tuple(parser.parse_args_into_dataclasses(args=shlex.split(recipe.train_args)))
 
 
 def _trained(recipe: Recipe) -> bool:
@@ -207,26 +233,38 @@ def _trained(recipe: Recipe) -> bool:
     return (recipe.train_dir / "mars.json").is_file()  # written after the adapter
 
 
-def train(recipe: Recipe) -> Path:
-    """Stage 3: `hf-mars train` on train.jsonl, LoRA (rank 32, every linear layer) or a full fine-tune."""
+def train(recipe: Recipe, budget: Budget) -> bool:
+    """Stage 3: MARS training on train.jsonl, LoRA (rank 32, every linear layer) or a full fine-tune, stopped with a
+    checkpoint when the budget is spent. Returns whether the stage is done."""
+    stage = recipe.stages[2]
     if _trained(recipe):
-        _skip("train", recipe.train_dir)
-        return recipe.train_dir
-    args = train_arguments(recipe, base_model(recipe), resolve_device(recipe.device))
-    print(f"[train] hf-mars train {shlex.join(args)}")
-    training.run(args)
-    return recipe.train_dir
+        _skip(stage, recipe.train_dir)
+        mark(recipe, stage, DONE)
+        return True
+    if budget.spent():
+        return _out_of_time(stage)
+    script_args, training_args, model_args = train_settings(recipe, base_model(recipe), resolve_device(recipe.device))
+    resume = " from its newest checkpoint" if training_args.resume_from_checkpoint else ""
+    print(f"[{stage}] {'a full fine-tune' if recipe.full_finetune else 'LoRA'} into {recipe.train_dir}{resume}")
+    callbacks = [] if budget.deadline is None else [training.TimeBudget(budget.deadline)]
+    if not training.train(script_args, training_args, model_args, callbacks=callbacks):
+        mark(recipe, stage, STOPPED)
+        print(f"[{stage}] stopped by the time budget: the newest checkpoint in {recipe.train_dir} resumes it")
+        return False
+    mark(recipe, stage, DONE)
+    return True
 
 
-def export(recipe: Recipe) -> Path:
+def export(recipe: Recipe, budget: Budget) -> bool:
     """Stage 4: the LoRA delta (shipped.export_delta) and the merged MARS checkpoint; for the shipped base, the merge
-    is shipped.build_checkpoint, the build every user of a shipped delta runs."""
-    if recipe.full_finetune:
-        print(f"[export] a full fine-tune is its own MARS checkpoint: {recipe.checkpoint}")
-        return recipe.checkpoint
-    if (recipe.checkpoint / "config.json").is_file():
-        _skip("export", recipe.checkpoint)
-        return recipe.checkpoint
+    is shipped.build_checkpoint, the build every user of a shipped delta runs. Returns whether the stage is done."""
+    stage = recipe.stages[3]
+    if recipe.full_finetune or (recipe.checkpoint / "config.json").is_file():
+        _skip(stage, recipe.checkpoint)  # a full fine-tune is its own MARS checkpoint
+        mark(recipe, stage, DONE)
+        return True
+    if budget.spent():
+        return _out_of_time(stage)
     delta = export_delta(recipe.train_dir, recipe.out / "delta", max_mb=float("inf"))
     size = sum(f.stat().st_size for f in delta.iterdir()) / 2**20
     if recipe.model is None:
@@ -235,17 +273,22 @@ def export(recipe: Recipe) -> Path:
         config = json.loads((delta / "adapter_config.json").read_text())
         (delta / "adapter_config.json").write_text(json.dumps(dict(config, base_model_name_or_path=recipe.model)))
         save_checkpoint(recipe.checkpoint, *merge_delta(recipe.model, delta))
-    print(f"[export] delta {delta} ({size:.1f} MB); merged MARS checkpoint {recipe.checkpoint}")
-    return recipe.checkpoint
+    mark(recipe, stage, DONE)
+    print(f"[{stage}] delta {delta} ({size:.1f} MB); merged MARS checkpoint {recipe.checkpoint}")
+    return True
 
 
-def evaluate(recipe: Recipe) -> Path:
+def evaluate(recipe: Recipe, budget: Budget) -> bool:
     """Stage 5: the τ table (evals.tau_table) of the checkpoint on GSM8K test and HumanEval, on the device, beside
-    the base model's plain generate()."""
+    the base model's plain generate(). Returns whether the stage is done."""
+    stage = recipe.stages[4]
     out = recipe.out / ("eval-full" if recipe.full_finetune else "eval-lora")
     if (out / "eval.json").is_file():
-        _skip("eval", out / "eval.md")
-        return out
+        _skip(stage, out / "eval.md")
+        mark(recipe, stage, DONE)
+        return True
+    if budget.spent():
+        return _out_of_time(stage)
     device = resolve_device(recipe.device)
     model, tokenizer = load_checkpoint(str(recipe.checkpoint), None, recipe.dtype)
     base = None
@@ -260,22 +303,34 @@ def evaluate(recipe: Recipe) -> Path:
         gsm8k=recipe.eval_gsm8k,
         humaneval=recipe.eval_humaneval,
         meta=dict(dtype=recipe.dtype),
-        taus=recipe.eval_taus,
+        taus=tuple(recipe.eval_taus),
         base_model=base,
         batch_size=recipe.eval_batch_size,
         max_new_tokens=recipe.max_new_tokens,
     )
-    print("[eval] wrote " + ", ".join(str(path) for path in written))
-    return out
+    mark(recipe, stage, DONE)
+    print(f"[{stage}] wrote " + ", ".join(str(path) for path in written))
+    return True
 
 
-def run(recipe: Recipe) -> Path:
-    """Every stage in order, each skipped when its result is there. Returns the merged MARS checkpoint's folder."""
-    check_settings(recipe)
-    prompts = make_prompts(recipe)
-    self_distill(recipe, prompts)
-    train(recipe)
-    export(recipe)
-    if recipe.eval_gsm8k or recipe.eval_humaneval:
-        evaluate(recipe)
-    return recipe.checkpoint
+def distill_stages(settings: DataSettings, budget: Budget) -> tuple[list[dict], bool]:
+    """Stages 1 and 2 (what `hf-mars distill` runs): the prompts, and whether their distillation is done."""
+    check_settings(settings)
+    prompts = make_prompts(settings)
+    return prompts, self_distill(settings, prompts, budget)
+
+
+def stages_left(settings: DataSettings) -> list[str]:
+    """The stages of these settings that recipe.json does not record as done."""
+    record = json.loads((settings.out / "recipe.json").read_text())["stages"]
+    return [stage for stage in settings.stages if record[stage] != DONE]
+
+
+def run(recipe: Recipe) -> Path | None:
+    """Every stage in order, each skipped when its result is there, within `recipe.time_budget`. Returns the merged
+    MARS checkpoint's folder; None when the budget stopped the run (the same command continues it)."""
+    budget = Budget(recipe.time_budget)
+    _, done = distill_stages(recipe, budget)
+    for stage in (train, export, evaluate) if recipe.with_eval else (train, export):
+        done = done and stage(recipe, budget)
+    return recipe.checkpoint if done else None

@@ -16,8 +16,9 @@ accelerate launch --config_file zero2.yaml examples/train_mars.py --model_name_o
 ```
 
 `--resume_from_checkpoint true` (or a checkpoint folder) resumes an interrupted run from the newest checkpoint in
-`--output_dir`. `--init_adapter FOLDER` starts a new run (new data, schedule, steps) from a finished LoRA MARS
-adapter, e.g. a previous `--use_peft` output or the shipped delta. Progress and the MARS metrics
+`--output_dir`, optimizer and scheduler included (`TimeBudget` stops a run at such a point on purpose).
+`--init_adapter FOLDER` starts a new run (new data, schedule, steps) from a finished LoRA MARS adapter, e.g. a
+previous `--use_peft` output or the shipped delta. Progress and the MARS metrics
 (`clean_loss`, `mask_loss`, `mask_acc_{m}`) are logged every `--logging_steps`. The saved folder is a MARS checkpoint
 (remote code included); with `--use_peft` it holds the adapter, which `merge_and_unload()` folds into the base.
 """
@@ -26,9 +27,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
+from transformers import TrainerCallback
 from trl import ModelConfig
 
 
@@ -94,7 +98,32 @@ def check_processes(training_args) -> None:
         )
 
 
-def main(script_args, training_args, model_args):
+class TimeBudget(TrainerCallback):
+    """Stop training at the first step that ends at or after `deadline` (a `time.monotonic()` value), saving a
+    checkpoint there: its weights, optimizer, scheduler and RNG states let `--resume_from_checkpoint` continue the
+    run, on this machine or on another one, as if it had not stopped. Under several processes the main process's
+    clock decides, so that all of them stop at the same step."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.stopped = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        (spent,) = broadcast_object_list([time.monotonic() >= self.deadline])
+        if spent and state.global_step < state.max_steps:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped = True
+        return control
+
+
+def train(script_args, training_args, model_args, callbacks=()) -> bool:
+    """Train with TRL's three settings objects (`make_parser` reads them from a command line) and `callbacks`.
+
+    Returns True once the model is saved in `output_dir`; False when a `TimeBudget` stopped training before its
+    last step: then only the checkpoint saved there is written, and the final save is left to the run that resumes
+    from it.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import get_peft_config
 
@@ -115,23 +144,29 @@ def main(script_args, training_args, model_args):
 
         model = PeftModel.from_pretrained(model, model_args.init_adapter, is_trainable=True)
         peft_config = None
-    train, evaluation = load_train_eval(script_args, training_args)
+    train_set, evaluation = load_train_eval(script_args, training_args)
     trainer = hf_mars.MARSTrainer(
         model,
         args=training_args,
-        train_dataset=train,
+        train_dataset=train_set,
         eval_dataset=evaluation,
         processing_class=tokenizer,
         peft_config=peft_config,
+        callbacks=list(callbacks),
     )
     trainer.train(resume_from_checkpoint=resume_point(training_args))
+    if any(isinstance(callback, TimeBudget) and callback.stopped for callback in callbacks):
+        trainer.accelerator.print(f"Stopped by the time budget at step {trainer.state.global_step}, checkpoint saved")
+        return False
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json: the steps and the logs, beside the model
     if model_args.use_peft or model_args.init_adapter:  # an adapter folder has no model config: keep the MARS settings
         base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
         mars = {key: getattr(base.config, key) for key in ("mars_block_size", "mars_mask_token_id")}
         if trainer.accelerator.is_main_process:
             (Path(training_args.output_dir) / "mars.json").write_text(json.dumps(mars, indent=2))
     trainer.accelerator.print(f"Saved the MARS model to {training_args.output_dir}")
+    return True
 
 
 def make_parser():
@@ -145,4 +180,4 @@ def make_parser():
 def run(argv=None) -> None:
     """Parse TRL-style arguments (or a `--config` YAML) and train."""
     script_args, training_args, model_args = make_parser().parse_args_and_config(args=argv)
-    main(script_args, training_args, model_args)
+    train(script_args, training_args, model_args)
