@@ -145,6 +145,8 @@ def test_bench_measures_the_mask_cost_once_and_uses_it(checkpoint, tmp_path):
         "lossless B=2 n=3 L=4 tau=0.5",
     } <= methods
     assert "mars_mask_cost measured here" in result.stdout
+    against = next(line for line in result.stdout.splitlines() if line.startswith("batch 1: plain "))
+    assert "fastest lossless lossless " in against and "fastest of all " in against  # exact rows named apart
 
 
 def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
