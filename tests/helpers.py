@@ -3,6 +3,11 @@ live in conftest.py. No test module imports another."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+
+import psutil  # an accelerate dependency
 import torch
 from transformers.generation.streamers import BaseStreamer
 
@@ -34,3 +39,20 @@ class Recorder(BaseStreamer):
 
     def end(self):
         self.ended = True
+
+
+def run_launched(command: list[str], timeout: float) -> tuple[int, str]:
+    """Run a launcher command (`accelerate launch`, torchrun) on one thread per process: (return code, stderr).
+    On a timeout the whole process tree is killed: torchrun starts each worker in a session of its own, and workers
+    left behind would wait on the dead launcher's rendezvous and hold the output pipes open."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for child in [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        process.communicate()
+        raise
+    return process.returncode, stderr

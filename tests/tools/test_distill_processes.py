@@ -17,19 +17,15 @@ same batch gives the same bits.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-import psutil  # an accelerate dependency
 import pytest
 import torch
 from accelerate import PartialState
 from distill_worker import run
-from helpers import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer, run_launched
 
 from hf_mars.tools.distillation import shard_path
 
@@ -73,22 +69,12 @@ def launch(base, out, batch_size, stop_after=None, die_after=None):
     args = [*(str(p) for p in base), str(out), str(prefix), "--batch-size", str(batch_size)]
     args += ["--stop-after", str(stop_after)] if stop_after is not None else []
     args += ["--die-after", str(die_after)] if die_after is not None else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([*launcher, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        _, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own: kill the whole tree, or the workers outlive the test
-        for child in [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-        process.communicate()
-        raise
+    returncode, stderr = run_launched([*launcher, *args], TIMEOUT)
     stats = [json.loads(path.read_text()) for path in sorted(out.parent.glob("stats-*.json"))]
     if die_after is None:
-        assert process.returncode == 0, stderr[-3000:]
+        assert returncode == 0, stderr[-3000:]
         assert len(stats) == 2 and stats[0] == stats[1]  # every process returns the run's stats, all processes'
-    return process.returncode, stats[0] if stats else None
+    return returncode, stats[0] if stats else None
 
 
 def prompts_of(path):

@@ -5,18 +5,14 @@ are what `accelerate launch` reads; a launch that would train unsynchronised cop
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import psutil  # an accelerate dependency
 import pytest
 import torch
-from helpers import make_model, make_tokenizer, toy_prompts
+from helpers import make_model, make_tokenizer, run_launched, toy_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_mars
@@ -57,20 +53,8 @@ def train(tmp_path, name, processes, cli=False):
     if processes > 1:
         assert processes == 2  # multi_cpu.yaml's num_processes
         launcher = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_cpu.yaml")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, *launcher, *entry, *args]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        _, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own: kill the whole tree, or the workers outlive the test
-        # (waiting on the dead launcher's rendezvous) and hold the output pipes open
-        for child in [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-        process.communicate()
-        raise
-    assert process.returncode == 0, stderr[-3000:]
+    returncode, stderr = run_launched([sys.executable, *launcher, *entry, *args], TIMEOUT)
+    assert returncode == 0, stderr[-3000:]
     return out
 
 
