@@ -191,7 +191,8 @@ def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit: flo
     one did, a floor, since a wider pass costs no less. Where wide passes are dear (an emulated dtype, a big batch)
     the first use then times a few narrow passes instead of every width.
     """
-    path, key = costs_path(), machine_key(model, cost_batch(batch_size))
+    batch = cost_batch(batch_size)
+    path, key = costs_path(), machine_key(model, batch)
     table = json.loads(path.read_text()) if path.is_file() else {}
     entry = {} if refresh else table.get(key, {})
     forward = {int(w): s for w, s in entry.get("forward", {}).items()}
@@ -202,7 +203,6 @@ def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit: flo
     hopeless = _past(forward, OVERHEAD_TREE_WIDTH + 1, limit)  # a pass of the narrowest tree cannot pay
     if missing or (overhead is None and not hopeless):
         logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
-        batch = cost_batch(batch_size)
         if missing:
             forward.update(measure_pass_costs(model, batch, missing, limit=limit, one=forward.get(1)))
             left_out = [w for w in missing if w not in forward]

@@ -79,23 +79,26 @@ class DraftTree:
 NO_DRAFTS = DraftTree()  # a pass without drafts (τ-mode, or lossless mode's first pass)
 
 
+def _counts(candidates) -> tuple[int, ...]:
+    """`mars_draft_candidates` as counts per depth from depth 1: an int N is `(N,)`."""
+    return (candidates,) if isinstance(candidates, int) else tuple(candidates)
+
+
 def depth_candidates(candidates, depths: int) -> tuple[int, ...]:
     """`mars_draft_candidates` as drafts at each of the depths 1 .. `depths`: an int N is N at depth 1 and one (the
     chain) below it; a list gives depth d's count at index d - 1, and one past its end."""
-    counts = (candidates,) if isinstance(candidates, int) else tuple(candidates)
-    return (counts + (1,) * depths)[:depths]
+    return (_counts(candidates) + (1,) * depths)[:depths]
 
 
 def runner_ups(candidates) -> int:
     """How many drafts `mars_draft_candidates` adds to the chain: the runner-ups of every depth."""
-    counts = (candidates,) if isinstance(candidates, int) else tuple(candidates)
-    return sum(count - 1 for count in counts)
+    return sum(count - 1 for count in _counts(candidates))
 
 
 def canonical_candidates(candidates) -> int | tuple[int, ...]:
     """One spelling per tree: trailing ones dropped (the chain is there anyway), an int where only depth 1 has
     runner-ups, so `[3, 1, 1]`, `[3]` and `3` are all `3`."""
-    counts = list((candidates,) if isinstance(candidates, int) else candidates)
+    counts = list(_counts(candidates))
     while len(counts) > 1 and counts[-1] == 1:
         counts.pop()
     return counts[0] if len(counts) == 1 else tuple(counts)
