@@ -126,6 +126,9 @@ class MARSGenerationMixin(GenerationMixin):
         mars_draft_candidates: int | list[int] | None = None,
         mars_lookup: int | None = None,
         mars_mask_cost: float | list[float] | str | None = None,
+        mars_accept: str | None = None,
+        mars_typical_epsilon: float | None = None,
+        mars_typical_delta: float | None = None,
         streamer=None,
         **kwargs,
     ):
@@ -146,6 +149,10 @@ class MARSGenerationMixin(GenerationMixin):
             mars_lookup (`int`): lossless, greedy: a branch of up to this many drafts by prompt lookup (default 0).
             mars_mask_cost (`float`, list or "auto"): what masks add to a pass, as a share of a one-token pass (per
                 count; "auto": measured here). 0 (default): B-1 masks every pass; else only those worth their time.
+            mars_accept (`str`): lossless mode's rule for keeping drafts: "exact" (default: the output is the model's
+                own) or "typical", Medusa's typical acceptance, which also keeps a draft the verifying distribution
+                gives at least min(ε, δ·exp(-entropy)): more tokens per pass, but other answers (not lossless).
+            mars_typical_epsilon, mars_typical_delta (`float`): typical acceptance's ε (default 0.09) and δ (0.3).
 
         Works with sampling, logits processors, EOS ids, `stop_strings`, stopping criteria (called as `generate()`
         calls them), static caches and streamers (a pass's tokens as one chunk). `return_dict_in_generate=True`
@@ -156,7 +163,8 @@ class MARSGenerationMixin(GenerationMixin):
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
         mars_kwargs = dict(mars_tau=mars_tau, mars_block_size=mars_block_size, mars_confidence=mars_confidence)
         mars_kwargs.update(mars_verify=mars_verify, mars_draft_candidates=mars_draft_candidates)
-        mars_kwargs.update(mars_lookup=mars_lookup, mars_mask_cost=mars_mask_cost)
+        mars_kwargs.update(mars_lookup=mars_lookup, mars_mask_cost=mars_mask_cost, mars_accept=mars_accept)
+        mars_kwargs.update(mars_typical_epsilon=mars_typical_epsilon, mars_typical_delta=mars_typical_delta)
         settings = resolve_settings(self, generation_config, batch_size, **mars_kwargs)
         if settings is not None:
             _refuse_unsupported(base, kwargs, "mars_verify" if settings.verify else "mars_tau")
@@ -259,6 +267,7 @@ class _Plan:
     settings: MARSSettings
     processors: LogitsProcessorList
     do_sample: bool
+    typical: tuple[float, float] | None  # lossless mode: `(ε, δ)` of typical acceptance, or None (exact)
     candidates: int | tuple[int, ...]  # lossless mode: `mars_draft_candidates` (1 where drafts stay a chain)
     lookup: int  # lossless mode: tokens of prompt lookup's branch (0 where drafts stay a chain)
     prompt_length: int
@@ -368,10 +377,10 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     sequences[:, :prompt_length] = input_ids
     attention_mask = model_kwargs.get("attention_mask")
     prompt_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    # Sibling drafts (candidates, a lookup branch) need greedy verification, whose processors (if any) read no
-    # history: with sampling, or a history-reading processor, drafts stay a chain
-    do_sample = generation_config.do_sample
-    branching = not do_sample and (not processors or history_free(processors))
+    # Sibling drafts (candidates, a lookup branch) need greedy verification or typical acceptance, whose processors
+    # (if any) read no history: with speculative sampling, or a history-reading processor, drafts stay a chain
+    do_sample, typical = generation_config.do_sample, settings.typical
+    branching = (not do_sample or typical is not None) and (not processors or history_free(processors))
     candidates = settings.draft_candidates if branching else 1
     lookup = settings.lookup if settings.verify and branching else 0
     cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window)
@@ -380,6 +389,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
         settings=settings,
         processors=processors,
         do_sample=do_sample,
+        typical=typical,
         candidates=candidates,
         lookup=lookup,
         prompt_length=prompt_length,
@@ -496,7 +506,7 @@ def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
     rows, tree = feed.rows, feed.drafts.tree
     if plan.settings.verify:
         tokens, accepted, step.kept_drafts, step.end = verify(
-            step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample
+            step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample, plan.typical
         )
         # The drafts the last pass's masks proposed paid for what of them was kept
         paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
@@ -576,7 +586,8 @@ def _next_inputs(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.T
         groups = len(feed.drafts.tree) + 1
         followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
         followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
-        proposal = (step.histories, step.tau, step.within, plan.settings, plan.do_sample, plan.candidates)
+        sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
+        proposal = (step.histories, step.tau, step.within, plan.settings, sampled, plan.candidates)
         drafts = propose(followed, *proposal, plan.pad_token_id, full)
     if plan.lookup:
         drafts = add_lookup(drafts, run.text.sequences[rows], lengths, plan.lookup, plan.pad_token_id, full)

@@ -18,6 +18,10 @@ from .costs import check_acceptance, choose_tree, mask_costs, parse_tree, pass_c
 from .tree import runner_ups
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
+# How lossless mode's pass keeps drafts: "exact" (the model's own output) or "typical" (Medusa's typical acceptance)
+ACCEPT_RULES = ("exact", "typical")
+# Typical acceptance keeps a draft whose verified probability is at least min(ε, δ·exp(-H)); Medusa's defaults
+TYPICAL_EPSILON, TYPICAL_DELTA = 0.09, 0.3
 # Lossless mode's own defaults, read from `generation_config.mars_lossless`
 LOSSLESS_KEYS = ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup", "mars_mask_cost")
 # Every key a generation config may hold for MARS (an unknown `mars_*` key there is a typo, and refused)
@@ -31,6 +35,9 @@ SETTING_KEYS = (
     "mars_mask_cost",
     "mars_lossless",
     "mars_acceptance",
+    "mars_accept",
+    "mars_typical_epsilon",
+    "mars_typical_delta",
 )
 TREE_KEYS = ("mars_block_size", "mars_draft_candidates", "mars_lookup")
 
@@ -83,6 +90,9 @@ class MARSSettings:
     draft_candidates: int | tuple[int, ...] = 1
     lookup: int = 0
     mask_cost: float | tuple[float, ...] = 0.0
+    accept: str = "exact"
+    typical_epsilon: float | None = None
+    typical_delta: float | None = None
 
     def __post_init__(self):
         if not callable(self.tau):
@@ -98,6 +108,15 @@ class MARSSettings:
             if value and not self.verify:
                 raise ValueError(f"{name} shapes lossless mode's draft tree: it needs mars_verify=True.")
         _check_mask_cost(self.mask_cost, self.block_size)
+        _check_accept(self.accept, self.verify, self.typical_epsilon, self.typical_delta)
+
+    @property
+    def typical(self) -> tuple[float, float] | None:
+        """`(ε, δ)` of typical acceptance, or None where drafts are kept exactly."""
+        if self.accept != "typical":
+            return None
+        epsilon, delta = self.typical_epsilon, self.typical_delta
+        return (TYPICAL_EPSILON if epsilon is None else epsilon, TYPICAL_DELTA if delta is None else delta)
 
     @property
     def plain(self) -> bool:
@@ -173,6 +192,9 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
         draft_candidates=_as_tuple(setting("mars_draft_candidates", 1)),
         lookup=setting("mars_lookup", 0),
         mask_cost=_as_tuple(cost),
+        accept=setting("mars_accept", "exact"),
+        typical_epsilon=setting("mars_typical_epsilon"),
+        typical_delta=setting("mars_typical_delta"),
     )
 
 
@@ -254,6 +276,23 @@ def _check_candidates(candidates, block_size: int) -> None:
             "mars_draft_candidates must be an integer >= 1 (candidates for the first draft) or a list of them, one "
             f"per draft depth, at most B-1 = {depths} long, got {list(candidates)!r}"
         )
+
+
+def _check_accept(accept, verify: bool, epsilon, delta) -> None:
+    """`mars_accept` is a rule of lossless mode's; ε in (0, 1] and δ >= 0 belong to typical acceptance only."""
+    if accept not in ACCEPT_RULES:
+        raise ValueError(f"mars_accept must be one of {ACCEPT_RULES}, got {accept!r}")
+    if accept != "exact" and not verify:
+        raise ValueError(f'mars_accept="{accept}" decides which drafts a pass keeps: it needs mars_verify=True.')
+    for name, value, least in (("mars_typical_epsilon", epsilon, 0.0), ("mars_typical_delta", delta, 0.0)):
+        if value is None:
+            continue
+        if accept != "typical":
+            raise ValueError(f'{name} sets typical acceptance: it needs mars_accept="typical".')
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
+            raise ValueError(f"{name} must be a number >= {least}, got {value!r}")
+    if epsilon is not None and not 0 < epsilon <= 1:
+        raise ValueError(f"mars_typical_epsilon is a probability in (0, 1], got {epsilon!r}")
 
 
 def _as_tuple(value):

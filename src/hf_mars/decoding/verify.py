@@ -9,6 +9,9 @@ Runner-ups: with k_d candidates at depth d, mask d's next k_d - 1 tokens are sib
 (they follow the chain's depth d-1 draft, or the root), leaves of the tree. An int N is `[N, 1, 1, ...]`: runner-ups
 for the first draft only. A mask's prediction does not depend on the drafts before it, so its runner-ups may follow
 any draft of the depth above; the chain is where a path most often continues, so that is where they go.
+
+`mars_accept="typical"` keeps a draft the model finds plausible rather than only its own choice (`_verify_typical`):
+more tokens per pass, other answers. Its drafts are the greedy tree's, with sampling too.
 """
 
 from __future__ import annotations
@@ -50,28 +53,57 @@ class Drafts:
         return Drafts(self.tokens[alive], self.real[alive], self.tree, proposals)
 
 
-def verify(logits, drafts: Drafts, histories, do_sample: bool):
+def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[float, float] | None = None):
     """Verify the drafts: `(tokens, accepted, kept, end)`.
 
     `logits[:, 0]` is the output at the last pending token (the root), `logits[:, 1 + i]` the output at draft i, so
     the output at a draft's parent is the model's own prediction of it. `tokens[:, :accepted]` are the row's new
     tokens; `kept` marks the kept drafts (whose K/V the cache keeps); `end` is where they end (0: the root).
+    `typical`: `(ε, δ)` of typical acceptance (`_verify_typical`) instead of exact verification.
     """
     scores = processed(logits, histories, drafts.tokens)  # histories that read prefixes only come with chains
+    if typical is not None:
+        return _verify_typical(scores, drafts, do_sample, *typical)
     if do_sample:
         return _verify_sampled(scores, drafts)
-    return _verify_greedy(scores, drafts)
-
-
-def _verify_greedy(scores, drafts: Drafts):
-    """A draft matches when it equals the argmax at its parent and its parent matches. The path to the deepest match
-    is kept (equal siblings give equal paths); the argmax at its end follows it (the correction, or a bonus token)."""
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
-    count, end = torch.zeros_like(target[:, 0]), torch.zeros_like(target[:, 0])
+    match = drafts.real
+    if len(drafts.tree):
+        match = (drafts.tokens == target[:, drafts.tree.on(target.device)[2]]) & drafts.real
+    return _keep_deepest(match, drafts, lambda end: target.gather(1, end[:, None]))
+
+
+def _verify_typical(scores, drafts: Drafts, do_sample: bool, epsilon: float, delta: float):
+    """Typical acceptance (Medusa): a draft matches when the verifying distribution p at its parent gives it at least
+    min(ε, δ·exp(-H(p))), and its parent matches. Not lossless: a plausible draft is kept where the model would have
+    chosen another token; the bar falls where p is spread out (high entropy), where many continuations are fine. The
+    token after the deepest match is p's argmax there (greedy) or drawn from p (sampling, p after the warpers). With
+    δ <= 1 the argmax always passes (max p >= exp(-H)), and with ε > 0.5 only the argmax can: then it is exact."""
+    p = torch.softmax(scores.float(), dim=-1)
+    match = drafts.real
+    if len(drafts.tree):
+        parents = drafts.tree.on(p.device)[2]
+        bar = (delta * torch.exp(-torch.special.entr(p).sum(dim=-1))).clamp(max=epsilon)  # (rows, 1 + drafts)
+        p_draft = p[:, parents].gather(-1, drafts.tokens[..., None]).squeeze(-1)
+        match = (p_draft >= bar[:, parents]) & drafts.real
+    rows = torch.arange(p.shape[0], device=p.device)
+
+    def after(end):
+        at_end = p[rows, end]
+        return torch.multinomial(at_end, num_samples=1) if do_sample else at_end.argmax(dim=-1, keepdim=True)
+
+    return _keep_deepest(match, drafts, after)
+
+
+def _keep_deepest(match, drafts: Drafts, after):
+    """Keep the path to the deepest draft that matches with all its ancestors (equal siblings give equal paths; of
+    different ones, the first in the tree, the chain's), then `after(end)`, the `(rows, 1)` token that follows where
+    it ends (the correction, or a bonus token). `(tokens, accepted, kept, end)` as `verify` returns them."""
+    rows = match.shape[0]
+    count = end = torch.zeros(rows, dtype=torch.long, device=match.device)
     if not len(drafts.tree):
-        return target[:, :1], count + 1, drafts.real, end
-    lineage, depths, parent_slots = drafts.tree.on(target.device)
-    match = (drafts.tokens == target[:, parent_slots]) & drafts.real
+        return after(end), count + 1, drafts.real, end
+    lineage, depths, _ = drafts.tree.on(match.device)
     kept = (match[:, None, :] | ~lineage[1:]).all(dim=2)  # every draft on its path matches
     count, deepest = (kept * depths).max(dim=1)
     end = torch.where(count > 0, deepest + 1, 0)
@@ -80,7 +112,7 @@ def _verify_greedy(scores, drafts: Drafts):
     depth_slots = depths[None, :] == torch.arange(1, most + 1, device=depths.device)[:, None]
     path = (drafts.tokens[:, None, :] * (kept[:, None, :] & depth_slots)).sum(dim=2)  # (rows, max depth)
     tokens = torch.cat([path, torch.zeros_like(count)[:, None]], dim=1)
-    tokens.scatter_(1, count[:, None], target.gather(1, end[:, None]))
+    tokens.scatter_(1, count[:, None], after(end))
     return tokens, count + 1, kept, end
 
 
