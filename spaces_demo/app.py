@@ -458,7 +458,8 @@ def mars_settings(model) -> dict:
         value=0.9,
         step=0.05,
         label="τ (confidence threshold)",
-        info="1 = plain AR; change it mid-answer",
+        info="lossless: how many guesses are drafted; lossless off (τ-mode): τ < 1 keeps guesses unchecked, "
+        "faster but the answers change; 1 = plain AR; change it mid-answer",
         elem_id="tau",
     )
     block_size = gr.Slider(
@@ -483,8 +484,8 @@ def mars_settings(model) -> dict:
         elem_id="mask-cost",
     )
     lossless = gr.Checkbox(
-        label="Lossless: verify the drafts (exactly the AR text)",
-        value=False,
+        label="Lossless: verify the drafts (exactly the AR text, the answers kept)",
+        value=True,
         elem_id="lossless",
         info="the masks' guesses, and text that repeats, are checked by the model in the "
         "next pass: τ sets how many are drafted, not the text",

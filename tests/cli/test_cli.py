@@ -88,6 +88,8 @@ def test_generate_defaults_to_lossless_and_says_what_tau_costs(checkpoint):
     result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "[MARS lossless τ=0.0" in result.stderr and "output identical to AR: True" in result.stderr
+    typical = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "16", "--typical")
+    assert typical.returncode == 0 and "[MARS typical-acceptance τ=0.0" in typical.stderr
     assert "--tau 0.9" in result.stderr and "the text can change" in result.stderr
     result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.9", "--max-new-tokens", "16")
     assert "[MARS τ=0.9" in result.stderr and "--tau 0.9" not in result.stderr  # τ-mode when asked, no note
@@ -98,6 +100,8 @@ def test_cli_refuses_bad_input(checkpoint, tmp_path):
     assert "a number >= 0 or `auto`" in hf_mars_cli("generate", str(checkpoint), "--mask-cost", "cheap").stderr
     tau_mode = hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--tau", "0.9", "--lookup", "4")
     assert "add --lossless" in tau_mode.stderr
+    typical = hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--tau", "0.9", "--typical")
+    assert "--typical verifies lossless mode's drafts" in typical.stderr
     assert "BxN or BxN+L" in hf_mars_cli("bench", str(checkpoint), "--lossless-trees", "2x3+x").stderr
     assert "local checkpoint folder" in hf_mars_cli("tune", "no-such-org/no-such-repo", "--save").stderr
     make_model("llama").save_pretrained(tmp_path / "plain")

@@ -70,6 +70,7 @@ def pass_sizes(page) -> list[int]:
 
 def test_type_generate_move_the_slider_and_screenshot(served, tmp_path):
     page = open_page(*served[:2])
+    page.locator("#lossless input[type=checkbox]").uncheck()  # τ-mode: the slider sets what is accepted
     set_number(page, "tau", 1)
     page.locator("#message textarea").fill("Count from 1 to 9.")
     page.locator("#message textarea").press("Enter")

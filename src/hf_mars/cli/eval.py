@@ -1,7 +1,13 @@
 """`hf-mars eval` (recipe step 4): per τ, tokens per forward, the share of answers identical to τ = 1's (and to the
-base model's with `--base`) and GSM8K / HumanEval accuracy, in one table (eval.md, eval.json) and a plot (eval.png)."""
+base model's with `--base`) and GSM8K / HumanEval accuracy, in one table (eval.md, eval.json) and a plot (eval.png).
+`--frontier`: the same for every decoding rule (τ-mode, lossless trees, typical acceptance, sampled), in
+frontier.md, frontier.json and frontier.png, resumable (`tools/frontier.py`)."""
 
 from __future__ import annotations
+
+from .options import draft_tree
+
+SHIPPED_TREE = "2x2+6"  # the hand-tuned tree the frontier compares against
 
 HELP = "recipe step 4: tokens/forward and accuracy per τ, plotted"
 DESCRIPTION = (
@@ -24,6 +30,33 @@ def add_parser(subparsers) -> None:
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ev.add_argument("--device", help="e.g. cuda (default: where the model loads)")
     ev.add_argument("--output", default="outputs/eval", help="folder for eval.md, eval.json and eval.png")
+    frontier = ev.add_argument_group("the quality-speed frontier of every rule (--frontier)")
+    frontier.add_argument(
+        "--frontier",
+        action="store_true",
+        help="tokens/forward against quality for τ-mode (--taus), lossless trees (--trees) and typical acceptance "
+        "(--typical-trees), greedy and sampled at --temperature; resumes a stopped run in --output",
+    )
+    frontier.add_argument(
+        "--trees",
+        type=draft_tree,
+        nargs="+",
+        metavar="BxN[+L]",
+        default=[draft_tree(t) for t in (SHIPPED_TREE, "3x2,2", "4x3,2,2", "3x3+5")],
+        help=f"lossless draft trees, exact (default: the shipped {SHIPPED_TREE}; per-depth trees that `hf-mars tune` "
+        "proposes at widths 15 and 32; 3x3+5, width 30, a per-depth tree with a prompt-lookup branch)",
+    )
+    frontier.add_argument(
+        "--typical-trees",
+        type=draft_tree,
+        nargs="*",
+        metavar="BxN[+L]",
+        default=[draft_tree(t) for t in (SHIPPED_TREE, "3x3+5")],
+        help=f'trees verified by typical acceptance, mars_accept="typical" (default: {SHIPPED_TREE} 3x3+5)',
+    )
+    frontier.add_argument(
+        "--temperature", type=float, default=0.7, help="also sample lossless and typical at this temperature (0: no)"
+    )
     ev.set_defaults(run=run)
 
 
@@ -38,6 +71,12 @@ def run(args) -> None:
     if args.device:
         model = model.to(args.device)
         base = base.to(args.device) if base is not None else None
+    if args.frontier:
+        if base is not None:
+            raise SystemExit("--base scores the base model per τ; the frontier compares MARS's rules (drop --base).")
+        written = _frontier(model, tokenizer, args)
+        print("Wrote " + ", ".join(str(path) for path in written))
+        return
     written = evaluate_and_write(
         model,
         tokenizer,
@@ -62,3 +101,20 @@ def _base_model(dtype: str):
     from ..tools.shipped import base_checkpoint
 
     return AutoModelForCausalLM.from_pretrained(base_checkpoint(), dtype=getattr(torch, dtype)).eval()
+
+
+def _frontier(model, tokenizer, args) -> list:
+    import torch
+
+    from ..tools.evals import eval_prompts
+    from ..tools.frontier import format_frontier, frontier_settings, run_frontier, write_frontier
+
+    rows = eval_prompts(args.gsm8k, args.humaneval)
+    settings = frontier_settings(model, args.taus, args.trees, args.typical_trees, args.temperature)
+    name = args.model or "shipped"
+    meta = dict(model=name, gsm8k=args.gsm8k, humaneval=args.humaneval, dtype=args.dtype, device=str(model.device))
+    results = run_frontier(model, tokenizer, rows, settings, args.output, meta, args.batch_size, args.max_new_tokens)
+    print(format_frontier(results))
+    meta.update(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads())
+    title = f"{name}: {args.gsm8k} GSM8K, {args.humaneval} HumanEval, {args.dtype}, batch {args.batch_size}"
+    return write_frontier(results, args.output, meta, title)

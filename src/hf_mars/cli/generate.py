@@ -67,6 +67,12 @@ def add_parser(subparsers) -> None:
         help="lossless: also draft up to L tokens by prompt lookup (mars_lookup; `hf-mars tune` finds the fastest)",
     )
     gen.add_argument(
+        "--typical",
+        action="store_true",
+        help='lossless tree, but drafts kept by typical acceptance (mars_accept="typical"): more tokens per pass, '
+        "not the AR text",
+    )
+    gen.add_argument(
         "--mask-cost",
         type=mask_cost,
         default=0.0,
@@ -83,6 +89,8 @@ def run(args) -> None:
     args.lossless = args.lossless or by_default
     if not args.lossless and (args.draft_candidates is not None or args.lookup is not None):
         raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
+    if args.typical and args.tau is not None and not args.lossless:
+        raise SystemExit("--typical verifies lossless mode's drafts: drop --tau or add --lossless.")
     model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
     if args.dtype == "auto":
         model = _auto_dtype(model)
@@ -124,6 +132,7 @@ def _mars_arguments(args) -> dict:
         mars_draft_candidates=_candidates(args.draft_candidates),
         mars_lookup=args.lookup,
         mars_mask_cost=args.mask_cost,  # "auto": generate() reads this machine's pass costs
+        mars_accept="typical" if args.typical else None,
     )
 
 
@@ -146,7 +155,7 @@ def _print_settings(model, mars: dict, lossless: bool) -> None:
     from ..decoding.generate import mars_settings
 
     settings = mars_settings(model, **mars)
-    mode = "lossless " if lossless else ""
+    mode = ("typical-acceptance " if settings["mars_accept"] == "typical" else "lossless ") if lossless else ""
     tree = ""
     if lossless:
         counts = settings["mars_draft_candidates"]

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars
+from .decode import count_new_tokens, eos_token_ids, generate_ar, sync
 from .eval_sets import gsm8k_test, humaneval
 from .loading import chat_text
 from .plots import save_figure, tau_figure
@@ -112,13 +114,25 @@ def _prompt_row(row: dict, tokenizer, where: str) -> dict:
     return {"text": chat_text(tokenizer, messages), "answer": answer, "check": check}
 
 
-def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
-    """Greedy answers (text) and tokens per forward, over all rows and per task: plain `generate()` when `tau` is
-    None, else MARS at τ. A batch holds one task's rows, of similar lengths."""
+@dataclass
+class Decoded:
+    """What decoding a set of rows gave: the answers (text, in the rows' order), tokens per forward over all rows and
+    per task, and the new tokens and seconds it took."""
 
+    answers: list[str]
+    tokens_per_forward: float
+    per_task: dict[str, float]
+    tokens: int
+    seconds: float
+
+
+def decode_rows(model, tokenizer, rows, batch_size, max_new_tokens, desc, generate_kwargs=None) -> Decoded:
+    """Answers to `rows` (`eval_prompts`) with plain greedy `generate()` when `generate_kwargs` is None, else with
+    `model.generate(**generate_kwargs)` (greedy unless they say `do_sample`). A batch holds one task's rows, of
+    similar lengths."""
     tokenizer.padding_side = "left"
     eos_ids = eos_token_ids(model, tokenizer)
-    tokens, passes = {}, {}
+    tokens, passes, seconds = {}, {}, 0.0
     order = sorted(range(len(rows)), key=lambda i: (rows[i]["task"], len(rows[i]["prompt"])))
     batches = [
         [i for i in order if rows[i]["task"] == task][start : start + batch_size]
@@ -129,11 +143,16 @@ def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
     for idx in tqdm(batches, desc=desc, leave=False):
         chats = [chat_text(tokenizer, [{"role": "user", "content": rows[i]["prompt"]}]) for i in idx]
         enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+        started = time.perf_counter()
         with torch.inference_mode():
-            if tau is None:
+            if generate_kwargs is None:
                 seqs, row_passes = generate_ar(model, **enc, max_new_tokens=max_new_tokens)
             else:
-                seqs, row_passes = generate_mars(model, tau, **enc, max_new_tokens=max_new_tokens)
+                kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, return_dict_in_generate=True)
+                out = model.generate(**enc, **{**kwargs, **generate_kwargs})
+                seqs, row_passes = out.sequences, int(out.mars_stats.passes_per_row.sum())
+        sync(model)
+        seconds += time.perf_counter() - started
         new = seqs[:, enc.input_ids.shape[1] :]
         n_new = count_new_tokens(new, tokenizer, eos_ids)
         task = rows[idx[0]]["task"]
@@ -142,7 +161,8 @@ def _decode(model, tokenizer, rows, batch_size, max_new_tokens, desc, tau=None):
         for i, row in zip(idx, new):
             answers[i] = tokenizer.decode(row, skip_special_tokens=True)
     per_task = {task: tokens[task] / max(passes[task], 1) for task in tokens}
-    return answers, sum(tokens.values()) / max(sum(passes.values()), 1), per_task
+    total = sum(tokens.values()) / max(sum(passes.values()), 1)
+    return Decoded(answers, total, per_task, sum(tokens.values()), seconds)
 
 
 def score(rows: list[dict], answers: list[str]) -> dict[str, float]:
@@ -170,7 +190,7 @@ def tau_table(
     row comes first, `tau` None); "answers" are the decoded answers, in the order of `rows`."""
     table, reference, base_answers = [], None, None
     if base_model is not None:
-        base_answers, _, _ = _decode(base_model, tokenizer, rows, batch_size, max_new_tokens, "base model")
+        base_answers = decode_rows(base_model, tokenizer, rows, batch_size, max_new_tokens, "base model").answers
         table.append(
             {
                 "setting": "base model, generate()",
@@ -184,7 +204,9 @@ def tau_table(
             }
         )
     for tau in sorted(taus, reverse=True):
-        answers, per_forward, by_task = _decode(model, tokenizer, rows, batch_size, max_new_tokens, f"tau={tau}", tau)
+        kwargs = dict(mars_tau=tau, mars_verify=False, mars_mask_cost=0.0)
+        decoded = decode_rows(model, tokenizer, rows, batch_size, max_new_tokens, f"tau={tau}", kwargs)
+        answers, per_forward, by_task = decoded.answers, decoded.tokens_per_forward, decoded.per_task
         reference = reference if reference is not None else (answers if tau >= 1 else None)
         table.append(
             {
