@@ -8,6 +8,8 @@ from __future__ import annotations
 from .options import draft_tree
 
 SHIPPED_TREE = "2x2+6"  # the hand-tuned tree the frontier compares against
+FRONTIER_TREES = (SHIPPED_TREE, "3x2,2", "4x3,2,2", "3x3+5")
+TYPICAL_TREES = (SHIPPED_TREE, "3x3+5")
 
 HELP = "recipe step 4: tokens/forward and accuracy per τ, plotted"
 DESCRIPTION = (
@@ -42,7 +44,6 @@ def add_parser(subparsers) -> None:
         type=draft_tree,
         nargs="+",
         metavar="BxN[+L]",
-        default=[draft_tree(t) for t in (SHIPPED_TREE, "3x2,2", "4x3,2,2", "3x3+5")],
         help=f"lossless draft trees, exact (default: the shipped {SHIPPED_TREE}; per-depth trees that `hf-mars tune` "
         "proposes at widths 15 and 32; 3x3+5, width 30, a per-depth tree with a prompt-lookup branch)",
     )
@@ -51,7 +52,6 @@ def add_parser(subparsers) -> None:
         type=draft_tree,
         nargs="*",
         metavar="BxN[+L]",
-        default=[draft_tree(t) for t in (SHIPPED_TREE, "3x3+5")],
         help=f'trees verified by typical acceptance, mars_accept="typical" (default: {SHIPPED_TREE} 3x3+5)',
     )
     frontier.add_argument(
@@ -110,7 +110,9 @@ def _frontier(model, tokenizer, args) -> list:
     from ..tools.frontier import format_frontier, frontier_settings, run_frontier, write_frontier
 
     rows = eval_prompts(args.gsm8k, args.humaneval)
-    settings = frontier_settings(model, args.taus, args.trees, args.typical_trees, args.temperature)
+    trees = args.trees if args.trees is not None else [draft_tree(t) for t in FRONTIER_TREES]
+    typical = args.typical_trees if args.typical_trees is not None else [draft_tree(t) for t in TYPICAL_TREES]
+    settings = frontier_settings(model, args.taus, trees, typical, args.temperature)
     name = args.model or "shipped"
     meta = dict(model=name, gsm8k=args.gsm8k, humaneval=args.humaneval, dtype=args.dtype, device=str(model.device))
     results = run_frontier(model, tokenizer, rows, settings, args.output, meta, args.batch_size, args.max_new_tokens)
