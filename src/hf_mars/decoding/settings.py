@@ -284,13 +284,13 @@ def _check_accept(accept, verify: bool, epsilon, delta) -> None:
         raise ValueError(f"mars_accept must be one of {ACCEPT_RULES}, got {accept!r}")
     if accept != "exact" and not verify:
         raise ValueError(f'mars_accept="{accept}" decides which drafts a pass keeps: it needs mars_verify=True.')
-    for name, value, least in (("mars_typical_epsilon", epsilon, 0.0), ("mars_typical_delta", delta, 0.0)):
+    for name, value in (("mars_typical_epsilon", epsilon), ("mars_typical_delta", delta)):
         if value is None:
             continue
         if accept != "typical":
             raise ValueError(f'{name} sets typical acceptance: it needs mars_accept="typical".')
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value < math.inf:
-            raise ValueError(f"{name} must be a number >= {least}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     if epsilon is not None and not 0 < epsilon <= 1:
         raise ValueError(f"mars_typical_epsilon is a probability in (0, 1], got {epsilon!r}")
 

@@ -214,8 +214,8 @@ def tau_table(
                 "tau": tau,
                 "tokens_per_forward": per_forward,
                 **{f"tokens_per_forward_{task}": value for task, value in sorted(by_task.items())},
-                "same_as_tau1": _same(answers, reference),
-                "same_as_base": _same(answers, base_answers),
+                "same_as_tau1": same_share(answers, reference),
+                "same_as_base": same_share(answers, base_answers),
                 **score(rows, answers),
                 "answers": answers,
             }
@@ -223,7 +223,7 @@ def tau_table(
     return table
 
 
-def _same(answers: list[str], reference: list[str] | None) -> float | None:
+def same_share(answers: list[str], reference: list[str] | None) -> float | None:
     """Percent of answers identical to the reference's (None without a reference)."""
     if reference is None:
         return None

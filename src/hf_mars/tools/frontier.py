@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ..decoding.costs import pass_width, tree_key
-from .evals import TASK_NAMES, decode_rows, score
-from .plots import save_figure
+from .evals import TASK_NAMES, decode_rows, same_share, score
+from .plots import figure, save_figure
 from .tables import markdown_table
 
 RULES = ("τ-mode", "lossless", "typical")
@@ -121,7 +121,7 @@ def format_frontier(results: list[dict]) -> str:
     head += ["same as greedy"] + [TASK_NAMES[t] for t in tasks] + ["tokens/s"]
     rows = []
     for r in results:
-        same = "" if reference is None else f"{_same_share(r['answers'], reference):.0f}%"
+        same = "" if reference is None else f"{same_share(r['answers'], reference):.0f}%"
         cells = [r["rule"], r["label"], str(r["width"]), f"{r['tokens_per_forward']:.2f}"]
         cells += [f"{r['per_task'].get(t, 0):.2f}" for t in tasks] + [same]
         cells += [f"{r[t]:.1f}%" if t in r else "" for t in tasks] + [f"{r['tokens_per_second']:.1f}"]
@@ -129,27 +129,16 @@ def format_frontier(results: list[dict]) -> str:
     return markdown_table(head, rows)
 
 
-def _same_share(answers: list[str], reference: list[str]) -> float:
-    return 100.0 * sum(a == b for a, b in zip(answers, reference)) / max(len(answers), 1)
-
-
 def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Path:
     """frontier.png: each set's score against tokens per forward, one line per rule (sampled rules dashed), and the
     share of answers identical to greedy's likewise."""
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise ImportError("The frontier's plot needs matplotlib: pip install 'hf_mars[bench]'") from err
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = [t for t in TASK_NAMES if any(t in r for r in results)]
     reference = greedy_reference(results)
     panels = [(TASK_NAMES[t], lambda r, t=t: r.get(t)) for t in tasks]
     if reference is not None:
-        panels.append(("same as greedy (%)", lambda r: _same_share(r["answers"], reference)))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (name, value) in zip(axes[0], panels):
+        panels.append(("same as greedy (%)", lambda r: same_share(r["answers"], reference)))
+    plt, fig, axes = figure([name for name, _ in panels], "tokens per forward", "The frontier's plot needs matplotlib")
+    for ax, (_, value) in zip(axes, panels):
         for sampled in (False, True):
             for rule in RULES:
                 line = [r for r in results if r["rule"] == rule and bool(r["kwargs"].get("do_sample")) == sampled]
@@ -157,9 +146,6 @@ def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Pat
                     xs = [r["tokens_per_forward"] for r in line]
                     label = rule + (", sampled" if sampled else "")
                     ax.plot(xs, [value(r) for r in line], "--o" if sampled else "-o", label=label)
-        ax.set_xlabel("tokens per forward")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     save_figure(plt, fig, path)

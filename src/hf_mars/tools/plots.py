@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def tau_figure(ylabels: list[str], hint: str):
-    """`(pyplot, figure, axes)`: one panel per y label, τ on every x axis. `hint` says how to install matplotlib."""
+def figure(ylabels: list[str], xlabel: str, hint: str):
+    """`(pyplot, figure, axes)`: one panel per y label, `xlabel` on every x axis, a light grid. `hint` says what needs
+    matplotlib."""
     try:
         import matplotlib
     except ImportError as err:
@@ -19,10 +20,17 @@ def tau_figure(ylabels: list[str], hint: str):
     fig, axes = plt.subplots(1, len(ylabels), figsize=(5 * len(ylabels), 4))
     axes = list(axes) if len(ylabels) > 1 else [axes]
     for ax, label in zip(axes, ylabels):
-        ax.set_xlabel("τ")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
-        ax.invert_xaxis()
         ax.grid(alpha=0.3)
+    return plt, fig, axes
+
+
+def tau_figure(ylabels: list[str], hint: str):
+    """`figure` against τ, decreasing to the right (1 = plain AR on the left)."""
+    plt, fig, axes = figure(ylabels, "τ", hint)
+    for ax in axes:
+        ax.invert_xaxis()
     return plt, fig, axes
 
 
