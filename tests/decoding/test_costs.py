@@ -100,6 +100,9 @@ def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatc
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
     assert machine_key(model, 1) != key  # other instructions: other kernels
     monkeypatch.undo()
+    monkeypatch.setattr(cost_model, "MEASUREMENT", cost_model.MEASUREMENT + 1)
+    assert machine_key(model, 1) != key  # measured another way: measured again
+    monkeypatch.undo()
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
@@ -110,11 +113,23 @@ def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatc
 
 
 def test_real_measurement_times_every_width_with_the_batch_mask(cache_dir):
+    """Both measurements run at batch > 1 with a padded batch's mask, as batched decoding of real prompts does: a
+    mask with holes takes attention's masked path, at another speed."""
     model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=2)
-    measured = cost_model.measure_pass_costs(model, 2, [1, 4, 8], context=16, repeats=2)
+    masks = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    try:
+        measured = cost_model.measure_pass_costs(model, 2, [1, 4, 8], context=16, repeats=2)
+        timed_forwards = len(masks)
+        overheads = cost_model.measure_overheads(model, 2, measured, context=16, repeats=1)  # real generate() calls
+    finally:
+        hook.remove()
     assert set(measured) == {1, 4, 8} and all(0.0 < s < 5.0 for s in measured.values())
-    overheads = cost_model.measure_overheads(model, 2, measured, context=16, repeats=1)  # real generate() calls
     assert set(overheads) == {"plain_overhead", "mars_overhead"} and all(0.0 <= s < 5.0 for s in overheads.values())
+    assert None not in masks
+    for part in (masks[:timed_forwards], masks[timed_forwards:]):  # the forwards, then plain and lossless steps
+        padded = [m for m in part if m.dim() == 2]  # lossless mode's steps pass 4D tree masks of their own
+        assert padded and not any(m.all() for m in padded)
     assert model.generation_config.eos_token_id is not None  # the timing runs' config was a copy
 
 

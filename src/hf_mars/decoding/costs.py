@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 # pass (choosing, verifying, cache bookkeeping), which plain decoding pays less of
 MARGIN = 1.1
 OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, which `measure_overheads` times
+# How the costs are measured: a cached entry measured another way is measured again
+MEASUREMENT = 2
 _TREE = re.compile(r"^(\d+)x(\d+(?:,\d+)*)(?:\+(\d+))?$")
 # What a pass's cost depends on in a model's config: its shape, not its weights
 _SHAPE_KEYS = (
@@ -143,7 +145,7 @@ def check_acceptance(acceptance) -> dict:
 
 def machine_key(model, batch_size: int) -> str:
     """What a pass's cost depends on: device (GPU name, or CPU model and the instruction set torch uses), threads,
-    dtype, batch size, the model's shape, torch's version."""
+    dtype, batch size, the model's shape, torch's version; and how it was measured (`MEASUREMENT`)."""
     device = model.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -151,7 +153,8 @@ def machine_key(model, batch_size: int) -> str:
         where = f"{_cpu_name()} {torch.backends.cpu.get_cpu_capability()} threads={torch.get_num_threads()}"
     shape = {key: getattr(model.config, key, None) for key in _SHAPE_KEYS}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"{device.type}: {where} | {model.dtype} | batch {batch_size} | model {digest} | torch {torch.__version__}"
+    key = f"{device.type}: {where} | {model.dtype} | batch {batch_size} | model {digest} | torch {torch.__version__}"
+    return f"{key} | measured {MEASUREMENT}"
 
 
 @functools.cache
@@ -247,8 +250,7 @@ def measure_pass_costs(
     """
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (batch_size, context + max(widths)), device=model.device)
-    real = torch.ones_like(ids)
-    real[1::2, : max(1, context // 8)] = 0  # every other row left-padded, as in a batch of unequal prompts
+    real = _padded(ids, context)
     keep = supports_logits_to_keep(model)
     cache = DynamicCache(config=model.config)
 
@@ -293,7 +295,7 @@ def measure_overheads(model, batch_size: int, forward: dict[int, float], context
     random prompt with no end-of-sequence token."""
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (batch_size, context), device=model.device)
-    real = torch.ones_like(ids)
+    real = _padded(ids, context)
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.do_sample = None, False
     tree = dict(mars_verify=True, mars_tau=0.0, mars_block_size=2, mars_draft_candidates=1, mars_lookup=0)
@@ -327,6 +329,15 @@ def measure_overheads(model, batch_size: int, forward: dict[int, float], context
         "plain_overhead": max(0.0, per_step[True] - forward[1]),
         "mars_overhead": max(0.0, per_step[False] - forward[OVERHEAD_TREE_WIDTH]),
     }
+
+
+def _padded(ids: torch.Tensor, context: int) -> torch.Tensor:
+    """The attention mask of a batch of unequal prompts: every other row left-padded by an eighth of `context`. A
+    mask with holes takes attention's masked path, as batched decoding of real prompts does; at batch 1 there are
+    none."""
+    real = torch.ones_like(ids)
+    real[1::2, : max(1, context // 8)] = 0
+    return real
 
 
 def _sync(model) -> None:
