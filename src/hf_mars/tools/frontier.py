@@ -131,7 +131,7 @@ def format_frontier(results: list[dict]) -> str:
 
 def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Path:
     """frontier.png: each set's score against tokens per forward, one line per rule (sampled rules dashed), and the
-    share of answers identical to greedy's likewise."""
+    share of answers identical to greedy's likewise; each point named by its setting, every axis from 0 (percents)."""
     tasks = [t for t in TASK_NAMES if any(t in r for r in results)]
     reference = greedy_reference(results)
     panels = [(TASK_NAMES[t], lambda r, t=t: r.get(t)) for t in tasks]
@@ -145,7 +145,11 @@ def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Pat
                 if line:
                     xs = [r["tokens_per_forward"] for r in line]
                     label = rule + (", sampled" if sampled else "")
-                    ax.plot(xs, [value(r) for r in line], "--o" if sampled else "-o", label=label)
+                    ys = [value(r) for r in line]
+                    ax.plot(xs, ys, "--o" if sampled else "-o", label=label)
+                    for name, x, y in zip([r["label"].replace(" = ", "=") for r in line], xs, ys):
+                        ax.annotate(name, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=6)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # room above the top point's name
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     save_figure(plt, fig, path)
