@@ -224,6 +224,7 @@ def test_the_dtype_is_the_one_where_lossless_decoding_is_fastest(auto_model, cac
         cost_model, "measure_pass_costs", lambda m, b, widths, **_: {w: per_dtype[m.dtype][w] for w in widths}
     )
     monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    monkeypatch.setattr(cost_model, "measure_prefill", lambda *a, **k: 0.0)  # the prompt's cost: the next test
     choice = model.mars_dtype()
     assert choice.dtype == torch.float32 and choice.fastest_plain == torch.bfloat16
     assert choice.lossless[torch.bfloat16][0] is None  # no tree pays in bfloat16 here
@@ -231,3 +232,32 @@ def test_the_dtype_is_the_one_where_lossless_decoding_is_fastest(auto_model, cac
     assert model.dtype == torch.float32  # the model itself is not converted
     per_dtype[torch.bfloat16] = {w: 0.008 for w in WIDTHS}  # native bfloat16: width free too
     assert cost_model.choose_dtype(model, batch_size=2).dtype == torch.bfloat16  # another batch size: measured anew
+
+
+def test_a_dear_prompt_forward_counts_in_the_dtype_choice(auto_model, cache_dir, monkeypatch):
+    """Where bfloat16 is emulated, its prompt's forward (the widest pass of a call) can cost more than its faster
+    steps save: the choice weighs the call's prompt against its new tokens, and the prompt's cost is cached."""
+    model, _ = auto_model
+    step = {torch.float32: 0.010, torch.bfloat16: 0.008}  # bfloat16 steps faster; no tree pays in either
+    prompt = {torch.float32: 0.5, torch.bfloat16: 5.0}  # seconds to read 256 prompt tokens
+    prefills = []
+    monkeypatch.setattr(
+        cost_model, "measure_pass_costs", lambda m, b, ws, **_: {w: step[m.dtype] + 0.01 * (w - 1) for w in ws}
+    )
+    monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    monkeypatch.setattr(cost_model, "measure_prefill", lambda m, b: prefills.append(m.dtype) or prompt[m.dtype])
+    chat = model.mars_dtype(prompt_tokens=16, new_tokens=1000)  # a short prompt, a long answer
+    assert chat.dtype == torch.bfloat16 and chat.prefill[torch.bfloat16] == pytest.approx(5.0 * 16 / 256)
+    assert chat.lossless[torch.bfloat16] == (None, pytest.approx(1000 / (5.0 * 16 / 256 + 1000 * 0.008)))
+    summary = model.mars_dtype(prompt_tokens=1024, new_tokens=32)  # a long prompt, a short answer
+    assert summary.dtype == torch.float32 and summary.fastest_plain == torch.float32
+    assert "1024-token prompt, 32 new tokens" in summary.reason() and "prompt 20.0 s" in summary.reason()
+    assert prefills == [torch.float32, torch.bfloat16]  # measured once per dtype, then read from the cache
+    assert all("prefill" in entry for entry in json.loads((cache_dir / "pass_costs.json").read_text()).values())
+
+
+def test_real_prefill_measurement(cache_dir):
+    model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=2)
+    assert 0.0 < cost_model.measure_prefill(model, 2, context=16) < 5.0
+    costs = pass_costs(model, 1, [4], prefill=True)
+    assert costs.prefill is not None and costs.prefill > 0.0

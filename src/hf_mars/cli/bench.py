@@ -189,7 +189,8 @@ def load_on_device(args):
     if auto:
         from ..decoding.costs import choose_dtype, in_dtype
 
-        choice = choose_dtype(model, min(getattr(args, "batch_sizes", [1])))
+        batch = min(getattr(args, "batch_sizes", None) or [getattr(args, "batch_size", 1)])
+        choice = choose_dtype(model, batch, new_tokens=args.max_new_tokens)
         print(f"[{choice.reason()}]")
         model, args.dtype = in_dtype(model, choice.dtype), str(choice.dtype).removeprefix("torch.")
     return model, tokenizer

@@ -92,9 +92,9 @@ def run(args) -> None:
     if args.typical and args.tau is not None and not args.lossless:
         raise SystemExit("--typical verifies lossless mode's drafts: drop --tau or add --lossless.")
     model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
-    if args.dtype == "auto":
-        model = _auto_dtype(model)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
+    if args.dtype == "auto":
+        model = _auto_dtype(model, inputs["input_ids"].shape[1], args.max_new_tokens)
     mars = _mars_arguments(args)
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         _warm_up(model, inputs, mars)
@@ -106,10 +106,10 @@ def run(args) -> None:
         print(TAU_NOTE, file=sys.stderr)
 
 
-def _auto_dtype(model):
+def _auto_dtype(model, prompt_tokens: int, new_tokens: int):
     from ..decoding.costs import choose_dtype, in_dtype
 
-    choice = choose_dtype(model)
+    choice = choose_dtype(model, 1, prompt_tokens, new_tokens)
     print(f"[{choice.reason()}]", file=sys.stderr)
     return in_dtype(model, choice.dtype)
 

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 # pass (choosing, verifying, cache bookkeeping), which plain decoding pays less of
 MARGIN = 1.1
 OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, which `measure_overheads` times
+PREFILL_TOKENS = 256  # the prompt `measure_prefill` times; a prompt's cost is taken as proportional to its length
 # How the costs are measured: a cached entry measured another way is measured again
 MEASUREMENT = 2
 _TREE = re.compile(r"^(\d+)x(\d+(?:,\d+)*)(?:\+(\d+))?$")
@@ -89,6 +90,7 @@ class Costs:
     forward: dict[int, float]
     plain_overhead: float = 0.0
     mars_overhead: float = 0.0
+    prefill: float | None = None  # a forward over the prompt, per prompt token (measured for the dtype choice)
 
     def plain_rate(self) -> float:
         """Tokens per second of plain decoding."""
@@ -185,9 +187,11 @@ def cost_batch(batch_size: int) -> int:
     return 1 << (max(batch_size, 1) - 1).bit_length()
 
 
-def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit: float | None = None) -> Costs:
+def pass_costs(
+    model, batch_size: int, widths, refresh: bool = False, limit: float | None = None, prefill: bool = False
+) -> Costs:
     """This machine's `Costs` for `widths` (and 1), measured once and cached per `machine_key` at `cost_batch`
-    (`refresh`: again).
+    (`refresh`: again); with `prefill`, also the prompt's forward (`measure_prefill`).
 
     `limit`: what a pass may cost, in one-token passes, and still pay (the best tree's tokens per forward over the
     margin). A width past it is never timed once a narrower one is measured past it: it counts as costing what that
@@ -202,9 +206,9 @@ def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit: flo
     untimed = entry.get("untimed")  # [width, limit]: from that width on, left out by a run with that limit
     wanted = sorted({1, OVERHEAD_TREE_WIDTH, *widths})
     missing = [w for w in wanted if w not in forward and not _past(forward, w, limit, untimed)]
-    overhead = entry.get("overhead")
+    overhead, per_token = entry.get("overhead"), entry.get("prefill")
     hopeless = _past(forward, OVERHEAD_TREE_WIDTH + 1, limit)  # a pass of the narrowest tree cannot pay
-    if missing or (overhead is None and not hopeless):
+    if missing or (overhead is None and not hopeless) or (prefill and per_token is None):
         logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
         if missing:
             forward.update(measure_pass_costs(model, batch, missing, limit=limit, one=forward.get(1)))
@@ -212,12 +216,15 @@ def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit: flo
             untimed = [min(left_out), limit] if left_out else untimed
         if overhead is None and not _past(forward, OVERHEAD_TREE_WIDTH + 1, limit):
             overhead = measure_overheads(model, batch, forward)
+        if prefill and per_token is None:
+            per_token = measure_prefill(model, batch) / PREFILL_TOKENS
         table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}, "overhead": overhead}
         table[key].update({"untimed": untimed} if untimed else {})
+        table[key].update({"prefill": per_token} if per_token is not None else {})
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(table, indent=1, sort_keys=True))
     known = {w: forward[w] if w in forward else _floor(forward, w, limit) for w in wanted}
-    return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)))
+    return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)), prefill=per_token)
 
 
 def _past(forward: dict[int, float], width: int, limit: float | None, untimed: list | None = None) -> bool:
@@ -289,6 +296,31 @@ def measure_pass_costs(
 
 
 @torch.no_grad()
+def measure_prefill(model, batch_size: int, context: int = PREFILL_TOKENS, repeats: int = 2) -> float:
+    """Seconds of the forward over a `context`-token prompt at `batch_size` (padded as `_padded`), the fastest of
+    `repeats`. Where wide passes are dear (an emulated dtype, a big batch), reading the prompt can cost as much as
+    generating a hundred tokens, and a dtype that steps faster may still finish later."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (batch_size, context), device=model.device)
+    mask = _padded(ids, context) if batch_size > 1 else None
+    keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(model)
+        start = time.perf_counter()
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            use_cache=True,
+            **{CACHE_ARG: DynamicCache(config=model.config)},
+            **keep,
+        )
+        _sync(model)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.no_grad()
 def measure_overheads(model, batch_size: int, forward: dict[int, float], context: int = 256, repeats: int = 2) -> dict:
     """What a step adds to its bare forward (`forward`, by width): plain `generate()` per token, and a lossless pass
     with the narrowest tree (2x1) per pass, each timed at two lengths so that the prompt's prefill cancels out, on a
@@ -347,15 +379,20 @@ def _sync(model) -> None:
 
 # Which dtype to decode in. Plain bfloat16 decoding is faster than float32 on most CPUs (half the bytes to read), but
 # a wide bfloat16 pass is cheap only where the CPU computes bfloat16 natively (AVX512-BF16, AMX) or on a GPU;
-# elsewhere it is emulated, and a draft tree can lose what the dtype gained. So the choice is made from the same pass
-# costs, per dtype, and the checkpoint's `mars_acceptance`.
+# elsewhere it is emulated, and a draft tree can lose what the dtype gained, as can the prompt's forward, the widest
+# pass of all. So the choice is made from the same pass costs, per dtype, the prompt's cost and the checkpoint's
+# `mars_acceptance`, for a call of a given prompt length and number of new tokens.
+PROMPT_TOKENS, NEW_TOKENS = 256, 256  # the call `choose_dtype` plans for when it is not told
 
 
 @dataclass
 class DtypeChoice:
     dtype: torch.dtype
-    plain: dict[torch.dtype, float]  # expected tokens/s of plain decoding, by dtype
-    lossless: dict[torch.dtype, tuple[tuple | None, float]]  # ((B, N, L) or None, tokens/s), by dtype
+    plain: dict[torch.dtype, float]  # expected tokens/s per row of plain decoding, prompt included, by dtype
+    lossless: dict[torch.dtype, tuple[tuple | None, float]]  # ((B, N, L) or None, tokens/s per row), by dtype
+    prefill: dict[torch.dtype, float]  # expected seconds of the prompt's forward, by dtype
+    prompt_tokens: int = PROMPT_TOKENS
+    new_tokens: int = NEW_TOKENS
 
     @property
     def fastest_plain(self) -> torch.dtype:
@@ -367,9 +404,11 @@ class DtypeChoice:
         def rate(dtype):
             tree, tokens = self.lossless[dtype]
             how = f"tree {tree_key(*tree)}" if tree else "plain, no tree pays"
-            return f"{_name(dtype)} {tokens:.0f} tokens/s ({how}; plain {self.plain[dtype]:.0f})"
+            plain, prompt = self.plain[dtype], self.prefill[dtype]
+            return f"{_name(dtype)} {tokens:.1f} tokens/s ({how}; plain {plain:.1f}; prompt {prompt:.1f} s)"
 
-        return f"dtype {_name(self.dtype)}: expected lossless " + ", ".join(rate(d) for d in self.lossless)
+        call = f"{self.prompt_tokens}-token prompt, {self.new_tokens} new tokens"
+        return f"dtype {_name(self.dtype)}: expected lossless for a {call}: " + ", ".join(map(rate, self.lossless))
 
 
 def candidate_dtypes(model) -> list[torch.dtype]:
@@ -379,19 +418,27 @@ def candidate_dtypes(model) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16]
 
 
-def choose_dtype(model, batch_size: int = 1) -> DtypeChoice:
-    """The dtype of the highest expected lossless tokens per second at `batch_size` (a plain one-token pass where
-    the checkpoint has no `mars_acceptance`). Costs a few seconds per dtype the first time on a machine."""
+def choose_dtype(
+    model, batch_size: int = 1, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS
+) -> DtypeChoice:
+    """The dtype of the highest expected lossless tokens per second at `batch_size` for a call that reads a
+    `prompt_tokens`-long prompt and writes `new_tokens` (a plain one-token pass where the checkpoint has no
+    `mars_acceptance`): the prompt's forward, then the steps. Costs seconds per dtype the first time on a machine."""
     acceptance = getattr(model.generation_config, "mars_acceptance", None)
     acceptance = check_acceptance(acceptance) if acceptance else {}
     widths = [pass_width(*parse_tree(name)) for name in acceptance]
-    plain, lossless = {}, {}
+    limit = pay_limit(acceptance) if acceptance else None
+    plain, lossless, prefill = {}, {}, {}
     for dtype in candidate_dtypes(model):
         copied = in_dtype(model, dtype)
-        costs = pass_costs(copied, batch_size, widths, limit=pay_limit(acceptance) if acceptance else None)
-        plain[dtype], lossless[dtype] = costs.plain_rate(), best_rate(acceptance, costs)
+        costs = pass_costs(copied, batch_size, widths, limit=limit, prefill=True)
+        prefill[dtype] = seconds = costs.prefill * prompt_tokens
+        tree, rate = best_rate(acceptance, costs)
+        plain[dtype] = new_tokens / (seconds + new_tokens / costs.plain_rate())
+        lossless[dtype] = (tree, new_tokens / (seconds + new_tokens / rate))
         del copied
-    return DtypeChoice(max(lossless, key=lambda d: lossless[d][1]), plain, lossless)
+    best = max(lossless, key=lambda d: lossless[d][1])
+    return DtypeChoice(best, plain, lossless, prefill, prompt_tokens, new_tokens)
 
 
 def in_dtype(model, dtype: torch.dtype):

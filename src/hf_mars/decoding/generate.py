@@ -54,7 +54,7 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .costs import choose_dtype
+from .costs import NEW_TOKENS, PROMPT_TOKENS, choose_dtype
 from .schedule import MaskSchedule
 from .scoring import Histories, check_stateless, choose, history_free
 from .settings import MARSSettings, TauController, mars_settings, read_tau, resolve_settings
@@ -185,10 +185,11 @@ class MARSGenerationMixin(GenerationMixin):
         """What `generate(**mars_kwargs)` runs with at this batch size, defaults resolved (see `mars_settings`)."""
         return mars_settings(self, generation_config, batch_size, **mars_kwargs)
 
-    def mars_dtype(self, batch_size: int = 1):
-        """The dtype in which lossless decoding is expected fastest on this machine, and why: a `costs.DtypeChoice`
-        (`.dtype`, `.reason()`), from pass costs measured here (float32 and bfloat16 where the device runs it)."""
-        return choose_dtype(self, batch_size)
+    def mars_dtype(self, batch_size: int = 1, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS):
+        """The dtype in which lossless decoding of such calls is expected fastest on this machine, and why: a
+        `costs.DtypeChoice` (`.dtype`, `.reason()`), from pass costs measured here (float32 and bfloat16 where the
+        device runs it), the prompt's forward included."""
+        return choose_dtype(self, batch_size, prompt_tokens, new_tokens)
 
     def mars_cache_length(self, prompt_length: int, max_new_tokens: int, batch_size: int = 1, **mars_kwargs) -> int:
         """The static cache slots `generate(cache_implementation="static", **mars_kwargs)` needs for this prompt length
