@@ -274,7 +274,8 @@ def test_auto_dtype_is_measured_here_and_said(tmp_path, monkeypatch, capsys):
     model, tokenizer = app.load_model()
     said = capsys.readouterr().err
     chosen = str(model.dtype).removeprefix("torch.")
-    assert f"MARS_DTYPE=auto: dtype {chosen}: expected lossless float32 " in said and "bfloat16" in said
+    assert f"MARS_DTYPE=auto: dtype {chosen}: expected lossless for a 256-token prompt" in said
+    assert "float32 " in said and "bfloat16 " in said and "prompt " in said  # both dtypes, the prompt's cost
     assert (tmp_path / "cache" / "pass_costs.json").is_file()  # measured here, not assumed
     texts = [c["props"].get("value") for c in app.build_demo(model, tokenizer).config["components"]]
     header = next(text for text in texts if isinstance(text, str) and text.startswith("# MARS"))
