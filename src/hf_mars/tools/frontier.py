@@ -147,8 +147,11 @@ def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Pat
                     label = rule + (", sampled" if sampled else "")
                     ys = [value(r) for r in line]
                     ax.plot(xs, ys, "--o" if sampled else "-o", label=label)
-                    for name, x, y in zip([r["label"].replace(" = ", "=") for r in line], xs, ys):
-                        ax.annotate(name, (x, y), xytext=(3, 3), textcoords="offset points", fontsize=6)
+                    for i, (r, x, y) in enumerate(zip(line, xs, ys)):  # names above and below in turn
+                        name, below = r["label"].replace(" = ", "="), i % 2
+                        ax.annotate(
+                            name, (x, y), xytext=(3, -9 if below else 3), textcoords="offset points", fontsize=6
+                        )
         ax.set_ylim(0, ax.get_ylim()[1] * 1.1)  # room above the top point's name
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
