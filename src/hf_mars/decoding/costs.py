@@ -255,9 +255,7 @@ def measure_pass_costs(
     is not among `widths`): the warm-up goes from narrow to wide and stops at the first width clearly past it; the
     wider ones are left out.
     """
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (batch_size, context + max(widths)), device=model.device)
-    real = _padded(ids, context)
+    ids, real = _random_batch(model, batch_size, context + max(widths), context)
     keep = supports_logits_to_keep(model)
     cache = DynamicCache(config=model.config)
 
@@ -297,12 +295,11 @@ def measure_pass_costs(
 
 @torch.no_grad()
 def measure_prefill(model, batch_size: int, context: int = PREFILL_TOKENS, repeats: int = 2) -> float:
-    """Seconds of the forward over a `context`-token prompt at `batch_size` (padded as `_padded`), the fastest of
+    """Seconds of the forward over a `context`-token prompt at `batch_size` (padded as `_random_batch`), the fastest of
     `repeats`. Where wide passes are dear (an emulated dtype, a big batch), reading the prompt can cost as much as
     generating a hundred tokens, and a dtype that steps faster may still finish later."""
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (batch_size, context), device=model.device)
-    mask = _padded(ids, context) if batch_size > 1 else None
+    ids, real = _random_batch(model, batch_size, context, context)
+    mask = real if batch_size > 1 else None
     keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
     best = float("inf")
     for _ in range(repeats):
@@ -325,9 +322,7 @@ def measure_overheads(model, batch_size: int, forward: dict[int, float], context
     """What a step adds to its bare forward (`forward`, by width): plain `generate()` per token, and a lossless pass
     with the narrowest tree (2x1) per pass, each timed at two lengths so that the prompt's prefill cancels out, on a
     random prompt with no end-of-sequence token."""
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (batch_size, context), device=model.device)
-    real = _padded(ids, context)
+    ids, real = _random_batch(model, batch_size, context, context)
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.do_sample = None, False
     tree = dict(mars_verify=True, mars_tau=0.0, mars_block_size=2, mars_draft_candidates=1, mars_lookup=0)
@@ -363,13 +358,15 @@ def measure_overheads(model, batch_size: int, forward: dict[int, float], context
     }
 
 
-def _padded(ids: torch.Tensor, context: int) -> torch.Tensor:
-    """The attention mask of a batch of unequal prompts: every other row left-padded by an eighth of `context`. A
-    mask with holes takes attention's masked path, as batched decoding of real prompts does; at batch 1 there are
-    none."""
+def _random_batch(model, batch_size: int, length: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`length` random token ids per row, and the attention mask of a batch of unequal prompts: every other row
+    left-padded by an eighth of `context`. A mask with holes takes attention's masked path, as batched decoding of
+    real prompts does; at batch 1 there are none."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (batch_size, length), device=model.device)
     real = torch.ones_like(ids)
     real[1::2, : max(1, context // 8)] = 0
-    return real
+    return ids, real
 
 
 def _sync(model) -> None:
