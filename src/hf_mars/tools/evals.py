@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .decode import count_new_tokens, eos_token_ids, generate_ar, sync
-from .eval_sets import gsm8k_test, humaneval
+from .eval_sets import gsm8k_test, humaneval, tuning_problems
 from .loading import chat_text
 from .plots import save_figure, tau_figure
 from .tables import markdown_table
@@ -74,10 +74,16 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
     assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
     evaluation sets, GSM8K test and HumanEval, alternating (answer match, executed tests), which no training prompt
     of the shipped delta comes from, directly or through a derived source (`decontamination.overlap` checks); or
-    `None`/`"toy"`: held-out prompts of the toy task.
+    `"tuning"`: prompts evaluated nowhere, to tune on (`eval_sets.tuning_problems`: GSM8K test's last problems,
+    answer match, alternating with Python function stubs, unchecked); or `None`/`"toy"`: held-out prompts of the toy
+    task.
     """
     if path == "heldout":
-        return _heldout_prompts(tokenizer, limit or 64)
+        gsm, code = eval_prompts(limit or 64, 0), eval_prompts(0, limit or 64)
+        return _alternating(tokenizer, gsm, code, limit or 64)
+    if path == "tuning":
+        gsm, code = tuning_problems()
+        return _alternating(tokenizer, [dict(r, task="gsm8k") for r in gsm], code, limit or 64)
     if path in (None, "toy"):
         from .toy import counting_dataset
 
@@ -90,14 +96,14 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
     return [_prompt_row(row, tokenizer, f"{path}: line {i + 1}") for i, row in enumerate(rows[:limit])]
 
 
-def _heldout_prompts(tokenizer, n: int) -> list[dict]:
-    gsm, code = eval_prompts(n, 0), eval_prompts(0, n)
-    mixed = [row for pair in zip(gsm, code) for row in pair][:n]
+def _alternating(tokenizer, first: list[dict], second: list[dict], n: int) -> list[dict]:
+    """The first n of `first` and `second` interleaved, as `load_prompts` rows; a row with a task is checked."""
+    mixed = [row for pair in zip(first, second) for row in pair][:n]
     return [
         {
             "text": chat_text(tokenizer, [{"role": "user", "content": r["prompt"]}]),
             "answer": r.get("answer"),
-            "check": checker(r),
+            "check": checker(r) if "task" in r else None,
         }
         for r in mixed
     ]
