@@ -107,7 +107,8 @@ def test_tuning_prompts_are_evaluated_nowhere():
     """`tune`'s default prompts share no problem with what `eval` and `bench` score (GSM8K test's first 256, all of
     HumanEval), nor a word n-gram with any evaluation problem; GSM8K rows keep their answer check."""
     from hf_mars.tools.decontamination import eval_texts, overlap
-    from hf_mars.tools.eval_sets import TUNING_GSM8K_FROM, gsm8k_test, humaneval, tuning_problems
+    from hf_mars.tools.eval_sets import TUNING_GSM8K_FROM, gsm8k_test, humaneval
+    from hf_mars.tools.evals import tuning_problems
 
     gsm, code = tuning_problems()
     assert TUNING_GSM8K_FROM >= 256 and len(gsm) > 256 and len(code) > 256

@@ -54,7 +54,7 @@ def humaneval() -> list[dict]:
     ]
 
 
-# GSM8K test problems from here on are for tuning (`tuning_problems`); the evaluations here score the first 256 at most
+# GSM8K test problems from here on are for tuning (`evals.tuning_problems`); evaluations here score the first 256
 TUNING_GSM8K_FROM = 1000
 
 
@@ -69,14 +69,3 @@ def coding_stubs() -> list[dict]:
             lines = lines[:-1]
         stubs.setdefault("\n".join(lines), None)
     return [{"prompt": HUMANEVAL_INSTRUCTION + "```python\n" + stub + "\n```"} for stub in stubs]
-
-
-def tuning_problems() -> tuple[list[dict], list[dict]]:
-    """`(gsm8k, code)`: the prompts to tune decoding on, so that the speed measured on the evaluation sets is not
-    tuned to them. GSM8K test from `TUNING_GSM8K_FROM` on (with answers; the training mix holds none of GSM8K test),
-    and the coding stubs that share no word n-gram with an evaluation problem (`decontamination`)."""
-    from .decontamination import eval_texts, overlap
-
-    code = coding_stubs()
-    clean = [row for row, hit in zip(code, overlap([r["prompt"] for r in code], eval_texts())) if not hit]
-    return gsm8k_test()[TUNING_GSM8K_FROM:], clean

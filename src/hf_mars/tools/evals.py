@@ -18,7 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .decode import count_new_tokens, eos_token_ids, generate_ar, sync
-from .eval_sets import gsm8k_test, humaneval, tuning_problems
+from .decontamination import eval_texts, overlap
+from .eval_sets import TUNING_GSM8K_FROM, coding_stubs, gsm8k_test, humaneval
 from .loading import chat_text
 from .plots import save_figure, tau_figure
 from .tables import markdown_table
@@ -67,6 +68,15 @@ def eval_prompts(n_gsm8k: int, n_humaneval: int) -> list[dict]:
     return rows + [dict(p, task="humaneval") for p in humaneval()[:n_humaneval]]
 
 
+def tuning_problems() -> tuple[list[dict], list[dict]]:
+    """`(gsm8k, code)`: the prompts to tune decoding on, so that the speed measured on the evaluation sets is not
+    tuned to them. GSM8K test from `TUNING_GSM8K_FROM` on (with answers; the training mix holds none of GSM8K test),
+    and the coding stubs that share no word n-gram with an evaluation problem (`decontamination`)."""
+    code = coding_stubs()
+    clean = [row for row, hit in zip(code, overlap([r["prompt"] for r in code], eval_texts())) if not hit]
+    return gsm8k_test()[TUNING_GSM8K_FROM:], clean
+
+
 def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -> list[dict]:
     """Prompts as `{"text": chat-formatted prompt, "answer": str | None, "check": output -> bool, or None}`.
 
@@ -74,7 +84,7 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
     assistant turn, if any, is the answer), and optionally `answer` (checked by exact match); or `"heldout"`: the
     evaluation sets, GSM8K test and HumanEval, alternating (answer match, executed tests), which no training prompt
     of the shipped delta comes from, directly or through a derived source (`decontamination.overlap` checks); or
-    `"tuning"`: prompts evaluated nowhere, to tune on (`eval_sets.tuning_problems`: GSM8K test's last problems,
+    `"tuning"`: prompts evaluated nowhere, to tune on (`tuning_problems`: GSM8K test's last problems,
     answer match, alternating with Python function stubs, unchecked); or `None`/`"toy"`: held-out prompts of the toy
     task.
     """
