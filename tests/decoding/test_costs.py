@@ -93,6 +93,46 @@ def test_pass_costs_are_measured_once_per_machine_dtype_batch_and_model_shape(ca
     assert calls[-1] == (torch.float32, 1, (1, 4))
 
 
+def test_costs_timed_beside_other_work_are_timed_again_by_the_next_process(cache_dir, monkeypatch, caplog):
+    """Figures timed while another process held part of the CPU are used, said to be off, and timed again once by the
+    next process; figures timed alone are kept."""
+    calls = counting(monkeypatch)
+    model = make_model("llama")
+    monkeypatch.setattr(cost_model, "_RETIMED", set())
+    monkeypatch.setattr(cost_model, "_cpu_share", lambda started: 0.4)  # another process had more than half the CPU
+    with caplog.at_level("WARNING", logger=cost_model.__name__):
+        busy = pass_costs(model, 1, [4])
+    saved = json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
+    assert saved["busy"] == 0.4 and "other work was running" in caplog.text
+    assert pass_costs(model, 1, [4]) == busy and len(calls) == 1  # this process does not time them twice
+    monkeypatch.setattr(cost_model, "_cpu_share", lambda started: 0.97)  # the other work ends
+    pass_costs(model, 1, [4, 8])  # a width timed alone does not clear the entry's old figures
+    assert json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]["busy"] == 0.4
+
+    monkeypatch.setattr(cost_model, "_RETIMED", set())  # the next process, on an idle machine
+    pass_costs(model, 1, [4])
+    assert calls[-1][2] == (1, 4) and len(calls) == 3  # every width again
+    assert "busy" not in json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
+    monkeypatch.setattr(cost_model, "_RETIMED", set())
+    pass_costs(model, 1, [4])
+    assert len(calls) == 3  # figures timed alone stay
+
+
+def test_cpu_share_tells_work_from_waiting():
+    """The share is CPU time over wall time: near 1 while this thread computes (the tests run one torch thread), near
+    0 while it sleeps, as it would while another process holds the CPU."""
+    import time
+
+    started = cost_model._clocks()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:
+        pass
+    assert cost_model._cpu_share(started) > 0.5 * (1 / torch.get_num_threads())
+    started = cost_model._clocks()
+    time.sleep(0.2)
+    assert cost_model._cpu_share(started) < 0.2
+
+
 def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatch):
     model = make_model("llama")
     key = machine_key(model, 1)

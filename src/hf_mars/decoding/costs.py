@@ -41,6 +41,10 @@ OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, which `measure_overhe
 PREFILL_TOKENS = 256  # the prompt `measure_prefill` times; a prompt's cost is taken as proportional to its length
 # How the costs are measured: a cached entry measured another way is measured again
 MEASUREMENT = 2
+# Timed with less than this share of its threads' CPU time, a process was not alone on the CPU: its figures can be
+# off by tens of times (OpenMP threads of two processes spin against each other), so they are measured again.
+BUSY_SHARE = 0.75
+_RETIMED: set[str] = set()  # keys whose busy figures this process has measured again (once is enough)
 _TREE = re.compile(r"^(\d+)x(\d+(?:,\d+)*)(?:\+(\d+))?$")
 # What a pass's cost depends on in a model's config: its shape, not its weights
 _SHAPE_KEYS = (
@@ -201,7 +205,9 @@ def pass_costs(
     batch = cost_batch(batch_size)
     path, key = costs_path(), machine_key(model, batch)
     table = json.loads(path.read_text()) if path.is_file() else {}
-    entry = {} if refresh else table.get(key, {})
+    entry = table.get(key, {})
+    if refresh or ("busy" in entry and key not in _RETIMED):  # timed beside other work: once more, in this process
+        entry = {}
     forward = {int(w): s for w, s in entry.get("forward", {}).items()}
     untimed = entry.get("untimed")  # [width, limit]: from that width on, left out by a run with that limit
     wanted = sorted({1, OVERHEAD_TREE_WIDTH, *widths})
@@ -210,6 +216,8 @@ def pass_costs(
     hopeless = _past(forward, OVERHEAD_TREE_WIDTH + 1, limit)  # a pass of the narrowest tree cannot pay
     if missing or (overhead is None and not hopeless) or (prefill and per_token is None):
         logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
+        _RETIMED.add(key)
+        started = _clocks()
         if missing:
             forward.update(measure_pass_costs(model, batch, missing, limit=limit, one=forward.get(1)))
             left_out = [w for w in missing if w not in forward]
@@ -221,10 +229,37 @@ def pass_costs(
         table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}, "overhead": overhead}
         table[key].update({"untimed": untimed} if untimed else {})
         table[key].update({"prefill": per_token} if per_token is not None else {})
+        _mark_busy(table[key], _cpu_share(started) if model.device.type == "cpu" else 1.0, entry.get("busy"))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(table, indent=1, sort_keys=True))
     known = {w: forward[w] if w in forward else _floor(forward, w, limit) for w in wanted}
     return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)), prefill=per_token)
+
+
+def _mark_busy(entry: dict, share: float, before: float | None) -> None:
+    """Mark a cache entry timed with `share` of the CPU as busy, below `BUSY_SHARE` (an entry timed busy before stays
+    marked as it grows), and say so: the next process times it again."""
+    busy = min(share, 1.0 if before is None else before)
+    if busy < BUSY_SHARE:
+        entry["busy"] = round(busy, 2)
+    if share < BUSY_SHARE:
+        logger.warning(
+            "MARS: other work was running while the pass costs were timed (this process had %.0f%% of its threads' "
+            "CPU time), so they may be far off. The next process times them again; or run `hf-mars tune "
+            "--refresh-costs` when the machine is idle.",
+            100 * share,
+        )
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _cpu_share(started: tuple[float, float]) -> float:
+    """CPU time this process got since `started` (`_clocks`), as a share of the wall time its threads span: near 1
+    alone on the CPU (waiting OpenMP threads spin, which counts), about 1/2 or less beside another busy process."""
+    wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
+    return cpu / max(wall * torch.get_num_threads(), 1e-9)
 
 
 def _past(forward: dict[int, float], width: int, limit: float | None, untimed: list | None = None) -> bool:
