@@ -70,11 +70,11 @@ def eval_prompts(n_gsm8k: int, n_humaneval: int) -> list[dict]:
 
 def tuning_problems() -> tuple[list[dict], list[dict]]:
     """`(gsm8k, code)`: the prompts to tune decoding on, so that the speed measured on the evaluation sets is not
-    tuned to them. GSM8K test from `TUNING_GSM8K_FROM` on (with answers; the training mix holds none of GSM8K test),
-    and the coding stubs that share no word n-gram with an evaluation problem (`decontamination`)."""
+    tuned to them. GSM8K test from `TUNING_GSM8K_FROM` on (rows as `eval_prompts`'; the training mix holds none of
+    GSM8K test), and the coding stubs that share no word n-gram with an evaluation problem (`decontamination`)."""
     code = coding_stubs()
     clean = [row for row, hit in zip(code, overlap([r["prompt"] for r in code], eval_texts())) if not hit]
-    return gsm8k_test()[TUNING_GSM8K_FROM:], clean
+    return [dict(p, task="gsm8k") for p in gsm8k_test()[TUNING_GSM8K_FROM:]], clean
 
 
 def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -> list[dict]:
@@ -88,12 +88,10 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
     answer match, alternating with Python function stubs, unchecked); or `None`/`"toy"`: held-out prompts of the toy
     task.
     """
-    if path == "heldout":
-        gsm, code = eval_prompts(limit or 64, 0), eval_prompts(0, limit or 64)
-        return _alternating(tokenizer, gsm, code, limit or 64)
-    if path == "tuning":
-        gsm, code = tuning_problems()
-        return _alternating(tokenizer, [dict(r, task="gsm8k") for r in gsm], code, limit or 64)
+    if path in ("heldout", "tuning"):
+        n = limit or 64
+        gsm, code = (eval_prompts(n, 0), eval_prompts(0, n)) if path == "heldout" else tuning_problems()
+        return _alternating(tokenizer, gsm, code, n)
     if path in (None, "toy"):
         from .toy import counting_dataset
 
