@@ -11,7 +11,7 @@ import pytest
 from test_evals import PNG, ROWS, rows_of, sharp_mars
 
 from hf_mars.tools import frontier
-from hf_mars.tools.frontier import format_frontier, frontier_settings, run_frontier, write_frontier
+from hf_mars.tools.frontier import format_frontier, frontier_settings, join, only, run_frontier, write_frontier
 
 META = dict(model="tiny", gsm8k=2, humaneval=1, dtype="float32", device="cpu")
 TREE, WIDE = (2, 2, 2), (4, (3, 2), 3)
@@ -35,6 +35,26 @@ def test_settings_cover_every_rule_with_greedy_as_the_reference():
     ]
     assert len({s.slug for s in settings}) == len(settings)  # one file each
     assert frontier_settings(model, [], [], [], temperature=0)[0].kwargs["mars_tau"] == 1.0
+    two = frontier_settings(model, [], [], [TREE, (2, 3, 0)], temperature=0.7)  # same block: one sampled chain
+    assert [s.label for s in two if s.rule == "lossless"] == ["2x1, T = 0.7"]
+
+
+def test_only_decodes_the_settings_named_and_the_reference():
+    model, _ = sharp_mars()
+    settings = frontier_settings(model, [0.8], [TREE], [TREE, WIDE], temperature=0.7)
+    chosen = only(settings, ["tau=0.8", "lossless 2x1, T=0.7", "Typical 4X3,2+3", "4x3,2+3,T=0.7"])
+    assert [(s.rule, s.label) for s in chosen] == [
+        ("τ-mode", "τ = 1"),
+        ("τ-mode", "τ = 0.8"),
+        ("lossless", "2x1, T = 0.7"),
+        ("typical", "4x3,2+3"),
+        ("typical", "4x3,2+3, T = 0.7"),
+    ]
+    assert only(settings, ["τ = 1"]) == settings[:1]
+    with pytest.raises(ValueError, match="names settings of two rules.*lossless 2x2\\+2"):
+        only(settings, ["2x2+2"])
+    with pytest.raises(ValueError, match="'3x9' matches no setting"):
+        only(settings, ["3x9"])
 
 
 def test_the_frontier_table_holds_each_rule_and_exact_rules_keep_greedy_answers(tmp_path):
@@ -76,6 +96,33 @@ def test_a_stopped_frontier_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert len(decoded) == 4
 
 
+def test_rows_of_an_earlier_run_join_the_table_with_their_share_of_greedy_answers(tmp_path):
+    model, tok = sharp_mars()
+    earlier = run(model, tok, tmp_path / "a", frontier_settings(model, [0.0], [], [], temperature=0))
+    write_frontier(earlier, tmp_path / "a", dict(META, batch_size=2, max_new_tokens=10, threads=1), "a")
+    later = run(model, tok, tmp_path / "b", frontier_settings(model, [], [TREE], [], temperature=0))
+    meta = dict(META, batch_size=2, max_new_tokens=10)
+    results = join(later, tmp_path / "a" / "frontier.json", meta)
+    assert [(r["rule"], r["label"]) for r in results] == [
+        ("τ-mode", "τ = 1"),  # this run's, not the earlier one's
+        ("τ-mode", "τ = 0"),
+        ("lossless", "2x2+2"),
+    ]
+    assert "answers" in results[0] and "answers" not in results[1]
+    head, body = rows_of(format_frontier(results))
+    same = {cells[1]: cells[head.index("same as greedy")] for cells in body}
+    first = dict((cells[1], cells[head.index("same as greedy")]) for cells in rows_of(format_frontier(earlier))[1])
+    assert same["τ = 0"] == first["τ = 0"] and same["2x2+2"] == "100%"
+    written = write_frontier(results, tmp_path / "b", dict(meta, threads=1), "b")
+    assert (tmp_path / "b" / "frontier.png").read_bytes()[:8] == PNG and len(written) == 3
+    data = json.loads((tmp_path / "b" / "frontier.json").read_text())
+    assert "answers" not in data and [r["same_as_greedy"] for r in data["rows"]][::2] == [100.0, 100.0]
+    assert [r.get("meta", {}).get("threads") for r in data["rows"]] == [None, 1, None]  # it keeps its run's meta
+    assert join(later, tmp_path / "b" / "frontier.json", meta)[1]["same_as_greedy"] == results[1]["same_as_greedy"]
+    with pytest.raises(ValueError, match="batch_size=2 \\(here 4\\)"):
+        join(later, tmp_path / "a" / "frontier.json", dict(meta, batch_size=4))
+
+
 def test_sampled_settings_draw_the_same_on_every_run(tmp_path):
     model, tok = sharp_mars()
     settings = [s for s in frontier_settings(model, [], [], [TREE], temperature=0.7) if s.sampled]
@@ -84,7 +131,16 @@ def test_sampled_settings_draw_the_same_on_every_run(tmp_path):
     assert [r["answers"] for r in once] == [r["answers"] for r in again]
 
 
-@pytest.mark.parametrize("extra, error", [([], None), (["--base"], "drop --base")])
+CLI_CASES = [
+    ([], None),
+    (["--base"], "drop --base"),
+    (["--only", "tau=0.5"], None),
+    (["--only", "2x2"], "names settings of two rules"),
+    (["--join", "missing.json"], "missing.json"),
+]
+
+
+@pytest.mark.parametrize("extra, error", CLI_CASES)
 def test_cli_frontier_writes_and_prints_its_table(tmp_path, extra, error):
     model, tok = sharp_mars(max_positions=2048)
     model.save_pretrained(tmp_path / "ckpt")
@@ -99,10 +155,8 @@ def test_cli_frontier_writes_and_prints_its_table(tmp_path, extra, error):
         return
     assert result.returncode == 0, result.stderr[-2000:]
     table = (out / "frontier.md").read_text().strip()
-    assert table in result.stdout and len(rows_of(table)[1]) == 4
-    assert sorted(p.name for p in (out / "settings").iterdir()) == [
-        "lossless_2x2.json",
-        "tau-mode_tau___0.5.json",
-        "tau-mode_tau___1.json",
-        "typical_2x2.json",
-    ]
+    files = ["lossless_2x2.json", "tau-mode_tau___0.5.json", "tau-mode_tau___1.json", "typical_2x2.json"]
+    if extra:  # --only tau=0.5
+        files = files[1:3]
+    assert table in result.stdout and len(rows_of(table)[1]) == len(files)
+    assert sorted(p.name for p in (out / "settings").iterdir()) == files

@@ -57,6 +57,21 @@ def add_parser(subparsers) -> None:
     frontier.add_argument(
         "--temperature", type=float, default=0.7, help="also sample lossless and typical at this temperature (0: no)"
     )
+    frontier.add_argument(
+        "--only",
+        nargs="+",
+        metavar="SETTING",
+        help='decode only these of the settings the flags name, and τ = 1: e.g. tau=0.8 "lossless 2x1,T=0.7" '
+        '"typical 3x3+5" (the table still holds every setting in --output)',
+    )
+    frontier.add_argument(
+        "--join",
+        nargs="+",
+        default=[],
+        metavar="FRONTIER_JSON",
+        help="add the rows of earlier runs' frontier.json (same sets, dtype, batch size and budget) for settings "
+        "--output lacks, to the table and the plot",
+    )
     ev.set_defaults(run=run)
 
 
@@ -107,7 +122,7 @@ def _frontier(model, tokenizer, args) -> list:
     import torch
 
     from ..tools.evals import eval_prompts
-    from ..tools.frontier import format_frontier, frontier_settings, run_frontier, write_frontier
+    from ..tools.frontier import format_frontier, frontier_settings, join, only, run_frontier, write_frontier
 
     rows = eval_prompts(args.gsm8k, args.humaneval)
     trees = args.trees if args.trees is not None else [draft_tree(t) for t in FRONTIER_TREES]
@@ -115,7 +130,16 @@ def _frontier(model, tokenizer, args) -> list:
     settings = frontier_settings(model, args.taus, trees, typical, args.temperature)
     name = args.model or "shipped"
     meta = dict(model=name, gsm8k=args.gsm8k, humaneval=args.humaneval, dtype=args.dtype, device=str(model.device))
+    joined_meta = dict(meta, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    try:
+        settings = only(settings, args.only) if args.only else settings
+        for path in args.join:  # checked before hours of decoding, joined after
+            join([], path, joined_meta)
+    except (ValueError, OSError, KeyError) as err:
+        raise SystemExit(str(err)) from None
     results = run_frontier(model, tokenizer, rows, settings, args.output, meta, args.batch_size, args.max_new_tokens)
+    for path in args.join:
+        results = join(results, path, joined_meta)
     print(format_frontier(results))
     meta.update(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads())
     title = f"{name}: {args.gsm8k} GSM8K, {args.humaneval} HumanEval, {args.dtype}, batch {args.batch_size}"

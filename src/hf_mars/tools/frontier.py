@@ -8,7 +8,9 @@ last two also sampled at a temperature. τ = 1 is greedy decoding itself and is 
 
 A frontier over hundreds of problems takes hours on a CPU, so each setting's result is written to its own file as
 soon as it is decoded, and a run that is stopped and started again (with the same sets, dtype, batch size and
-budget) decodes only what is missing. The table holds every setting in the folder.
+budget) decodes only what is missing; `only` picks some of the settings. The table holds every setting in the
+folder, and rows of earlier runs' frontier.json (another session, another machine) can join it: each row keeps its
+share of answers identical to greedy's, so it needs no answers.
 """
 
 from __future__ import annotations
@@ -61,7 +63,22 @@ def frontier_settings(model, taus, trees, typical_trees, temperature: float | No
         sampling = dict(do_sample=True, temperature=temperature)
         for rule in ("lossless", "typical"):
             settings += [_tree_setting(rule, tree, sampling) for tree in typical_trees]
-    return settings
+    return list({s.slug: s for s in settings}.values())  # one chain per block size when sampled
+
+
+def only(settings: list[Setting], names: list[str]) -> list[Setting]:
+    """The settings named (τ = 1, the reference, always): by setting ("tau=0.8", "3x3+5") or, where lossless and
+    typical share a tree, by rule and setting ("typical 3x3+5"); spaces and case aside, "tau" for τ."""
+    key = lambda text: "".join(text.split()).lower().replace("τ", "tau")  # noqa: E731
+    chosen = [settings[0]]
+    for name in names:
+        found = [s for s in settings if key(name) in (key(s.label), key(f"{s.rule} {s.label}"))]
+        if len(found) != 1:
+            known = ", ".join(f'"{s.rule} {s.label}"' for s in settings)
+            problem = "matches no setting" if not found else "names settings of two rules"
+            raise ValueError(f"--only {name!r} {problem}; the flags name: {known}")
+        chosen += [s for s in found if s not in chosen]
+    return chosen
 
 
 def _tree_setting(rule: str, tree, sampling: dict | None = None) -> Setting:
@@ -109,19 +126,47 @@ def _ordered(results: list[dict]) -> list[dict]:
 
 def greedy_reference(results: list[dict]) -> list[str] | None:
     """τ = 1's answers: greedy decoding's."""
-    return next((r["answers"] for r in results if r["rule"] == "τ-mode" and r["kwargs"]["mars_tau"] >= 1), None)
+    greedy = (r for r in results if r["rule"] == "τ-mode" and r["kwargs"]["mars_tau"] >= 1 and "answers" in r)
+    return next((r["answers"] for r in greedy), None)
+
+
+def with_agreement(results: list[dict]) -> list[dict]:
+    """Each result with `same_as_greedy`: the percent of its answers identical to τ = 1's. Rows joined from an
+    earlier frontier.json have no answers and keep the share they came with."""
+    reference = greedy_reference(results)
+    if reference is not None:
+        for r in results:
+            if "answers" in r:
+                r["same_as_greedy"] = same_share(r["answers"], reference)
+    return results
+
+
+JOIN_KEYS = ("model", "gsm8k", "humaneval", "dtype", "batch_size", "max_new_tokens")
+
+
+def join(results: list[dict], frontier_json: str | Path, meta: dict) -> list[dict]:
+    """`results` and the rows of an earlier run's frontier.json for settings they lack. The runs must have decoded
+    the same sets with the same model, dtype, batch size and budget; each joined row keeps its own run's meta."""
+    data = json.loads(Path(frontier_json).read_text())
+    differ = [k for k in JOIN_KEYS if data["meta"].get(k) != meta.get(k)]
+    if differ:
+        theirs = ", ".join(f"{k}={data['meta'].get(k)} (here {meta.get(k)})" for k in differ)
+        raise ValueError(f"{frontier_json} is another frontier: {theirs}")
+    have = {(r["rule"], r["label"]) for r in results}
+    added = [dict(r, meta=r.get("meta", data["meta"])) for r in data["rows"] if (r["rule"], r["label"]) not in have]
+    return _ordered(results + added)
 
 
 def format_frontier(results: list[dict]) -> str:
     """One row per setting: pass width, tokens per forward (all, per set), share of answers identical to greedy's,
     each set's score, tokens per second at the run's batch size."""
-    reference = greedy_reference(results)
+    results = with_agreement(results)
     tasks = [t for t in TASK_NAMES if any(t in r for r in results)]
     head = ["rule", "setting", "pass width", "tokens/forward"] + [f"tok/fwd {TASK_NAMES[t].split()[0]}" for t in tasks]
     head += ["same as greedy"] + [TASK_NAMES[t] for t in tasks] + ["tokens/s"]
     rows = []
     for r in results:
-        same = "" if reference is None else f"{same_share(r['answers'], reference):.0f}%"
+        same = "" if r.get("same_as_greedy") is None else f"{r['same_as_greedy']:.0f}%"
         cells = [r["rule"], r["label"], str(r["width"]), f"{r['tokens_per_forward']:.2f}"]
         cells += [f"{r['per_task'].get(t, 0):.2f}" for t in tasks] + [same]
         cells += [f"{r[t]:.1f}%" if t in r else "" for t in tasks] + [f"{r['tokens_per_second']:.1f}"]
@@ -132,11 +177,11 @@ def format_frontier(results: list[dict]) -> str:
 def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Path:
     """frontier.png: each set's score against tokens per forward, one line per rule (sampled rules dashed), and the
     share of answers identical to greedy's likewise; each point named by its setting, every axis from 0 (percents)."""
+    results = with_agreement(results)
     tasks = [t for t in TASK_NAMES if any(t in r for r in results)]
-    reference = greedy_reference(results)
     panels = [(TASK_NAMES[t], lambda r, t=t: r.get(t)) for t in tasks]
-    if reference is not None:
-        panels.append(("same as greedy (%)", lambda r: same_share(r["answers"], reference)))
+    if any(r.get("same_as_greedy") is not None for r in results):
+        panels.append(("same as greedy (%)", lambda r: r.get("same_as_greedy")))
     plt, fig, axes = figure([name for name, _ in panels], "tokens per forward", "The frontier's plot needs matplotlib")
     for ax, (_, value) in zip(axes, panels):
         for sampled in (False, True):
@@ -160,12 +205,13 @@ def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Pat
 
 
 def write_frontier(results: list[dict], out: str | Path, meta: dict, title: str) -> list[Path]:
-    """frontier.md (the table), frontier.json (meta and the rows, answers apart) and frontier.png (with matplotlib)."""
+    """frontier.md (the table), frontier.json (meta and the rows with their share of answers identical to greedy's,
+    small enough to keep and to join to a later run; the answers stay in settings/) and frontier.png (matplotlib)."""
     out = Path(out)
     text = format_frontier(results)
-    rows = [{k: v for k, v in r.items() if k not in ("answers", "meta")} for r in results]
-    answers = {f"{r['rule']} {r['label']}": r["answers"] for r in results}
-    (out / "frontier.json").write_text(json.dumps({"meta": meta, "rows": rows, "answers": answers}, indent=1))
+    joined = lambda r: "answers" not in r  # noqa: E731  (a joined row keeps its own run's meta)
+    rows = [{k: v for k, v in r.items() if k != "answers" and (k != "meta" or joined(r))} for r in results]
+    (out / "frontier.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, ensure_ascii=False))
     (out / "frontier.md").write_text(text + "\n")
     written = [out / "frontier.md", out / "frontier.json"]
     try:
