@@ -11,7 +11,15 @@ import pytest
 from test_evals import PNG, ROWS, rows_of, sharp_mars
 
 from hf_mars.tools import frontier
-from hf_mars.tools.frontier import format_frontier, frontier_settings, join, only, run_frontier, write_frontier
+from hf_mars.tools.frontier import (
+    earlier_rows,
+    format_frontier,
+    frontier_settings,
+    join,
+    only,
+    run_frontier,
+    write_frontier,
+)
 
 META = dict(model="tiny", gsm8k=2, humaneval=1, dtype="float32", device="cpu")
 TREE, WIDE = (2, 2, 2), (4, (3, 2), 3)
@@ -102,7 +110,7 @@ def test_rows_of_an_earlier_run_join_the_table_with_their_share_of_greedy_answer
     write_frontier(earlier, tmp_path / "a", dict(META, batch_size=2, max_new_tokens=10, threads=1), "a")
     later = run(model, tok, tmp_path / "b", frontier_settings(model, [], [TREE], [], temperature=0))
     meta = dict(META, batch_size=2, max_new_tokens=10)
-    results = join(later, tmp_path / "a" / "frontier.json", meta)
+    results = join(later, earlier_rows(tmp_path / "a" / "frontier.json", meta))
     assert [(r["rule"], r["label"]) for r in results] == [
         ("τ-mode", "τ = 1"),  # this run's, not the earlier one's
         ("τ-mode", "τ = 0"),
@@ -118,9 +126,10 @@ def test_rows_of_an_earlier_run_join_the_table_with_their_share_of_greedy_answer
     data = json.loads((tmp_path / "b" / "frontier.json").read_text())
     assert "answers" not in data and [r["same_as_greedy"] for r in data["rows"]][::2] == [100.0, 100.0]
     assert [r.get("meta", {}).get("threads") for r in data["rows"]] == [None, 1, None]  # it keeps its run's meta
-    assert join(later, tmp_path / "b" / "frontier.json", meta)[1]["same_as_greedy"] == results[1]["same_as_greedy"]
+    again = join(later, earlier_rows(tmp_path / "b" / "frontier.json", meta))
+    assert again[1]["same_as_greedy"] == results[1]["same_as_greedy"]
     with pytest.raises(ValueError, match="batch_size=2 \\(here 4\\)"):
-        join(later, tmp_path / "a" / "frontier.json", dict(meta, batch_size=4))
+        earlier_rows(tmp_path / "a" / "frontier.json", dict(meta, batch_size=4))
 
 
 def test_sampled_settings_draw_the_same_on_every_run(tmp_path):

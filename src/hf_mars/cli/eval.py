@@ -122,7 +122,15 @@ def _frontier(model, tokenizer, args) -> list:
     import torch
 
     from ..tools.evals import eval_prompts
-    from ..tools.frontier import format_frontier, frontier_settings, join, only, run_frontier, write_frontier
+    from ..tools.frontier import (
+        earlier_rows,
+        format_frontier,
+        frontier_settings,
+        join,
+        only,
+        run_frontier,
+        write_frontier,
+    )
 
     rows = eval_prompts(args.gsm8k, args.humaneval)
     trees = args.trees if args.trees is not None else [draft_tree(t) for t in FRONTIER_TREES]
@@ -130,17 +138,14 @@ def _frontier(model, tokenizer, args) -> list:
     settings = frontier_settings(model, args.taus, trees, typical, args.temperature)
     name = args.model or "shipped"
     meta = dict(model=name, gsm8k=args.gsm8k, humaneval=args.humaneval, dtype=args.dtype, device=str(model.device))
-    joined_meta = dict(meta, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
-    try:
+    run_meta = dict(meta, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    try:  # before hours of decoding
         settings = only(settings, args.only) if args.only else settings
-        for path in args.join:  # checked before hours of decoding, joined after
-            join([], path, joined_meta)
+        earlier = [row for path in args.join for row in earlier_rows(path, run_meta)]
     except (ValueError, OSError, KeyError) as err:
         raise SystemExit(str(err)) from None
     results = run_frontier(model, tokenizer, rows, settings, args.output, meta, args.batch_size, args.max_new_tokens)
-    for path in args.join:
-        results = join(results, path, joined_meta)
+    results = join(results, earlier)
     print(format_frontier(results))
-    meta.update(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, threads=torch.get_num_threads())
     title = f"{name}: {args.gsm8k} GSM8K, {args.humaneval} HumanEval, {args.dtype}, batch {args.batch_size}"
-    return write_frontier(results, args.output, meta, title)
+    return write_frontier(results, args.output, dict(run_meta, threads=torch.get_num_threads()), title)

@@ -114,7 +114,7 @@ def run_frontier(model, tokenizer, rows, settings, out, meta: dict, batch_size: 
         path.write_text(json.dumps(result, indent=1))
         print(f"{setting.rule} {setting.label}: {decoded.tokens_per_forward:.2f} tokens/forward", flush=True)
     found = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
-    return _ordered([r for r in found if r["meta"] == meta])
+    return _with_agreement(_ordered([r for r in found if r["meta"] == meta]))
 
 
 def _ordered(results: list[dict]) -> list[dict]:
@@ -124,43 +124,44 @@ def _ordered(results: list[dict]) -> list[dict]:
     return sorted(results, key=key)
 
 
-def greedy_reference(results: list[dict]) -> list[str] | None:
-    """τ = 1's answers: greedy decoding's."""
-    greedy = (r for r in results if r["rule"] == "τ-mode" and r["kwargs"]["mars_tau"] >= 1 and "answers" in r)
-    return next((r["answers"] for r in greedy), None)
-
-
-def with_agreement(results: list[dict]) -> list[dict]:
-    """Each result with `same_as_greedy`: the percent of its answers identical to τ = 1's. Rows joined from an
-    earlier frontier.json have no answers and keep the share they came with."""
-    reference = greedy_reference(results)
-    if reference is not None:
-        for r in results:
-            if "answers" in r:
-                r["same_as_greedy"] = same_share(r["answers"], reference)
+def _with_agreement(results: list[dict]) -> list[dict]:
+    """Each result with `same_as_greedy`: the percent of its answers identical to τ = 1's (greedy decoding's), so
+    that a row written to frontier.json keeps it without its answers."""
+    greedy = (r for r in results if r["rule"] == "τ-mode" and r["kwargs"]["mars_tau"] >= 1)
+    reference = next((r["answers"] for r in greedy), None)
+    for r in results:
+        r["same_as_greedy"] = same_share(r["answers"], reference)
     return results
 
 
 JOIN_KEYS = ("model", "gsm8k", "humaneval", "dtype", "batch_size", "max_new_tokens")
 
 
-def join(results: list[dict], frontier_json: str | Path, meta: dict) -> list[dict]:
-    """`results` and the rows of an earlier run's frontier.json for settings they lack. The runs must have decoded
-    the same sets with the same model, dtype, batch size and budget; each joined row keeps its own run's meta."""
+def earlier_rows(frontier_json: str | Path, meta: dict) -> list[dict]:
+    """The rows of an earlier run's frontier.json, each with the meta of the run that decoded it. That run must have
+    decoded the same sets with the same model, dtype, batch size and budget as `meta` says."""
     data = json.loads(Path(frontier_json).read_text())
     differ = [k for k in JOIN_KEYS if data["meta"].get(k) != meta.get(k)]
     if differ:
         theirs = ", ".join(f"{k}={data['meta'].get(k)} (here {meta.get(k)})" for k in differ)
         raise ValueError(f"{frontier_json} is another frontier: {theirs}")
+    return [dict(r, meta=r.get("meta", data["meta"])) for r in data["rows"]]
+
+
+def join(results: list[dict], rows: list[dict]) -> list[dict]:
+    """`results` and, for each setting they lack, the first of `rows` (`earlier_rows`) that holds it."""
     have = {(r["rule"], r["label"]) for r in results}
-    added = [dict(r, meta=r.get("meta", data["meta"])) for r in data["rows"] if (r["rule"], r["label"]) not in have]
+    added = []
+    for r in rows:
+        if (r["rule"], r["label"]) not in have:
+            have.add((r["rule"], r["label"]))
+            added.append(r)
     return _ordered(results + added)
 
 
 def format_frontier(results: list[dict]) -> str:
     """One row per setting: pass width, tokens per forward (all, per set), share of answers identical to greedy's,
     each set's score, tokens per second at the run's batch size."""
-    results = with_agreement(results)
     tasks = [t for t in TASK_NAMES if any(t in r for r in results)]
     head = ["rule", "setting", "pass width", "tokens/forward"] + [f"tok/fwd {TASK_NAMES[t].split()[0]}" for t in tasks]
     head += ["same as greedy"] + [TASK_NAMES[t] for t in tasks] + ["tokens/s"]
@@ -177,7 +178,6 @@ def format_frontier(results: list[dict]) -> str:
 def save_frontier_plot(results: list[dict], path: str | Path, title: str) -> Path:
     """frontier.png: each set's score against tokens per forward, one line per rule (sampled rules dashed), and the
     share of answers identical to greedy's likewise; each point named by its setting, every axis from 0 (percents)."""
-    results = with_agreement(results)
     tasks = [t for t in TASK_NAMES if any(t in r for r in results)]
     panels = [(TASK_NAMES[t], lambda r, t=t: r.get(t)) for t in tasks]
     if any(r.get("same_as_greedy") is not None for r in results):
