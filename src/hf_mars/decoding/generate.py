@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import DynamicCache, GenerationMixin, StaticCache
+from transformers import CompileConfig, DynamicCache, GenerationMixin, StaticCache
 from transformers.cache_utils import StaticLayer
 from transformers.generation import GenerationMode
 from transformers.generation.logits_process import LogitsProcessorList
@@ -54,6 +54,8 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
+from . import graph
+from .graph import GraphShape, cut, graph_pass_for, right_align
 from .costs import NEW_TOKENS, PROMPT_TOKENS, choose_dtype
 from .schedule import MaskSchedule
 from .scoring import Histories, check_stateless, choose, history_free
@@ -357,12 +359,99 @@ def mars_decode(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     while run.live:
+        shape = _graph_shape(model, run) if run.stats.forward_passes else None
+        if shape is not None:  # the rest of the generation as one graph per pass (`graph.py`)
+            _decode_in_graph(model, run, shape, _compile_config(generation_config) if run.plan.compiled else None)
+            break
         step = _forward(model, run, read_tau(settings.tau))
         tokens, accepted = _accept(run, step)
         _commit(run, step, tokens, accepted)
         _next_inputs(run, step, tokens, accepted)
         _retire(run)
     return _finish(run, generation_config)
+
+
+def _graph_shape(model, run: _Run) -> GraphShape | None:
+    """The `GraphShape` that continues this run as one graph per pass, or None where the loop here must run: it needs
+    a static cache that counts its writes, greedy decoding with no logits processors, EOS and the length limit as the
+    only stopping criteria, no streamer, masks in every pass (no mask cost), and, in lossless mode, exact verification
+    of a full draft tree (the first pass proposed one)."""
+    plan, cache, feed, settings = run.plan, run.cache, run.feed, run.plan.settings
+    if not (graph.ENABLED and isinstance(cache, StaticMARSCache) and cache.counts_writes and plan.logits_to_keep):
+        return None
+    if plan.do_sample or plan.processors or plan.typical or plan.window or plan.streamer is not None:
+        return None
+    if not (run.stopping.per_row and run.schedule.constant):
+        return None
+    if model.config._attn_implementation not in _BRANCHING:
+        return None
+    if settings.verify and len(feed.drafts.tree) != settings.drafts_per_pass:
+        return None
+    verify = settings.verify
+    masks = 0 if not verify and not callable(settings.tau) and settings.tau >= 1.0 else settings.block_size - 1
+    return GraphShape(
+        batch=run.text.sequences.shape[0],
+        slots=cache.size,
+        verify=verify,
+        pending=1 if verify or not masks else settings.block_size,
+        tree=feed.drafts.tree,
+        masks=masks,
+        confidence=settings.confidence,
+        candidates=plan.candidates,
+        lookup=plan.lookup,
+        mask_token_id=settings.mask_token_id,
+        pad_token_id=plan.pad_token_id,
+        eos=plan.eos.numel(),
+    )
+
+
+def _compile_config(generation_config) -> CompileConfig:
+    """The `CompileConfig` `generate()` compiles with (its default where the config has none)."""
+    return generation_config.compile_config or CompileConfig()
+
+
+def _decode_in_graph(model, run: _Run, shape: GraphShape, compile_config) -> None:
+    """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph's buffers, one pass
+    (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass, then back."""
+    plan, text, cache, feed, stats = run.plan, run.text, run.cache, run.feed, run.stats
+    g = graph_pass_for(model, cache.kv, shape, plan.settings, compile_config)
+    state, width = g.state, text.sequences.shape[1]
+    state.sequences[:, :width].copy_(text.sequences)
+    state.sequences[:, width:].fill_(plan.pad_token_id)
+    for name, value in (("prompt_length", plan.prompt_length), ("budget", plan.budget), ("slot", cache.length)):
+        getattr(state, name).fill_(value)
+    for name, value in (("decoded", text.decoded), ("passes", text.passes), ("done", ~text.active)):
+        getattr(state, name).copy_(value)
+    state.real.copy_(cache.real)
+    state.next_position.copy_(cache.next_position)
+    pad = shape.pending - feed.pending.shape[1]  # τ-mode after a first pass without masks: holes on the left
+    state.pending.copy_(torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id))
+    state.pending_real.copy_(torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
+    state.drafts.copy_(feed.drafts.tokens)
+    state.drafts_real.copy_(feed.drafts.real)
+    g.eos.copy_(plan.eos)
+    state.step.zero_()
+    passes, last_tau = 0, None
+    while True:
+        tau = read_tau(plan.settings.tau)
+        if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
+            state.tau.fill_(tau if tau < 1.0 else float("inf"))
+            last_tau = tau
+        g.run()
+        passes += 1
+        stats.tau_per_step.append(tau)
+        stats.masks_per_step.append(shape.masks)
+        if state.finished.item():
+            break
+    text.sequences.copy_(state.sequences[:, :width])
+    for name in ("decoded", "passes"):
+        getattr(text, name).copy_(getattr(state, name))
+    cache.real.copy_(state.real)
+    cache.next_position = state.next_position.clone()
+    cache.length += passes * shape.kept
+    run.stopping.new_tokens = state.decoded.clone()
+    stats.forward_passes += passes
+    stats.accepted_per_step.extend(state.accepted_log[:passes].clone().unbind(0))
 
 
 def _prepare(model, input_ids, processors, criteria, generation_config, settings, streamer, model_kwargs) -> _Run:
@@ -519,15 +608,7 @@ def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
         if step.masks:
             accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
         schedule.update(rows, step.offered, accepted - 1, text.passes[rows])
-    left = plan.budget - text.decoded[rows]
-    accepted = torch.minimum(accepted, left).masked_fill(~text.active[rows], 0)
-    ended = accepted >= left
-    if plan.eos.numel():
-        slots = torch.arange(tokens.shape[1], device=tokens.device)
-        is_eos = torch.isin(tokens, plan.eos) & (slots < accepted[:, None])
-        hit = is_eos.any(dim=1)
-        accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
-        ended |= hit
+    accepted, ended = cut(tokens, accepted, plan.budget - text.decoded[rows], text.active[rows], plan.eos)
     text.ended[rows] |= ended
     return tokens, accepted
 
@@ -572,7 +653,7 @@ def _next_inputs(run: _Run, step: _Pass, tokens: torch.Tensor, accepted: torch.T
             feed.pending, feed.pending_real, feed.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
             return
         width, feed.dense = run.cache.pending_width(tokens.shape[1], accepted)
-        feed.pending, feed.pending_real = _right_align(tokens, accepted, width, plan.pad_token_id)
+        feed.pending, feed.pending_real = right_align(tokens, accepted, width, plan.pad_token_id)
         return
     feed.dense = None  # unknown: drafts may leave slots empty
     rows = feed.rows
@@ -624,14 +705,6 @@ def _finish(run: _Run, generation_config):
         tokens_at = torch.cat([text.prompt_real, text.prompt_real.new_ones(sequences.shape)], dim=1)
         cache = prefix_cache(run.cache, tokens_at[:, : sequences.shape[1]], limits)
     return with_cache(MARSGenerateOutput, cache, sequences=sequences, mars_stats=run.stats)
-
-
-def _right_align(tokens, counts, width: int, pad_token_id):
-    """The first `counts[i]` tokens of each row, right-aligned (left-padded) to `width`: `(tokens, real)`, as a
-    left-padded prompt is."""
-    index = torch.arange(width, device=tokens.device) + (counts - width)[:, None]
-    real = index >= 0
-    return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
 
 
 def _check_decodable(model, generation_config, settings: MARSSettings, prompt_length: int, processors):

@@ -57,9 +57,17 @@ class DraftTree:
         return self.lineage[1:].sum(dim=1)
 
     @functools.cached_property
+    def path_lengths(self) -> tuple[int, ...]:
+        """`depths` as Python ints, from `parents` alone (no tensor is read)."""
+        lengths: list[int] = []
+        for parent in self.parents:
+            lengths.append(1 + (lengths[parent] if parent >= 0 else 0))
+        return tuple(lengths)
+
+    @functools.cached_property
     def depth(self) -> int:
-        """How many positions past the root the deepest draft sits, as a Python int (read once per tree)."""
-        return max(self.depths.tolist(), default=0)
+        """How many positions past the root the deepest draft sits, as a Python int."""
+        return max(self.path_lengths, default=0)
 
     def on(self, device) -> tuple[torch.BoolTensor, torch.LongTensor, torch.LongTensor]:
         """`(lineage, depths, parent slots)` on `device`, copied there once per tree. Parent slot of draft i: its

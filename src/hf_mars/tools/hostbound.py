@@ -16,10 +16,12 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
 
 from ..convert import to_mars
 from ..decoding.cache import MARSCache
+from ..decoding import graph
 from ..decoding.compat import CACHE_ARG
 from ..decoding.tree import NO_DRAFTS, tree_attention
 from .calibrate import auto_mask_cost
@@ -119,6 +121,82 @@ def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24,
                 times[width].append(time.perf_counter() - start)
                 cache.crop(-width)
     return {width: 1000 * statistics.median(t[1:]) for width, t in times.items()}
+
+
+def host_ops(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48) -> list[dict]:
+    """aten ops dispatched outside the model's forward, per plain `generate()` step and per MARS pass, with a static
+    cache, eager: what a GPU's host launches around the forward. Each MARS mode runs through the graph pass and
+    through the loop of `generate.py` alone (`graph.ENABLED = False`); the prompt's pass counts with the rest."""
+
+    rows = []
+    for batch in batch_sizes:
+        inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
+        static = dict(max_new_tokens=max_new_tokens, eos_token_id=None, cache_implementation="static", do_sample=False)
+        kwargs = dict(**inputs, **static)
+        plain, plain_kernels = _ops_outside_forward(model, lambda: GenerationMixin.generate(model, **kwargs))
+        step, step_kernels = plain / max_new_tokens, plain_kernels / max_new_tokens
+        rows.append(dict(batch=batch, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0))
+        for name, mars in MODES.items():
+            if mars.get("mars_mask_cost"):
+                continue
+            for path, enabled in (("one graph", True), ("loop", False)):
+                graph.ENABLED = enabled
+                try:
+                    call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+                    ops, kernels, passes = _ops_outside_forward(model, call, passes=True)
+                finally:
+                    graph.ENABLED = True
+                row = dict(batch=batch, method=f"{name}, {path}", ops=ops / passes, kernels=kernels / passes)
+                rows.append(dict(**row, ratio=row["ops"] / step, kernel_ratio=row["kernels"] / step_kernels))
+    return rows
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while `inside` is 0 (the model's forward hooks raise and lower it), and of
+    those the views, which launch no kernel on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.outside, self.views, self.inside = 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside == 0:
+            self.outside += 1
+            self.views += func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_outside_forward(model, call, passes: bool = False):
+    """aten ops that `call()` dispatches outside `model`'s forward (after one warm-up call), and its passes."""
+    counter = _OpCounter()
+
+    def enter(*args, **kwargs):
+        counter.inside += 1
+
+    def leave(*args, **kwargs):
+        counter.inside -= 1
+
+    with torch.no_grad():
+        call()
+        hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+        try:
+            with counter:
+                out = call()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    counts = (counter.outside, counter.outside - counter.views)
+    return (*counts, out.mars_stats.forward_passes) if passes else counts
+
+
+def format_host_ops(rows: list[dict]) -> str:
+    head = ["batch", "method", "aten ops per pass", "/ plain step", "of them not views", "/ plain step"]
+    cells = [
+        [str(r["batch"]), r["method"], f"{r['ops']:.0f}", f"{r['ratio']:.2f}x"]
+        + [f"{r['kernels']:.0f}", f"{r['kernel_ratio']:.2f}x"]
+        for r in rows
+    ]
+    return markdown_table(head, cells)
 
 
 def format_pass_costs(rows: list[dict]) -> str:

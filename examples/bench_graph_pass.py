@@ -1,0 +1,131 @@
+"""What one MARS pass costs against one step of compiled plain `generate()`, on a GPU, side by side in one process.
+
+A graph pass (`hf_mars/decoding/graph.py`) has fixed shapes: it costs the same whatever it accepts, so a model of the
+shipped checkpoint's shape with random weights times it exactly, with no checkpoint to carry. Tokens per forward are
+the real checkpoint's business (docs/benchmarks.md); a method's speed-up over plain decoding is its tokens per
+forward times `plain step / pass` printed here.
+
+Every generation decodes `--new-tokens` tokens with no EOS, so each method does a known number of passes; each method
+runs once to compile and capture before it is timed, and the methods take turns in each repeat (medians).
+
+    python examples/bench_graph_pass.py --device cuda --dtype bfloat16 --batch-sizes 1 8 --variants graph loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
+
+from hf_mars.convert import to_mars
+from hf_mars.decoding import graph
+from hf_mars.tools.decode import static_compiled
+from hf_mars.tools.toy import toy_tokenizer
+
+# SmolLM2-135M-Instruct's shape: the shipped checkpoint's base
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+METHODS = {  # τ = 0 in lossless mode: every pass feeds its whole draft tree (its cost is the same either way)
+    "τ = 0.9": dict(mars_tau=0.9),
+    "lossless chain, B = 4": dict(mars_verify=True, mars_tau=0.0),
+    "lossless 4x3+8": dict(mars_verify=True, mars_tau=0.0, mars_block_size=4, mars_draft_candidates=3, mars_lookup=8),
+    "lossless 3x3+5": dict(mars_verify=True, mars_tau=0.0, mars_block_size=3, mars_draft_candidates=3, mars_lookup=5),
+}
+TREES = [(4, 3, 8), (3, 3, 5)]
+VARIANTS = {
+    "graph": "the whole pass as one graph (`graph.py`)",
+    "loop": "the loop of generate.py alone, its forward compiled by generate()",
+}
+
+
+def shipped_shape_model(device: str, dtype: torch.dtype, layers: int):
+    tokenizer = toy_tokenizer()
+    shape = {**SMOLLM2_135M, "num_hidden_layers": layers}
+    config = LlamaConfig(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype).eval()
+    return to_mars(model, tokenizer, block_size=4), tokenizer
+
+
+def variant(name: str) -> None:
+    """Switch `generate()` to a variant: the graph pass or the loop alone."""
+    graph.ENABLED = name == "graph"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_calls(calls: dict, repeats: int, device: str) -> dict:
+    """Median seconds and forward passes of each call (already warmed up), the calls taking turns."""
+    seconds, passes = {name: [] for name in calls}, {}
+    for _ in range(repeats):
+        for name, (switch, call) in calls.items():
+            switch()
+            sync(device)
+            start = time.perf_counter()
+            out = call()
+            sync(device)
+            seconds[name].append(time.perf_counter() - start)
+            stats = getattr(out, "mars_stats", None)
+            passes[name] = stats.forward_passes if stats is not None else None
+    return {name: (statistics.median(s), passes[name]) for name, s in seconds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--variants", nargs="+", default=["graph", "loop"], choices=list(VARIANTS))
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"], help="fewer: a quick check")
+    args = parser.parse_args()
+    torch._dynamo.config.cache_size_limit = 64  # one graph per method, width and batch size
+    model, tokenizer = shipped_shape_model(args.device, getattr(torch, args.dtype), args.layers)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{device_name}, torch {torch.__version__}, {args.dtype}, {args.new_tokens} new tokens, no EOS", flush=True)
+    for batch in args.batch_sizes:
+        enc = tokenizer(["hello world, how are you today"] * batch, return_tensors="pt").to(args.device)
+        extra = static_compiled(model, enc.input_ids.shape[1], args.new_tokens, args.batch_sizes, TREES)
+        common = dict(**enc, max_new_tokens=args.new_tokens, eos_token_id=None, do_sample=False, **extra)
+        plain = lambda: GenerationMixin.generate(model, **common)  # noqa: E731
+        calls = {"plain generate(), compiled": (lambda: variant("graph"), plain)}
+        for method in args.methods:
+            for name in args.variants:
+                call = lambda m=method: model.generate(**common, return_dict_in_generate=True, **METHODS[m])  # noqa
+                calls[f"{method}, {name}"] = (lambda n=name: variant(n), call)
+        with torch.no_grad():
+            for label, (switch, call) in calls.items():  # warm-up: compile, capture
+                start = time.perf_counter()
+                switch()
+                call()
+                sync(args.device)
+                print(f"  warm-up batch {batch}: {label} {time.perf_counter() - start:.1f} s", flush=True)
+            timed = time_calls(calls, args.repeats, args.device)
+        step = timed["plain generate(), compiled"][0] / args.new_tokens
+        print(f"\nbatch {batch}: plain step {1000 * step:.2f} ms")
+        print("| method | ms per pass | pass / plain step |\n| --- | --- | --- |")
+        for label, (seconds, passes) in timed.items():
+            per_pass = seconds / (passes or args.new_tokens)
+            print(f"| {label} | {1000 * per_pass:.2f} | {per_pass / step:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
