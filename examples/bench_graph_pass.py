@@ -14,6 +14,7 @@ runs once to compile and capture before it is timed, and the methods take turns 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"], help="fewer: a quick check")
+    parser.add_argument("--eager", action="store_true", help="a static cache without compiling (a quick check)")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64  # one graph per method, width and batch size
     model, tokenizer = shipped_shape_model(args.device, getattr(torch, args.dtype), args.layers)
@@ -104,13 +106,16 @@ def main() -> None:
     for batch in args.batch_sizes:
         enc = tokenizer(["hello world, how are you today"] * batch, return_tensors="pt").to(args.device)
         extra = static_compiled(model, enc.input_ids.shape[1], args.new_tokens, args.batch_sizes, TREES)
+        if args.eager:
+            extra.pop("compile_config", None)
         common = dict(**enc, max_new_tokens=args.new_tokens, eos_token_id=None, do_sample=False, **extra)
-        plain = lambda: GenerationMixin.generate(model, **common)  # noqa: E731
-        calls = {"plain generate(), compiled": (lambda: variant("graph"), plain)}
+        plain = functools.partial(GenerationMixin.generate, model, **common)
+        plain_name = "plain generate()" + ("" if args.eager else ", compiled")
+        calls = {plain_name: (functools.partial(variant, "graph"), plain)}
         for method in args.methods:
+            call = functools.partial(model.generate, **common, return_dict_in_generate=True, **METHODS[method])
             for name in args.variants:
-                call = lambda m=method: model.generate(**common, return_dict_in_generate=True, **METHODS[m])  # noqa
-                calls[f"{method}, {name}"] = (lambda n=name: variant(n), call)
+                calls[f"{method}, {name}"] = (functools.partial(variant, name), call)
         with torch.no_grad():
             for label, (switch, call) in calls.items():  # warm-up: compile, capture
                 start = time.perf_counter()
@@ -119,7 +124,7 @@ def main() -> None:
                 sync(args.device)
                 print(f"  warm-up batch {batch}: {label} {time.perf_counter() - start:.1f} s", flush=True)
             timed = time_calls(calls, args.repeats, args.device)
-        step = timed["plain generate(), compiled"][0] / args.new_tokens
+        step = timed[plain_name][0] / args.new_tokens
         print(f"\nbatch {batch}: plain step {1000 * step:.2f} ms")
         print("| method | ms per pass | pass / plain step |\n| --- | --- | --- |")
         for label, (seconds, passes) in timed.items():

@@ -61,3 +61,15 @@ def test_check_numerics_names_where_a_wide_pass_parts_from_a_one_token_pass(toy_
     for dtype in ("float32", "bfloat16"):
         line = next(line for line in wide.splitlines() if line.startswith(f"{dtype}:"))
         assert "first difference at model." in line or "no module's output differs" in line, line
+
+
+def test_bench_graph_pass_times_the_graph_and_the_loop_against_a_plain_step():
+    methods = ["--methods", "τ = 0.9", "lossless 4x3+8", "--variants", "graph", "loop"]
+    quick = ["--device", "cpu", "--dtype", "float32", "--layers", "1", "--batch-sizes", "2", "--eager"]
+    out = run("bench_graph_pass.py", *quick, "--new-tokens", "6", "--repeats", "1", *methods)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    names = [row.split(" | ")[0].lstrip("| ") for row in rows]
+    assert names == ["plain generate()"] + [
+        f"{m}, {v}" for m in ("τ = 0.9", "lossless 4x3+8") for v in ("graph", "loop")
+    ]
+    assert rows[0].endswith("| 1.00x |") and all(float(row.split(" | ")[1]) > 0 for row in rows)

@@ -76,7 +76,14 @@ def add_parser(subparsers) -> None:
 def run_host_bound(args) -> None:
     import torch
 
-    from ..tools.hostbound import format_pass_costs, forward_costs, host_bound_model, pass_costs
+    from ..tools.hostbound import (
+        format_host_ops,
+        format_pass_costs,
+        forward_costs,
+        host_bound_model,
+        host_ops,
+        pass_costs,
+    )
 
     torch.set_num_threads(1)
     model, tokenizer = host_bound_model()
@@ -85,6 +92,8 @@ def run_host_bound(args) -> None:
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
     print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
+    print("\naten ops dispatched outside the model's forward (static cache, eager; the prompt's pass included):\n")
+    print(format_host_ops(host_ops(model, tokenizer, args.batch_sizes, args.max_new_tokens)))
     if not args.compile:
         print("\nThe model's forward alone (ms), after 24 cached tokens, as a pass of that width feeds it:")
         for batch in args.batch_sizes:

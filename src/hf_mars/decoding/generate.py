@@ -38,6 +38,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import graph
 from .cache import KVBook, MARSCache, StaticMARSCache, prefix_cache
 from .compat import (
     CACHE_ARG,
@@ -54,9 +55,8 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from . import graph
-from .graph import GraphShape, cut, graph_pass_for, right_align
 from .costs import NEW_TOKENS, PROMPT_TOKENS, choose_dtype
+from .graph import GraphShape, cut, graph_pass_for, right_align
 from .schedule import MaskSchedule
 from .scoring import Histories, check_stateless, choose, history_free
 from .settings import MARSSettings, TauController, mars_settings, read_tau, resolve_settings
@@ -446,6 +446,7 @@ def _decode_in_graph(model, run: _Run, shape: GraphShape, compile_config) -> Non
     text.sequences.copy_(state.sequences[:, :width])
     for name in ("decoded", "passes"):
         getattr(text, name).copy_(getattr(state, name))
+    cache.kv = g.kv  # where this run's K/V now are (the output's cache is copied from them)
     cache.real.copy_(state.real)
     cache.next_position = state.next_position.clone()
     cache.length += passes * shape.kept
@@ -608,7 +609,7 @@ def _accept(run: _Run, step: _Pass) -> tuple[torch.Tensor, torch.Tensor]:
         if step.masks:
             accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
         schedule.update(rows, step.offered, accepted - 1, text.passes[rows])
-    accepted, ended = cut(tokens, accepted, plan.budget - text.decoded[rows], text.active[rows], plan.eos)
+    accepted, ended = cut(tokens, accepted, plan.budget - text.decoded[rows], ~text.active[rows], plan.eos)
     text.ended[rows] |= ended
     return tokens, accepted
 

@@ -19,6 +19,7 @@ This file is copied into MARS checkpoints (trust_remote_code).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
-GRAPHS_KEPT = 16  # graph passes kept per model (each holds its buffers and, on CUDA, a captured graph)
+GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
 # Whether `generate.py` hands runs over to the graph pass; tools turn it off to measure the loop alone
 ENABLED = True
 
@@ -123,14 +124,20 @@ class GraphPass:
     def __init__(self, model, kv, shape: GraphShape, settings, compile_config=None):
         """`compile_config`: `generate()`'s, where it compiles, else None (eager). On CUDA the pass is then captured
         whole as a CUDA graph around a forward compiled without CUDA graphs of its own; elsewhere the whole pass is
-        compiled as one function."""
-        self.model, self.kv, self.shape, self.settings = model, kv, shape, settings
+        compiled as one function. (Compiled whole on CUDA, the tree's host-side constants became host-to-device
+        copies inside the compiled graph, which CUDA graph capture refuses: torch 2.11.)"""
+        self.model, self.shape, self.settings = model, shape, settings
+        self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
         device = kv.layers[0].keys.device
         self.state = GraphState.empty(shape, device)
         self.capture = compile_config is not None and device.type == "cuda"
-        self.forward = _compiled(model.__call__, compile_config, "default") if self.capture else model
-        self.step = graph_pass if compile_config is None or self.capture else _compiled(graph_pass, compile_config)
-        self.lengths = [layer.cumulative_length for layer in kv.layers]
+        self.forward, self.step = model, graph_pass
+        if self.capture:  # the forward compiled without CUDA graphs of its own; the pass around it is captured
+            self.forward = _compiled(model.__call__, compile_config, "default")
+        elif compile_config is not None:  # the whole pass compiled as one function
+            self.step = _compiled(graph_pass, compile_config)
+        self.lengths = [layer.cumulative_length for layer in self.kv.layers]
+        self.tensors = [t for layer in self.kv.layers for t in (layer.keys, layer.values)] + self.lengths
         self.eos = torch.zeros(shape.eos, dtype=torch.long, device=device)
         batch, width, masks = shape.batch, shape.width, shape.groups * shape.masks
         visible = shape.tree.visibility(shape.pending, shape.masks)
@@ -148,19 +155,27 @@ class GraphPass:
         self.min = torch.finfo(model.dtype).min
         self.graph, self.eager_runs = None, 0
 
+    def load_cache(self, kv) -> None:
+        """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
+        torch._foreach_copy_(
+            self.tensors,
+            [t for layer in kv.layers for t in (layer.keys, layer.values)]
+            + [layer.cumulative_length for layer in kv.layers],
+        )
+
     def run(self) -> None:
         if self.graph is not None:
             self.graph.replay()
         elif self.capture and self.eager_runs >= WARMUP_PASSES:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):  # records the pass; nothing runs until `replay`
-                graph_pass(self)
+                self.step(self)
             self.graph.replay()
         elif self.capture:  # warm-up passes run on a side stream, as CUDA graph capture requires
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                graph_pass(self)
+                self.step(self)
             torch.cuda.current_stream().wait_stream(stream)
             self.eager_runs += 1
         else:
@@ -231,17 +246,17 @@ def _accept(g: GraphPass, logits: torch.Tensor):
     else:  # τ >= 1 throughout: one token a pass, no masks
         tokens = logits.argmax(dim=-1)
         accepted = g.masks_real.new_ones(shape.batch, dtype=torch.long)
-    accepted, ended = cut(tokens, accepted, state.budget - state.decoded, ~state.done, g.eos)
+    accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
     state.accepted_log.index_copy_(0, state.step[None], accepted[None])
     state.passes.add_(~state.done)
     state.done.logical_or_(ended)
     return tokens, accepted, kept, end
 
 
-def cut(tokens, accepted, left, active, eos):
+def cut(tokens, accepted, left, idle, eos):
     """`(accepted, ended)`: what each row takes of `tokens[:, :accepted]`, stopped by the `left` tokens its budget
-    allows and by the first of the `eos` ids; inactive rows take nothing."""
-    accepted = torch.minimum(accepted, left).masked_fill_(~active, 0)
+    allows and by the first of the `eos` ids; `idle` rows (no longer decoding) take nothing."""
+    accepted = torch.minimum(accepted, left).masked_fill_(idle, 0)
     ended = accepted >= left
     if eos.numel():
         slots = torch.arange(tokens.shape[1], device=tokens.device)
@@ -314,12 +329,14 @@ _COMPILED: dict = {}
 
 
 def graph_pass_for(model, kv, shape: GraphShape, settings, compile_config=None) -> GraphPass:
-    """The `GraphPass` of this shape on this cache, built once and kept on the model (a server's calls share it)."""
+    """The `GraphPass` of this shape, built once and kept on the model (a server's calls, each with a static cache of
+    its own, share it), with `kv`'s K/V loaded."""
     graphs = model.__dict__.setdefault("_mars_graphs", {})
     compiling = None if compile_config is None else (compile_config.backend, compile_config.mode)
-    key = (shape, id(kv), kv.layers[0].keys.data_ptr(), compiling)
+    key = (shape, compiling)
     if key not in graphs:
         if len(graphs) >= GRAPHS_KEPT:
             graphs.clear()
         graphs[key] = GraphPass(model, kv, shape, settings, compile_config)
+    graphs[key].load_cache(kv)
     return graphs[key]

@@ -18,6 +18,7 @@ from .cache import MARSCache, StaticMARSCache
 from .compat import TESTED_TRANSFORMERS, warn_if_untested
 from .costs import choose_tree
 from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
+from .graph import GraphPass
 from .schedule import MaskSchedule
 from .scoring import STATELESS
 from .settings import MARSSettings, TauController
@@ -29,6 +30,7 @@ __all__ = [
     "TESTED_TRANSFORMERS",
     "DraftTree",
     "Drafts",
+    "GraphPass",
     "MARSCache",
     "MARSGenerateOutput",
     "MARSGenerationMixin",

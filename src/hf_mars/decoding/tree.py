@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -42,36 +43,29 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.parents)
 
-    @functools.cached_property
+    # Plain properties over caches keyed by `parents` (not `cached_property`, whose lock torch.compile cannot trace)
+    @property
     def lineage(self) -> torch.BoolTensor:
         """`(len + 1, len)`: row 0 is the root (no draft); row i + 1 marks draft i and its ancestors."""
-        lineage = torch.eye(len(self) + 1, dtype=torch.bool)[:, 1:]
-        for i, parent in enumerate(self.parents):
-            if parent >= 0:
-                lineage[i + 1] |= lineage[parent + 1]
-        return lineage
+        return _lineage(self.parents)
 
-    @functools.cached_property
+    @property
     def depths(self) -> torch.LongTensor:
         """How many positions past the root each draft sits: the length of its path."""
-        return self.lineage[1:].sum(dim=1)
+        return _depths(self.parents)
 
-    @functools.cached_property
+    @property
     def path_lengths(self) -> tuple[int, ...]:
         """`depths` as Python ints, from `parents` alone (no tensor is read)."""
-        lengths: list[int] = []
-        for parent in self.parents:
-            lengths.append(1 + (lengths[parent] if parent >= 0 else 0))
-        return tuple(lengths)
+        return _path_lengths(self.parents)
 
-    @functools.cached_property
+    @property
     def depth(self) -> int:
         """How many positions past the root the deepest draft sits, as a Python int."""
         return max(self.path_lengths, default=0)
 
-    def on(self, device) -> tuple[torch.BoolTensor, torch.LongTensor, torch.LongTensor]:
-        """`(lineage, depths, parent slots)` on `device`, copied there once per tree. Parent slot of draft i: its
-        parent's index among `[root, drafts]`."""
+    def on(self, device) -> TreeTensors:
+        """The tree's tensors on `device`, made there once per tree (see `TreeTensors`)."""
         return _on_device(self, str(device))
 
     def visibility(self, num_pending: int, num_masks: int) -> torch.BoolTensor:
@@ -113,9 +107,43 @@ def canonical_candidates(candidates) -> int | tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=SHAPES)
-def _on_device(tree: DraftTree, device: str):
+def _lineage(parents: tuple[int, ...]) -> torch.BoolTensor:
+    lineage = torch.eye(len(parents) + 1, dtype=torch.bool)[:, 1:]
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            lineage[i + 1] |= lineage[parent + 1]
+    return lineage
+
+
+@functools.lru_cache(maxsize=SHAPES)
+def _depths(parents: tuple[int, ...]) -> torch.LongTensor:
+    return _lineage(parents)[1:].sum(dim=1)
+
+
+@functools.lru_cache(maxsize=SHAPES)
+def _path_lengths(parents: tuple[int, ...]) -> tuple[int, ...]:
+    lengths: list[int] = []
+    for parent in parents:  # a draft sits one past its parent (-1: the root)
+        lengths.append(1 + (lengths[parent] if parent >= 0 else 0))
+    return tuple(lengths)
+
+
+class TreeTensors(NamedTuple):
+    """A `DraftTree` as tensors on one device, for the passes that verify it."""
+
+    lineage: torch.BoolTensor  # (len + 1, len): see `DraftTree.lineage`
+    depths: torch.LongTensor  # (len,)
+    parent_slots: torch.LongTensor  # (len,) each draft's parent's index among `[root, drafts]`
+    outside: torch.BoolTensor  # (len, len): the drafts off each draft's path (not it, not its ancestors)
+    at_depth: torch.BoolTensor  # (depth, len): the drafts at each depth 1 .. `DraftTree.depth`
+
+
+@functools.lru_cache(maxsize=SHAPES)
+def _on_device(tree: DraftTree, device: str) -> TreeTensors:
     parent_slots = torch.tensor(tree.parents, dtype=torch.long) + 1
-    return tree.lineage.to(device), tree.depths.to(device), parent_slots.to(device)
+    at_depth = tree.depths[None, :] == torch.arange(1, tree.depth + 1)[:, None]
+    tensors = (tree.lineage, tree.depths, parent_slots, ~tree.lineage[1:], at_depth)
+    return TreeTensors(*(tensor.to(device) for tensor in tensors))
 
 
 @functools.lru_cache(maxsize=SHAPES)

@@ -69,7 +69,7 @@ def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[fl
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
     match = drafts.real
     if len(drafts.tree):
-        match = (drafts.tokens == target[:, drafts.tree.on(target.device)[2]]) & drafts.real
+        match = (drafts.tokens == target[:, drafts.tree.on(target.device).parent_slots]) & drafts.real
     return _keep_deepest(match, drafts, lambda end: target.gather(1, end[:, None]))
 
 
@@ -82,7 +82,7 @@ def _verify_typical(scores, drafts: Drafts, do_sample: bool, epsilon: float, del
     p = torch.softmax(scores.float(), dim=-1)
     match = drafts.real
     if len(drafts.tree):
-        parents = drafts.tree.on(p.device)[2]
+        parents = drafts.tree.on(p.device).parent_slots
         bar = (delta * torch.exp(-torch.special.entr(p).sum(dim=-1))).clamp(max=epsilon)  # (rows, 1 + drafts)
         p_draft = p[:, parents].gather(-1, drafts.tokens[..., None]).squeeze(-1)
         match = (p_draft >= bar[:, parents]) & drafts.real
@@ -103,16 +103,13 @@ def _keep_deepest(match, drafts: Drafts, after):
     count = end = torch.zeros(rows, dtype=torch.long, device=match.device)
     if not len(drafts.tree):
         return after(end), count + 1, drafts.real, end
-    lineage, depths, _ = drafts.tree.on(match.device)
-    kept = (match[:, None, :] | ~lineage[1:]).all(dim=2)  # every draft on its path matches
-    count, deepest = (kept * depths).max(dim=1)
-    end = torch.where(count > 0, deepest + 1, 0)
-    kept = lineage[end]
-    most = drafts.tree.depth  # known on the host: no device round trip
-    depth_slots = depths[None, :] == torch.arange(1, most + 1, device=depths.device)[:, None]
-    path = (drafts.tokens[:, None, :] * (kept[:, None, :] & depth_slots)).sum(dim=2)  # (rows, max depth)
-    tokens = torch.cat([path, torch.zeros_like(count)[:, None]], dim=1)
-    tokens.scatter_(1, count[:, None], after(end))
+    tree = drafts.tree.on(match.device)
+    kept = (match[:, None, :] | tree.outside).all(dim=2)  # every draft on its path matches
+    count, deepest = (kept * tree.depths).max(dim=1)
+    end = (deepest + 1).masked_fill_(count == 0, 0)
+    kept = tree.lineage[end]
+    path = (drafts.tokens[:, None, :] * (kept[:, None, :] & tree.at_depth)).sum(dim=2)  # (rows, max depth)
+    tokens = torch.nn.functional.pad(path, (0, 1)).scatter_(1, count[:, None], after(end))
     return tokens, count + 1, kept, end
 
 
@@ -160,13 +157,14 @@ def propose(
     device = followed.device
     guesses, confs, q = choose(followed, histories, do_sample, settings.confidence, True)
     confident = (confs >= tau) & within
-    count = confident.long().cumprod(dim=1).sum(dim=1)
+    prefix = confident.cumprod(dim=1, dtype=torch.long)  # 1 up to the first unconfident mask
+    count = prefix.sum(dim=1)
     others = _runner_ups(q, guesses, count, tau, depth_candidates(candidates, followed.shape[1]))
     if full_tree:
         chain, fed = followed.shape[1], [True] * len(others)
     else:  # drafts that no row proposes are not fed: one read from the device says how many there are
         chain, *fed = torch.stack([count.max(), *(real.any().long() for _, _, real in others)]).tolist()
-    real = torch.arange(chain, device=device) < count[:, None]
+    real = prefix[:, :chain].bool()
     tokens = guesses[:, :chain].masked_fill(~real, pad_token_id)
     parents = tuple(range(-1, chain - 1))
     for (depth, siblings, sibling_real), feed in zip(others, fed):

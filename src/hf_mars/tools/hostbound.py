@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
 
 from ..convert import to_mars
-from ..decoding.cache import MARSCache
 from ..decoding import graph
+from ..decoding.cache import MARSCache
 from ..decoding.compat import CACHE_ARG
 from ..decoding.tree import NO_DRAFTS, tree_attention
 from .calibrate import auto_mask_cost
@@ -85,6 +85,8 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
         if mars.get("mars_mask_cost") == "auto":
             mars = {**mars, "mars_mask_cost": auto_mask_cost(model, inputs.input_ids.shape[0], **mars)}
         runs[name] = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+        if extra and not mars.get("mars_mask_cost"):  # static: the graph pass, and the loop alone beside it
+            runs[f"{name}, loop"] = functools.partial(_loop_only, runs[name])
     times, passes = {name: [] for name in runs}, {}
     with torch.no_grad():
         for run in runs.values():  # warm-up
@@ -97,6 +99,15 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
                 stats = getattr(out, "mars_stats", None)
                 passes[name] = stats.forward_passes if stats is not None else max_new_tokens
     return {name: statistics.median(t) for name, t in times.items()}, passes
+
+
+def _loop_only(call):
+    """`call()` with every pass run by the loop of `generate.py` (`graph.ENABLED` off)."""
+    graph.ENABLED = False
+    try:
+        return call()
+    finally:
+        graph.ENABLED = True
 
 
 def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24, repeats: int = 30) -> dict:
@@ -133,19 +144,18 @@ def host_ops(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48) -> 
         inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
         static = dict(max_new_tokens=max_new_tokens, eos_token_id=None, cache_implementation="static", do_sample=False)
         kwargs = dict(**inputs, **static)
-        plain, plain_kernels = _ops_outside_forward(model, lambda: GenerationMixin.generate(model, **kwargs))
+        plain_call = functools.partial(GenerationMixin.generate, model, **kwargs)
+        plain, plain_kernels = _ops_outside_forward(model, plain_call)
         step, step_kernels = plain / max_new_tokens, plain_kernels / max_new_tokens
-        rows.append(dict(batch=batch, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0))
+        rows.append(
+            dict(batch=batch, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)
+        )
         for name, mars in MODES.items():
             if mars.get("mars_mask_cost"):
                 continue
-            for path, enabled in (("one graph", True), ("loop", False)):
-                graph.ENABLED = enabled
-                try:
-                    call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
-                    ops, kernels, passes = _ops_outside_forward(model, call, passes=True)
-                finally:
-                    graph.ENABLED = True
+            call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+            for path, run in (("one graph", call), ("loop", functools.partial(_loop_only, call))):
+                ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
                 row = dict(batch=batch, method=f"{name}, {path}", ops=ops / passes, kernels=kernels / passes)
                 rows.append(dict(**row, ratio=row["ops"] / step, kernel_ratio=row["kernels"] / step_kernels))
     return rows

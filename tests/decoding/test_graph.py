@@ -1,0 +1,152 @@
+"""The graph pass (`decoding/graph.py`): a static-cache run continues as one fixed-shape function per pass, and gives
+exactly what the loop of `generate.py` gives (tokens, passes, what each pass accepted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Recorder, make_model, make_tokenizer, toy_prompts
+from transformers import GenerationMixin
+
+import hf_mars
+from hf_mars.decoding import graph
+from hf_mars.decoding.cache import _positions
+from hf_mars.decoding.graph import GraphShape, _relative_positions
+from hf_mars.decoding.tree import DraftTree
+
+MODES = {
+    "tau=0.9": dict(mars_tau=0.9),
+    "tau=0": dict(mars_tau=0.0),
+    "tau=1": dict(mars_tau=1.0),
+    "lossless chain": dict(mars_verify=True),
+    "lossless tree": dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4),
+    "lossless per-depth tree": dict(mars_verify=True, mars_draft_candidates=[2, 3, 2], mars_lookup=2),
+}
+
+
+def generate(model, enc, enabled: bool = True, **kwargs):
+    graph.ENABLED = enabled
+    try:
+        kwargs = dict(max_new_tokens=40, cache_implementation="static", return_dict_in_generate=True, **kwargs)
+        return model.generate(**enc, **kwargs)
+    finally:
+        graph.ENABLED = True
+
+
+def graph_passes(model) -> int:
+    """Passes run by the graph passes this model has built (each counts its own)."""
+    return sum(int(g.state.step) for g in model.__dict__.get("_mars_graphs", {}).values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_graph_pass_gives_the_loops_tokens_and_passes(trained_toy, mode):
+    model, tok = trained_toy
+    model.__dict__.pop("_mars_graphs", None)
+    enc = toy_prompts(tok, n=6, seed=7)  # left-padded; rows end at EOS at different passes
+    looped, graphed = generate(model, enc, False, **MODES[mode]), generate(model, enc, **MODES[mode])
+    assert graph_passes(model) == graphed.mars_stats.forward_passes - 1  # every pass after the prompt's
+    assert torch.equal(graphed.sequences, looped.sequences)
+    for name in ("new_tokens", "passes_per_row"):
+        assert torch.equal(getattr(graphed.mars_stats, name), getattr(looped.mars_stats, name))
+    accepted = torch.stack(graphed.mars_stats.accepted_per_step)
+    assert torch.equal(accepted, torch.stack(looped.mars_stats.accepted_per_step))
+    assert graphed.mars_stats.tau_per_step == looped.mars_stats.tau_per_step
+    if mode != "tau=1":
+        assert int(accepted.max()) > 1, "the test must exercise passes that take several tokens"
+    if mode.startswith("lossless") or mode == "tau=1":
+        assert torch.equal(graphed.sequences, GenerationMixin.generate(model, **enc, max_new_tokens=40))
+    for a, b in zip(graphed.past_key_values.layers, looped.past_key_values.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_batched_equals_unbatched_and_one_graph_serves_every_call(trained_toy):
+    """Rows of a graph pass never see each other; calls with other prompts and lengths (one `max_cache_len`) reuse
+    the graph pass built by the first, its buffers and its cache loaded anew."""
+    model, tok = trained_toy
+    model.__dict__.pop("_mars_graphs", None)
+    enc = toy_prompts(tok, n=4, seed=3)
+    mode = dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3, max_cache_len=600)
+    batched = generate(model, enc, **mode).sequences[:, enc.input_ids.shape[1] :]
+    built = dict(model._mars_graphs)
+    assert len(built) == 1
+    for row in range(4):
+        ids = enc.input_ids[row : row + 1, enc.attention_mask[row].bool()]
+        alone = generate(model, {"input_ids": ids}, **mode).sequences[0, ids.shape[1] :]
+        assert torch.equal(alone, batched[row, : alone.shape[0]])
+        assert (batched[row, alone.shape[0] :] == tok.pad_token_id).all()
+    assert torch.equal(generate(model, enc, **mode).sequences[:, enc.input_ids.shape[1] :], batched)
+    batch_of_one = [key for key in model._mars_graphs if key not in built]
+    assert len(batch_of_one) == 1 and all(model._mars_graphs[key] is value for key, value in built.items())
+
+
+def test_live_tau_is_read_before_every_graph_pass(trained_toy):
+    """A callable τ keeps B-1 masks in every pass (the shape stays); τ >= 1 then accepts slot 0 alone."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=3, seed=5)
+    schedule = [0.9] * 4 + [1.0] * 4 + [0.3] * 100
+
+    def tau_reader():
+        values = iter(schedule)
+        return lambda: next(values)
+
+    looped = generate(model, enc, False, mars_tau=tau_reader())
+    graphed = generate(model, enc, mars_tau=tau_reader())
+    assert torch.equal(graphed.sequences, looped.sequences)
+    assert graphed.mars_stats.tau_per_step == schedule[: graphed.mars_stats.forward_passes]
+    accepted = torch.stack(graphed.mars_stats.accepted_per_step)
+    assert int(accepted[4:8].max()) <= 1 and int(accepted[8:].max()) > 1
+
+
+def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
+    """Sampling, logits processors, user stopping criteria, stop strings, streamers and a mask cost run in the loop,
+    which knows them; a dynamic cache never leaves it."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=2, seed=9)
+    one = toy_prompts(tok, n=1, seed=9)
+    cases = [
+        (enc, dict(mars_tau=0.9, do_sample=True, temperature=0.7)),
+        (enc, dict(mars_tau=0.9, repetition_penalty=1.3)),
+        (enc, dict(mars_verify=True, stop_strings=["a"], tokenizer=tok)),
+        (enc, dict(mars_tau=0.9, mars_mask_cost=0.2)),
+        (one, dict(mars_tau=0.9, streamer=Recorder())),
+    ]
+    for inputs, kwargs in cases:
+        model.__dict__.pop("_mars_graphs", None)
+        generate(model, inputs, **kwargs)
+        assert not model.__dict__.get("_mars_graphs"), kwargs
+    model.__dict__.pop("_mars_graphs", None)
+    model.generate(**enc, max_new_tokens=10, mars_tau=0.9)  # dynamic cache
+    assert not model.__dict__.get("_mars_graphs")
+
+
+@pytest.mark.parametrize("parents", [(), (-1, 0, 1), (-1, 0, 1, -1, -1, 0, -1, 4)])
+@pytest.mark.parametrize("pending", [1, 4])
+def test_relative_positions_are_the_caches_positions(parents, pending):
+    """With every pending slot real, a pass's positions are its first pending token's plus `_relative_positions`."""
+    tree, masks = DraftTree.of(parents), 3
+    shape = GraphShape(2, 64, bool(parents), pending, tree, masks, "probability", 1, 0, 9, 0, 1)
+    next_position = torch.tensor([5, 11])
+    fed = torch.ones(2, pending + len(tree), dtype=torch.bool)
+    expected = _positions(next_position, fed, masks, tree)
+    assert torch.equal(next_position[:, None] + _relative_positions(shape), expected)
+
+
+def test_the_graph_pass_dispatches_fewer_ops_than_the_loop():
+    """aten ops outside the forward, per pass, static cache, eager (`hf-mars bench --host-bound` prints them)."""
+    from hf_mars.tools.hostbound import host_bound_model, host_ops
+
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    rows = {row["method"]: row for row in host_ops(model, tokenizer, batch_sizes=(2,), max_new_tokens=12)}
+    for mode in ("MARS τ = 0.9", "lossless"):
+        assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"]
+        assert rows[f"{mode}, one graph"]["kernels"] < rows[f"{mode}, loop"]["kernels"]
+    assert rows["plain generate()"]["ratio"] == 1.0
+
+
+def test_an_untrained_qwen2_runs_every_mode_through_the_graph_as_the_loop_does():
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)
+    enc = toy_prompts(tok, n=3, seed=1)
+    for mode in MODES.values():
+        looped, graphed = generate(model, enc, False, **mode), generate(model, enc, **mode)
+        assert torch.equal(graphed.sequences, looped.sequences), mode
