@@ -19,15 +19,15 @@ import statistics
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
+from transformers import GenerationMixin
 
 from hf_mars.convert import to_mars
 from hf_mars.decoding import graph
 from hf_mars.tools.decode import static_compiled
-from hf_mars.tools.toy import toy_tokenizer
+from hf_mars.tools.toy import toy_model, toy_tokenizer
 
 # SmolLM2-135M-Instruct's shape: the shipped checkpoint's base
-SMOLLM2_135M = dict(
+SMOLLM2_135M = dict(  # with `toy_model`'s token ids
     vocab_size=49152,
     hidden_size=576,
     intermediate_size=1536,
@@ -53,11 +53,9 @@ VARIANTS = {
 
 
 def shipped_shape_model(device: str, dtype: torch.dtype, layers: int):
+    """A random Llama of the shipped checkpoint's shape (`layers` deep), made MARS with B = 4."""
     tokenizer = toy_tokenizer()
-    shape = {**SMOLLM2_135M, "num_hidden_layers": layers}
-    config = LlamaConfig(**shape, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype).eval()
+    model = toy_model("llama", **{**SMOLLM2_135M, "num_hidden_layers": layers}).to(device, dtype)
     return to_mars(model, tokenizer, block_size=4), tokenizer
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from helpers import make_model, make_tokenizer, toy_prompts
-from transformers import GenerationMixin
+from transformers import CompileConfig, GenerationMixin
 
 import hf_mars
 from hf_mars.decoding import costs as cost_model
@@ -301,3 +301,45 @@ def test_real_prefill_measurement(cache_dir):
     assert 0.0 < cost_model.measure_prefill(model, 2, context=16) < 5.0
     costs = pass_costs(model, 1, [4], prefill=True)
     assert costs.prefill is not None and costs.prefill > 0.0
+
+
+def test_a_compiled_call_chooses_from_the_costs_of_compiled_passes(auto_model, cache_dir, monkeypatch):
+    """A call whose passes `generate()` compiles (a static cache; on a CPU a compile config told to compile) runs
+    graph passes, whose costs are not the eager forward's: they are timed on compiled passes, cached apart, and the
+    tree is chosen from them. Here eager width is dear (no tree pays) and compiled width free (the widest pays)."""
+    model, tok = auto_model
+    counting(monkeypatch, table(0.01))
+    timed = []
+
+    def measure(model, batch_size, trees, compile_config=None):
+        timed.append((batch_size, tuple(trees), compile_config))
+        return {1 if tree is None else pass_width(*tree): 0.010 for tree in trees}
+
+    monkeypatch.setattr(cost_model, "measure_compiled_passes", measure)
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True  # generate() compiles on GPUs only unless told
+    compiled = dict(mars_verify=True, cache_implementation="static", compile_config=config)
+    picked = hf_mars.mars_settings(model, None, 1, **compiled)
+    assert (picked["mars_block_size"], picked["mars_draft_candidates"], picked["mars_lookup"]) == (4, 3, 8)
+    assert timed == [(1, (*(parse_tree(name) for name in ACCEPTANCE), None), config)]
+    assert hf_mars.mars_settings(model, None, 1, **compiled) == picked and len(timed) == 1  # cached
+    assert hf_mars.mars_settings(model, None, 1, mars_verify=True)["mars_block_size"] == 1  # eager: none pays
+    static_only = hf_mars.mars_settings(model, None, 1, mars_verify=True, cache_implementation="static")
+    assert static_only["mars_block_size"] == 1  # a CPU does not compile unless told
+    keys = list(json.loads((cache_dir / "pass_costs.json").read_text()))
+    assert sorted(keys) == sorted([machine_key(model, 1), machine_key(model, 1, compiled=True)])
+    enc = toy_prompts(tok, n=2, seed=13)
+    out = model.generate(**enc, **compiled, max_new_tokens=20, return_dict_in_generate=True)
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=20)
+    assert torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward > 1.0
+
+
+def test_compiled_passes_are_timed_on_the_compiled_path(cache_dir):
+    """`measure_compiled_passes` times plain compiled `generate()` per step and a tree's graph pass per pass."""
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=2)
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True
+    seconds = cost_model.measure_compiled_passes(model, 2, [None, (2, 1, 0)], config, new_tokens=6)
+    assert set(seconds) == {1, pass_width(2, 1, 0)} and all(s > 0 for s in seconds.values())
+    assert model.__dict__.get("_mars_graphs"), "the tree ran as graph passes"

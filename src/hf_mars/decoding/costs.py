@@ -149,9 +149,10 @@ def check_acceptance(acceptance) -> dict:
     return acceptance
 
 
-def machine_key(model, batch_size: int) -> str:
+def machine_key(model, batch_size: int, compiled: bool = False) -> str:
     """What a pass's cost depends on: device (GPU name, or CPU model and the instruction set torch uses), threads,
-    dtype, batch size, the model's shape, torch's version; and how it was measured (`MEASUREMENT`)."""
+    dtype, batch size, the model's shape, torch's version; how it was measured (`MEASUREMENT`); and whether the
+    passes are compiled (`compiled_pass_costs`) or eager."""
     device = model.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -160,7 +161,7 @@ def machine_key(model, batch_size: int) -> str:
     shape = {key: getattr(model.config, key, None) for key in _SHAPE_KEYS}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:12]
     key = f"{device.type}: {where} | {model.dtype} | batch {batch_size} | model {digest} | torch {torch.__version__}"
-    return f"{key} | measured {MEASUREMENT}"
+    return f"{key} | measured {MEASUREMENT}" + (" | compiled passes" if compiled else "")
 
 
 @functools.cache
@@ -234,6 +235,55 @@ def pass_costs(
         path.write_text(json.dumps(table, indent=1, sort_keys=True))
     known = {w: forward[w] if w in forward else _floor(forward, w, limit) for w in wanted}
     return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)), prefill=per_token)
+
+
+def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refresh: bool = False) -> Costs:
+    """`Costs` of the path a compiled call runs (a static cache and `generate()`'s compile path): a plain compiled
+    step for width 1, and for each lossless tree its whole graph pass (`graph.py`: forward and bookkeeping in one),
+    by the tree's width, with no overheads beside them. Measured on the compiled passes themselves (each compiles
+    once, which takes a while), cached per `machine_key(..., compiled=True)` at `cost_batch`."""
+    batch = cost_batch(batch_size)
+    path, key = costs_path(), machine_key(model, batch, compiled=True)
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    forward = {} if refresh else {int(w): s for w, s in table.get(key, {}).get("forward", {}).items()}
+    missing = [tree for tree in trees if pass_width(*tree) not in forward]
+    missing += [] if 1 in forward else [None]
+    if missing:
+        logger.warning("MARS: measuring compiled pass costs on this machine (once; cached in %s)", path)
+        forward.update(measure_compiled_passes(model, batch, missing, compile_config))
+        table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table, indent=1, sort_keys=True))
+    return Costs({w: forward[w] for w in {1, *(pass_width(*tree) for tree in trees)}})
+
+
+@torch.no_grad()
+def measure_compiled_passes(model, batch_size: int, trees, compile_config=None, new_tokens: int = 24) -> dict:
+    """Seconds per step of plain compiled `generate()` (tree `None`, width 1) and per pass of lossless mode with each
+    tree (by its width), on a static cache through `generate()`'s compile path, on a random prompt with no
+    end-of-sequence token; each call runs once to compile before it is timed."""
+    ids, real = _random_batch(model, batch_size, 64, 64)
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.do_sample, config.max_new_tokens = None, False, new_tokens
+    config.cache_implementation, config.return_dict_in_generate = "static", True
+    if compile_config is not None:
+        config.compile_config = compile_config
+    seconds = {}
+    for tree in trees:
+        if tree is None:
+            call = functools.partial(GenerationMixin.generate, model, ids, generation_config=config)
+        else:
+            lossless = dict(mars_verify=True, mars_tau=0.0, mars_mask_cost=0.0)
+            lossless.update(zip(("mars_block_size", "mars_draft_candidates", "mars_lookup"), tree))
+            call = functools.partial(model.generate, ids, generation_config=config, **lossless)
+        call(attention_mask=real)  # compiles
+        _sync(model)
+        start = time.perf_counter()
+        out = call(attention_mask=real)
+        _sync(model)
+        passes = out.mars_stats.forward_passes if tree is not None else new_tokens
+        seconds[1 if tree is None else pass_width(*tree)] = (time.perf_counter() - start) / passes
+    return seconds
 
 
 def _mark_busy(entry: dict, share: float, before: float | None) -> None:

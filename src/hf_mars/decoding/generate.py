@@ -59,7 +59,7 @@ from .costs import NEW_TOKENS, PROMPT_TOKENS, choose_dtype
 from .graph import GraphShape, cut, graph_pass_for, right_align
 from .schedule import MaskSchedule
 from .scoring import Histories, check_stateless, choose, history_free
-from .settings import MARSSettings, TauController, mars_settings, read_tau, resolve_settings
+from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
 from .tree import tree_attention
 from .verify import Drafts, add_lookup, propose, verify
@@ -167,7 +167,8 @@ class MARSGenerationMixin(GenerationMixin):
         mars_kwargs.update(mars_verify=mars_verify, mars_draft_candidates=mars_draft_candidates)
         mars_kwargs.update(mars_lookup=mars_lookup, mars_mask_cost=mars_mask_cost, mars_accept=mars_accept)
         mars_kwargs.update(mars_typical_epsilon=mars_typical_epsilon, mars_typical_delta=mars_typical_delta)
-        settings = resolve_settings(self, generation_config, batch_size, **mars_kwargs)
+        call = {name: kwargs[name] for name in CALL_KEYS if name in kwargs}
+        settings = resolve_settings(self, generation_config, batch_size, call, **mars_kwargs)
         if settings is not None:
             _refuse_unsupported(base, kwargs, "mars_verify" if settings.verify else "mars_tau")
         if settings is None or settings.plain:  # plain decoding: the base model's generate(), with stats if MARS
@@ -197,7 +198,8 @@ class MARSGenerationMixin(GenerationMixin):
         """The static cache slots `generate(cache_implementation="static", **mars_kwargs)` needs for this prompt length
         and budget. Set `generation_config.max_cache_len` to the largest a server will meet, and compiled passes are
         never recompiled for a larger cache (as for plain `generate()`)."""
-        settings = resolve_settings(self, None, batch_size, **mars_kwargs)
+        call = {name: mars_kwargs.pop(name) for name in CALL_KEYS if name in mars_kwargs}
+        settings = resolve_settings(self, None, batch_size, call, **mars_kwargs)
         if settings is None:
             return prompt_length + max_new_tokens
         return static_cache_length(settings, prompt_length, max_new_tokens)
@@ -411,11 +413,30 @@ def _compile_config(generation_config) -> CompileConfig:
 
 
 def _decode_in_graph(model, run: _Run, shape: GraphShape, compile_config) -> None:
-    """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph's buffers, one pass
-    (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass, then back."""
-    plan, text, cache, feed, stats = run.plan, run.text, run.cache, run.feed, run.stats
-    g = graph_pass_for(model, cache.kv, shape, plan.settings, compile_config)
-    state, width = g.state, text.sequences.shape[1]
+    """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph pass's buffers,
+    then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass,
+    then the state comes back. One generation at a time uses a model's graph pass of a shape."""
+    g = graph_pass_for(model, run.cache.kv, shape, run.plan.settings, compile_config)
+    _load_graph(g, run)
+    passes, last_tau = 0, None
+    while True:
+        tau = read_tau(run.plan.settings.tau)
+        if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
+            g.state.tau.fill_(tau if tau < 1.0 else float("inf"))
+            last_tau = tau
+        g.run()
+        passes += 1
+        run.stats.tau_per_step.append(tau)
+        run.stats.masks_per_step.append(shape.masks)
+        if g.state.finished.item():
+            break
+    _unload_graph(g, run, passes)
+
+
+def _load_graph(g, run: _Run) -> None:
+    """The run's state, as its first pass left it, into the graph pass's buffers."""
+    plan, text, cache, feed, state = run.plan, run.text, run.cache, run.feed, g.state
+    width = text.sequences.shape[1]
     state.sequences[:, :width].copy_(text.sequences)
     state.sequences[:, width:].fill_(plan.pad_token_id)
     for name, value in (("prompt_length", plan.prompt_length), ("budget", plan.budget), ("slot", cache.length)):
@@ -424,33 +445,26 @@ def _decode_in_graph(model, run: _Run, shape: GraphShape, compile_config) -> Non
         getattr(state, name).copy_(value)
     state.real.copy_(cache.real)
     state.next_position.copy_(cache.next_position)
-    pad = shape.pending - feed.pending.shape[1]  # τ-mode after a first pass without masks: holes on the left
+    pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a first pass without masks: holes on the left
     state.pending.copy_(torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id))
     state.pending_real.copy_(torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
     state.drafts.copy_(feed.drafts.tokens)
     state.drafts_real.copy_(feed.drafts.real)
-    g.eos.copy_(plan.eos)
     state.step.zero_()
-    passes, last_tau = 0, None
-    while True:
-        tau = read_tau(plan.settings.tau)
-        if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
-            state.tau.fill_(tau if tau < 1.0 else float("inf"))
-            last_tau = tau
-        g.run()
-        passes += 1
-        stats.tau_per_step.append(tau)
-        stats.masks_per_step.append(shape.masks)
-        if state.finished.item():
-            break
-    text.sequences.copy_(state.sequences[:, :width])
-    for name in ("decoded", "passes"):
-        getattr(text, name).copy_(getattr(state, name))
+    g.eos.copy_(plan.eos)
+
+
+def _unload_graph(g, run: _Run, passes: int) -> None:
+    """What `passes` graph passes decided, back into the run, for `_finish`."""
+    text, cache, stats, state = run.text, run.cache, run.stats, g.state
+    text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
+    text.decoded.copy_(state.decoded)
+    text.passes.copy_(state.passes)
     cache.kv = g.kv  # where this run's K/V now are (the output's cache is copied from them)
     cache.real.copy_(state.real)
     cache.next_position = state.next_position.clone()
-    cache.length += passes * shape.kept
-    run.stopping.new_tokens = state.decoded.clone()
+    cache.length += passes * g.shape.kept
+    run.stopping.new_tokens = state.decoded.clone()  # EOS and the length limit alone: each row's own count
     stats.forward_passes += passes
     stats.accepted_per_step.extend(state.accepted_log[:passes].clone().unbind(0))
 

@@ -14,7 +14,18 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from .costs import check_acceptance, choose_tree, mask_costs, parse_tree, pass_costs, pass_width, pay_limit
+from transformers import CompileConfig
+
+from .costs import (
+    check_acceptance,
+    choose_tree,
+    compiled_pass_costs,
+    mask_costs,
+    parse_tree,
+    pass_costs,
+    pass_width,
+    pay_limit,
+)
 from .tree import runner_ups
 
 CONFIDENCE_MEASURES = ("probability", "entropy", "margin")
@@ -137,12 +148,15 @@ class MARSSettings:
         return kwargs
 
 
-def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwargs) -> MARSSettings | None:
+def resolve_settings(
+    model, generation_config=None, batch_size: int = 1, call: dict | None = None, **kwargs
+) -> MARSSettings | None:
     """`MARSSettings` for these `mars_*` kwargs at this batch size; `None` means plain `generate()` (no τ anywhere).
 
     Each setting is the first one set of: the keyword, `generation_config` (the call's), `model.generation_config`
     (in lossless mode each config's `mars_lossless` preset before its own keys), the default. Lossless mode's output
     does not depend on τ, so it runs without one (τ = 0: every draft is proposed, the tree's shape bounds the pass).
+    `call`: the call's other `generate()` kwargs, which say whether its passes are compiled (see `compiles`).
     """
     configs = [model.generation_config]
     if generation_config is not None and generation_config is not model.generation_config:
@@ -156,7 +170,7 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
     for config in configs:
         layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]
     if verify and all(kwargs.get(key) is None for key in TREE_KEYS) and wants_auto(configs):
-        layers.insert(0, auto_tree(model, configs, batch_size))
+        layers.insert(0, auto_tree(model, configs, batch_size, compiles(model, configs, call or {})))
 
     def setting(name, default=None):
         return _first_set(kwargs.get(name), *(layer.get(name) for layer in layers), default)
@@ -200,8 +214,10 @@ def resolve_settings(model, generation_config=None, batch_size: int = 1, **kwarg
 
 def mars_settings(model, generation_config=None, batch_size: int = 1, **kwargs) -> dict | None:
     """What `generate(**kwargs)` runs with at this batch size, as `generate()` kwargs with every default resolved;
-    `None`: plain `generate()`. See `resolve_settings`."""
-    settings = resolve_settings(model, generation_config, batch_size, **kwargs)
+    `None`: plain `generate()`. See `resolve_settings`; `cache_implementation` and `compile_config` count as in
+    `generate()`."""
+    call = {name: kwargs.pop(name) for name in CALL_KEYS if name in kwargs}
+    settings = resolve_settings(model, generation_config, batch_size, call, **kwargs)
     return None if settings is None else settings.as_kwargs()
 
 
@@ -212,17 +228,42 @@ def wants_auto(configs) -> bool:
     return preset == "auto" or (preset is None and any(getattr(c, "mars_acceptance", None) for c in configs))
 
 
-def auto_tree(model, configs, batch_size: int) -> dict:
+# The `generate()` kwargs, besides the `mars_*` ones, that settings read: whether the passes are compiled
+CALL_KEYS = ("cache_implementation", "compile_config", "disable_compile")
+
+
+def compiles(model, configs, call: dict):
+    """The `CompileConfig` that `generate()` compiles this call's passes with, or None where it does not compile
+    them. Its own rule: a static cache, compiling not disabled, on a GPU (elsewhere only with a `compile_config` told
+    to compile on every device)."""
+
+    def read(name):
+        return _first_set(call.get(name), *(getattr(c, name, None) for c in configs))
+
+    config = read("compile_config")
+    if read("cache_implementation") != "static" or read("disable_compile"):
+        return None
+    if model.device.type == "cuda":
+        return config or CompileConfig()
+    return config if getattr(config, "_compile_all_devices", False) else None
+
+
+def auto_tree(model, configs, batch_size: int, compile_config=None) -> dict:
     """The tree of the checkpoint's `mars_acceptance` with the most tokens per second at this batch size on this
-    machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding."""
+    machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding. With the
+    `compile_config` of a call whose passes are compiled, the costs are those of compiled passes
+    (`compiled_pass_costs`), not eager ones."""
     acceptance = _first_set(*(getattr(c, "mars_acceptance", None) for c in configs))
     if acceptance is None:
         raise ValueError(
             'mars_lossless="auto" needs the checkpoint\'s mars_acceptance: `hf-mars tune --save` measures it.'
         )
     acceptance = check_acceptance(acceptance)
-    widths = [pass_width(*parse_tree(name)) for name in acceptance]
-    costs = pass_costs(model, batch_size, widths, limit=pay_limit(acceptance))
+    trees = [parse_tree(name) for name in acceptance]
+    if compile_config is not None:
+        costs = compiled_pass_costs(model, batch_size, trees, compile_config)
+    else:
+        costs = pass_costs(model, batch_size, [pass_width(*tree) for tree in trees], limit=pay_limit(acceptance))
     tree = choose_tree(acceptance, costs) or (1, 1, 0)
     return dict(zip(TREE_KEYS, tree), mars_tau=0.0)
 
