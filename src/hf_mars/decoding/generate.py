@@ -38,7 +38,6 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import graph
 from .cache import KVBook, MARSCache, StaticMARSCache, prefix_cache
 from .compat import (
     CACHE_ARG,
@@ -56,7 +55,7 @@ from .compat import (
     with_cache,
 )
 from .costs import NEW_TOKENS, PROMPT_TOKENS, choose_dtype
-from .graph import GraphShape, cut, graph_pass_for, right_align
+from .graph import GraphShape, cut, enabled, graph_pass_for, right_align
 from .schedule import MaskSchedule
 from .scoring import Histories, check_stateless, choose, history_free
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
@@ -379,7 +378,7 @@ def _graph_shape(model, run: _Run) -> GraphShape | None:
     only stopping criteria, no streamer, masks in every pass (no mask cost), and, in lossless mode, exact verification
     of a full draft tree (the first pass proposed one)."""
     plan, cache, feed, settings = run.plan, run.cache, run.feed, run.plan.settings
-    if not (graph.ENABLED and isinstance(cache, StaticMARSCache) and cache.counts_writes and plan.logits_to_keep):
+    if not (enabled() and isinstance(cache, StaticMARSCache) and cache.counts_writes and plan.logits_to_keep):
         return None
     if plan.do_sample or plan.processors or plan.typical or plan.window or plan.streamer is not None:
         return None

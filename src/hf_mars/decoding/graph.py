@@ -31,8 +31,12 @@ from .verify import Drafts, add_lookup, propose, verify
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
-# Whether `generate.py` hands runs over to the graph pass; tools turn it off to measure the loop alone
+# Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
 ENABLED = True
+
+
+def enabled() -> bool:
+    return ENABLED
 
 
 @dataclass(frozen=True)
