@@ -150,3 +150,20 @@ def test_an_untrained_qwen2_runs_every_mode_through_the_graph_as_the_loop_does()
     for mode in MODES.values():
         looped, graphed = generate(model, enc, False, **mode), generate(model, enc, **mode)
         assert torch.equal(graphed.sequences, looped.sequences), mode
+
+
+def test_a_copy_or_another_dtype_of_the_model_builds_its_own_graph_passes():
+    import copy
+
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
+    enc = toy_prompts(tok, n=2, seed=4)
+    first = generate(model, enc, mars_verify=True).sequences
+    assert model._mars_graphs
+    twin = copy.deepcopy(model)
+    assert not twin.__dict__.get("_mars_graphs")
+    assert torch.equal(generate(twin, enc, mars_verify=True).sequences, first)
+    twin.to(torch.bfloat16)
+    looped = generate(twin, enc, False, mars_verify=True).sequences
+    assert torch.equal(generate(twin, enc, mars_verify=True).sequences, looped)
+    assert {key[2] for key in twin._mars_graphs} == {torch.float32, torch.bfloat16}

@@ -6,13 +6,14 @@ op it costs twice a plain step and eats the tokens it wins. Here the whole pass 
 whose tensors keep their shapes and their addresses from pass to pass: what a pass writes (the cache slot it starts
 at, each row's text, positions, drafts, whether it is done) is written in place, and nothing in it asks the host.
 On CUDA, under `generate()`'s compile path, the pass is captured once as a CUDA graph (the forward compiled by
-inductor inside it) and replayed: one launch and one read of `finished` per pass. Elsewhere the same function runs
-eagerly, which is what the tests check against the loop of `generate.py`.
+inductor inside it) and replayed: one launch and one read of `finished` per pass. On other devices under that path
+the whole pass is one compiled function; without it the same function runs eagerly, which is what the tests check
+against the loop of `generate.py`.
 
 What it runs: a static cache, greedy decoding without logits processors or user stopping criteria, τ-mode with all
 B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy) and lossless mode's exact verification
 over a whole draft tree (chain, runner-ups, prompt lookup). `generate.py` hands a run over after its first pass
-(the prompt's) where `graph_ready` says so, and runs everything else itself.
+(the prompt's) where `_graph_shape` finds one, and runs everything else itself.
 
 This file is copied into MARS checkpoints (trust_remote_code).
 """
@@ -48,7 +49,7 @@ class GraphShape:
     verify: bool
     pending: int  # pending tokens fed per pass (τ-mode: B, right-aligned; lossless: the root)
     tree: DraftTree  # lossless mode's full draft tree (empty in τ-mode)
-    masks: int  # masks per group (B - 1)
+    masks: int  # masks per group (B - 1; 0 in τ-mode at a constant τ >= 1)
     confidence: str
     candidates: int | tuple[int, ...]
     lookup: int
@@ -156,7 +157,8 @@ class GraphPass:
         self.unkept = torch.zeros(batch, width - shape.kept, dtype=torch.bool, device=device)
         self.within = torch.ones(batch, shape.masks, dtype=torch.bool, device=device)
         self.rows = torch.arange(batch, device=device)
-        self.min = torch.finfo(model.dtype).min
+        self.open = torch.zeros((), dtype=model.dtype, device=device)  # the additive mask's two values
+        self.shut = torch.tensor(torch.finfo(model.dtype).min, dtype=model.dtype, device=device)
         self.graph, self.eager_runs = None, 0
 
     def load_cache(self, kv) -> None:
@@ -168,6 +170,7 @@ class GraphPass:
         )
 
     def run(self) -> None:
+        """One pass: the graph replayed, else (before capture, or off CUDA) the pass itself."""
         if self.graph is not None:
             self.graph.replay()
         elif self.capture and self.eager_runs >= WARMUP_PASSES:
@@ -234,7 +237,7 @@ def _slot_attention(g: GraphPass, slot: torch.Tensor) -> torch.Tensor:
     width = g.shape.width
     column = (g.key_slots - slot).clamp_(-1, width).add_(1)  # 0: before the pass, width + 1: after it
     allowed = g.sees[:, column][None] & g.state.real[:, None, :]
-    return torch.where(allowed, 0.0, g.min).to(g.model.dtype)[:, None]
+    return torch.where(allowed, g.open, g.shut)[:, None]
 
 
 def _accept(g: GraphPass, logits: torch.Tensor):
@@ -332,12 +335,19 @@ def _compiled(function, config, mode=None):
 _COMPILED: dict = {}
 
 
+class _Graphs(dict):
+    """A model's graph passes, by shape: a copy of the model (`copy.deepcopy`) starts with none and builds its own."""
+
+    def __deepcopy__(self, memo):
+        return _Graphs()
+
+
 def graph_pass_for(model, kv, shape: GraphShape, settings, compile_config=None) -> GraphPass:
     """The `GraphPass` of this shape, built once and kept on the model (a server's calls, each with a static cache of
     its own, share it), with `kv`'s K/V loaded."""
-    graphs = model.__dict__.setdefault("_mars_graphs", {})
+    graphs = model.__dict__.setdefault("_mars_graphs", _Graphs())
     compiling = None if compile_config is None else (compile_config.backend, compile_config.mode)
-    key = (shape, compiling)
+    key = (shape, compiling, model.dtype, str(kv.layers[0].keys.device))
     if key not in graphs:
         if len(graphs) >= GRAPHS_KEPT:
             graphs.clear()
