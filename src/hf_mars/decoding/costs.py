@@ -205,7 +205,7 @@ def pass_costs(
     """
     batch = cost_batch(batch_size)
     path, key = costs_path(), machine_key(model, batch)
-    table = json.loads(path.read_text()) if path.is_file() else {}
+    table = _read_table(path)
     entry = table.get(key, {})
     if refresh or ("busy" in entry and key not in _RETIMED):  # timed beside other work: once more, in this process
         entry = {}
@@ -231,8 +231,7 @@ def pass_costs(
         table[key].update({"untimed": untimed} if untimed else {})
         table[key].update({"prefill": per_token} if per_token is not None else {})
         _mark_busy(table[key], _cpu_share(started) if model.device.type == "cpu" else 1.0, entry.get("busy"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=1, sort_keys=True))
+        _write_table(path, table)
     known = {w: forward[w] if w in forward else _floor(forward, w, limit) for w in wanted}
     return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)), prefill=per_token)
 
@@ -244,7 +243,7 @@ def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refr
     once, which takes a while), cached per `machine_key(..., compiled=True)` at `cost_batch`."""
     batch = cost_batch(batch_size)
     path, key = costs_path(), machine_key(model, batch, compiled=True)
-    table = json.loads(path.read_text()) if path.is_file() else {}
+    table = _read_table(path)
     forward = {} if refresh else {int(w): s for w, s in table.get(key, {}).get("forward", {}).items()}
     missing = [tree for tree in trees if pass_width(*tree) not in forward]
     missing += [] if 1 in forward else [None]
@@ -252,8 +251,7 @@ def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refr
         logger.warning("MARS: measuring compiled pass costs on this machine (once; cached in %s)", path)
         forward.update(measure_compiled_passes(model, batch, missing, compile_config))
         table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=1, sort_keys=True))
+        _write_table(path, table)
     return Costs({w: forward[w] for w in {1, *(pass_width(*tree) for tree in trees)}})
 
 
@@ -284,6 +282,15 @@ def measure_compiled_passes(model, batch_size: int, trees, compile_config=None, 
         passes = out.mars_stats.forward_passes if tree is not None else new_tokens
         seconds[1 if tree is None else pass_width(*tree)] = (time.perf_counter() - start) / passes
     return seconds
+
+
+def _read_table(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_table(path: Path, table: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True))
 
 
 def _mark_busy(entry: dict, share: float, before: float | None) -> None:

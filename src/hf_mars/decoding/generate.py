@@ -415,7 +415,7 @@ def _decode_in_graph(model, run: _Run, shape: GraphShape, compile_config) -> Non
     """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph pass's buffers,
     then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass,
     then the state comes back. One generation at a time uses a model's graph pass of a shape."""
-    g = graph_pass_for(model, run.cache.kv, shape, run.plan.settings, compile_config)
+    g = graph_pass_for(model, run.cache.kv, shape, compile_config)
     _load_graph(g, run)
     passes, last_tau = 0, None
     while True:

@@ -126,12 +126,12 @@ class GraphPass:
     token's position relative to the row's next one) is built here once, so that a pass launches only what it must.
     """
 
-    def __init__(self, model, kv, shape: GraphShape, settings, compile_config=None):
+    def __init__(self, model, kv, shape: GraphShape, compile_config=None):
         """`compile_config`: `generate()`'s, where it compiles, else None (eager). On CUDA the pass is then captured
         whole as a CUDA graph around a forward compiled without CUDA graphs of its own; elsewhere the whole pass is
         compiled as one function. (Compiled whole on CUDA, the tree's host-side constants became host-to-device
         copies inside the compiled graph, which CUDA graph capture refuses: torch 2.11.)"""
-        self.model, self.shape, self.settings = model, shape, settings
+        self.model, self.shape = model, shape
         self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
         device = kv.layers[0].keys.device
         self.state = GraphState.empty(shape, device)
@@ -302,7 +302,8 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, end) -> None:
         return
     state.pending.copy_(tokens.gather(1, (accepted - 1).clamp_(min=0)[:, None]))
     followed = logits[:, len(shape.tree) + 1 :].unflatten(1, (shape.groups, shape.masks))[g.rows, end]
-    options = (None, state.tau, g.within, g.settings, False, shape.candidates, shape.pad_token_id, True)
+    # The shape stands for the settings: `propose` reads their `confidence` only
+    options = (None, state.tau, g.within, shape, False, shape.candidates, shape.pad_token_id, True)
     drafts = propose(followed, *options)
     if shape.lookup:
         lengths = state.prompt_length + state.decoded
@@ -342,7 +343,7 @@ class _Graphs(dict):
         return _Graphs()
 
 
-def graph_pass_for(model, kv, shape: GraphShape, settings, compile_config=None) -> GraphPass:
+def graph_pass_for(model, kv, shape: GraphShape, compile_config=None) -> GraphPass:
     """The `GraphPass` of this shape, built once and kept on the model (a server's calls, each with a static cache of
     its own, share it), with `kv`'s K/V loaded."""
     graphs = model.__dict__.setdefault("_mars_graphs", _Graphs())
@@ -351,6 +352,6 @@ def graph_pass_for(model, kv, shape: GraphShape, settings, compile_config=None) 
     if key not in graphs:
         if len(graphs) >= GRAPHS_KEPT:
             graphs.clear()
-        graphs[key] = GraphPass(model, kv, shape, settings, compile_config)
+        graphs[key] = GraphPass(model, kv, shape, compile_config)
     graphs[key].load_cache(kv)
     return graphs[key]

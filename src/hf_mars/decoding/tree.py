@@ -117,7 +117,7 @@ def _lineage(parents: tuple[int, ...]) -> torch.BoolTensor:
 
 @functools.lru_cache(maxsize=SHAPES)
 def _depths(parents: tuple[int, ...]) -> torch.LongTensor:
-    return _lineage(parents)[1:].sum(dim=1)
+    return torch.tensor(_path_lengths(parents), dtype=torch.long)
 
 
 @functools.lru_cache(maxsize=SHAPES)
