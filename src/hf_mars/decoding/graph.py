@@ -129,8 +129,8 @@ class GraphPass:
     def __init__(self, model, kv, shape: GraphShape, compile_config=None):
         """`compile_config`: `generate()`'s, where it compiles, else None (eager). On CUDA the pass is then captured
         whole as a CUDA graph around a forward compiled without CUDA graphs of its own; elsewhere the whole pass is
-        compiled as one function. (Compiled whole on CUDA, the tree's host-side constants became host-to-device
-        copies inside the compiled graph, which CUDA graph capture refuses: torch 2.11.)"""
+        compiled as one function. (Compiled whole on CUDA, the tree's host-side constants are traced into the graph as
+        host-to-device copies, which CUDA graph capture refuses.)"""
         self.model, self.shape = model, shape
         self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
         device = kv.layers[0].keys.device
