@@ -11,8 +11,8 @@ from transformers import (
 )
 
 import hf_mars
-from hf_mars.decoding import generate as mars_generation
 from hf_mars.decoding import schedule
+from hf_mars.decoding import session as mars_session
 from hf_mars.decoding.scoring import confidence
 
 PROMPTS = ["hello world, how", "a", "the quick brown fox jumps"]
@@ -250,8 +250,8 @@ def test_hole_compaction_is_exact(monkeypatch):
     ref = model.generate(**enc, mars_tau=0.6, max_new_tokens=40)
     calls = []
     original = hf_mars.MARSCache.compact
-    monkeypatch.setattr(mars_generation, "_COMPACT_AT", 0.0)
-    monkeypatch.setattr(mars_generation, "_COMPACT_EVERY", 1)
+    monkeypatch.setattr(mars_session, "_COMPACT_AT", 0.0)
+    monkeypatch.setattr(mars_session, "_COMPACT_EVERY", 1)
     monkeypatch.setattr(hf_mars.MARSCache, "compact", lambda self: (calls.append(1), original(self)))
     assert torch.equal(model.generate(**enc, mars_tau=0.6, max_new_tokens=40), ref)
     assert len(calls) > 5

@@ -10,7 +10,8 @@ from pathlib import Path
 
 REMOTE_FILES = (
     "modeling.py",  # the MARS<Base> classes that a checkpoint's auto_map names
-    "generate.py",  # MARSGenerationMixin.generate and the decoding loop
+    "generate.py",  # MARSGenerationMixin.generate: a session over the batch, stepped until every row stops
+    "session.py",  # Session: the rows decoded together and the pass (step), rows joining and leaving (admit, release)
     "graph.py",  # the pass as one fixed-shape function: a CUDA graph on a GPU (static cache)
     "settings.py",  # MARSSettings: the validated mars_* arguments of one call
     "costs.py",  # mars_lossless="auto": pass costs measured on this machine, the tree that pays most

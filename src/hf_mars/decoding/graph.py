@@ -77,7 +77,7 @@ class GraphState:
 
     sequences: torch.Tensor  # (batch, slots): prompt, then the decoded tokens, then pad
     prompt_length: torch.Tensor  # () the prompt's width
-    budget: torch.Tensor  # () new tokens allowed
+    budget: torch.Tensor  # (batch,) new tokens each row may take
     decoded: torch.Tensor  # (batch,) new tokens decoded
     passes: torch.Tensor  # (batch,) passes each row took part in
     done: torch.Tensor  # (batch,) rows that reached EOS or the length limit
@@ -101,7 +101,7 @@ class GraphState:
         return cls(
             sequences=torch.zeros(batch, slots, **long),
             prompt_length=torch.zeros((), **long),
-            budget=torch.zeros((), **long),
+            budget=torch.zeros(batch, **long),
             decoded=torch.zeros(batch, **long),
             passes=torch.zeros(batch, **long),
             done=torch.zeros(batch, **flag),

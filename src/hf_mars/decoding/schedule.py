@@ -64,3 +64,11 @@ class MaskSchedule:
         rate = torch.where(seen, (1 - RATE_STEP) * rate + RATE_STEP * (depth < paid[:, None]).double(), rate)
         recover = (depth >= offered[:, None]) & (passes % PROBE_EVERY == 0)[:, None]
         self.rate[rows] = torch.where(recover, rate + RECOVER * (1 - rate), rate)
+
+    def join(self, other: MaskSchedule) -> None:
+        """`other`'s rows (a schedule of the same costs) join this one, after its own."""
+        self.rate, self.last = torch.cat([self.rate, other.rate]), torch.cat([self.last, other.last])
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Only the rows that `keep` marks stay."""
+        self.rate, self.last = self.rate[keep], self.last[keep]

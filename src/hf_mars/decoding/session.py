@@ -1,0 +1,453 @@
+"""A MARS decoding session: the state of a batch of rows from pass to pass, and the pass itself.
+
+One pass feeds the tokens committed by the previous pass plus B-1 `<|mask|>` tokens, through an ordinary causal
+forward. Slot 0 is the output at the last real token (the ordinary next-token prediction); slot i >= 1 is the output
+at mask i-1, which a MARS-trained model has learned to make a prediction of the token i places further on. Slot 0 is
+always accepted; then slots are accepted left to right while their confidence is at least τ. With τ >= 1 no mask is
+fed at all: that is exactly greedy (or sampled) autoregressive decoding, at its cost. Lossless mode (`mars_verify`)
+feeds a pass's mask predictions back as drafts that the next pass verifies (`verify.py`).
+
+`Session.step` is one pass of named phases: `_forward` (one pass over `[pending | drafts | masks]`), `_accept` (τ's
+test, or verification: which tokens each row takes), `_commit` (write them: K/V into the cache, tokens into the
+text, which the stopping criteria judge; stream them), `_next_inputs` (what the next pass feeds) and `_retire` (rows
+that stopped stop decoding). τ is read before every pass, so it may be a number, a callable, or a `TauController`
+changed while a generation runs. A session's state is three small objects: `Plan` (fixed before the first pass),
+`Text` (every row's text and progress; a row decodes while `active`) and `Feed` (what the next pass feeds).
+
+`generate()` opens a session over its batch and steps it until every row has stopped (`generate.py`). A server keeps
+one open: `admit` joins the rows of another session (opened by `model.mars_session`, after its prompt's pass) to it
+between passes, and `release` lets rows go the moment they stop, so that rows come and go while the others decode
+(`serving/engine.py`). Rows join a session whose cache can take them: a dynamic one, padded with holes.
+
+The pass never asks which cache it has: both answer `cache.KVBook` (`generate.py` says which it makes).
+
+This file is copied into MARS checkpoints (trust_remote_code), with the sibling modules it imports.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.functional import pad
+from transformers.generation.logits_process import LogitsProcessorList
+
+from .cache import KVBook
+from .graph import cut, right_align
+from .schedule import MaskSchedule
+from .scoring import Histories, choose
+from .settings import MARSSettings, read_tau
+from .stopping import Stopping
+from .tree import tree_attention
+from .verify import Drafts, add_lookup, propose, verify
+
+# Attention implementations that take the 4D masks of lossless passes (a tree of drafts), built once per pass
+BRANCHING = ("sdpa", "eager")
+# Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
+_COMPACT_AT = 0.5
+_COMPACT_EVERY = 8  # passes between checks (each one a device-to-host transfer)
+
+
+@dataclass
+class MARSStats:
+    """What MARS decoding did. Every forward pass counts, the first (prefill) one included, since it yields tokens.
+
+    Attributes:
+        forward_passes: number of model forward passes.
+        new_tokens: `(batch,)` tokens generated per row (what the output holds).
+        passes_per_row: `(batch,)` forward passes each row took part in (a finished row leaves the batch).
+        accepted_per_step: one `(batch,)` tensor per pass: tokens accepted by each row (0 once it has left), up to
+            EOS and the length limit; other stopping criteria may cut a row's last ones.
+        tau_per_step: the τ read before each pass.
+        masks_per_step: the masks fed in each pass (the largest offer of `MaskSchedule`; 0 with τ >= 1).
+    """
+
+    forward_passes: int = 0
+    new_tokens: torch.Tensor | None = None
+    passes_per_row: torch.Tensor | None = None
+    accepted_per_step: list[torch.Tensor] = field(default_factory=list)
+    tau_per_step: list[float] = field(default_factory=list)
+    masks_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_forward(self) -> torch.Tensor:
+        """`(batch,)` tokens generated per forward pass the row took part in (1.0 is plain AR decoding)."""
+        return self.new_tokens.float() / self.passes_per_row.clamp(min=1).float()
+
+    @property
+    def mean_tokens_per_forward(self) -> float:
+        return self.tokens_per_forward.mean().item()
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The sliding window of a model's sliding-window layers: `size` positions; `everywhere`: every layer slides (one
+    mask for all), else the forward takes masks by layer type."""
+
+    size: int
+    everywhere: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one generation runs with, fixed before its first pass."""
+
+    settings: MARSSettings
+    processors: LogitsProcessorList
+    do_sample: bool
+    typical: tuple[float, float] | None  # lossless mode: `(ε, δ)` of typical acceptance, or None (exact)
+    candidates: int | tuple[int, ...]  # lossless mode: `mars_draft_candidates` (1 where drafts stay a chain)
+    lookup: int  # lossless mode: tokens of prompt lookup's branch (0 where drafts stay a chain)
+    pad_token_id: int
+    eos: torch.Tensor
+    logits_to_keep: bool
+    window: SlidingWindow | None  # the model's sliding window, whose masks MARS builds (None: no sliding layers)
+    compiled: Callable | None  # the compiled forward of passes after the first (a static cache), else None
+    streamer: object = None
+
+
+@dataclass
+class Text:
+    """Every row of the batch: its text and how far it got. A row decodes while it is `active`; it stops being active
+    once its text has `ended` (EOS or the length limit) or the stopping criteria have settled it."""
+
+    prompt_length: int  # columns of `sequences` before the first new token (prompts are left-padded to it)
+    budget: torch.Tensor  # (batch,) new tokens each row may take (what MaxLengthCriteria allows)
+    sequences: torch.Tensor  # (batch, prompt + budget + room): the prompt, then each row's decoded tokens, then pad
+    prompt_real: torch.Tensor  # (batch, prompt_length): which prompt positions hold tokens (not padding)
+    decoded: torch.Tensor  # (batch,) new tokens decoded
+    passes: torch.Tensor  # (batch,) passes each row took part in
+    ended: torch.Tensor  # (batch,) rows whose text reached EOS or the length limit
+    active: torch.Tensor  # (batch,) rows still decoding
+
+    PER_ROW = ("budget", "decoded", "passes", "ended", "active")  # `(batch,)` fields, besides the text itself
+
+    def select(self, keep: torch.Tensor) -> Text:
+        """The rows that `keep` marks."""
+        rows = {name: getattr(self, name)[keep] for name in self.PER_ROW}
+        return Text(self.prompt_length, sequences=self.sequences[keep], prompt_real=self.prompt_real[keep], **rows)
+
+
+@dataclass
+class Feed:
+    """What the next pass feeds, for the rows the cache holds (`rows`: their indices in the batch, in its order)."""
+
+    rows: torch.Tensor
+    pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
+    pending_real: torch.Tensor
+    drafts: Drafts
+    dense: bool | None = None  # whether the pending tokens fill their slots (no holes); None: not known
+
+
+@dataclass
+class Session:
+    """The rows MARS decodes together, carried from pass to pass: `step` runs one pass for every row still decoding,
+    `admit` joins another session's rows between passes, `release` lets rows go.
+
+    `labels`: one per row, in order (whatever the caller names its rows by); `log`: whether every pass is recorded in
+    `stats` (`generate()`'s `MARSStats`; a session that lives as long as a server keeps no per-pass log).
+    """
+
+    plan: Plan
+    text: Text
+    feed: Feed
+    cache: KVBook
+    schedule: MaskSchedule
+    stopping: Stopping
+    stats: MARSStats = field(default_factory=MARSStats)
+    live: bool = True  # any row still decoding
+    labels: list = field(default_factory=list)
+    log: bool = True
+
+    def step(self, model) -> None:
+        """One forward pass for every row still decoding: its tokens are in `text` when it returns."""
+        step = _forward(model, self, read_tau(self.plan.settings.tau))
+        tokens, accepted = _accept(self, step)
+        _commit(self, step, tokens, accepted)
+        _next_inputs(self, step, tokens, accepted)
+        _retire(self)
+
+    def rows(self) -> list[tuple[object, list[int], bool, int]]:
+        """Every row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: one read
+        from the device for the whole batch."""
+        text, start = self.text, self.text.prompt_length
+        decoded, active, passes = (t.tolist() for t in (text.decoded, text.active, text.passes))
+        new = text.sequences[:, start : start + max(decoded, default=0)].tolist()
+        return [(label, new[i][: decoded[i]], not active[i], passes[i]) for i, label in enumerate(self.labels)]
+
+    def refusal(self, other: Session) -> str | None:
+        """Why `other`'s rows cannot join this session (None: they can)."""
+        if not other.stats.forward_passes:
+            return "rows join after their prompt's pass (`step` the new session once)"
+        if self.cache.fixed_shapes or other.cache.fixed_shapes:
+            return "a static cache keeps its batch: rows join between generations"
+        if getattr(self.cache, "keep_retired", False) or getattr(other.cache, "keep_retired", False):
+            return "a session that returns its cache keeps the rows that leave it"
+        if not (self.stopping.per_row and other.stopping.per_row):
+            return "stopping criteria other than EOS and the length limit judge the whole batch in lockstep"
+        mine, theirs = self.plan, other.plan
+        if (mine.settings, mine.do_sample, mine.typical, mine.candidates, mine.lookup, mine.pad_token_id) != (
+            theirs.settings,
+            theirs.do_sample,
+            theirs.typical,
+            theirs.candidates,
+            theirs.lookup,
+            theirs.pad_token_id,
+        ):
+            return "the rows decode with other settings"
+        if [type(p) for p in mine.processors] != [type(p) for p in theirs.processors] or mine.window != theirs.window:
+            return "the rows decode with other logits processors"
+        if not torch.equal(mine.eos, theirs.eos) or mine.streamer is not None or theirs.streamer is not None:
+            return "the rows stop at other EOS tokens, or stream"
+        return None
+
+    def admit(self, other: Session) -> None:
+        """`other`'s rows join this session, after its own, between two passes. `other` must decode with the same
+        settings (see `refusal`); it is spent afterwards. The shorter cache is padded on the left with holes, and the
+        drafts of a lossless pass are kept where both sides propose the same tree (else the next pass proposes
+        afresh): neither changes a row's tokens."""
+        reason = self.refusal(other)
+        if reason is not None:
+            raise ValueError(f"These rows cannot join the session: {reason}.")
+        pad_token_id, offset = self.plan.pad_token_id, self.text.sequences.shape[0]
+        self.text = _join_text(self.text, other.text, pad_token_id)
+        self.feed = _join_feed(self.feed, other.feed, offset, pad_token_id)
+        self.cache.join(other.cache, offset)
+        self.schedule.join(other.schedule)
+        self.stopping.join(other.stopping, self.text.sequences, self.text.prompt_length)
+        self.labels = self.labels + other.labels
+        self.live = bool(self.text.active.any())
+
+    def release(self, labels) -> None:
+        """The rows of these labels stop decoding, at once, and leave the session where its cache can drop rows (a
+        static one keeps them idle until every row has stopped, as `generate()` keeps finished rows)."""
+        text, feed = self.text, self.feed
+        gone = torch.zeros_like(text.active)
+        gone[[self.labels.index(label) for label in labels]] = True
+        text.active &= ~gone
+        text.ended |= gone
+        alive, self.live = self.cache.retire(~text.active[feed.rows])
+        if alive is not None:
+            feed.rows, feed.pending, feed.pending_real = (
+                feed.rows[alive],
+                feed.pending[alive],
+                feed.pending_real[alive],
+            )
+            feed.drafts = feed.drafts.select(alive)
+        if self.cache.fixed_shapes:
+            return
+        keep = ~gone
+        renumber = keep.long().cumsum(0) - 1
+        feed.rows = renumber[feed.rows]
+        self.cache.rows = renumber[self.cache.rows]
+        self.text = text.select(keep)
+        self.schedule.select(keep)
+        self.stopping.select(keep, self.text.sequences)
+        self.labels = [label for label, kept in zip(self.labels, keep.tolist()) if kept]
+        self.live = bool(self.text.active.any())
+
+
+def _join_text(a: Text, b: Text, pad_token_id: int) -> Text:
+    """The rows of `a` then `b`, their prompts left-padded to end in the same column."""
+    prompt = max(a.prompt_length, b.prompt_length)
+    shifted = [
+        (
+            pad(t.sequences, (prompt - t.prompt_length, 0), value=pad_token_id),
+            pad(t.prompt_real, (prompt - t.prompt_length, 0)),
+        )
+        for t in (a, b)
+    ]
+    width = max(seq.shape[1] for seq, _ in shifted)
+    sequences = torch.cat([pad(seq, (0, width - seq.shape[1]), value=pad_token_id) for seq, _ in shifted])
+    real = torch.cat([r for _, r in shifted])
+    joined = {name: torch.cat([getattr(a, name), getattr(b, name)]) for name in Text.PER_ROW}
+    return Text(prompt_length=prompt, sequences=sequences, prompt_real=real, **joined)
+
+
+def _join_feed(a: Feed, b: Feed, offset: int, pad_token_id: int) -> Feed:
+    """What the next pass feeds the rows of `a`, then those of `b` (`offset`: where `b`'s rows start now)."""
+    width = max(a.pending.shape[1], b.pending.shape[1])
+    pending = torch.cat([pad(f.pending, (width - f.pending.shape[1], 0), value=pad_token_id) for f in (a, b)])
+    real = torch.cat([pad(f.pending_real, (width - f.pending_real.shape[1], 0)) for f in (a, b)])
+    rows = torch.cat([a.rows, b.rows + offset])
+    same = a.drafts.tree == b.drafts.tree and (a.drafts.proposals is None) == (b.drafts.proposals is None)
+    if not same:
+        return Feed(rows, pending, real, Drafts.none(rows.numel(), rows.device))
+    proposals = None if a.drafts.proposals is None else torch.cat([a.drafts.proposals, b.drafts.proposals])
+    tokens, drafts_real = (torch.cat([getattr(a.drafts, n), getattr(b.drafts, n)]) for n in ("tokens", "real"))
+    return Feed(rows, pending, real, Drafts(tokens, drafts_real, a.drafts.tree, proposals))
+
+
+@dataclass
+class Pass:
+    """One forward pass: what it fed and what came out."""
+
+    tau: float
+    offered: torch.Tensor  # (rows,) masks each row may use
+    masks: int  # masks per group (the largest offer, or more where that is cheaper)
+    logits: torch.Tensor  # (rows, outputs, vocab): at the root, at each draft, then each group of masks
+    histories: Histories | None
+    end: torch.Tensor | None = None  # lossless mode: where each row's kept drafts end (0: the root)
+    kept_drafts: torch.Tensor | None = None  # lossless mode: (rows, drafts) the drafts verified and kept
+
+    @property
+    def within(self) -> torch.Tensor:
+        """`(rows, masks)`: which masks each row may use."""
+        return torch.arange(self.masks, device=self.offered.device) < self.offered[:, None]
+
+
+def _forward(model, run: Session, tau: float) -> Pass:
+    """One forward pass over `[pending | drafts | masks]`: one group of masks after the root (τ-mode: the only one)
+    and, in lossless mode, one after each draft, each continuing the text it follows (see `DraftTree`). How many
+    masks a group has is the cache's call (a static cache feeds all B-1, whatever a row is offered, so that its shape
+    stays)."""
+    plan, feed, cache = run.plan, run.feed, run.cache
+    offered = run.schedule.offer(feed.rows) if tau < 1.0 else torch.zeros_like(feed.rows)
+    masks = cache.masks_per_group(run.schedule, offered, tau)
+    tree = feed.drafts.tree
+    groups = len(tree) + 1
+    new_real = torch.cat([feed.pending_real, feed.drafts.real], dim=1)
+    mask_2d, position_ids = cache.step_inputs(new_real, masks, tree, feed.dense if not len(tree) else None)
+    attention_mask = _attention_mask(model, run, tree, mask_2d, masks, position_ids)
+    mask_ids = feed.pending.new_full((feed.rows.numel(), groups * masks), plan.settings.mask_token_id)
+    needed = len(tree) + 1 + groups * masks
+    forward = plan.compiled if plan.compiled is not None and run.stats.forward_passes else model  # prefill: eager
+    input_ids = torch.cat([feed.pending, feed.drafts.tokens, mask_ids], dim=1)
+    outputs = forward(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        **cache.forward_kwargs(input_ids.shape[1]),
+        return_dict=True,
+        **({"logits_to_keep": needed} if plan.logits_to_keep else {}),
+    )
+    logits = outputs.logits[:, -needed:].float()
+    lengths = run.text.prompt_length + run.text.decoded[feed.rows]
+    histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths) if plan.processors else None
+    return Pass(tau, offered, masks, logits, histories)
+
+
+def _attention_mask(model, run: Session, tree, mask_2d, masks: int, position_ids):
+    """What the forward takes as its attention mask. The 2D slot map (or None: no holes) where the model's own causal
+    mask is exact; else 4D masks built here, once per pass: for a draft tree, for a wide pass where the cache leaves
+    it to MARS (rather than to every layer), and, with sliding-window layers, wherever slots are not positions
+    (holes, padding, a static cache), since the model would count its window in slots."""
+    window = run.plan.window
+    windowed = window is not None and mask_2d is not None
+    wide = run.cache.wide_mask(position_ids.shape[1]) and model.config._attn_implementation in BRANCHING
+    if not (len(tree) or windowed or wide):
+        return mask_2d
+    build = functools.partial(tree_attention, model, run.cache, tree, mask_2d, run.feed.pending.shape[1], masks)
+    if window is None:
+        return build()
+    sliding = build(window=window.size, positions=position_ids)
+    return sliding if window.everywhere else {"full_attention": build(), "sliding_attention": sliding}
+
+
+def _accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens each row takes from this pass: `(tokens, accepted)`, cut at EOS and the length limit (a row no
+    longer active takes none). Tells the mask schedule what its masks were worth."""
+    plan, text, feed, schedule = run.plan, run.text, run.feed, run.schedule
+    rows, tree = feed.rows, feed.drafts.tree
+    if plan.settings.verify:
+        tokens, accepted, step.kept_drafts, step.end = verify(
+            step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample, plan.typical
+        )
+        # The drafts the last pass's masks proposed paid for what of them was kept
+        paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
+        schedule.update(rows, schedule.last[rows], paid, text.passes[rows])
+        schedule.last[rows] = step.offered
+    else:
+        tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
+        accepted = torch.ones_like(tokens[:, 0])  # slot 0 always; then left to right while confident
+        if step.masks:
+            accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
+        schedule.update(rows, step.offered, accepted - 1, text.passes[rows])
+    accepted, ended = cut(tokens, accepted, text.budget[rows] - text.decoded[rows], ~text.active[rows], plan.eos)
+    text.ended[rows] |= ended
+    return tokens, accepted
+
+
+def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    """Write what the pass decided: the real tokens' K/V into the cache (the masks' and rejected drafts' are dropped,
+    or left as holes), the accepted tokens into the text, which the stopping criteria then judge as `generate()`
+    would; stream them."""
+    plan, text, feed = run.plan, run.text, run.feed
+    rows, width = feed.rows, tokens.shape[1]
+    if plan.settings.verify:  # the root and the kept drafts are cached; rejected drafts leave holes
+        fed = torch.cat([feed.pending_real, step.kept_drafts], dim=1)
+        run.cache.commit(fed, (len(feed.drafts.tree) + 1) * step.masks)
+    else:
+        run.cache.commit(feed.pending_real, step.masks, feed.dense)
+    slots = torch.arange(width, device=tokens.device)
+    positions = (text.prompt_length + text.decoded[rows])[:, None] + slots  # `sequences` has room past the budget
+    taken = tokens.masked_fill(slots >= accepted[:, None], plan.pad_token_id)  # pad where nothing was written yet
+    text.sequences.index_put_((rows[:, None], positions), taken)
+    text.decoded[rows] += accepted
+    text.passes[rows] += text.active[rows].long()  # idle rows take no pass
+    streamed = run.stopping.new_tokens[0].item() if plan.streamer is not None else 0
+    run.stopping.judge(text.decoded, text.ended)
+    run.stats.forward_passes += 1
+    if run.log:
+        _log(run.stats, step, rows, accepted, text.decoded)
+    if plan.streamer is not None:  # batch 1: the row is judged as soon as it decodes
+        start = text.prompt_length + streamed
+        plan.streamer.put(text.sequences[0, start : text.prompt_length + run.stopping.new_tokens[0]].cpu())
+
+
+def _log(stats: MARSStats, step: Pass, rows: torch.Tensor, accepted: torch.Tensor, decoded: torch.Tensor) -> None:
+    """Record one pass in `stats`: its τ, its masks, what each row of the batch accepted (0 for rows not in it)."""
+    stats.tau_per_step.append(step.tau)
+    stats.masks_per_step.append(step.masks)
+    whole = rows.numel() == decoded.numel()  # rows are the whole batch, in order
+    stats.accepted_per_step.append(accepted if whole else torch.zeros_like(decoded).index_put((rows,), accepted))
+
+
+def _next_inputs(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    """What the next pass feeds. τ-mode: this pass's accepted tokens, right-aligned (shorter rows leave holes in the
+    cache). Lossless mode: the last token (kept drafts are cached already) and the next drafts, proposed by the group
+    of masks that followed the last kept draft, which saw the text as it now stands."""
+    plan, feed = run.plan, run.feed
+    if not plan.settings.verify:
+        if tokens.shape[1] == 1:  # no masks were fed: one token each
+            feed.pending, feed.pending_real, feed.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
+            return
+        width, feed.dense = run.cache.pending_width(tokens.shape[1], accepted)
+        feed.pending, feed.pending_real = right_align(tokens, accepted, width, plan.pad_token_id)
+        return
+    feed.dense = None  # unknown: drafts may leave slots empty
+    rows = feed.rows
+    feed.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
+    feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
+    full = run.cache.fixed_shapes  # the tree keeps its whole shape, filled or not
+    drafts = Drafts.none(rows.numel(), rows.device)
+    lengths = run.text.prompt_length + run.text.decoded[rows]
+    if step.masks:
+        if step.histories is not None:
+            step.histories.lengths = lengths  # now including this pass's tokens
+        groups = len(feed.drafts.tree) + 1
+        followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
+        followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
+        sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
+        proposal = (step.histories, step.tau, step.within, plan.settings, sampled, plan.candidates)
+        drafts = propose(followed, *proposal, plan.pad_token_id, full)
+    if plan.lookup:
+        drafts = add_lookup(drafts, run.text.sequences[rows], lengths, plan.lookup, plan.pad_token_id, full)
+    feed.drafts = drafts
+
+
+def _retire(run: Session) -> None:
+    """Rows that stopped, or reached EOS or the length limit, stop decoding. The cache decides whether they leave its
+    batch (a dynamic one drops them, so they stop costing compute) or stay, idle (a static one, so that shapes stay,
+    as `generate()` keeps finished rows)."""
+    text, feed = run.text, run.feed
+    stopped = text.ended[feed.rows] | run.stopping.settled[feed.rows]
+    text.active[feed.rows] = ~stopped
+    alive, run.live = run.cache.retire(stopped)
+    if alive is not None:
+        feed.rows, feed.pending, feed.pending_real = feed.rows[alive], feed.pending[alive], feed.pending_real[alive]
+        feed.drafts = feed.drafts.select(alive)
+    run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)

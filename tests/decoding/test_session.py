@@ -1,0 +1,125 @@
+"""`model.mars_session`: rows that join a running batch between passes, and leave it, decode exactly as alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_model, make_tokenizer
+
+import hf_mars
+
+PROMPTS = ["hello world, how", "a", "the quick brown fox jumps", "count to ten"]
+MODES = {"tau=1": {"mars_tau": 1.0}, "lossless": {"mars_verify": True}, "tau=0.6": {"mars_tau": 0.6}}
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():
+    tok = make_tokenizer()
+    model = make_model("llama", dtype=torch.float64)
+    with torch.no_grad():  # confidences spread over (0, 1): passes accept one token or several
+        model.lm_head.weight.mul_(4.0)
+    return hf_mars.to_mars(model, tok, block_size=4).eval(), tok
+
+
+def alone(model, tok, prompt: str, max_new_tokens: int, **mode) -> list[int]:
+    """`generate()`'s new tokens for this prompt alone."""
+    ids = tok(prompt, return_tensors="pt")
+    out = model.generate(**ids, do_sample=False, max_new_tokens=max_new_tokens, **mode)
+    return out[0, ids.input_ids.shape[1] :].tolist()
+
+
+def open_rows(model, tok, prompts, labels, max_new_tokens=20, **mode):
+    """A session over `prompts` (left-padded), after its first pass."""
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    session = model.mars_session(
+        enc.input_ids,
+        attention_mask=enc.attention_mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        labels=labels,
+        **mode,
+    )
+    session.step(model)
+    return session
+
+
+def drain(model, session, results: dict) -> None:
+    """Step until every row stops, releasing each the pass it stops, as a server does."""
+    while True:
+        stopped = []
+        for label, tokens, done, _ in session.rows():
+            if done:
+                results[label] = tokens
+                stopped.append(label)
+        if stopped:
+            session.release(stopped)
+        if not session.live:
+            return
+        session.step(model)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rows_admitted_mid_batch_equal_each_row_alone(model_and_tok, mode):
+    model, tok = model_and_tok
+    settings = MODES[mode]
+    results = {}
+    session = open_rows(model, tok, PROMPTS[:2], labels=["a", "b"], **settings)
+    for _ in range(3):
+        session.step(model)
+    late = open_rows(model, tok, PROMPTS[2:], labels=["c", "d"], max_new_tokens=12, **settings)
+    session.admit(late)
+    assert session.labels == ["a", "b", "c", "d"]
+    drain(model, session, results)
+    reference = {} if mode in ("tau=1", "lossless") else settings  # exact: plain greedy generate()'s tokens
+    for label, prompt, budget in zip("abcd", PROMPTS, (20, 20, 12, 12)):
+        assert results[label] == alone(model, tok, prompt, budget, **reference), (mode, label)
+
+
+def test_a_released_row_leaves_and_the_others_go_on_exactly(model_and_tok):
+    model, tok = model_and_tok
+    session = open_rows(model, tok, PROMPTS[:3], labels=[0, 1, 2], max_new_tokens=16, mars_tau=0.6)
+    session.step(model)
+    session.release([1])
+    assert session.labels == [0, 2] and session.text.sequences.shape[0] == 2
+    results = {}
+    drain(model, session, results)
+    assert set(results) == {0, 2}
+    for label in (0, 2):
+        assert results[label] == alone(model, tok, PROMPTS[label], 16, mars_tau=0.6)
+
+
+def test_each_row_keeps_its_own_budget(model_and_tok):
+    model, tok = model_and_tok
+    tok.padding_side = "left"
+    enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
+    session = model.mars_session(
+        enc.input_ids,
+        attention_mask=enc.attention_mask,
+        do_sample=False,
+        max_new_tokens=20,
+        budgets=[5, 20],
+        mars_verify=True,
+    )
+    session.step(model)
+    results = {}
+    drain(model, session, results)
+    assert results[0] == alone(model, tok, PROMPTS[0], 5)
+    assert results[1] == alone(model, tok, PROMPTS[1], 20)
+
+
+def test_what_a_session_cannot_do_is_refused_by_name(model_and_tok):
+    model, tok = model_and_tok
+    ids = tok(PROMPTS[:1], return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match="stop_strings"):
+        model.mars_session(ids, stop_strings=["."], mars_tau=0.9, max_new_tokens=8)
+    with pytest.raises(ValueError, match="labels"):
+        model.mars_session(ids, labels=["x", "y"], mars_tau=0.9, max_new_tokens=8)
+    running = open_rows(model, tok, PROMPTS[:1], labels=[0], mars_tau=0.9)
+    other = open_rows(model, tok, PROMPTS[1:2], labels=[1], mars_tau=0.5)
+    with pytest.raises(ValueError, match="other settings"):
+        running.admit(other)
+    static = model.mars_session(ids, mars_tau=0.9, cache_implementation="static", max_new_tokens=8)
+    static.step(model)
+    with pytest.raises(ValueError, match="static cache"):
+        running.admit(static)
