@@ -48,6 +48,14 @@ def add_parser(subparsers) -> None:
         help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
         "mars_lookup=L, e.g. 2x3 or 2x3+4",
     )
+    _add_other_benches(bench)
+    add_machine(bench)
+    bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
+    bench.set_defaults(run=run)
+
+
+def _add_other_benches(bench) -> None:
+    """The benches that run instead of the decoding table: host-bound passes, compiled decoding, the server."""
     bench.add_argument(
         "--host-bound",
         action="store_true",
@@ -68,9 +76,6 @@ def add_parser(subparsers) -> None:
     )
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="with --serve (default: 1 4 16)")
     bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
-    add_machine(bench)
-    bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
-    bench.set_defaults(run=run)
 
 
 def run_host_bound(args) -> None:

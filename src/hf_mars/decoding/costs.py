@@ -105,9 +105,18 @@ class Costs:
         return tokens_per_forward / (self.forward[pass_width(*tree)] + self.mars_overhead)
 
 
-def mask_costs(model, batch_size: int, block_size: int) -> list[float]:
-    """`mars_mask_cost="auto"`: what 1 .. B-1 masks add to a one-token pass here, from the cached pass costs."""
-    return mask_shares(pass_costs(model, batch_size, range(1, block_size + 1)).forward, block_size)
+class NotMeasured(LookupError):
+    """Pass costs that may not be timed now (`measure=False`) are not in the table yet."""
+
+
+def mask_costs(model, batch_size: int, block_size: int, measure: bool = True) -> list[float]:
+    """`mars_mask_cost="auto"`: what 1 .. B-1 masks add to a one-token pass here, from the cached pass costs (0
+    while they are not measured and may not be now: `measure=False`)."""
+    try:
+        widths = range(1, block_size + 1)
+        return mask_shares(pass_costs(model, batch_size, widths, measure=measure).forward, block_size)
+    except NotMeasured:
+        return [0.0] * (block_size - 1)
 
 
 def mask_shares(forward: dict[int, float], block_size: int) -> list[float]:
@@ -193,7 +202,13 @@ def cost_batch(batch_size: int) -> int:
 
 
 def pass_costs(
-    model, batch_size: int, widths, refresh: bool = False, limit: float | None = None, prefill: bool = False
+    model,
+    batch_size: int,
+    widths,
+    refresh: bool = False,
+    limit: float | None = None,
+    prefill: bool = False,
+    measure: bool = True,
 ) -> Costs:
     """This machine's `Costs` for `widths` (and 1), measured once and cached per `machine_key` at `cost_batch`
     (`refresh`: again); with `prefill`, also the prompt's forward (`measure_prefill`).
@@ -201,7 +216,8 @@ def pass_costs(
     `limit`: what a pass may cost, in one-token passes, and still pay (the best tree's tokens per forward over the
     margin). A width past it is never timed once a narrower one is measured past it: it counts as costing what that
     one did, a floor, since a wider pass costs no less. Where wide passes are dear (an emulated dtype, a big batch)
-    the first use then times a few narrow passes instead of every width.
+    the first use then times a few narrow passes instead of every width. `measure=False`: costs missing from the
+    table raise `NotMeasured` instead of being timed (a server's requests, which must not wait for a measurement).
     """
     batch = cost_batch(batch_size)
     path, key = costs_path(), machine_key(model, batch)
@@ -216,6 +232,8 @@ def pass_costs(
     overhead, per_token = entry.get("overhead"), entry.get("prefill")
     hopeless = _past(forward, OVERHEAD_TREE_WIDTH + 1, limit)  # a pass of the narrowest tree cannot pay
     if missing or (overhead is None and not hopeless) or (prefill and per_token is None):
+        if not measure:
+            raise NotMeasured(f"pass costs of {key} are not measured yet")
         logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
         _RETIMED.add(key)
         started = _clocks()
@@ -236,7 +254,9 @@ def pass_costs(
     return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)), prefill=per_token)
 
 
-def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refresh: bool = False) -> Costs:
+def compiled_pass_costs(
+    model, batch_size: int, trees, compile_config=None, refresh: bool = False, measure: bool = True
+) -> Costs:
     """`Costs` of the path a compiled call runs (a static cache and `generate()`'s compile path): a plain compiled
     step for width 1, and for each lossless tree its whole graph pass (`graph.py`: forward and bookkeeping in one),
     by the tree's width, with no overheads beside them. Measured on the compiled passes themselves (each compiles
@@ -248,6 +268,8 @@ def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refr
     missing = [tree for tree in trees if pass_width(*tree) not in forward]
     missing += [] if 1 in forward else [None]
     if missing:
+        if not measure:
+            raise NotMeasured(f"compiled pass costs of {key} are not measured yet")
         logger.warning("MARS: measuring compiled pass costs on this machine (once; cached in %s)", path)
         forward.update(measure_compiled_passes(model, batch, missing, compile_config))
         table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}}

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from transformers import CompileConfig
 
 from .costs import (
+    NotMeasured,
     check_acceptance,
     choose_tree,
     compiled_pass_costs,
@@ -149,7 +150,7 @@ class MARSSettings:
 
 
 def resolve_settings(
-    model, generation_config=None, batch_size: int = 1, call: dict | None = None, **kwargs
+    model, generation_config=None, batch_size: int = 1, call: dict | None = None, measure: bool = True, **kwargs
 ) -> MARSSettings | None:
     """`MARSSettings` for these `mars_*` kwargs at this batch size; `None` means plain `generate()` (no τ anywhere).
 
@@ -157,6 +158,8 @@ def resolve_settings(
     (in lossless mode each config's `mars_lossless` preset before its own keys), the default. Lossless mode's output
     does not depend on τ, so it runs without one (τ = 0: every draft is proposed, the tree's shape bounds the pass).
     `call`: the call's other `generate()` kwargs, which say whether its passes are compiled (see `compiles`).
+    `measure=False`: pass costs not measured yet count as paying for nothing (`mars_lossless="auto"` decodes plainly,
+    `mars_mask_cost="auto"` is 0) rather than being timed now (a server's requests, answered at once).
     """
     configs = [model.generation_config]
     if generation_config is not None and generation_config is not model.generation_config:
@@ -166,11 +169,7 @@ def resolve_settings(
     verify = check_verify(
         _first_set(kwargs.get("mars_verify"), *(getattr(c, "mars_verify", None) for c in configs), False)
     )
-    layers = []  # where each setting is looked up, in order
-    for config in configs:
-        layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]
-    if verify and all(kwargs.get(key) is None for key in TREE_KEYS) and wants_auto(configs):
-        layers.insert(0, auto_tree(model, configs, batch_size, compiles(model, configs, call or {})))
+    layers = _layers(model, configs, verify, batch_size, call or {}, measure, kwargs)
 
     def setting(name, default=None):
         return _first_set(kwargs.get(name), *(layer.get(name) for layer in layers), default)
@@ -196,7 +195,7 @@ def resolve_settings(
         )
     cost = setting("mars_mask_cost", 0.0)
     if cost == "auto" and isinstance(block_size, int) and block_size >= 1:
-        cost = mask_costs(model, batch_size, block_size)
+        cost = mask_costs(model, batch_size, block_size, measure)
     return MARSSettings(
         tau=tau,
         block_size=block_size,
@@ -212,12 +211,23 @@ def resolve_settings(
     )
 
 
-def mars_settings(model, generation_config=None, batch_size: int = 1, **kwargs) -> dict | None:
+def _layers(model, configs, verify: bool, batch_size: int, call: dict, measure: bool, kwargs: dict) -> list[dict]:
+    """Where each setting is looked up after its keyword, in order: lossless mode's tree chosen on this machine
+    (where the configs ask for "auto" and no keyword shapes the tree), then each config's preset and own keys."""
+    layers = []
+    for config in configs:
+        layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]
+    if verify and all(kwargs.get(key) is None for key in TREE_KEYS) and wants_auto(configs):
+        layers.insert(0, auto_tree(model, configs, batch_size, compiles(model, configs, call), measure))
+    return layers
+
+
+def mars_settings(model, generation_config=None, batch_size: int = 1, measure: bool = True, **kwargs) -> dict | None:
     """What `generate(**kwargs)` runs with at this batch size, as `generate()` kwargs with every default resolved;
-    `None`: plain `generate()`. See `resolve_settings`; `cache_implementation` and `compile_config` count as in
-    `generate()`."""
+    `None`: plain `generate()`. See `resolve_settings` (and its `measure`); `cache_implementation` and
+    `compile_config` count as in `generate()`."""
     call = {name: kwargs.pop(name) for name in CALL_KEYS if name in kwargs}
-    settings = resolve_settings(model, generation_config, batch_size, call, **kwargs)
+    settings = resolve_settings(model, generation_config, batch_size, call, measure, **kwargs)
     return None if settings is None else settings.as_kwargs()
 
 
@@ -248,7 +258,7 @@ def compiles(model, configs, call: dict):
     return config if getattr(config, "_compile_all_devices", False) else None
 
 
-def auto_tree(model, configs, batch_size: int, compile_config=None) -> dict:
+def auto_tree(model, configs, batch_size: int, compile_config=None, measure: bool = True) -> dict:
     """The tree of the checkpoint's `mars_acceptance` with the most tokens per second at this batch size on this
     machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding. With the
     `compile_config` of a call whose passes are compiled, the costs are those of compiled passes
@@ -260,11 +270,15 @@ def auto_tree(model, configs, batch_size: int, compile_config=None) -> dict:
         )
     acceptance = check_acceptance(acceptance)
     trees = [parse_tree(name) for name in acceptance]
-    if compile_config is not None:
-        costs = compiled_pass_costs(model, batch_size, trees, compile_config)
-    else:
-        costs = pass_costs(model, batch_size, [pass_width(*tree) for tree in trees], limit=pay_limit(acceptance))
-    tree = choose_tree(acceptance, costs) or (1, 1, 0)
+    widths, limit = [pass_width(*tree) for tree in trees], pay_limit(acceptance)
+    try:
+        if compile_config is not None:
+            costs = compiled_pass_costs(model, batch_size, trees, compile_config, measure=measure)
+        else:
+            costs = pass_costs(model, batch_size, widths, limit=limit, measure=measure)
+    except NotMeasured:  # not measured yet, and not to be now: plain decoding until it is
+        costs = None
+    tree = (choose_tree(acceptance, costs) if costs is not None else None) or (1, 1, 0)
     return dict(zip(TREE_KEYS, tree), mars_tau=0.0)
 
 
