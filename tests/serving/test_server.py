@@ -6,14 +6,12 @@ another request's tokens, or lost its own, fails."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 import torch
-from helpers import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer, serving
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 from tokenizers.decoders import DecodeStream
 from transformers import AutoModelForCausalLM
@@ -26,15 +24,9 @@ MODES = {"tau=1": {"mars_tau": 1.0}, "lossless": {"mars_verify": True}, "tau=0.9
 MAX_TOKENS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A server on a free loopback port, its batcher, the checkpoint's path, and an offline copy of the model."""
+    """A server on a free loopback port, its engine, the checkpoint's path, and an offline copy of the model."""
     from hf_mars.serving.server import build_app
 
     path = str(tmp_path_factory.mktemp("served"))
@@ -44,19 +36,10 @@ def server(tmp_path_factory):
     to_mars(model, tok, block_size=4)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    app, batcher = build_app(path, dtype="float32", device="cpu", max_batch_size=16)
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
+    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=16)
     offline = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
-    yield {"url": f"http://127.0.0.1:{port}", "batcher": batcher, "path": path, "offline": offline, "tok": tok}
-    uv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as url:
+        yield {"url": url, "engine": engine, "path": path, "offline": offline, "tok": tok}
 
 
 def _client(server) -> OpenAI:
@@ -83,10 +66,12 @@ def test_lists_the_model_and_is_healthy(server):
     assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
 
 
-def test_32_concurrent_streams_each_get_their_own_text(server):
+def test_32_streams_arriving_staggered_with_mixed_settings_each_get_their_own_text(server):
+    """Clients arrive one every few milliseconds, so rows join the running batch between its passes."""
     jobs = [(f"count {i} to {i + 9}", name) for i in range(32) for name in [list(MODES)[i % 3]]]
 
-    async def stream(content: str, mode: str):
+    async def stream(content: str, mode: str, delay: float):
+        await asyncio.sleep(delay)
         async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=120) as client:
             chunks = await client.chat.completions.create(
                 model=server["path"],
@@ -103,12 +88,12 @@ def test_32_concurrent_streams_each_get_their_own_text(server):
                 usage = chunk.usage or usage
         return "".join(parts), usage
 
-    async def all_at_once():
-        return await asyncio.gather(*[stream(content, mode) for content, mode in jobs])
+    async def staggered():
+        return await asyncio.gather(*[stream(content, mode, 0.02 * i) for i, (content, mode) in enumerate(jobs)])
 
-    before = len(server["batcher"].batch_sizes)
-    results = asyncio.run(all_at_once())
-    assert max(server["batcher"].batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    before = len(server["engine"].batch_sizes)
+    results = asyncio.run(staggered())
+    assert max(server["engine"].batch_sizes[before:]) > 1, "concurrent requests were not batched"
     for (content, mode), (text, usage) in zip(jobs, results):
         assert (text, usage.completion_tokens) == _offline(server, content, MODES[mode]), (content, mode)
         assert 1 <= usage.forward_passes <= usage.completion_tokens
@@ -131,7 +116,7 @@ def test_completions_read_mars_settings_from_the_generation_config_string(server
 
 
 def test_a_client_that_disconnects_frees_its_row(server):
-    batcher = server["batcher"]
+    engine = server["engine"]
     body = {
         "model": server["path"],
         "messages": [{"role": "user", "content": "count forever"}],
@@ -147,10 +132,10 @@ def test_a_client_that_disconnects_frees_its_row(server):
                 if n >= 3:
                     break
     deadline = time.monotonic() + 60
-    while not any(row["request_id"] == request_id for row in batcher.finished):
+    while not any(row["request_id"] == request_id for row in engine.finished):
         assert time.monotonic() < deadline, "the disconnected row was never released"
         time.sleep(0.05)
-    row = next(row for row in batcher.finished if row["request_id"] == request_id)
+    row = next(row for row in engine.finished if row["request_id"] == request_id)
     assert row["cancelled"] and row["tokens"] < 480
     reply = _client(server).chat.completions.create(
         model=server["path"], messages=[{"role": "user", "content": "hi"}], max_tokens=4
@@ -195,11 +180,38 @@ def test_malformed_json_and_unknown_fields_are_refused(server):
         )
 
 
-def test_continuous_batching_is_refused_by_name():
-    from hf_mars.cli import main
+def test_a_short_request_sent_while_a_long_one_decodes_is_answered_before_it_ends(server):
+    engine = server["engine"]
+    body = {
+        "model": server["path"],
+        "messages": [{"role": "user", "content": "count forever"}],
+        "max_tokens": 500,
+        "stream": True,
+        "mars_tau": 1.0,
+    }
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", server["url"] + "/v1/chat/completions", json=body) as response:
+            long_id = response.headers["x-request-id"]
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # the long row decodes
+            reply = _client(server).chat.completions.create(  # the same settings: it joins the long one's batch
+                model=server["path"],
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                extra_body={"mars_tau": 1.0},
+            )
+            long_done = any(row["request_id"] == long_id for row in engine.finished)
+            rest = list(lines)
+    assert reply.usage.completion_tokens == 4
+    assert not long_done, ("the short request waited for the long one", list(engine.finished)[-3:])
+    assert sum(line.startswith("data:") for line in rest) > 4, "the long stream did not go on after the short reply"
 
-    with pytest.raises(SystemExit, match="continuous-batching"):
-        main(["serve", "--continuous-batching", "/nonexistent"])
+
+def test_continuous_batching_flag_is_accepted():
+    from hf_mars.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--continuous-batching", "some/model"])
+    assert args.continuous_batching and args.model == "some/model"
 
 
 def test_serve_bench_measures_plain_and_mars_side_by_side(server):

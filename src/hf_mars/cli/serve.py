@@ -9,8 +9,8 @@ DESCRIPTION = (
     "Serve a MARS checkpoint with transformers serve's OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
     "/v1/models, /health). Requests choose MARS per call with mars_tau, mars_verify and the draft-tree fields (as "
     "top-level fields, e.g. an OpenAI client's extra_body, or in a generation_config JSON string); the checkpoint's "
-    "generation config is the default. Concurrent requests with the same settings decode in one batch. See "
-    "docs/serving.md."
+    "generation config is the default. Requests join the running batch between passes and leave it the moment they "
+    "stop (continuous batching). See docs/serving.md."
 )
 
 
@@ -22,22 +22,17 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default: the checkpoint's")
     serve.add_argument("--device", default="auto", help="e.g. cpu, cuda, cuda:1 (default: accelerate's choice)")
     serve.add_argument("--compile", action="store_true", help="static cache and torch.compile, as transformers serve")
-    serve.add_argument("--max-batch-size", type=int, default=8, help="most requests decoded in one batch")
+    serve.add_argument("--max-batch-size", type=int, default=8, help="most requests decoding at once")
     serve.add_argument(
         "--continuous-batching",
         action="store_true",
-        help="refused: transformers' continuous batching decodes with its own paged cache, without MARS",
+        help="accepted, as transformers serve takes it: hf-mars serve always admits requests between passes",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(run=run)
 
 
 def run(args) -> None:
-    if args.continuous_batching:
-        raise ValueError(
-            "--continuous-batching is transformers' paged-cache decoder, which cannot run MARS; hf-mars serve batches "
-            "concurrent requests itself (--max-batch-size). See docs/serving.md."
-        )
     if args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
     from ..tools.loading import resolve_checkpoint

@@ -1,20 +1,23 @@
 """An OpenAI-compatible MARS server: transformers serve's app, loader and handlers, with three changes.
 
 - Loading: transformers serve finds a model's class by the name in `config.architectures`, which a MARS checkpoint's
-  remote class is not; `MARSModelManager` loads it through `AutoModelForCausalLM(..., trust_remote_code=True)`.
+  remote class is not; `MARSModelManager` loads the weights as the base class and makes it this hf_mars's MARS class.
 - Requests: `/v1/chat/completions` and `/v1/completions` take the `mars_*` settings as top-level fields (an OpenAI
   client's `extra_body`) or inside the `generation_config` JSON string transformers serve already reads; the
   checkpoint's generation config is the default. A setting `generate()` would refuse is answered with HTTP 400 and
   `generate()`'s own message, before anything is queued. `usage` gains `forward_passes` and `tokens_per_forward`.
-- Generation: one `MARSBatcher` (batcher.py) decodes concurrent requests together. transformers' continuous
-  batching runs its own paged-cache decoder, where MARS does not run, so it is not offered.
+- Generation: one `MARSEngine` (engine.py) decodes every request in one running MARS session, which requests join
+  between passes and leave the moment they stop (continuous batching; transformers' own runs a paged-cache decoder
+  where MARS does not run).
+- Start: the server answers at once. Lossless mode's pass costs (`mars_lossless="auto"`) are measured in a thread
+  of their own; until a batch size is measured its requests decode plainly, exactly as they would otherwise.
 """
 
 from __future__ import annotations
 
 import json
 
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
@@ -24,8 +27,10 @@ from transformers.cli.serving.systemone import SystemOneHandler
 from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import GenerationState, split_revision
 
+from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
-from .batcher import MARSBatcher
+from ..tools.loading import check_mars_config
+from .engine import MARSEngine, measure_in_background
 
 try:  # the serving extra: FastAPI and the OpenAI types
     from fastapi import HTTPException
@@ -36,41 +41,44 @@ except ImportError as err:  # pragma: no cover - said once, where the server sta
 
 
 class MARSModelManager(ModelManager):
-    """transformers serve's model manager, loading through the checkpoint's `auto_map` (its remote MARS class)."""
+    """transformers serve's model manager, loading a MARS checkpoint as the `hf-mars` commands do: its weights as the
+    plain base class, which becomes this hf_mars's MARS class (the checkpoint's own remote code is not run, so one
+    saved by an older hf_mars serves with every feature of this one: docs/remote-code.md)."""
 
     def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None, gguf_file=None):
         if gguf_file is not None:
             raise ValueError("A MARS checkpoint is a transformers folder, not a GGUF file.")
         model_id, revision = split_revision(model_id_and_revision)
+        config, _ = PretrainedConfig.get_config_dict(model_id, revision=revision)
+        check_mars_config(config, model_id)
         model = AutoModelForCausalLM.from_pretrained(
-            model_id, revision=revision, dtype=self.dtype, device_map=self.device, trust_remote_code=True
+            model_id, revision=revision, dtype=self.dtype, device_map=self.device
         )
-        if not hasattr(model, "mars_settings"):
-            raise ValueError(f"{model_id} is not a MARS checkpoint: its config has no MARS class in `auto_map`.")
+        model.__class__ = mars_class(type(model))
         return model.eval()
 
 
 class MARSGenerationState(GenerationState):
-    """Every request of the served model goes to its one batcher."""
+    """Every request of the served model goes to its one engine."""
 
-    def __init__(self, batcher: MARSBatcher, compile: bool = False):
+    def __init__(self, engine: MARSEngine, compile: bool = False):
         super().__init__(continuous_batching=False, compile=compile)
-        self.batcher = batcher
+        self.engine = engine
 
-    def get_manager(self, model_id: str, use_cb: bool = False) -> MARSBatcher:
-        return self.batcher
+    def get_manager(self, model_id: str, use_cb: bool = False) -> MARSEngine:
+        return self.engine
 
     def shutdown(self) -> None:
-        self.batcher.stop()
+        self.engine.stop()
 
 
 class MARSRequests:
     """What MARS adds to a transformers serve handler: `mars_*` fields, checked as `generate()` checks them, and
     MARS usage. Mixed in before the handler class."""
 
-    def __init__(self, *args, model, batcher: MARSBatcher, **kwargs):
+    def __init__(self, *args, model, engine: MARSEngine, **kwargs):
         super().__init__(*args, **kwargs)
-        self.model, self.batcher = model, batcher
+        self.model, self.engine = model, engine
         self.max_tokens = getattr(model.config, "max_position_embeddings", None) or 32768
 
     def _validate_request(self, body: dict) -> None:
@@ -81,7 +89,7 @@ class MARSRequests:
         if isinstance(response, JSONResponse):  # not streamed: the usage is in the body
             content = json.loads(response.body)
             if content.get("usage") is not None:
-                content["usage"].update(self.batcher.usage(request_id) or {})
+                content["usage"].update(self.engine.usage(request_id) or {})
             response = JSONResponse(
                 content, headers={k: v for k, v in response.headers.items() if k != "content-length"}
             )
@@ -96,7 +104,7 @@ class MARSRequests:
             self._check(config, fields)
         except (ValueError, TypeError) as err:  # what generate() would refuse, said before anything runs
             raise HTTPException(status_code=400, detail=str(err)) from err
-        for key, value in fields.items():  # the batcher's generate() call reads them from the config
+        for key, value in fields.items():  # the engine's session reads them from the config
             setattr(config, key, value)
         return config
 
@@ -106,11 +114,11 @@ class MARSRequests:
         budget = config.max_new_tokens
         if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= self.max_tokens:
             raise ValueError(f"max_tokens must be an integer in [1, {self.max_tokens}], got {budget!r}")
-        self.model.mars_settings(config, **fields)
+        self.model.mars_settings(config, measure=False, **fields)  # a handler never times passes
 
     def _build_chunk_sse(self, request_id: str, *args, usage=None, **kwargs):
         if usage is not None:  # the stream's last chunk
-            usage = CompletionUsage.model_validate({**usage.model_dump(), **(self.batcher.usage(request_id) or {})})
+            usage = CompletionUsage.model_validate({**usage.model_dump(), **(self.engine.usage(request_id) or {})})
         return super()._build_chunk_sse(request_id, *args, usage=usage, **kwargs)
 
 
@@ -123,36 +131,24 @@ class MARSCompletionHandler(MARSRequests, CompletionHandler):
 
 
 def build_app(model: str, dtype: str = "auto", device: str = "auto", compile: bool = False, max_batch_size: int = 8):
-    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its batcher."""
+    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine."""
     manager = MARSModelManager(device=device, dtype=dtype, force_model=model)
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
-    measure_before_serving(loaded, max_batch_size)
-    batcher = MARSBatcher(loaded, getattr(tokenizer, "tokenizer", tokenizer), max_batch_size=max_batch_size)
-    state = MARSGenerationState(batcher, compile=compile)
+    engine = MARSEngine(loaded, getattr(tokenizer, "tokenizer", tokenizer), max_batch_size=max_batch_size)
+    engine.measuring = measure_in_background(loaded, max_batch_size)
+    state = MARSGenerationState(engine, compile=compile)
     shared = dict(model_manager=manager, generation_state=state)
     app = build_server(
         manager,
-        MARSChatCompletionHandler(**shared, model=loaded, batcher=batcher),
-        completion_handler=MARSCompletionHandler(**shared, model=loaded, batcher=batcher),
+        MARSChatCompletionHandler(**shared, model=loaded, engine=engine),
+        completion_handler=MARSCompletionHandler(**shared, model=loaded, engine=engine),
         response_handler=ResponseHandler(**shared),
         transcription_handler=TranscriptionHandler(manager, state),
         systemone_handler=SystemOneHandler(**shared),
         generation_state=state,
     )
     app.add_exception_handler(HTTPException, _openai_error)
-    return app, batcher
-
-
-def measure_before_serving(model, max_batch_size: int) -> None:
-    """Resolve lossless mode's tree at every batch size whose pass costs a batch may use (1, 2, 4, ... up to
-    `max_batch_size`): with `mars_lossless="auto"` this times passes on a machine that has not cached them, now,
-    at start, rather than inside the first request of each size, where its client would wait for it."""
-    size = 1
-    while True:
-        model.mars_settings(batch_size=min(size, max_batch_size), mars_verify=True)
-        if size >= max_batch_size:
-            return
-        size *= 2
+    return app, engine
 
 
 async def _openai_error(request, error: HTTPException) -> JSONResponse:

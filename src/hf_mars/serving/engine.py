@@ -1,0 +1,340 @@
+"""The server's engine: one MARS session that requests join between passes and leave the moment they stop.
+
+Requests wait in a queue. One inference thread keeps a `Session` (decoding/session.py) of the rows decoding now and
+loops: take what has arrived; open a session for waiting requests that decode with the running rows' settings (up
+to `max_batch_size` rows in all), give it its prompt's pass and join it to the running one (`Session.admit`); run
+one pass for every row; hand each row's new tokens to its client; release the rows that stopped (EOS, their own
+`max_tokens`, a stop string, or a client that went away) and answer them at once. MARS decodes ragged batches
+exactly (a row's tokens do not depend on the rows beside it), so a request's text is the same whenever it joins.
+
+Requests decode together when they share a `Request.key`: sampling, MARS mode, τ, tree. A request with another key
+waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
+`--compile` (a static cache, whose batch keeps its shape) rows join only between sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, _StreamError
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from ..decoding.session import Session
+
+logger = logging.getLogger("hf_mars.serve")
+
+# A request's own limits; these keys of its generation config are the engine's to judge, per row
+_PER_ROW_KEYS = ("max_new_tokens", "stop_strings")
+
+
+@dataclass(eq=False)  # a request is itself (a session's label), whatever its fields
+class Request:
+    """One client's generation: its prompt, its own limits, and where its tokens go."""
+
+    request_id: str
+    input_ids: list[int]
+    generation_config: object
+    max_new_tokens: int
+    sink: RowSink
+    stop_strings: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    forward_passes: int = 0
+    stop: StopStringCriteria | None = None
+
+    @property
+    def key(self) -> str:
+        """Requests with equal keys decode in one session: same sampling and MARS settings."""
+        config = self.generation_config.to_dict()
+        for name in _PER_ROW_KEYS:
+            config.pop(name, None)
+        return json.dumps(config, sort_keys=True, default=str)
+
+    def take(self, tokens: list[int]) -> bool:
+        """Hand the row's tokens past those already sent to its client; whether a stop string ended it (the token
+        that completes one is the last sent, as `generate()` keeps it)."""
+        for token in tokens[len(self.generated) :]:
+            self.generated.append(token)
+            self.sink.put(token)
+            if self.stop is not None and bool(self.stop(torch.tensor([self.input_ids + self.generated]), None)[0]):
+                return True
+        return False
+
+
+class RowSink:
+    """Where one row's tokens go: a `DirectStreamer` (transformers serve's incremental detokenizer feeding the SSE
+    queue) for a streaming client, or a future resolved with all tokens for a non-streaming one. `cancel()` is what
+    the handler calls when the client disconnects."""
+
+    def __init__(self, loop, streamer: DirectStreamer | None = None, queue=None, future: asyncio.Future | None = None):
+        self.loop, self.streamer, self.queue, self.future = loop, streamer, queue, future
+        self.cancelled = threading.Event()
+        self.total_tokens = 0  # what transformers serve's stream handler reads to say whether the budget ended it
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, token_id: int) -> None:
+        self.total_tokens += 1
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([token_id]))
+
+    def finish(self, request: Request, error: Exception | None = None) -> None:
+        """The row is over: the stream's end (or the future's result) is signalled last, after the engine has
+        recorded the row's usage, so that the handler's last chunk reads it."""
+        if self.streamer is not None:
+            if error is not None:  # the handler sends it as the stream's last event
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, _StreamError(f"{type(error).__name__}: {error}"))
+                return
+            self.streamer.end()
+        elif self.future is not None:
+            result = error if error is not None else list(request.generated)
+            self.loop.call_soon_threadsafe(_resolve, self.future, result)
+
+
+def _resolve(future: asyncio.Future, result) -> None:
+    if future.done():
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+class MARSEngine(BaseGenerateManager):
+    """transformers serve's generation manager, with continuous batching: the handlers call `generate_streaming`
+    and `generate_non_streaming` as they call its sequential `GenerateManager`; this one queues the request and
+    returns, and its inference thread decodes it in the running session."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 8):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.batch_sizes: list[int] = []  # rows decoding in each pass, for tests and logs
+        self._usage: OrderedDict[str, dict] = OrderedDict()  # finished rows' passes, until the handler reads them
+        self.finished: deque[dict] = deque(maxlen=1024)  # the last rows decoded: what they took, whether cancelled
+        self._queue: queue.Queue[Request | None] = queue.Queue()
+        self._waiting: list[Request] = []
+        self.session: Session | None = None
+        self._key: str | None = None  # the running rows' `Request.key`
+        self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
+        self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
+        self._thread.start()
+
+    # -- the handlers' side (event loop) --
+
+    def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+        loop = asyncio.get_running_loop()
+        text_queue: asyncio.Queue = asyncio.Queue()
+        rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
+        streamer = DirectStreamer(rust_tokenizer, loop, text_queue, response_parser=response_parser)
+        streamer.put(inputs["input_ids"][0])  # the streamer's first put is the prompt, which it skips
+        sink = RowSink(loop, streamer=streamer, queue=text_queue)
+        self.submit(request_id, inputs, gen_config, sink)
+        return text_queue, sink
+
+    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+        loop = asyncio.get_running_loop()
+        sink = RowSink(loop, future=loop.create_future())
+        self.submit(request_id, inputs, gen_config, sink)
+        try:
+            generated = await sink.future
+        except asyncio.CancelledError:
+            sink.cancel()
+            raise
+        text = processor.decode(generated, skip_special_tokens=True)
+        return text, inputs["input_ids"].shape[-1], generated
+
+    def usage(self, request_id: str) -> dict | None:
+        """A finished request's MARS usage (`forward_passes`, `tokens_per_forward`), read once by the handler."""
+        return self._usage.pop(request_id, None)
+
+    def submit(self, request_id: str, inputs, gen_config, sink: RowSink) -> None:
+        input_ids = inputs["input_ids"]
+        if input_ids.shape[0] != 1:
+            raise ValueError("one prompt per request")
+        stop = gen_config.stop_strings
+        stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
+        request = Request(
+            request_id=request_id,
+            input_ids=input_ids[0].tolist(),
+            generation_config=gen_config,
+            max_new_tokens=gen_config.max_new_tokens,
+            sink=sink,
+            stop_strings=stop_strings,
+            stop=StopStringCriteria(self.tokenizer, stop_strings) if stop_strings else None,
+        )
+        self._queue.put(request)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    # -- the inference thread --
+
+    @torch.inference_mode()
+    def _serve(self) -> None:
+        while self._arrivals(wait=self.session is None):
+            try:
+                self._admit()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the server; the rows it hit are answered
+                logger.exception("hf-mars serve: admitting requests failed")
+            if self.session is not None:
+                self._step()
+
+    def _arrivals(self, wait: bool) -> bool:
+        """Move what has arrived into `_waiting` (blocking for the first one if `wait`); False once stopped."""
+        while True:
+            try:
+                request = self._queue.get(block=wait and not self._waiting)
+            except queue.Empty:
+                return True
+            if request is None:
+                return False
+            self._waiting.append(request)
+            wait = False
+
+    def _admit(self) -> None:
+        """Join the waiting requests that decode with the running rows (or, with none running, with the oldest
+        waiting one) to the session, as room allows; none while an older request of other settings waits."""
+        for request in [r for r in self._waiting if r.sink.cancelled.is_set()]:
+            self._waiting.remove(request)
+            self._finish(request)
+        if not self._waiting:
+            return
+        session = self.session
+        if session is not None and (self._waiting[0].key != self._key or session.cache.fixed_shapes):
+            return  # the running rows finish first
+        key = self._waiting[0].key
+        room = self.max_batch_size - (len(session.labels) if session is not None else 0)
+        group = [r for r in self._waiting if r.key == key][:room]
+        if not group:
+            return
+        self._waiting = [r for r in self._waiting if r not in group]
+        joining = self._open(group)
+        if joining is None or not joining.labels:
+            return
+        if session is None:
+            self.session, self._key = joining, key
+            return
+        try:
+            session.admit(joining)
+        except ValueError as error:  # settings resolved apart after all: these rows are answered with why
+            for request in joining.labels:
+                self._finish(request, error)
+
+    def _open(self, group: list[Request]) -> Session | None:
+        """A session over `group`, after its prompt's pass (its rows' first tokens already sent); None where it
+        failed (its rows are answered with the error; alone where a batch of them failed together)."""
+        try:
+            session = self._session(group)
+            session.step(self.model)
+        except Exception as error:  # noqa: BLE001 - one bad row must not take the others with it
+            if len(group) > 1:  # each alone: the bad one is answered with its error, the others decode
+                opened = [s for s in (self._open([request]) for request in group) if s is not None and s.labels]
+                for other in opened[1:]:
+                    opened[0].admit(other)
+                return opened[0] if opened else None
+            self._finish(group[0], error)
+            return None
+        if self.session is None:
+            self._settings = session.plan.settings.as_kwargs()
+        self._deliver(session)
+        return session
+
+    def _session(self, group: list[Request]) -> Session:
+        """`model.mars_session` over the group, left-padded, each row with its own budget; settings resolved from
+        cached pass costs only (a cost not measured yet means plain decoding: `serve` measures in the background)."""
+        width = max(len(r.input_ids) for r in group)
+        ids = torch.full((len(group), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(group):
+            ids[row, width - len(request.input_ids) :] = torch.tensor(request.input_ids)
+            mask[row, width - len(request.input_ids) :] = 1
+        config = group[0].generation_config.__class__.from_dict(group[0].generation_config.to_dict())
+        config.max_new_tokens = max(r.max_new_tokens for r in group)
+        config.stop_strings = None
+        device = self.model.device
+        settings = self._settings if self.session is not None else {}
+        return self.model.mars_session(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=config,
+            labels=group,
+            budgets=[r.max_new_tokens for r in group],
+            measure=False,
+            **settings,
+        )
+
+    def _step(self) -> None:
+        session = self.session
+        self.batch_sizes.append(int(session.text.active.sum()))
+        try:
+            session.step(self.model)
+        except Exception as error:  # noqa: BLE001 - the rows are answered with it; the server goes on
+            logger.exception(
+                "hf-mars serve: a pass failed; its %d rows are answered with the error", len(session.labels)
+            )
+            for request in session.labels:
+                self._finish(request, error)
+            self.session = None
+            return
+        self._deliver(session)
+        if not session.live:
+            self.session = None
+
+    def _deliver(self, session: Session) -> None:
+        """Every row's new tokens to its client; rows that stopped (or whose client left) are released and
+        answered."""
+        stopped = []
+        for request, tokens, done, passes in session.rows():
+            ended = request.take(tokens) or done or request.sink.cancelled.is_set()
+            if ended:
+                request.forward_passes = passes
+                stopped.append(request)
+        if stopped:
+            session.release(stopped)
+            for request in stopped:
+                self._finish(request)
+
+    def _finish(self, request: Request, error: Exception | None = None) -> None:
+        passes = max(request.forward_passes, 1)
+        self._usage[request.request_id] = {
+            "forward_passes": request.forward_passes,
+            "tokens_per_forward": round(len(request.generated) / passes, 4),
+        }
+        cancelled = request.sink.cancelled.is_set()
+        self.finished.append(
+            {"request_id": request.request_id, "tokens": len(request.generated), "cancelled": cancelled}
+        )
+        while len(self._usage) > 4096:  # a client that left never reads its usage
+            self._usage.popitem(last=False)
+        request.sink.finish(request, error)
+
+
+def measure_in_background(model, max_batch_size: int) -> threading.Thread:
+    """Resolve lossless mode's tree at every batch size a session may reach (1, 2, 4, ... up to `max_batch_size`)
+    in a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
+    them, while the server already answers (those requests decode plainly until their batch size is measured)."""
+
+    def measure() -> None:
+        started, size = time.monotonic(), 1
+        while True:
+            batch = min(size, max_batch_size)
+            logger.info("hf-mars serve: pass costs at batch %d ...", batch)
+            model.mars_settings(batch_size=batch, mars_verify=True)
+            if size >= max_batch_size:
+                break
+            size *= 2
+        logger.info("hf-mars serve: pass costs ready (%.0f s)", time.monotonic() - started)
+
+    thread = threading.Thread(target=measure, name="mars-costs", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,56 @@
+"""`hf-mars serve` on a fresh machine: healthy at once, pass costs measured in the background, exact meanwhile."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from helpers import make_model, make_tokenizer, serving
+
+from hf_mars import to_mars
+from hf_mars.decoding import costs
+
+pytest.importorskip("uvicorn")
+
+ACCEPTANCE = {"2x1": 1.6, "4x3+8": 2.6}  # tokens per forward, as `hf-mars tune --save` writes them
+
+
+def test_a_fresh_machine_answers_at_once_while_pass_costs_are_measured(tmp_path, monkeypatch):
+    from hf_mars.serving.server import build_app
+
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))  # an empty cost cache
+    gate, measuring = threading.Event(), threading.Event()
+    real = costs.measure_pass_costs
+
+    def held(*args, **kwargs):  # the measurement waits until the test has been answered
+        measuring.set()
+        assert gate.wait(120)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(costs, "measure_pass_costs", held)
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.generation_config.mars_lossless, model.generation_config.mars_acceptance = "auto", ACCEPTANCE
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    started = time.monotonic()
+    app, engine = build_app(str(tmp_path / "ckpt"), dtype="float32", device="cpu", max_batch_size=2)
+    with serving(app) as url:
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+        assert time.monotonic() - started < 60
+        assert measuring.wait(30) and not costs.costs_path().exists()  # still measuring
+        body = {"model": str(tmp_path / "ckpt"), "prompt": "count to ten", "max_tokens": 12, "mars_verify": True}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        ids = tok("count to ten", return_tensors="pt")
+        plain = model.generate(**ids, do_sample=False, max_new_tokens=12)
+        assert reply["choices"][0]["text"] == tok.decode(plain[0, ids.input_ids.shape[1] :], skip_special_tokens=True)
+        assert reply["usage"]["forward_passes"] == reply["usage"]["completion_tokens"]  # plain until measured
+        gate.set()
+        engine.measuring.join(timeout=300)
+        assert not engine.measuring.is_alive() and costs.costs_path().exists()
+    monkeypatch.setattr(costs, "measure_pass_costs", None)  # every batch size is measured: nothing times again
+    for batch in (1, 2):
+        chosen = model.mars_settings(batch_size=batch, mars_verify=True)
+        assert model.mars_settings(batch_size=batch, measure=False, mars_verify=True) == chosen
