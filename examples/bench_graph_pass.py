@@ -23,8 +23,8 @@ from transformers import GenerationMixin
 
 from hf_mars.convert import to_mars
 from hf_mars.decoding import graph
-from hf_mars.tools.decode import static_compiled
-from hf_mars.tools.toy import toy_model, toy_tokenizer
+from hf_mars.tools.checkpoints.toy import toy_model, toy_tokenizer
+from hf_mars.tools.measure.decode import static_compiled
 
 # SmolLM2-135M-Instruct's shape: the shipped checkpoint's base
 SMOLLM2_135M = dict(  # with `toy_model`'s token ids

@@ -21,8 +21,8 @@ import torch
 from transformers import GenerationMixin
 
 from hf_mars.decoding.compat import CACHE_ARG
-from hf_mars.tools.evals import load_prompts
-from hf_mars.tools.loading import load_checkpoint
+from hf_mars.tools.checkpoints.loading import load_checkpoint
+from hf_mars.tools.evaluate.evals import load_prompts
 
 
 def main():

@@ -21,8 +21,8 @@ import torch
 
 from hf_mars.decoding import cache as cache_module
 from hf_mars.decoding import generate as generation
-from hf_mars.tools.evals import load_prompts
-from hf_mars.tools.loading import load_checkpoint
+from hf_mars.tools.checkpoints.loading import load_checkpoint
+from hf_mars.tools.evaluate.evals import load_prompts
 
 # The phases of the decoding loop (see `hf_mars.decoding.generate.mars_decode`), timed apart from the model's forward
 GROUPS = {

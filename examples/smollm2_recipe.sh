@@ -9,7 +9,7 @@
 #   bash examples/smollm2_recipe.sh [OUT]
 set -euo pipefail
 OUT=${1:-outputs/recipe}
-BASE=$(python -c "from hf_mars.tools.shipped import base_checkpoint; print(base_checkpoint())")  # GGUF -> float32, once
+BASE=$(python -c "from hf_mars.tools.checkpoints.shipped import base_checkpoint; print(base_checkpoint())")  # GGUF -> float32, once
 
 # 1. Self-distillation: 1,000 training prompts of the clean mix (MATH, ARC-Easy, DROP, SQuAD, NaturalQuestions, CoQA,
 #    MBPP, reasoning-gym; none shares a word 10-gram with GSM8K test or HumanEval) answered greedily by the base model

@@ -22,6 +22,6 @@ def tokenizer():
 def trained_toy(tmp_path_factory):
     """A toy MARS model actually trained (200 MARSTrainer steps, ~1 CPU minute): its masks predict real tokens, so
     multi-token passes and draft acceptance are exercised, not just possible."""
-    from hf_mars.tools.demo import train_toy
+    from hf_mars.tools.checkpoints.demo import train_toy
 
     return train_toy(steps=200, block_size=4, output_dir=tmp_path_factory.mktemp("toy"))

@@ -11,7 +11,7 @@ import psutil  # an accelerate dependency
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from hf_mars.tools.toy import counting_dataset, toy_model, toy_tokenizer
+from hf_mars.tools.checkpoints.toy import counting_dataset, toy_model, toy_tokenizer
 
 
 def make_tokenizer():

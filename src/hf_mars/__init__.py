@@ -15,9 +15,10 @@ _NAMES = {
     ".decoding.cache": ("MARSCache",),
     ".decoding.generate": ("MARSGenerationMixin", "MARSGenerateOutput", "MARSStats", "TauController", "mars_settings"),
     ".decoding.modeling": ("MASK_TOKEN", "mars_class"),
+    ".decoding.session": ("Session",),
     ".convert": ("convert_checkpoint", "to_mars"),
-    ".tools.shipped": ("default_checkpoint",),
-    ".tools.loading": ("CheckpointError", "load_checkpoint"),
+    ".tools.checkpoints.shipped": ("default_checkpoint",),
+    ".tools.checkpoints.loading": ("CheckpointError", "load_checkpoint"),
     ".training.trainer": ("MARSConfig", "MARSTrainer"),
     ".hub": ("push_to_hub", "push_space"),
 }

@@ -29,7 +29,7 @@ from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundErro
 from huggingface_hub.utils import filter_repo_objects
 
 from .decoding import REMOTE_FILES
-from .tools.tables import markdown_table
+from .tools.measure.tables import markdown_table
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import pytest
 from helpers import make_model, make_tokenizer
 
 import hf_mars
-from hf_mars.tools import loading
-from hf_mars.tools.loading import CheckpointError, check_mars_config, resolve_checkpoint
+from hf_mars.tools.checkpoints import loading
+from hf_mars.tools.checkpoints.loading import CheckpointError, check_mars_config, resolve_checkpoint
 
 
 def hf_mars_cli(*args, env=None):

@@ -25,7 +25,7 @@ import torch
 from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_mars.tools.toy import counting_dataset
+from hf_mars.tools.checkpoints.toy import counting_dataset
 
 TASK = "mars_toy"
 DOCS = 6  # batch size 4 then runs a full batch of 4 and a batch of 2

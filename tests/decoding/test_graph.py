@@ -133,7 +133,7 @@ def test_relative_positions_are_the_caches_positions(parents, pending):
 
 def test_the_graph_pass_dispatches_fewer_ops_than_the_loop():
     """aten ops outside the forward, per pass, static cache, eager (`hf-mars bench --host-bound` prints them)."""
-    from hf_mars.tools.hostbound import host_bound_model, host_ops
+    from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
 
     model, tokenizer = host_bound_model(layers=2, hidden=32)
     rows = {row["method"]: row for row in host_ops(model, tokenizer, batch_sizes=(2,), max_new_tokens=12)}

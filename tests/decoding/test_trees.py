@@ -12,8 +12,8 @@ import hf_mars
 from hf_mars.decoding.costs import check_acceptance, parse_tree, pass_width, tree_key
 from hf_mars.decoding.settings import MARSSettings
 from hf_mars.decoding.verify import propose
-from hf_mars.tools.trees import tree_name
-from hf_mars.tools.tuning import best_counts, chain_accuracy, depth_accuracy, propose_trees, ranks_along
+from hf_mars.tools.measure.trees import tree_name
+from hf_mars.tools.measure.tuning import best_counts, chain_accuracy, depth_accuracy, propose_trees, ranks_along
 
 
 def distributions(rows):
@@ -179,8 +179,8 @@ def test_proposals_put_candidates_where_they_are_accepted():
 def test_tune_measures_per_depth_trees_by_name(tmp_path):
     """The trees `propose_trees` names can be timed by `tune_lossless` and saved into `mars_acceptance`, and the
     fastest saved as a preset that `generate()` reads back."""
-    from hf_mars.tools.evals import load_prompts
-    from hf_mars.tools.tuning import acceptance, save_acceptance, save_lossless_preset, tune_lossless
+    from hf_mars.tools.evaluate.evals import load_prompts
+    from hf_mars.tools.measure.tuning import acceptance, save_acceptance, save_lossless_preset, tune_lossless
 
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)

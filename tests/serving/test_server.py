@@ -215,7 +215,7 @@ def test_continuous_batching_flag_is_accepted():
 
 
 def test_serve_bench_measures_plain_and_mars_side_by_side(server):
-    from hf_mars.tools.serve_bench import run_serve_bench, serve_table
+    from hf_mars.tools.measure.serve_bench import run_serve_bench, serve_table
 
     rows = run_serve_bench(server["url"] + "/v1", server["path"], clients=(1, 3), per_client=1, max_tokens=6, rounds=1)
     assert [(r["clients"], r["mode"]) for r in rows] == [

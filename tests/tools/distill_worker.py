@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_mars.tools import distillation
+from hf_mars.tools.data import distillation
 
 
 @contextlib.contextmanager

@@ -8,9 +8,9 @@ import torch
 from helpers import make_model, make_tokenizer
 
 import hf_mars
-from hf_mars.tools.bench import format_table, run_benchmark, save
-from hf_mars.tools.calibrate import measure_mask_cost
-from hf_mars.tools.evals import load_prompts
+from hf_mars.tools.evaluate.evals import load_prompts
+from hf_mars.tools.measure.bench import format_table, run_benchmark, save
+from hf_mars.tools.measure.calibrate import measure_mask_cost
 
 
 def test_benchmark_cells_and_files(tmp_path):
@@ -89,7 +89,7 @@ def test_prompts_from_jsonl(tmp_path):
 
 
 def test_heldout_prompts_are_scored_by_task():
-    from hf_mars.tools.eval_sets import gsm8k_test, humaneval
+    from hf_mars.tools.evaluate.eval_sets import gsm8k_test, humaneval
 
     tok = make_tokenizer()
     prompts = load_prompts("heldout", tok, limit=4)
@@ -106,9 +106,9 @@ def test_heldout_prompts_are_scored_by_task():
 def test_tuning_prompts_are_evaluated_nowhere():
     """`tune`'s default prompts share no problem with what `eval` and `bench` score (GSM8K test's first 256, all of
     HumanEval), nor a word n-gram with any evaluation problem; GSM8K rows keep their answer check."""
-    from hf_mars.tools.decontamination import eval_texts, overlap
-    from hf_mars.tools.eval_sets import TUNING_GSM8K_FROM, gsm8k_test, humaneval
-    from hf_mars.tools.evals import tuning_problems
+    from hf_mars.tools.data.decontamination import eval_texts, overlap
+    from hf_mars.tools.evaluate.eval_sets import TUNING_GSM8K_FROM, gsm8k_test, humaneval
+    from hf_mars.tools.evaluate.evals import tuning_problems
 
     gsm, code = tuning_problems()
     assert TUNING_GSM8K_FROM >= 256 and len(gsm) > 256 and len(code) > 256
@@ -126,7 +126,7 @@ def test_tuning_prompts_are_evaluated_nowhere():
 def test_new_tokens_count_the_eos_even_when_it_is_the_pad_token():
     from types import SimpleNamespace
 
-    from hf_mars.tools.decode import count_new_tokens
+    from hf_mars.tools.measure.decode import count_new_tokens
 
     generated = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
     assert count_new_tokens(generated, SimpleNamespace(pad_token_id=2), [2]) == 3 + 5 + 1

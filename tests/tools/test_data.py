@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import reasoning_gym
 
-from hf_mars.tools import sourcing as data
-from hf_mars.tools.decontamination import NGRAM, eval_texts, ngrams, overlap
-from hf_mars.tools.eval_sets import gsm8k_test, humaneval
-from hf_mars.tools.sourcing import SOURCES, Source, allocate, build_prompt_mix, parse_sources
+from hf_mars.tools.data import sourcing as data
+from hf_mars.tools.data.decontamination import NGRAM, eval_texts, ngrams, overlap
+from hf_mars.tools.data.sourcing import SOURCES, Source, allocate, build_prompt_mix, parse_sources
+from hf_mars.tools.evaluate.eval_sets import gsm8k_test, humaneval
 
 
 @pytest.fixture(scope="module")

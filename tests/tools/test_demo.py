@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_mars.tools.demo import run_demo
+from hf_mars.tools.checkpoints.demo import run_demo
 
 
 def test_demo_trains_saves_and_decodes(tmp_path, capsys):

@@ -27,7 +27,7 @@ from accelerate import PartialState
 from distill_worker import run
 from helpers import make_model, make_tokenizer, run_launched
 
-from hf_mars.tools.distillation import shard_path
+from hf_mars.tools.data.distillation import shard_path
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("distill_worker.py")

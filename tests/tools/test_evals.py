@@ -1,5 +1,6 @@
-"""`hf-mars eval` (tools/evals.py): per τ, tokens per forward, the shares of answers identical to τ = 1's and to the
-base model's, GSM8K / HumanEval accuracy, as one table (Markdown, JSON) and a plot (PNG); on a tiny model."""
+"""`hf-mars eval` (tools/evaluate/evals.py): per τ, tokens per forward, the shares of answers identical to τ = 1's
+and to the base model's, GSM8K / HumanEval accuracy, as one table (Markdown, JSON) and a plot (PNG); on a tiny
+model."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from helpers import make_model, make_tokenizer
 
 import hf_mars
-from hf_mars.tools.evals import format_tau_table, save_tau_plot, tau_table
+from hf_mars.tools.evaluate.evals import format_tau_table, save_tau_plot, tau_table
 
 COLUMNS = ["setting", "tokens/forward", "same as τ = 1", "same as base", "GSM8K acc.", "HumanEval pass@1"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -74,7 +75,7 @@ def test_tau_table_is_consistent_and_drawn(tmp_path):
 
 def test_the_harness_scores_humaneval_answers():
     """The HumanEval column counts executed, passing code: a right answer passes, a wrong one fails."""
-    from hf_mars.tools.evals import humaneval_correct
+    from hf_mars.tools.evaluate.evals import humaneval_correct
 
     assert humaneval_correct("```python\ndef one():\n    return 1\n```", PROBLEM)
     assert not humaneval_correct("```python\ndef one():\n    return 2\n```", PROBLEM)

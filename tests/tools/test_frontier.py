@@ -1,5 +1,5 @@
-"""`hf-mars eval --frontier` (tools/frontier.py): every decoding rule's tokens per forward against quality, resumable
-setting by setting; on a tiny model."""
+"""`hf-mars eval --frontier` (tools/evaluate/frontier.py): every decoding rule's tokens per forward against quality,
+resumable setting by setting; on a tiny model."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 from test_evals import PNG, ROWS, rows_of, sharp_mars
 
-from hf_mars.tools import frontier
-from hf_mars.tools.frontier import (
+from hf_mars.tools.evaluate import frontier
+from hf_mars.tools.evaluate.frontier import (
     earlier_rows,
     format_frontier,
     frontier_settings,

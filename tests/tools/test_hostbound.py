@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hf_mars.tools.hostbound import MODES, format_pass_costs, forward_costs, host_bound_model, pass_costs
+from hf_mars.tools.measure.hostbound import MODES, format_pass_costs, forward_costs, host_bound_model, pass_costs
 
 
 def test_pass_costs_time_every_mode_against_a_plain_step():

@@ -11,25 +11,32 @@ from pathlib import Path
 import hf_mars.tools
 
 TOOLS = Path(hf_mars.tools.__file__).parent
-MODULES = sorted(path.stem for path in TOOLS.glob("*.py") if path.stem != "__init__")
+# "group.module" for every tools module: the subpackages say which job each does
+MODULES = sorted(f"{path.parent.name}.{path.stem}" for path in TOOLS.glob("*/*.py") if path.stem != "__init__")
 
 
 def sibling_imports(module: str) -> set[str]:
     """The tools modules `module` imports anywhere in its code, at the top or inside a function."""
+    group = module.split(".")[0]
     found = set()
-    for node in ast.walk(ast.parse((TOOLS / f"{module}.py").read_text())):
+    for node in ast.walk(ast.parse((TOOLS / f"{module.replace('.', '/')}.py").read_text())):
         if isinstance(node, ast.ImportFrom):
             name = node.module or ""
-            if node.level == 1:  # from .x import y / from . import x
-                found |= {name.split(".")[0]} if name else {alias.name for alias in node.names}
+            if node.level == 1:  # from .x import y / from . import x: the same group
+                found |= {f"{group}.{name.split('.')[0]}"} if name else {f"{group}.{a.name}" for a in node.names}
+            elif node.level == 2 and name:  # from ..group.x import y / from ..group import x
+                parts = name.split(".")
+                found |= {".".join(parts[:2])} if len(parts) > 1 else {f"{parts[0]}.{a.name}" for a in node.names}
             elif name.startswith("hf_mars.tools."):
-                found.add(name.split(".")[2])
+                found.add(".".join(name.split(".")[2:4]))
     return found & set(MODULES)
 
 
 def test_no_import_circle_among_the_tools():
     graph = {module: sibling_imports(module) for module in MODULES}
-    assert graph["loading"] <= {"shipped"} and "loading" in graph["evals"] and "loading" in graph["distillation"]
+    loading = "checkpoints.loading"
+    assert graph[loading] <= {"checkpoints.shipped"}
+    assert loading in graph["evaluate.evals"] and loading in graph["data.distillation"]
     done, path = set(), []
 
     def visit(module):
@@ -56,6 +63,6 @@ def test_each_tools_module_imports_alone():
 
 def test_the_shared_helpers_load_no_torch():
     """cli builds its parsers from these: `hf-mars --help` must not wait for torch."""
-    code = "import sys, hf_mars.tools.loading, hf_mars.tools.trees; print('torch' in sys.modules)"
+    code = "import sys, hf_mars.tools.checkpoints.loading, hf_mars.tools.measure.trees; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr

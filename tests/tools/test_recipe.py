@@ -13,17 +13,17 @@ from safetensors.torch import load_file
 from transformers import GenerationMixin
 
 from hf_mars.cli.recipe import parse_settings
-from hf_mars.tools import recipe
-from hf_mars.tools.distillation import distill, write_reference_set, write_training_set
-from hf_mars.tools.eval_sets import humaneval
-from hf_mars.tools.evals import (
+from hf_mars.tools.data.distillation import distill, write_reference_set, write_training_set
+from hf_mars.tools.data.sourcing import training_prompts
+from hf_mars.tools.evaluate.eval_sets import humaneval
+from hf_mars.tools.evaluate.evals import (
     format_tau_table,
     gsm8k_correct,
     humaneval_correct,
     tau_table,
 )
-from hf_mars.tools.recipe_settings import DistillSettings, Recipe
-from hf_mars.tools.sourcing import training_prompts
+from hf_mars.tools.recipe import steps as recipe
+from hf_mars.tools.recipe.settings import DistillSettings, Recipe
 from hf_mars.training.trainer import MARSTrainer
 
 
@@ -84,7 +84,7 @@ def test_scoring():
 
 def test_tau_table_on_a_trained_toy(trained_toy):
     model, tok = trained_toy
-    from hf_mars.tools.toy import counting_dataset
+    from hf_mars.tools.checkpoints.toy import counting_dataset
 
     rows = [
         {"prompt": ex["messages"][0]["content"], "task": "gsm8k", "answer": ex["messages"][1]["content"].split()[-1]}
@@ -141,7 +141,7 @@ def test_recipe_runs_every_stage_then_skips_what_is_done(toy_base, tmp_path, cap
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from hf_mars.tools.loading import load_checkpoint
+    from hf_mars.tools.checkpoints.loading import load_checkpoint
 
     out = tmp_path / "run"
     recipe_cli(toy_base, out)

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
 from hf_mars.decoding import REMOTE_DIR, REMOTE_FILES
-from hf_mars.tools import shipped
+from hf_mars.tools.checkpoints import shipped
 
 
 @pytest.fixture(scope="module")

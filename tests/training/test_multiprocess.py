@@ -16,7 +16,7 @@ from helpers import make_model, make_tokenizer, run_launched, toy_prompts
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_mars
-from hf_mars.tools.toy import counting_dataset
+from hf_mars.tools.checkpoints.toy import counting_dataset
 from hf_mars.training.train import check_processes
 
 ROOT = Path(__file__).resolve().parents[2]

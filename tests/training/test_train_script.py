@@ -14,7 +14,7 @@ import torch
 from helpers import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
-from hf_mars.tools.toy import counting_dataset
+from hf_mars.tools.checkpoints.toy import counting_dataset
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mars.py"  # a thin wrapper of hf_mars.train
 

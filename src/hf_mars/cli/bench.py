@@ -76,12 +76,17 @@ def _add_other_benches(bench) -> None:
     )
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="with --serve (default: 1 4 16)")
     bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
+    bench.add_argument(
+        "--url",
+        help="with --serve: drive this already running OpenAI-compatible server (e.g. `transformers serve "
+        "--continuous-batching` on a plain copy of the checkpoint) instead, with plain requests",
+    )
 
 
 def run_host_bound(args) -> None:
     import torch
 
-    from ..tools.hostbound import (
+    from ..tools.measure.hostbound import (
         format_host_ops,
         format_pass_costs,
         forward_costs,
@@ -112,20 +117,28 @@ def run_host_bound(args) -> None:
 def run_serve(args) -> None:
     import json
 
-    from ..tools.loading import resolve_checkpoint
-    from ..tools.serve_bench import run_serve_bench, serve_table, start_server
+    from openai import OpenAI
 
-    if args.dtype == "auto":
-        raise SystemExit("--serve runs the server in one dtype: pass --dtype float32 or bfloat16.")
-    model = args.model or resolve_checkpoint(None)
-    url, server = start_server(model, args.dtype, args.device or "auto", args.max_batch_size)
-    try:
-        rows = run_serve_bench(url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats)
-    finally:
-        server.should_exit = True
-    print(
-        f"\nhf-mars serve on {_cpu_or_gpu(args)}, {args.dtype}, max batch {args.max_batch_size}, streaming clients:\n"
-    )
+    from ..tools.checkpoints.loading import resolve_checkpoint
+    from ..tools.measure.serve_bench import run_serve_bench, serve_table, start_server
+
+    if args.url:  # another OpenAI-compatible server, already running: plain requests only
+        model = args.model or OpenAI(base_url=args.url, api_key="-").models.list().data[0].id
+        rows = run_serve_bench(
+            args.url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats, modes={"plain": {}}
+        )
+        served = f"the server at {args.url}"
+    else:
+        if args.dtype == "auto":
+            raise SystemExit("--serve runs the server in one dtype: pass --dtype float32 or bfloat16.")
+        model = args.model or resolve_checkpoint(None)
+        url, server = start_server(model, args.dtype, args.device or "auto", args.max_batch_size)
+        try:
+            rows = run_serve_bench(url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats)
+        finally:
+            server.should_exit = True
+        served = f"hf-mars serve on {_cpu_or_gpu(args)}, {args.dtype}, max batch {args.max_batch_size}"
+    print(f"\n{served}, streaming clients:\n")
     print(serve_table(rows))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -142,9 +155,9 @@ def _cpu_or_gpu(args) -> str:
 
 
 def run(args) -> None:
-    from ..tools.bench import format_table, run_benchmark
-    from ..tools.calibrate import measure_mask_cost
-    from ..tools.evals import load_prompts
+    from ..tools.evaluate.evals import load_prompts
+    from ..tools.measure.bench import format_table, run_benchmark
+    from ..tools.measure.calibrate import measure_mask_cost
 
     if args.host_bound:
         return run_host_bound(args)
@@ -195,7 +208,7 @@ def run(args) -> None:
 def load_on_device(args):
     """The checkpoint of `bench`/`tune`, moved to `--device` if given: `(model, tokenizer)`. `--dtype auto` loads it
     in float32, then keeps the dtype `choose_dtype` picks, says why, and sets `args.dtype` to it."""
-    from ..tools.loading import load_checkpoint
+    from ..tools.checkpoints.loading import load_checkpoint
 
     auto = args.dtype == "auto"
     model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if auto else args.dtype)
@@ -231,7 +244,7 @@ def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
     """Plain `generate()` in the other dtypes this machine runs (after the main run, same prompts), and every cell
     against the fastest plain decoding by batch size: `{batch size: [dtype, tokens/s]}`."""
     from ..decoding.costs import candidate_dtypes, in_dtype
-    from ..tools.bench import run_benchmark
+    from ..tools.measure.bench import run_benchmark
 
     fastest = {c.batch_size: [args.dtype, c.tokens_per_second] for c in cells if c.method == "ar"}
     for dtype in candidate_dtypes(model):
@@ -276,7 +289,7 @@ def device_name(model) -> str:
 
 
 def _save(cells, out: Path, meta: dict) -> None:
-    from ..tools.bench import save
+    from ..tools.measure.bench import save
 
     out.mkdir(parents=True, exist_ok=True)
     save(cells, out / "bench.json", out / "bench.png", meta=meta)

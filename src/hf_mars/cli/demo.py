@@ -16,6 +16,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..tools.demo import run_demo
+    from ..tools.checkpoints.demo import run_demo
 
     run_demo(steps=args.steps, block_size=args.block_size, output_dir=args.output_dir, tau=args.tau)

@@ -1,7 +1,7 @@
 """`hf-mars distill` (recipe step 1): the base model answers the training prompts itself, greedily.
 
 The first two stages of `hf-mars recipe` (the prompt mix, self-distillation) with the CPU recipe's defaults
-(`hf_mars.tools.recipe_settings.DistillSettings`, read by TRL's parser like the recipe's); the same --output-dir
+(`hf_mars.tools.recipe.settings.DistillSettings`, read by TRL's parser like the recipe's); the same --output-dir
 can be handed to `hf-mars recipe` afterwards, which skips them.
 """
 
@@ -23,11 +23,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..tools.recipe_settings import DistillSettings
+    from ..tools.recipe.settings import DistillSettings
 
     config = parse_settings(DistillSettings, args.argv, "hf-mars distill", DESCRIPTION)  # --help: before torch loads
-    from ..tools import recipe
-    from ..tools.distillation import write_reference_set
+    from ..tools.data.distillation import write_reference_set
+    from ..tools.recipe import steps as recipe
 
     prompts, done = recipe.distill_stages(config, recipe.Budget(config.time_budget))
     if not done:

@@ -1,7 +1,7 @@
 """`hf-mars eval` (recipe step 4): per τ, tokens per forward, the share of answers identical to τ = 1's (and to the
 base model's with `--base`) and GSM8K / HumanEval accuracy, in one table (eval.md, eval.json) and a plot (eval.png).
 `--frontier`: the same for every decoding rule (τ-mode, lossless trees, typical acceptance, sampled), in
-frontier.md, frontier.json and frontier.png, resumable (`tools/frontier.py`)."""
+frontier.md, frontier.json and frontier.png, resumable (`tools/evaluate/frontier.py`)."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> None:
     import torch
 
-    from ..tools.evals import evaluate_and_write
-    from ..tools.loading import load_checkpoint
+    from ..tools.checkpoints.loading import load_checkpoint
+    from ..tools.evaluate.evals import evaluate_and_write
 
     model, tokenizer = load_checkpoint(args.model, None, args.dtype)
     base = _base_model(args.dtype) if args.base else None
@@ -113,7 +113,7 @@ def _base_model(dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..tools.shipped import base_checkpoint
+    from ..tools.checkpoints.shipped import base_checkpoint
 
     return AutoModelForCausalLM.from_pretrained(base_checkpoint(), dtype=getattr(torch, dtype)).eval()
 
@@ -121,8 +121,8 @@ def _base_model(dtype: str):
 def _frontier(model, tokenizer, args) -> list:
     import torch
 
-    from ..tools.evals import eval_prompts
-    from ..tools.frontier import (
+    from ..tools.evaluate.evals import eval_prompts
+    from ..tools.evaluate.frontier import (
         earlier_rows,
         format_frontier,
         frontier_settings,

@@ -14,7 +14,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..tools.shipped import DELTA_DIR, export_delta
+    from ..tools.checkpoints.shipped import DELTA_DIR, export_delta
 
     dst = export_delta(args.trained, args.output or DELTA_DIR)
     size = sum(f.stat().st_size for f in dst.iterdir()) / 2**20

@@ -83,7 +83,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..tools.loading import load_checkpoint
+    from ..tools.checkpoints.loading import load_checkpoint
 
     by_default = args.tau is None and not args.lossless
     args.lossless = args.lossless or by_default

@@ -1,7 +1,7 @@
 """`hf-mars recipe`: the whole recipe in one command, sized for one GPU (prompts, self-distillation, MARS training,
 export, evaluation), each stage skipped when its result is already in --output-dir.
 
-The options are the fields of `hf_mars.tools.recipe_settings.Recipe`, read by TRL's `TrlParser` in `run` (so a YAML
+The options are the fields of `hf_mars.tools.recipe.settings.Recipe`, read by TRL's `TrlParser` in `run` (so a YAML
 `--config` works, and `--help` lists every default): argparse only names the command and hands the rest over.
 """
 
@@ -39,10 +39,10 @@ def parse_settings(settings_class, argv: list[str], prog: str, description: str)
 
 
 def run(args) -> None:
-    from ..tools.recipe_settings import Recipe
+    from ..tools.recipe.settings import Recipe
 
     config = parse_settings(Recipe, args.argv, "hf-mars recipe", DESCRIPTION)  # --help answers before torch loads
-    from ..tools import recipe
+    from ..tools.recipe import steps as recipe
 
     checkpoint = recipe.run(config)
     if checkpoint is None:

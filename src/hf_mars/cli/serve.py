@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from .options import DTYPES, add_model
 
 HELP = "serve a MARS checkpoint over an OpenAI-compatible HTTP API"
@@ -35,7 +37,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> None:
     if args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
-    from ..tools.loading import resolve_checkpoint
+    from ..tools.checkpoints.loading import resolve_checkpoint
 
     model = args.model or resolve_checkpoint(None)
     import uvicorn
@@ -44,6 +46,7 @@ def run(args) -> None:
     from ..serving.server import build_app
 
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
     app, _ = build_app(model, args.dtype, args.device, args.compile, args.max_batch_size)
     print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {model})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tools.trees import TUNE_TREES
+from ..tools.measure.trees import TUNE_TREES
 from .bench import load_on_device
 from .options import DTYPES, add_model, draft_tree
 
@@ -73,8 +73,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> None:
-    from ..tools.evals import load_prompts
-    from ..tools.tuning import acceptance, save_acceptance, save_lossless_preset, tune_lossless
+    from ..tools.evaluate.evals import load_prompts
+    from ..tools.measure.tuning import acceptance, save_acceptance, save_lossless_preset, tune_lossless
 
     if args.auto and not args.save:
         raise SystemExit("--auto says what --save writes: pass both.")
@@ -110,7 +110,7 @@ def run(args) -> None:
 def _report(model, args, n_prompts: int, cells, best: dict, fastest) -> None:
     import torch
 
-    from ..tools.bench import format_table
+    from ..tools.measure.bench import format_table
 
     device = model.device.type if model.device.type != "cpu" else f"cpu, {torch.get_num_threads()} threads"
     print(f"\nLossless draft trees on {device}, {args.dtype}, batch {args.batch_size}, {n_prompts} prompts:\n")
@@ -125,7 +125,7 @@ def _report(model, args, n_prompts: int, cells, best: dict, fastest) -> None:
 
 
 def _shipped() -> Path:
-    from ..tools.shipped import default_checkpoint
+    from ..tools.checkpoints.shipped import default_checkpoint
 
     return default_checkpoint()
 
@@ -134,7 +134,7 @@ def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
     """What `mars_lossless="auto"` would pick here from the measured tokens per forward and this machine's pass
     costs, each tree's predicted speed-up beside the one just measured: the cost model checked against the clock."""
     from ..decoding.costs import choose_tree, parse_tree, pass_costs, pass_width, tree_key
-    from ..tools.trees import tree_name
+    from ..tools.measure.trees import tree_name
 
     costs = pass_costs(
         model, args.batch_size, [pass_width(*parse_tree(name)) for name in measured], args.refresh_costs
@@ -162,7 +162,7 @@ def _propose(model, tokenizer, prompts, args) -> None:
     favours at each pass width up to the widest of --trees (expected tokens per forward, lookup aside), to time next
     with --trees."""
     from ..decoding.costs import pass_width, tree_key
-    from ..tools.tuning import chain_accuracy, depth_accuracy, depth_ranks, propose_trees
+    from ..tools.measure.tuning import chain_accuracy, depth_accuracy, depth_ranks, propose_trees
 
     ranks = depth_ranks(model, tokenizer, prompts, args.max_new_tokens)
     if not len(ranks):

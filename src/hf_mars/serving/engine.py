@@ -185,7 +185,7 @@ class MARSEngine(BaseGenerateManager):
             try:
                 self._admit()
             except Exception:  # noqa: BLE001 - a bug here must not stop the server; the rows it hit are answered
-                logger.exception("hf-mars serve: admitting requests failed")
+                logger.exception("admitting requests failed")
             if self.session is not None:
                 self._step()
 
@@ -279,9 +279,7 @@ class MARSEngine(BaseGenerateManager):
         try:
             session.step(self.model)
         except Exception as error:  # noqa: BLE001 - the rows are answered with it; the server goes on
-            logger.exception(
-                "hf-mars serve: a pass failed; its %d rows are answered with the error", len(session.labels)
-            )
+            logger.exception("a pass failed; its %d rows are answered with the error", len(session.labels))
             for request in session.labels:
                 self._finish(request, error)
             self.session = None
@@ -328,12 +326,12 @@ def measure_in_background(model, max_batch_size: int) -> threading.Thread:
         started, size = time.monotonic(), 1
         while True:
             batch = min(size, max_batch_size)
-            logger.info("hf-mars serve: pass costs at batch %d ...", batch)
+            logger.info("pass costs at batch %d: measuring in the background (plain decoding there until then)", batch)
             model.mars_settings(batch_size=batch, mars_verify=True)
             if size >= max_batch_size:
                 break
             size *= 2
-        logger.info("hf-mars serve: pass costs ready (%.0f s)", time.monotonic() - started)
+        logger.info("pass costs ready up to batch %d (%.0f s)", max_batch_size, time.monotonic() - started)
 
     thread = threading.Thread(target=measure, name="mars-costs", daemon=True)
     thread.start()

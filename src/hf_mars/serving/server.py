@@ -29,7 +29,7 @@ from transformers.cli.serving.utils import GenerationState, split_revision
 
 from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
-from ..tools.loading import check_mars_config
+from ..tools.checkpoints.loading import check_mars_config
 from .engine import MARSEngine, measure_in_background
 
 try:  # the serving extra: FastAPI and the OpenAI types

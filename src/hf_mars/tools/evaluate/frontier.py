@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..decoding.costs import pass_width, tree_key
+from ...decoding.costs import pass_width, tree_key
+from ..measure.plots import figure, save_figure
+from ..measure.tables import markdown_table
 from .evals import TASK_NAMES, decode_rows, same_share, score
-from .plots import figure, save_figure
-from .tables import markdown_table
 
 RULES = ("τ-mode", "lossless", "typical")
 

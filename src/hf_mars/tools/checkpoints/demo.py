@@ -15,8 +15,8 @@ import torch
 from datasets import Dataset
 from transformers import GenerationMixin
 
-from ..convert import to_mars
-from ..training.trainer import MARSConfig, MARSTrainer
+from ...convert import to_mars
+from ...training.trainer import MARSConfig, MARSTrainer
 from .toy import counting_dataset, toy_model, toy_tokenizer
 
 TAUS = (1.0, 0.95, 0.9, 0.8, 0.7)

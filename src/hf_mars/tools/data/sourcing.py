@@ -36,8 +36,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..evaluate.eval_sets import olmo_task
 from .decontamination import NGRAM, eval_texts, overlap
-from .eval_sets import olmo_task
 
 GYM_HINT = 'pip install "reasoning-gym>=0.1.25" (or pip install -e ".[recipe]")'
 GYM_TASKS = (

@@ -37,13 +37,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ..training import train as training
-from .distillation import distill, write_training_set
-from .evals import evaluate_and_write
-from .loading import load_checkpoint
-from .recipe_settings import DONE, NOT_STARTED, STOPPED, DataSettings, DistillSettings, Recipe
-from .shipped import base_checkpoint, build_checkpoint, export_delta, merge_delta, save_checkpoint
-from .sourcing import build_prompt_mix
+from ...training import train as training
+from ..checkpoints.loading import load_checkpoint
+from ..checkpoints.shipped import base_checkpoint, build_checkpoint, export_delta, merge_delta, save_checkpoint
+from ..data.distillation import distill, write_training_set
+from ..data.sourcing import build_prompt_mix
+from ..evaluate.evals import evaluate_and_write
+from .settings import DONE, NOT_STARTED, STOPPED, DataSettings, DistillSettings, Recipe
 
 __all__ = ["Budget", "DataSettings", "DistillSettings", "Recipe", "run"]
 

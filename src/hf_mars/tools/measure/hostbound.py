@@ -19,15 +19,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
 
-from ..convert import to_mars
-from ..decoding import graph
-from ..decoding.cache import MARSCache
-from ..decoding.compat import CACHE_ARG
-from ..decoding.tree import NO_DRAFTS, tree_attention
+from ...convert import to_mars
+from ...decoding import graph
+from ...decoding.cache import MARSCache
+from ...decoding.compat import CACHE_ARG
+from ...decoding.tree import NO_DRAFTS, tree_attention
+from ..checkpoints.toy import toy_tokenizer
 from .calibrate import auto_mask_cost
 from .decode import static_compiled
 from .tables import markdown_table
-from .toy import toy_tokenizer
 
 # What each mode is run with (eos_token_id=None: every row decodes max_new_tokens, so all modes do the same work)
 MODES = {

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from ..serving.server import build_app
+from ...serving.server import build_app
 from .tables import markdown_table
 
 # Requests of no evaluation set and not used to tune anything: a mix of code, arithmetic and prose

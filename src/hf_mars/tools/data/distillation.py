@@ -20,8 +20,8 @@ from accelerate import PartialState
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from .decode import eos_token_ids
-from .loading import chat_text
+from ..checkpoints.loading import chat_text
+from ..measure.decode import eos_token_ids
 
 
 def distill(

@@ -16,10 +16,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, GenerationMixin
 
-from ..decoding.compat import supports_logits_to_keep
-from ..decoding.costs import check_acceptance, pass_width, tree_key
-from ..decoding.generate import mars_settings
-from ..decoding.tree import canonical_candidates
+from ...decoding.compat import supports_logits_to_keep
+from ...decoding.costs import check_acceptance, pass_width, tree_key
+from ...decoding.generate import mars_settings
+from ...decoding.tree import canonical_candidates
 from .bench import Cell, run_benchmark
 from .trees import TUNE_TREES, tree_name
 

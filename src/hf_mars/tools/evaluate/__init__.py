@@ -1,0 +1,2 @@
+"""Evaluation: the held-out sets (`eval_sets`), scoring answers (`evals`) and the quality-speed frontier
+(`frontier`)."""
