@@ -20,17 +20,17 @@ from collections import defaultdict
 import torch
 
 from hf_mars.decoding import cache as cache_module
-from hf_mars.decoding import generate as generation
+from hf_mars.decoding import session as passes
 from hf_mars.tools.checkpoints.loading import load_checkpoint
 from hf_mars.tools.evaluate.evals import load_prompts
 
-# The phases of the decoding loop (see `hf_mars.decoding.generate.mars_decode`), timed apart from the model's forward
+# The phases of a decoding pass (see `hf_mars.decoding.session.Session.step`), timed apart from the model's forward
 GROUPS = {
-    "inputs (masks, positions)": [(cache_module.MARSCache, "step_inputs"), (generation, "tree_attention")],
-    "accept (choice, verification)": [(generation, "_accept")],
-    "commit (write, stop, stream)": [(generation, "_commit")],
-    "propose (next inputs, drafts)": [(generation, "_next_inputs")],
-    "retire (rows leave, compact)": [(generation, "_retire")],
+    "inputs (masks, positions)": [(cache_module.MARSCache, "step_inputs"), (passes, "tree_attention")],
+    "accept (choice, verification)": [(passes, "_accept")],
+    "commit (write, stop, stream)": [(passes, "_commit")],
+    "propose (next inputs, drafts)": [(passes, "_next_inputs")],
+    "retire (rows leave, compact)": [(passes, "_retire")],
 }
 
 

@@ -137,21 +137,13 @@ def run_serve(args) -> None:
             rows = run_serve_bench(url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats)
         finally:
             server.should_exit = True
-        served = f"hf-mars serve on {_cpu_or_gpu(args)}, {args.dtype}, max batch {args.max_batch_size}"
+        served = f"hf-mars serve on {device_name(args.device)}, {args.dtype}, max batch {args.max_batch_size}"
     print(f"\n{served}, streaming clients:\n")
     print(serve_table(rows))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_bench.json").write_text(json.dumps({"model": model, "dtype": args.dtype, "rows": rows}, indent=1))
     print(f"\nWrote {out / 'serve_bench.json'}")
-
-
-def _cpu_or_gpu(args) -> str:
-    import torch
-
-    if (args.device or "").startswith("cuda") or (not args.device and torch.cuda.is_available()):
-        return f"cuda ({torch.cuda.get_device_name()})"
-    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 def run(args) -> None:
@@ -279,13 +271,16 @@ def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
     return fastest
 
 
-def device_name(model) -> str:
-    """ "cuda (<GPU name>)" or "cpu (<N> threads)": what a timing was taken on."""
+def device_name(where) -> str:
+    """ "cuda (<GPU name>)" or "cpu (<N> threads)": what a timing was taken on (`where`: a model, a device, or a
+    device name; None: where accelerate would place a model)."""
     import torch
 
-    if model.device.type == "cuda":
+    device = getattr(where, "device", where)
+    kind = torch.device(device).type if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
         return f"cuda ({torch.cuda.get_device_name()})"
-    return f"{model.device.type} ({torch.get_num_threads()} threads)"
+    return f"{kind} ({torch.get_num_threads()} threads)"
 
 
 def _save(cells, out: Path, meta: dict) -> None:

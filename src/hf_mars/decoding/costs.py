@@ -297,10 +297,10 @@ def measure_compiled_passes(model, batch_size: int, trees, compile_config=None, 
             lossless.update(zip(("mars_block_size", "mars_draft_candidates", "mars_lookup"), tree))
             call = functools.partial(model.generate, ids, generation_config=config, **lossless)
         call(attention_mask=real)  # compiles
-        _sync(model)
+        sync(model)
         start = time.perf_counter()
         out = call(attention_mask=real)
-        _sync(model)
+        sync(model)
         passes = out.mars_stats.forward_passes if tree is not None else new_tokens
         seconds[1 if tree is None else pass_width(*tree)] = (time.perf_counter() - start) / passes
     return seconds
@@ -376,7 +376,7 @@ def measure_pass_costs(
     def timed(width: int) -> float:
         mask = real[:, : context + width] if batch_size > 1 else None
         extra = {"logits_to_keep": width} if keep else {}
-        _sync(model)
+        sync(model)
         start = time.perf_counter()
         model(
             input_ids=ids[:, context : context + width],
@@ -385,7 +385,7 @@ def measure_pass_costs(
             use_cache=True,
             **extra,
         )
-        _sync(model)
+        sync(model)
         seconds = time.perf_counter() - start
         cache.crop(-width)
         return seconds
@@ -417,7 +417,7 @@ def measure_prefill(model, batch_size: int, context: int = PREFILL_TOKENS, repea
     keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
     best = float("inf")
     for _ in range(repeats):
-        _sync(model)
+        sync(model)
         start = time.perf_counter()
         model(
             input_ids=ids,
@@ -426,7 +426,7 @@ def measure_prefill(model, batch_size: int, context: int = PREFILL_TOKENS, repea
             **{CACHE_ARG: DynamicCache(config=model.config)},
             **keep,
         )
-        _sync(model)
+        sync(model)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -443,7 +443,7 @@ def measure_overheads(model, batch_size: int, forward: dict[int, float], context
 
     def steps(plain: bool, new_tokens: int) -> tuple[float, int]:
         config.max_new_tokens, config.return_dict_in_generate = new_tokens, not plain
-        _sync(model)
+        sync(model)
         start = time.perf_counter()
         if plain:
             count = GenerationMixin.generate(model, ids, generation_config=config, attention_mask=real).shape[1]
@@ -451,7 +451,7 @@ def measure_overheads(model, batch_size: int, forward: dict[int, float], context
         else:
             out = model.generate(ids, generation_config=config, attention_mask=real, mars_mask_cost=0.0, **tree)
             count = out.mars_stats.forward_passes
-        _sync(model)
+        sync(model)
         return time.perf_counter() - start, count
 
     # The fastest of the rounds at each length: a pause of the machine lengthens a run, never shortens it
@@ -483,7 +483,8 @@ def _random_batch(model, batch_size: int, length: int, context: int) -> tuple[to
     return ids, real
 
 
-def _sync(model) -> None:
+def sync(model) -> None:
+    """Wait for the model's device to finish its work (a GPU runs ahead of the host), before a clock is read."""
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
 

@@ -25,8 +25,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import GenerationMixin
 
+from ...decoding.costs import sync
 from .calibrate import auto_mask_cost, measure_mask_cost
-from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars, static_compiled, sync
+from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars, static_compiled
 from .plots import save_figure, tau_figure
 from .trees import tree_name
 

@@ -54,11 +54,6 @@ def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, cand
     return out.sequences, int(out.mars_stats.passes_per_row.sum())
 
 
-def sync(model):
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def eos_token_ids(model, tokenizer) -> list[int]:
     ids = model.generation_config.eos_token_id
     return [ids] if isinstance(ids, int) else list(ids or [tokenizer.eos_token_id])
