@@ -131,7 +131,15 @@ class MARSGenerationMixin(GenerationMixin):
         return super().generate(inputs, config, logits_processor, criteria, custom_generate=decode, **kwargs)
 
     def mars_session(
-        self, input_ids: torch.Tensor, generation_config=None, *, labels=None, budgets=None, measure=True, **kwargs
+        self,
+        input_ids: torch.Tensor,
+        generation_config=None,
+        *,
+        labels=None,
+        budgets=None,
+        max_rows: int | None = None,
+        measure: bool = True,
+        **kwargs,
     ) -> Session:
         """A MARS decoding session over these rows, prepared exactly as `generate()` prepares its batch (the same
         settings, checks, logits processors and cache), before its first pass. `Session.step` runs a pass,
@@ -145,6 +153,8 @@ class MARSGenerationMixin(GenerationMixin):
             labels: one per row, what `rows()` and `release()` name it by (default: 0, 1, ...).
             budgets: each row's most new tokens (default: the config's `max_new_tokens` for every row; a row's is
                 at most that).
+            max_rows: the most rows the session will hold, rows that join it later included (default: these):
+                settings that depend on the batch size (`"auto"` trees and mask costs) are chosen for it.
             measure: whether pass costs that `"auto"` settings need may be timed now (see `resolve_settings`).
 
         Stopping beyond EOS and each row's budget (stop strings, criteria, a client that leaves) is the caller's: it
@@ -157,7 +167,8 @@ class MARSGenerationMixin(GenerationMixin):
                 raise ValueError(f"A MARS session does not take `{name}`: its caller stops rows (`Session.release`).")
         mars_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("mars_")}
         call = {name: kwargs[name] for name in CALL_KEYS if name in kwargs}
-        settings = resolve_settings(self, generation_config, input_ids.shape[0], call, measure, **mars_kwargs)
+        rows = max(max_rows or 0, input_ids.shape[0])
+        settings = resolve_settings(self, generation_config, rows, call, measure, **mars_kwargs)
         if settings is None:
             settings = resolve_settings(self, generation_config, 1, call, measure, mars_tau=1.0)
         elif settings.plain:

@@ -250,8 +250,10 @@ class MARSEngine(BaseGenerateManager):
         return session
 
     def _session(self, group: list[Request]) -> Session:
-        """`model.mars_session` over the group, left-padded, each row with its own budget; settings resolved from
-        cached pass costs only (a cost not measured yet means plain decoding: `serve` measures in the background)."""
+        """`model.mars_session` over the group, left-padded, each row with its own budget. Its settings are those of
+        `max_batch_size` rows, since rows join it up to that (a tree that pays for a few rows can cost far more than
+        it brings for many), resolved from cached pass costs only (a cost not measured yet means plain decoding:
+        `serve` measures in the background)."""
         width = max(len(r.input_ids) for r in group)
         ids = torch.full((len(group), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -269,6 +271,7 @@ class MARSEngine(BaseGenerateManager):
             generation_config=config,
             labels=group,
             budgets=[r.max_new_tokens for r in group],
+            max_rows=self.max_batch_size,  # rows join it up to that: its tree must pay there
             measure=False,
             **settings,
         )
@@ -318,20 +321,15 @@ class MARSEngine(BaseGenerateManager):
 
 
 def measure_in_background(model, max_batch_size: int) -> threading.Thread:
-    """Resolve lossless mode's tree at every batch size a session may reach (1, 2, 4, ... up to `max_batch_size`)
-    in a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
-    them, while the server already answers (those requests decode plainly until their batch size is measured)."""
+    """Resolve lossless mode's tree for `max_batch_size` rows, the size every session's settings are chosen for, in
+    a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
+    them, while the server already answers (its lossless requests decode plainly until then)."""
 
     def measure() -> None:
-        started, size = time.monotonic(), 1
-        while True:
-            batch = min(size, max_batch_size)
-            logger.info("pass costs at batch %d: measuring in the background (plain decoding there until then)", batch)
-            model.mars_settings(batch_size=batch, mars_verify=True)
-            if size >= max_batch_size:
-                break
-            size *= 2
-        logger.info("pass costs ready up to batch %d (%.0f s)", max_batch_size, time.monotonic() - started)
+        started = time.monotonic()
+        logger.info("pass costs at batch %d: measuring in the background (plain decoding until then)", max_batch_size)
+        model.mars_settings(batch_size=max_batch_size, mars_verify=True)
+        logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 
     thread = threading.Thread(target=measure, name="mars-costs", daemon=True)
     thread.start()
