@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -43,6 +44,14 @@ def test_remote_files_name_every_decoding_module():
     """`REMOTE_FILES` is the one list of what ships in a checkpoint: every module of hf_mars/decoding, no other."""
     modules = {p.name for p in REMOTE_DIR.glob("*.py")} - {"__init__.py"}
     assert set(REMOTE_FILES) == modules
+
+
+def test_the_model_class_file_imports_every_sibling_by_name():
+    """transformers before 5.10 copies into its modules cache only what the class's own file imports, not what those
+    import in turn: a sibling that `modeling.py` does not name is missing when such a release loads a checkpoint."""
+    text = (REMOTE_DIR / "modeling.py").read_text()
+    imported = set(re.findall(r"^from \.(\w+) import", text, flags=re.MULTILINE))
+    assert imported == {name.removesuffix(".py") for name in REMOTE_FILES} - {"modeling"}
 
 
 def test_saved_folder_holds_the_very_decoding_modules(tmp_path):

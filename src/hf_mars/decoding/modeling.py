@@ -21,6 +21,7 @@ from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
 from .graph import GraphPass
 from .schedule import MaskSchedule
 from .scoring import STATELESS
+from .session import Session
 from .settings import MARSSettings, TauController
 from .stopping import Stopping
 from .tree import DraftTree
@@ -38,6 +39,7 @@ __all__ = [
     "MARSStats",
     "MaskSchedule",
     "STATELESS",
+    "Session",
     "StaticMARSCache",
     "Stopping",
     "choose_tree",
