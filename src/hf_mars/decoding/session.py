@@ -170,10 +170,10 @@ class Session:
         _retire(self)
 
     def rows(self) -> list[tuple[object, list[int], bool, int]]:
-        """Every row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: one read
-        from the device for the whole batch."""
+        """Every row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: two reads
+        from the device for the whole batch (the counts, then the tokens they reach)."""
         text, start = self.text, self.text.prompt_length
-        decoded, active, passes = (t.tolist() for t in (text.decoded, text.active, text.passes))
+        decoded, active, passes = torch.stack([text.decoded, text.active.long(), text.passes]).tolist()
         new = text.sequences[:, start : start + max(decoded, default=0)].tolist()
         return [(label, new[i][: decoded[i]], not active[i], passes[i]) for i, label in enumerate(self.labels)]
 
