@@ -10,7 +10,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from .decoding.modeling import MASK_TOKEN, mars_class
+from .decoding.modeling import MASK_TOKEN, mars_class, set_mask_token
 from .decoding.settings import CONFIDENCE_MEASURES, check_tau
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,9 @@ def to_mars(
         confidence: default confidence measure ("probability", "entropy" or "margin").
 
     Returns the same model object, now an instance of `MARS<Base>` (e.g. `MARSQwen2ForCausalLM`). Untrained, its
-    masks predict nothing useful: fine-tune it with `MARSTrainer`, or load a MARS checkpoint.
+    masks predict nothing useful: fine-tune it with `MARSTrainer`, or load a MARS checkpoint. Saved, its config
+    names the base class in `architectures` and `<|mask|>` as `mask_token_id` too, so vLLM serves it as the base
+    model and drafts with it in parallel (docs/serving.md).
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -76,7 +78,7 @@ def to_mars(
         raise ValueError(f"Pass the tokenizer: to_mars adds the {MASK_TOKEN} token to it.")
 
     model.config.mars_block_size = block_size
-    model.config.mars_mask_token_id = mask_id
+    set_mask_token(model.config, mask_id)
     gen = model.generation_config
     gen.mars_block_size, gen.mars_confidence = block_size, confidence
     if tau is not None:

@@ -334,7 +334,8 @@ def push_to_hub(
         card_template: a Jinja markdown template instead of the package's `templates/model_card.md`.
         commit_message: defaults to "Upload MARS checkpoint".
 
-    Uploaded: `*.safetensors` (+ index), config.json, generation_config.json, the remote code
+    Uploaded: `*.safetensors` (+ index), config.json (as engines read it: `portable_model_config`),
+    generation_config.json, the remote code
     (`decoding.REMOTE_FILES`),
     tokenizer files (`tokenizer_config.json` as transformers 4 reads it too: `portable_tokenizer_config`), and
     README.md (the card). Skipped, and listed in the result: pickles (`.bin`, `.pt`, ...), a
@@ -370,12 +371,31 @@ def _checkpoint_commit(
         if "pickle" in why:
             logger.warning("Not uploading %s: %s.", path, why)
     card_bytes = str(card).encode()
-    portable = {"tokenizer_config.json": portable_tokenizer_config(folder / "tokenizer_config.json")}
+    portable = {
+        "config.json": portable_model_config(folder / "config.json"),
+        "tokenizer_config.json": portable_tokenizer_config(folder / "tokenizer_config.json"),
+    }
     operations = [CommitOperationAdd(path, portable.get(path) or str(folder / path)) for path in upload]
     operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card_bytes))
     sizes = [(path, len(portable[path]) if portable.get(path) else (folder / path).stat().st_size) for path in upload]
     sizes.append(("README.md", len(card_bytes)))
     return operations, sizes, skipped
+
+
+def portable_model_config(path: Path) -> bytes | None:
+    """`config.json` as serving engines read it, or None when it already is (every folder this hf_mars saves).
+
+    A folder saved by an older hf_mars names `MARS<Base>` in `architectures`, which vLLM and
+    SGLang do not know, and has no `mask_token_id`, which vLLM's parallel drafting reads: both are written here.
+    """
+    config = json.loads(path.read_text())
+    names = config.get("architectures") or []
+    changed = {}
+    if any(name.startswith("MARS") for name in names):
+        changed["architectures"] = [name.removeprefix("MARS") for name in names]
+    if config.get("mask_token_id") is None and config.get("mars_mask_token_id") is not None:
+        changed["mask_token_id"] = config["mars_mask_token_id"]
+    return (json.dumps(config | changed, indent=2) + "\n").encode() if changed else None
 
 
 def portable_tokenizer_config(path: Path) -> bytes | None:

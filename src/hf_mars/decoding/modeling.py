@@ -2,13 +2,17 @@
 
 `MARSQwen2ForCausalLM`, `MARSLlamaForCausalLM`, ... are built on first use from the transformers class they extend:
 same weights, same forward, one new `generate()` argument. A checkpoint saved by hf_mars keeps its base `model_type`
-and names `modeling.MARS<Base>` in `auto_map`, so it loads as the MARS class with `trust_remote_code=True` and as the
-plain base model without it.
+and `architectures` and names `modeling.MARS<Base>` in `auto_map`, so it loads as the MARS class with
+`trust_remote_code=True`, as the plain base model without it, and on engines that pick their own model code by the
+name in `architectures` (vLLM, SGLang, `transformers serve`).
 
 This file is copied into MARS checkpoints (trust_remote_code): it imports transformers and `generate.py` only.
 """
 
 from __future__ import annotations
+
+import inspect
+import os
 
 import transformers
 
@@ -45,10 +49,39 @@ __all__ = [
     "choose_tree",
     "TauController",
     "mars_class",
+    "set_mask_token",
 ]
 
 MASK_TOKEN = "<|mask|>"
 _classes: dict[str, type] = {}
+
+
+def set_mask_token(config, mask_id: int) -> None:
+    """Name `<|mask|>` in a model config under both keys that read it: `mars_mask_token_id` (hf_mars) and
+    `mask_token_id`, where vLLM's parallel drafting looks for the token it feeds a drafter after the last token."""
+    config.mars_mask_token_id = config.mask_token_id = mask_id
+
+
+class SavedAsBase:
+    """Saves a MARS model under its base class's name.
+
+    transformers writes the saving class's name into `config.architectures`, and serving engines choose their model
+    code by that name: `MARSLlamaForCausalLM` is unknown to vLLM, `LlamaForCausalLM` runs on its own kernels. The
+    MARS class still loads through `auto_map` with `trust_remote_code=True`.
+    """
+
+    _mars_base: type
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        if push_to_hub:  # save here, then let push_to_hub save a copy through this method and upload it
+            saving = set(inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters) - {"kwargs"}
+            self.save_pretrained(save_directory, *args, **{k: v for k, v in kwargs.items() if k in saving})
+            hub = {k: v for k, v in kwargs.items() if k not in saving or k == "token"}
+            repo_id = hub.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
+            return self.push_to_hub(repo_id, **hub)
+        super().save_pretrained(save_directory, *args, **kwargs)
+        self.config.architectures = [self._mars_base.__name__]
+        self.config.save_pretrained(save_directory)
 
 
 def mars_class(base: type) -> type:
@@ -58,7 +91,9 @@ def mars_class(base: type) -> type:
     name = f"MARS{base.__name__}"
     if name not in _classes:
         warn_if_untested()
-        cls = type(name, (MARSGenerationMixin, base), {"__module__": __name__, "__doc__": f"{base.__name__} + MARS."})
+        bases = (SavedAsBase, MARSGenerationMixin, base)
+        names = {"__module__": __name__, "__doc__": f"{base.__name__} + MARS.", "_mars_base": base}
+        cls = type(name, bases, names)
         cls.register_for_auto_class("AutoModelForCausalLM")
         _classes[name] = cls
     return _classes[name]

@@ -30,7 +30,7 @@ from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import is_conversational_from_value, maybe_convert_to_chatml
 
-from ..decoding.modeling import MASK_TOKEN
+from ..decoding.modeling import MASK_TOKEN, set_mask_token
 from .masking import SUPPORTED_ATTENTION, create_two_stream_mask, two_stream_position_ids
 
 
@@ -249,7 +249,7 @@ class MARSTrainer(SFTTrainer):
             raise ValueError("MARS pads examples with EOS, but neither the tokenizer nor the model defines one.")
         # Saved checkpoints then decode with the B and the mask token they were trained with
         base.config.mars_block_size = args.mars_block_size
-        base.config.mars_mask_token_id = self.mask_token_id
+        set_mask_token(base.config, self.mask_token_id)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.mars_block_size = args.mars_block_size
 
