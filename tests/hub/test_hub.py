@@ -362,3 +362,17 @@ def test_cli_push_space(hub, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert hub.repo("me/demo", "space").variables == {"MARS_MODEL": "me/model"}
     assert "Space variable MARS_MODEL=me/model" in result.stdout and "/spaces/me/demo/commit/" in result.stdout
+
+
+def test_a_model_pushed_by_save_pretrained_names_its_base_class_for_serving_engines(hub, tmp_path):
+    """transformers' own `save_pretrained(push_to_hub=True)` uploads what the folder holds: the base class in
+    `architectures` (vLLM serves the checkpoint by it) and the MARS class in `auto_map`."""
+    model, _ = save_checkpoint(tmp_path / "local", extras=False)
+    model.save_pretrained(tmp_path / "direct", push_to_hub=True, repo_id="me/direct", token=TOKEN)
+    for config in (
+        json.loads(hub.repo("me/direct").files()["config.json"]),
+        json.loads((tmp_path / "direct" / "config.json").read_text()),
+    ):
+        assert config["architectures"] == ["Qwen2ForCausalLM"] and config["mask_token_id"] == 259
+        assert config["auto_map"]["AutoModelForCausalLM"] == "modeling.MARSQwen2ForCausalLM"
+    assert set(REMOTE_FILES) <= set(hub.repo("me/direct").files())

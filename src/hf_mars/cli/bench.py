@@ -77,6 +77,14 @@ def _add_other_benches(bench) -> None:
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="with --serve (default: 1 4 16)")
     bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
     bench.add_argument(
+        "--vllm",
+        metavar="PYTHON",
+        help="instead: vLLM (the Python of its environment, where hf_mars is installed too) decoding the checkpoint "
+        "plainly against the checkpoint drafting for itself, K = --draft-tokens, then hf_mars plain and lossless "
+        "on the same prompts (uses --prompts, --limit, --batch-sizes, --max-new-tokens, --repeats, --dtype)",
+    )
+    bench.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 3, 4], help="with --vllm (default: 2 3 4)")
+    bench.add_argument(
         "--url",
         help="with --serve: drive this already running OpenAI-compatible server (e.g. `transformers serve "
         "--continuous-batching` on a plain copy of the checkpoint) instead, with plain requests",
@@ -146,6 +154,48 @@ def run_serve(args) -> None:
     print(f"\nWrote {out / 'serve_bench.json'}")
 
 
+def run_vllm(args) -> None:
+    """vLLM's table, then hf_mars's on the same prompts and batch sizes (one machine, one after the other)."""
+    from ..tools.checkpoints.loading import resolve_checkpoint
+    from ..tools.evaluate.evals import load_prompts
+    from ..tools.measure.bench import format_table, run_benchmark
+    from ..tools.measure.vllm_bench import format_rows, vllm_table
+
+    if args.dtype == "auto":
+        raise SystemExit("--vllm compares one dtype: pass --dtype float32 or bfloat16.")
+    model, tokenizer = load_on_device(args)
+    prompts = load_prompts(args.prompts, tokenizer, limit=args.skip + args.limit)[args.skip :]
+    ids = [tokenizer(row["text"], add_special_tokens=False)["input_ids"] for row in prompts]
+    path = resolve_checkpoint(args.model, args.revision)
+    rows = vllm_table(
+        path,
+        ids,
+        args.vllm,
+        draft_tokens=args.draft_tokens,
+        batch_sizes=args.batch_sizes,
+        max_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        dtype=args.dtype,
+    )
+    cells = run_benchmark(
+        model,
+        tokenizer,
+        prompts,
+        taus=[1.0],
+        batch_sizes=args.batch_sizes,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        prompt_lookup=0,
+        mask_costs=[0.0],
+    )
+    print(f"\n{args.model or 'the shipped checkpoint'}, {args.dtype}, {len(prompts)} prompts, on {device_name(None)}")
+    print("\nvLLM (greedy; K drafts per step from one drafter forward over [last token, masks]):\n")
+    print(format_rows(rows))
+    print("\nhf_mars on the same prompts:\n")
+    print(format_table(cells))
+    _save(cells, Path(args.output), {"model": args.model or "shipped", "dtype": args.dtype, "vllm": rows})
+
+
 def run(args) -> None:
     from ..tools.evaluate.evals import load_prompts
     from ..tools.measure.bench import format_table, run_benchmark
@@ -155,6 +205,8 @@ def run(args) -> None:
         return run_host_bound(args)
     if args.serve:
         return run_serve(args)
+    if args.vllm:
+        return run_vllm(args)
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.skip + args.limit)[args.skip :]
     costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`

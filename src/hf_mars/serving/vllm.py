@@ -172,12 +172,14 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> Run:
 
 
 def _since(before: Acceptance | None, metrics) -> Acceptance | None:
+    """The counters' growth since `before`: None when no step drafted (vLLM's counters are kept per process, so an
+    engine that does not draft reads those of one that did)."""
     after = Acceptance.from_metrics(metrics)
-    if before is None or after is None:
-        return after
-    return Acceptance(
-        after.steps - before.steps,
-        after.draft_tokens - before.draft_tokens,
-        after.accepted_tokens - before.accepted_tokens,
-        [a - b for a, b in zip(after.per_position, before.per_position)],
-    )
+    if after is not None and before is not None:
+        after = Acceptance(
+            after.steps - before.steps,
+            after.draft_tokens - before.draft_tokens,
+            after.accepted_tokens - before.accepted_tokens,
+            [a - b for a, b in zip(after.per_position, before.per_position)],
+        )
+    return after if after is not None and after.steps > 0 else None
