@@ -11,7 +11,11 @@ feeds a pass's mask predictions back as drafts that the next pass verifies (`ver
 test, or verification: which tokens each row takes), `_commit` (write them: K/V into the cache, tokens into the
 text, which the stopping criteria judge; stream them), `_next_inputs` (what the next pass feeds) and `_retire` (rows
 that stopped stop decoding). τ is read before every pass, so it may be a number, a callable, or a `TauController`
-changed while a generation runs. A session's state is three small objects: `Plan` (fixed before the first pass),
+changed while a generation runs. What differs between the modes is behind one seam, `Plan.mode`: `TauMode` and
+`LosslessMode` each say what a pass accepts (`accept`: τ's test, or `verify`'s exact, typical or sampled
+verification), what the cache keeps of it (`commit`) and what the next pass feeds (`propose`: the accepted tokens, or
+the next drafts from the masks and prompt lookup), so the phases hold no mode branch. A session's state is three
+small objects: `Plan` (fixed before the first pass),
 `Text` (every row's text and progress; a row decodes while `active`) and `Feed` (what the next pass feeds).
 
 `generate()` opens a session over its batch and steps it until every row has stopped (`generate.py`). A server keeps
@@ -106,6 +110,11 @@ class Plan:
     window: SlidingWindow | None  # the model's sliding window, whose masks MARS builds (None: no sliding layers)
     compiled: Callable | None  # the compiled forward of passes after the first (a static cache), else None
     streamer: object = None
+
+    @property
+    def mode(self) -> type[TauMode] | type[LosslessMode]:
+        """What accepts a pass's tokens, what the cache keeps of it, and what the next pass feeds."""
+        return LosslessMode if self.settings.verify else TauMode
 
 
 @dataclass
@@ -348,25 +357,11 @@ def _attention_mask(model, run: Session, tree, mask_2d, masks: int, position_ids
 
 
 def _accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens each row takes from this pass: `(tokens, accepted)`, cut at EOS and the length limit (a row no
-    longer active takes none). Tells the mask schedule what its masks were worth."""
-    plan, text, feed, schedule = run.plan, run.text, run.feed, run.schedule
-    rows, tree = feed.rows, feed.drafts.tree
-    if plan.settings.verify:
-        tokens, accepted, step.kept_drafts, step.end = verify(
-            step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample, plan.typical
-        )
-        # The drafts the last pass's masks proposed paid for what of them was kept
-        paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
-        schedule.update(rows, schedule.last[rows], paid, text.passes[rows])
-        schedule.last[rows] = step.offered
-    else:
-        tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
-        accepted = torch.ones_like(tokens[:, 0])  # slot 0 always; then left to right while confident
-        if step.masks:
-            accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
-        schedule.update(rows, step.offered, accepted - 1, text.passes[rows])
-    accepted, ended = cut(tokens, accepted, text.budget[rows] - text.decoded[rows], ~text.active[rows], plan.eos)
+    """The tokens each row takes from this pass: `(tokens, accepted)`, as its mode decides, cut at EOS and the length
+    limit (a row no longer active takes none)."""
+    text, rows = run.text, run.feed.rows
+    tokens, accepted = run.plan.mode.accept(run, step)
+    accepted, ended = cut(tokens, accepted, text.budget[rows] - text.decoded[rows], ~text.active[rows], run.plan.eos)
     text.ended[rows] |= ended
     return tokens, accepted
 
@@ -377,11 +372,7 @@ def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tens
     would; stream them."""
     plan, text, feed = run.plan, run.text, run.feed
     rows, width = feed.rows, tokens.shape[1]
-    if plan.settings.verify:  # the root and the kept drafts are cached; rejected drafts leave holes
-        fed = torch.cat([feed.pending_real, step.kept_drafts], dim=1)
-        run.cache.commit(fed, (len(feed.drafts.tree) + 1) * step.masks)
-    else:
-        run.cache.commit(feed.pending_real, step.masks, feed.dense)
+    plan.mode.commit(run, step)
     slots = torch.arange(width, device=tokens.device)
     positions = (text.prompt_length + text.decoded[rows])[:, None] + slots  # `sequences` has room past the budget
     taken = tokens.masked_fill(slots >= accepted[:, None], plan.pad_token_id)  # pad where nothing was written yet
@@ -407,36 +398,8 @@ def _log(stats: MARSStats, step: Pass, rows: torch.Tensor, accepted: torch.Tenso
 
 
 def _next_inputs(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
-    """What the next pass feeds. τ-mode: this pass's accepted tokens, right-aligned (shorter rows leave holes in the
-    cache). Lossless mode: the last token (kept drafts are cached already) and the next drafts, proposed by the group
-    of masks that followed the last kept draft, which saw the text as it now stands."""
-    plan, feed = run.plan, run.feed
-    if not plan.settings.verify:
-        if tokens.shape[1] == 1:  # no masks were fed: one token each
-            feed.pending, feed.pending_real, feed.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
-            return
-        width, feed.dense = run.cache.pending_width(tokens.shape[1], accepted)
-        feed.pending, feed.pending_real = right_align(tokens, accepted, width, plan.pad_token_id)
-        return
-    feed.dense = None  # unknown: drafts may leave slots empty
-    rows = feed.rows
-    feed.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
-    feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
-    full = run.cache.fixed_shapes  # the tree keeps its whole shape, filled or not
-    drafts = Drafts.none(rows.numel(), rows.device)
-    lengths = run.text.prompt_length + run.text.decoded[rows]
-    if step.masks:
-        if step.histories is not None:
-            step.histories.lengths = lengths  # now including this pass's tokens
-        groups = len(feed.drafts.tree) + 1
-        followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
-        followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
-        sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
-        proposal = (step.histories, step.tau, step.within, plan.settings, sampled, plan.candidates)
-        drafts = propose(followed, *proposal, plan.pad_token_id, full)
-    if plan.lookup:
-        drafts = add_lookup(drafts, run.text.sequences[rows], lengths, plan.lookup, plan.pad_token_id, full)
-    feed.drafts = drafts
+    """What the next pass feeds, as the mode proposes it."""
+    run.plan.mode.propose(run, step, tokens, accepted)
 
 
 def _retire(run: Session) -> None:
@@ -451,3 +414,83 @@ def _retire(run: Session) -> None:
         feed.rows, feed.pending, feed.pending_real = feed.rows[alive], feed.pending[alive], feed.pending_real[alive]
         feed.drafts = feed.drafts.select(alive)
     run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)
+
+
+class TauMode:
+    """τ-mode: a pass's mask predictions are accepted left to right while their confidence is at least τ; there are
+    no drafts, and the next pass feeds what was accepted."""
+
+    @staticmethod
+    def accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot 0 always, then left to right while confident. Tells the mask schedule what its masks were worth."""
+        plan, rows = run.plan, run.feed.rows
+        tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
+        accepted = torch.ones_like(tokens[:, 0])
+        if step.masks:
+            accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
+        run.schedule.update(rows, step.offered, accepted - 1, run.text.passes[rows])
+        return tokens, accepted
+
+    @staticmethod
+    def commit(run: Session, step: Pass) -> None:
+        """The pending tokens' K/V stay; the masks' go."""
+        run.cache.commit(run.feed.pending_real, step.masks, run.feed.dense)
+
+    @staticmethod
+    def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """This pass's accepted tokens, right-aligned (shorter rows leave holes in the cache)."""
+        plan, feed = run.plan, run.feed
+        if tokens.shape[1] == 1:  # no masks were fed: one token each
+            feed.pending, feed.pending_real, feed.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
+            return
+        width, feed.dense = run.cache.pending_width(tokens.shape[1], accepted)
+        feed.pending, feed.pending_real = right_align(tokens, accepted, width, plan.pad_token_id)
+
+
+class LosslessMode:
+    """Lossless mode: a pass verifies the drafts it was fed (exactly, typically, or by sampling: `verify`), and the
+    masks that followed the last kept draft propose the next ones (`propose`, plus prompt lookup's branch)."""
+
+    @staticmethod
+    def accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verified prefix of the drafts. The drafts the last pass's masks proposed paid for what was kept."""
+        plan, feed, schedule = run.plan, run.feed, run.schedule
+        tree, rows = feed.drafts.tree, feed.rows
+        tokens, accepted, step.kept_drafts, step.end = verify(
+            step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample, plan.typical
+        )
+        paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
+        schedule.update(rows, schedule.last[rows], paid, run.text.passes[rows])
+        schedule.last[rows] = step.offered
+        return tokens, accepted
+
+    @staticmethod
+    def commit(run: Session, step: Pass) -> None:
+        """The root and the kept drafts are cached; rejected drafts leave holes, the masks go."""
+        fed = torch.cat([run.feed.pending_real, step.kept_drafts], dim=1)
+        run.cache.commit(fed, (len(run.feed.drafts.tree) + 1) * step.masks)
+
+    @staticmethod
+    def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The last token (kept drafts are cached already) and the next drafts, proposed by the group of masks that
+        followed the last kept draft, which saw the text as it now stands."""
+        plan, feed = run.plan, run.feed
+        feed.dense = None  # unknown: drafts may leave slots empty
+        rows = feed.rows
+        feed.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
+        feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
+        full = run.cache.fixed_shapes  # the tree keeps its whole shape, filled or not
+        drafts = Drafts.none(rows.numel(), rows.device)
+        lengths = run.text.prompt_length + run.text.decoded[rows]
+        if step.masks:
+            if step.histories is not None:
+                step.histories.lengths = lengths  # now including this pass's tokens
+            groups = len(feed.drafts.tree) + 1
+            followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
+            followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
+            sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
+            proposal = (step.histories, step.tau, step.within, plan.settings, sampled, plan.candidates)
+            drafts = propose(followed, *proposal, plan.pad_token_id, full)
+        if plan.lookup:
+            drafts = add_lookup(drafts, run.text.sequences[rows], lengths, plan.lookup, plan.pad_token_id, full)
+        feed.drafts = drafts
