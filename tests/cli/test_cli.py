@@ -146,7 +146,7 @@ def test_bench_measures_the_mask_cost_once_and_uses_it(checkpoint, tmp_path):
         "mars tau=0.5",
         "mars cost=auto tau=0.5",
         "lossless cost=auto tau=0.5",
-        "lossless B=2 n=3 L=4 tau=0.5",
+        "lossless 2x3+4 tau=0.5",
     } <= methods
     assert "mars_mask_cost measured here" in result.stdout
     against = next(line for line in result.stdout.splitlines() if line.startswith("batch 1: plain "))
@@ -172,7 +172,7 @@ def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
         "--save",
     )
     assert result.returncode == 0, result.stderr
-    for name in ("ar", "lossless tau=0.0", "lossless B=2 n=1 tau=0.0", "lossless B=2 n=3 L=4 tau=0.0"):
+    for name in ("ar", "lossless tau=0.0", "lossless 2x1 tau=0.0", "lossless 2x3+4 tau=0.0"):
         assert f"\n{name} " in result.stdout
     assert "mars tau=" not in result.stdout  # τ-mode is not what tune measures
     saved = json.loads((checkpoint / "generation_config.json").read_text())["mars_lossless"]["1"]  # batch 1 and up

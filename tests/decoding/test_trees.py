@@ -12,7 +12,6 @@ import hf_mars
 from hf_mars.decoding.costs import check_acceptance, parse_tree, pass_width, tree_key
 from hf_mars.decoding.settings import MARSSettings
 from hf_mars.decoding.verify import propose
-from hf_mars.tools.measure.trees import tree_name
 from hf_mars.tools.measure.tuning import best_counts, chain_accuracy, depth_accuracy, propose_trees, ranks_along
 
 
@@ -104,7 +103,7 @@ def test_tree_names_cover_per_depth_candidates():
     assert check_acceptance({"4x3,2+4": 2.5}) == {"4x3,2+4": 2.5}
     with pytest.raises(ValueError, match="BxN"):
         check_acceptance({"2x3,2": 2.0})
-    assert tree_name(4, (3, 2), 4) == "B=4 n=3,2 L=4" and tree_name(2, 3, 0) == "B=2 n=3"
+    assert tree_key(4, (3, 2), 4) == "4x3,2+4" and tree_key(2, 3, 0) == "2x3"  # bench names trees so too
 
 
 def test_a_checkpoint_s_acceptance_may_name_per_depth_trees_for_auto(monkeypatch):

@@ -41,7 +41,7 @@ def test_benchmark_cells_and_files(tmp_path):
         "mars cost=auto tau=0.5",
         "lossless cost=auto tau=0.5",
     )
-    for tree in ("B=2 n=3", "B=2 n=2 L=4"):
+    for tree in ("2x3", "2x2+4"):
         names += (
             f"lossless {tree} tau=0.5",
             f"lossless cost=0.2 {tree} tau=0.5",
@@ -54,8 +54,8 @@ def test_benchmark_cells_and_files(tmp_path):
         assert by["mars tau=1.0", b].tokens_per_forward == 1.0 and by["mars tau=1.0", b].agreement == 1.0
         assert by["lossless tau=0.5", b].agreement == 1.0  # lossless mode: same text as AR, whatever the schedule
         assert by["lossless cost=0.2 tau=0.5", b].agreement == by["lossless cost=auto tau=0.5", b].agreement == 1.0
-        assert by["lossless B=2 n=3 tau=0.5", b].agreement == 1.0  # a draft tree: still AR's text
-        assert by["lossless B=2 n=2 L=4 tau=0.5", b].agreement == 1.0  # with a prompt-lookup branch too
+        assert by["lossless 2x3 tau=0.5", b].agreement == 1.0  # a draft tree: still AR's text
+        assert by["lossless 2x2+4 tau=0.5", b].agreement == 1.0  # with a prompt-lookup branch too
         assert by["mars tau=0.5", b].tokens_per_forward > 1.2  # the sharp model accepts several tokens per pass
         cell = by["mars tau=0.5", b]
         assert abs(cell.efficiency - cell.speedup / cell.tokens_per_forward) < 1e-9

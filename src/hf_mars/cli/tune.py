@@ -134,7 +134,6 @@ def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
     """What `mars_lossless="auto"` would pick here from the measured tokens per forward and this machine's pass
     costs, each tree's predicted speed-up beside the one just measured: the cost model checked against the clock."""
     from ..decoding.costs import choose_tree, parse_tree, pass_costs, pass_width, tree_key
-    from ..tools.measure.trees import tree_name
 
     costs = pass_costs(
         model, args.batch_size, [pass_width(*parse_tree(name)) for name in measured], args.refresh_costs
@@ -148,7 +147,7 @@ def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
     print("| tree | pass width | tokens/forward | forward vs 1 token | predicted | measured |")
     print("|---|---|---|---|---|---|")
     for name, tokens in measured.items():
-        tree, cell = parse_tree(name), by_method[f"lossless {tree_name(*parse_tree(name))} tau={args.taus[0]}"]
+        tree, cell = parse_tree(name), by_method[f"lossless {tree_key(*parse_tree(name))} tau={args.taus[0]}"]
         width, predicted = pass_width(*tree), costs.tree_rate(tree, tokens) / costs.plain_rate()
         ratio = costs.forward[width] / costs.forward[1]
         print(f"| {name} | {width} | {tokens:.2f} | {ratio:.2f}x | {predicted:.2f}x | {cell.speedup:.2f}x |")

@@ -25,11 +25,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import GenerationMixin
 
-from ...decoding.costs import sync
+from ...decoding.costs import sync, tree_key
 from .calibrate import auto_mask_cost, measure_mask_cost
 from .decode import count_new_tokens, eos_token_ids, generate_ar, generate_mars, static_compiled
 from .plots import save_figure, tau_figure
-from .trees import tree_name
 
 
 @dataclass
@@ -113,9 +112,9 @@ def methods(
     `run_benchmark` sets to `measure_mask_cost` at each batch size. `row_passes` sums, over rows, the forward passes
     each row took part in until it finished: tokens per forward is generated tokens / row_passes (1.0 for AR by
     definition, where it is None; MARS reports it in `mars_stats`). Each `(B, n, L)` of `trees` adds lossless methods
-    "lossless B=2 n=3 L=4 tau=0.0" with `mars_block_size=B, mars_draft_candidates=n, mars_lookup=L` (no "L=" when
-    L is 0). `tau_mode=False` leaves out the "mars" (τ-mode) methods. `extra`: more `generate()` kwargs for plain
-    decoding and MARS (e.g. `static_compiled`'s), not for prompt lookup.
+    named by `costs.tree_key`, "lossless 2x3+4 tau=0.0", with `mars_block_size=B, mars_draft_candidates=n,
+    mars_lookup=L`. `tau_mode=False` leaves out the "mars" (τ-mode) methods. `extra`: more `generate()` kwargs for
+    plain decoding and MARS (e.g. `static_compiled`'s), not for prompt lookup.
     """
     extra = extra or {}
 
@@ -156,7 +155,7 @@ def _mars_methods(mars, taus, mask_costs, verify: bool, trees, tau_mode: bool) -
                     m, c, tau, verify=True, cost=cost, **kw
                 )
                 for block, n, lookup in trees if tau < 1.0 else ():
-                    table[f"lossless{suffix} {tree_name(block, n, lookup)} tau={tau}"] = (
+                    table[f"lossless{suffix} {tree_key(block, n, lookup)} tau={tau}"] = (
                         lambda m, c, tau=tau, cost=cost, b=block, n=n, L=lookup, **kw: mars(
                             m, c, tau, verify=True, cost=cost, block=b, candidates=n, lookup=L, **kw
                         )

@@ -10,9 +10,3 @@ from __future__ import annotations
 # pay where a pass over several tokens costs noticeably more than a one-token pass (a CPU), wide ones where a pass
 # costs about the same over tens of tokens (a GPU at small batch).
 TUNE_TREES = ((2, 1, 0), (2, 3, 0), (2, 3, 4), (2, 2, 6), (3, 2, 4), (4, 1, 4), (4, 3, 8))
-
-
-def tree_name(block: int, candidates, lookup: int) -> str:
-    """How bench names a lossless draft tree: "B=2 n=3 L=4" (no "L=" when lookup is 0), "B=4 n=3,2" per depth."""
-    counts = ",".join(map(str, candidates)) if isinstance(candidates, (list, tuple)) else candidates
-    return f"B={block} n={counts}" + (f" L={lookup}" if lookup else "")

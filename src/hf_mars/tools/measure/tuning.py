@@ -21,7 +21,7 @@ from ...decoding.costs import check_acceptance, pass_width, tree_key
 from ...decoding.generate import mars_settings
 from ...decoding.tree import canonical_candidates
 from .bench import Cell, run_benchmark
-from .trees import TUNE_TREES, tree_name
+from .trees import TUNE_TREES
 
 
 def tune_lossless(
@@ -63,7 +63,7 @@ def tune_lossless(
         default = mars_settings(model, None, batch_size, mars_tau=tau, mars_verify=True)
         presets[f"lossless tau={tau}"] = {key: default[key] for key in keys}
         for block, n, lookup in trees:
-            presets[f"lossless {tree_name(block, n, lookup)} tau={tau}"] = dict(
+            presets[f"lossless {tree_key(block, n, lookup)} tau={tau}"] = dict(
                 mars_tau=tau,
                 mars_block_size=block,
                 mars_draft_candidates=list(n) if isinstance(n, tuple) else n,  # as the saved JSON holds it
@@ -93,7 +93,7 @@ def acceptance(cells: list[Cell], trees, tau: float = 0.0) -> dict[str, float]:
     the checkpoint and the prompts, the same on any machine (up to rounding)."""
     by_method = {cell.method: cell for cell in cells}
     return {
-        tree_key(*tree): round(by_method[f"lossless {tree_name(*tree)} tau={tau}"].tokens_per_forward, 3)
+        tree_key(*tree): round(by_method[f"lossless {tree_key(*tree)} tau={tau}"].tokens_per_forward, 3)
         for tree in trees
     }
 
