@@ -1,10 +1,11 @@
 """vLLM decoding a MARS checkpoint plainly against the checkpoint drafting for itself (parallel drafting, K drafts a
 step): tokens/s, acceptance per draft position and mean accepted length, at each batch size.
 
-Two halves, because vLLM lives in an environment of its own: `vllm_table` runs in hf_mars's environment, writes the
-prompts' token ids to a spec and runs this module in the vLLM environment (`python -m
-hf_mars.tools.measure.vllm_bench SPEC OUT`), where `measure` times every method in one process, one engine each,
-taking turns per repeat. Greedy, so every method returns the same tokens (checked: a mismatch is reported).
+Two halves, because vLLM lives in an environment of its own: `vllm_table` runs in hf_mars's environment and runs
+this module in the vLLM environment once per method (`python -m hf_mars.tools.measure.vllm_bench SPEC OUT`), where
+`measure` times that method at every batch size. One engine per process: vLLM keeps its counters per process, and a
+second engine in the same process reads the first one's. Greedy, so every method returns the same tokens (checked:
+a mismatch is reported).
 """
 
 from __future__ import annotations
@@ -19,39 +20,32 @@ from pathlib import Path
 
 
 def measure(spec: dict) -> list[dict]:
-    """In the vLLM environment: one row per (method, batch size), medians over the repeats."""
+    """In the vLLM environment: one row per batch size for the method `spec["draft_tokens"]` names (None: plain),
+    the median time over the repeats after a warm-up batch."""
     from ...serving import vllm as mars_vllm
 
-    methods = {"vLLM plain": None} | {f"vLLM, drafts itself, K = {k}": k for k in spec["draft_tokens"]}
-    engines = {
-        name: mars_vllm.load(
-            spec["model"],
-            drafter=None if k is None else "self",
-            num_draft_tokens=k or 1,
-            dtype=spec["dtype"],
-            max_model_len=spec["max_model_len"],
-        )
-        for name, k in methods.items()
-    }
+    k = spec["draft_tokens"]
+    llm = mars_vllm.load(
+        spec["model"],
+        drafter=None if k is None else "self",
+        num_draft_tokens=k or 1,
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+    )
     rows = []
     for batch in spec["batch_sizes"]:
         groups = [spec["prompts"][i : i + batch] for i in range(0, len(spec["prompts"]), batch)]
-        for llm in engines.values():  # warm-up: the first batch of each engine
-            mars_vllm.generate(llm, groups[0], spec["max_tokens"])
-        runs = {name: [] for name in engines}
-        for _ in range(spec["repeats"]):
-            for name, llm in engines.items():
-                runs[name].append([mars_vllm.generate(llm, group, spec["max_tokens"]) for group in groups])
-        rows += [_row(name, batch, repeats, runs["vLLM plain"][0]) for name, repeats in runs.items()]
+        mars_vllm.generate(llm, groups[0], spec["max_tokens"])  # warm-up
+        repeats = [[mars_vllm.generate(llm, g, spec["max_tokens"]) for g in groups] for _ in range(spec["repeats"])]
+        rows.append(_row("vLLM plain" if k is None else f"vLLM, drafts itself, K = {k}", batch, repeats))
     return rows
 
 
-def _row(name: str, batch: int, repeats: list[list], reference: list) -> dict:
-    tokens = sum(len(ids) for run in repeats[0] for ids in run.token_ids)
+def _row(name: str, batch: int, repeats: list[list]) -> dict:
+    token_ids = [ids for run in repeats[0] for ids in run.token_ids]
     seconds = statistics.median(sum(run.seconds for run in repeat) for repeat in repeats)
-    row = {"method": name, "batch": batch, "tokens_per_s": tokens / seconds, "tokens": tokens}
-    row["same_tokens"] = [r.token_ids for r in repeats[0]] == [r.token_ids for r in reference]
-    drafted = [run.acceptance for run in repeats[0] if run.acceptance is not None]
+    row = {"method": name, "batch": batch, "tokens_per_s": sum(map(len, token_ids)) / seconds, "token_ids": token_ids}
+    drafted = [run.acceptance for repeat in repeats for run in repeat if run.acceptance is not None]
     if drafted:
         steps = sum(a.steps for a in drafted)
         per_position = [sum(column) for column in zip(*(a.per_position for a in drafted))]
@@ -71,17 +65,26 @@ def vllm_table(
     repeats: int = 2,
     dtype: str = "float32",
 ) -> list[dict]:
-    """Run `measure` in the vLLM environment whose interpreter is `python`; its rows, with each ratio to plain."""
+    """Each method's rows from the vLLM environment whose interpreter is `python`, with its ratio to plain and
+    whether its tokens are plain's."""
     spec = {
         "model": str(model),
         "prompts": prompts,
-        "draft_tokens": list(draft_tokens),
         "batch_sizes": list(batch_sizes),
         "max_tokens": max_tokens,
         "max_model_len": max(len(p) for p in prompts) + max_tokens + 8,
         "repeats": repeats,
         "dtype": dtype,
     }
+    rows = [row for k in (None, *draft_tokens) for row in _in_vllm(python, spec | {"draft_tokens": k})]
+    plain = {row["batch"]: (row["tokens_per_s"], row["token_ids"]) for row in rows if row["method"] == "vLLM plain"}
+    for row in rows:
+        speed, tokens = plain[row["batch"]]
+        row["vs_plain"], row["same_tokens"] = row["tokens_per_s"] / speed, row.pop("token_ids") == tokens
+    return rows
+
+
+def _in_vllm(python: str, spec: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         spec_path, out_path = Path(folder) / "spec.json", Path(folder) / "rows.json"
         spec_path.write_text(json.dumps(spec))
@@ -94,9 +97,7 @@ def vllm_table(
         env |= dict(os.environ)
         command = [python, "-m", "hf_mars.tools.measure.vllm_bench", str(spec_path), str(out_path)]
         subprocess.run(command, check=True, env=env)
-        rows = json.loads(out_path.read_text())
-    plain = {row["batch"]: row["tokens_per_s"] for row in rows if row["method"] == "vLLM plain"}
-    return [row | {"vs_plain": row["tokens_per_s"] / plain[row["batch"]]} for row in rows]
+        return json.loads(out_path.read_text())
 
 
 def format_rows(rows: list[dict]) -> str:
