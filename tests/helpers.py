@@ -8,6 +8,7 @@ import os
 import subprocess
 
 import psutil  # an accelerate dependency
+import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
 
@@ -82,3 +83,14 @@ def serving(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def venv_python(variable: str, what: str, install: str) -> str:
+    """The Python of a venv of its own that a test needs (`.ci/run` makes it and sets `variable`): in CI a missing one
+    fails the test, elsewhere it skips it, naming the line that makes it."""
+    python = os.environ.get(variable)
+    if not python:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs {what}: {variable} is unset ({install})")
+        pytest.skip(f"{what} needs a venv of its own: {install}")
+    return python

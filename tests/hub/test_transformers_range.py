@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer, venv_python
 
 import hf_mars
 from hf_mars.decoding import compat
@@ -30,12 +30,7 @@ INSTALL = (
 
 
 def oldest_python() -> str:
-    python = os.environ.get("HF_MARS_OLDEST_PYTHON")
-    if not python:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs the oldest end of the range: HF_MARS_OLDEST_PYTHON is unset ({INSTALL})")
-        pytest.skip(f"the oldest transformers needs a venv of its own: {INSTALL}")
-    return python
+    return venv_python("HF_MARS_OLDEST_PYTHON", "the oldest transformers", INSTALL)
 
 
 @pytest.fixture(scope="module")

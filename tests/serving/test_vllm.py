@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model, make_tokenizer
+from helpers import make_model, make_tokenizer, venv_python
 
 from hf_mars.hub import portable_model_config
 from hf_mars.serving import vllm as mars_vllm
@@ -34,12 +34,7 @@ MAX_TOKENS = 24
 
 
 def vllm_python() -> str:
-    python = os.environ.get("HF_MARS_VLLM_PYTHON")
-    if not python:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs vLLM's CPU build: HF_MARS_VLLM_PYTHON is unset ({INSTALL})")
-        pytest.skip(f"vLLM's CPU build needs a venv of its own: {INSTALL}")
-    return python
+    return venv_python("HF_MARS_VLLM_PYTHON", "vLLM's CPU build", INSTALL)
 
 
 def as_older_hf_mars_saved_it(folder: Path, into: Path) -> Path:
@@ -218,3 +213,21 @@ def test_serve_engine_vllm_says_what_is_missing_without_vllm(folders, monkeypatc
         main(["serve", str(folders["mars"]), "--engine", "vllm", "--compile"])
     with pytest.raises(SystemExit, match="--draft-model is vLLM's parallel drafting: add --engine vllm"):
         main(["serve", str(folders["mars"]), "--draft-model", "self"])
+
+
+def test_the_vllm_bench_reads_speed_and_acceptance_from_its_runs():
+    from hf_mars.tools.measure.vllm_bench import _row, format_rows
+
+    def run(tokens, seconds, steps=0, kept=()):
+        drafted = mars_vllm.Acceptance(steps, steps * len(kept), sum(kept), list(kept)) if steps else None
+        return mars_vllm.Run(tokens, seconds, drafted)
+
+    first = [run([[1, 2, 3]], 1.0, steps=2, kept=(2, 1)), run([[4, 5, 6, 7, 8]], 1.0, steps=2, kept=(2, 0))]
+    second = [run([[1, 2, 3]], 2.0, steps=2, kept=(2, 1)), run([[4, 5, 6, 7, 8]], 3.0, steps=2, kept=(2, 0))]
+    row = _row("vLLM, drafts itself, K = 2", 1, [first, second, first])
+    assert row["tokens_per_s"] == 8 / 2.0  # the median repeat's time
+    assert row["acceptance_per_position"] == [1.0, 0.25] and row["mean_accepted_length"] == 2.25  # 4 steps, 5 kept
+    plain = _row("vLLM plain", 1, [[run([[1, 2, 3]], 1.0), run([[4, 5, 6, 7, 8]], 1.0)]])
+    assert "acceptance_per_position" not in plain and mars_vllm.Acceptance(0, 0, 0, []).mean_accepted_length == 1.0
+    table = format_rows([row | {"vs_plain": 0.5, "same_tokens": False}])
+    assert "| 1 | vLLM, drafts itself, K = 2 (other tokens!) | 4.0 | 0.50x | 2.25 | 1.00 / 0.25 |" in table
