@@ -169,11 +169,7 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_hf_mars_serve_engine_vllm_answers_with_the_greedy_tokens(folders):
     python, port, ids = vllm_python(), free_port(), prompts(2)
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
+    env = mars_vllm.SMALL_CPU | dict(os.environ)
     command = [python, "-m", "hf_mars.cli", "serve", str(folders["mars"]), "--engine", "vllm", "--port", str(port)]
     command += ["--dtype", "float32", "--draft-model", "self", "--vllm-args=--enforce-eager --max-model-len 512"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -14,10 +14,9 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: starts in seconds
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default reserves more than a CI machine's node has
+from hf_mars.serving import vllm as mars_vllm  # imports no vLLM: the environment is set before it does
 
-from hf_mars.serving import vllm as mars_vllm  # noqa: E402
+os.environ.update(mars_vllm.SMALL_CPU | dict(os.environ))
 
 
 def main(jobs_path: str, out_path: str) -> None:

@@ -15,8 +15,8 @@ changed while a generation runs. What differs between the modes is behind one se
 `LosslessMode` each say what a pass accepts (`accept`: τ's test, or `verify`'s exact, typical or sampled
 verification), what the cache keeps of it (`commit`) and what the next pass feeds (`propose`: the accepted tokens, or
 the next drafts from the masks and prompt lookup), so the phases hold no mode branch. A session's state is three
-small objects: `Plan` (fixed before the first pass),
-`Text` (every row's text and progress; a row decodes while `active`) and `Feed` (what the next pass feeds).
+small objects: `Plan` (fixed before the first pass), `Text` (every row's text and progress; a row decodes while
+`active`) and `Feed` (what the next pass feeds).
 
 `generate()` opens a session over its batch and steps it until every row has stopped (`generate.py`). A server keeps
 one open: `admit` joins the rows of another session (opened by `model.mars_session`, after its prompt's pass) to it

@@ -10,7 +10,8 @@ speculative decoding.
   `mask_token_id`. That is the input MARS's masks were trained on, so a MARS checkpoint drafts for itself, or for a
   larger model with its tokenizer, and vLLM's rejection sampler keeps the target's output exact.
 
-vLLM is imported only inside `register` and `generate`, so this module loads where vLLM is not installed.
+vLLM is imported only inside `register`, `load` and `generate`, so this module loads where vLLM is not installed.
+`SMALL_CPU` is the environment vLLM's CPU build needs on a small machine (the tests and `hf-mars bench --vllm` set it).
 """
 
 from __future__ import annotations
@@ -35,23 +36,20 @@ NO_VLLM = (
 )
 
 
+# One process (vLLM starts in seconds instead of half a minute) and a KV cache of 2 GiB: by default the CPU build
+# reserves more than a 2-core, 24 GiB machine's NUMA node reports, and does not start.
+SMALL_CPU = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
 class NotADrafter(ValueError):
     """A model that vLLM's parallel drafting cannot use, with the reason."""
 
 
-def model_config(model: str | Path, revision: str | None = None) -> dict:
-    """A model's `config.json`, from a local folder or the Hub (one small download, cached)."""
-    folder = Path(model)
-    if folder.is_dir():
-        return json.loads((folder / "config.json").read_text())
-    from huggingface_hub import hf_hub_download
-
-    return json.loads(Path(hf_hub_download(str(model), "config.json", revision=revision)).read_text())
-
-
 def check_drafter(model: str | Path, revision: str | None = None) -> int:
     """The mask token id vLLM will feed `model` as a parallel drafter; `NotADrafter` says why there is none."""
-    config = model_config(model, revision)
+    from transformers import PretrainedConfig
+
+    config, _ = PretrainedConfig.get_config_dict(str(model), revision=revision)
     if config.get("mask_token_id") is not None:
         return int(config["mask_token_id"])
     mask = config.get("mars_mask_token_id")
@@ -87,10 +85,17 @@ def serve_command(
     command = ["vllm", "serve", str(model), "--host", host, "--port", str(port), "--dtype", dtype]
     if max_num_seqs is not None:
         command += ["--max-num-seqs", str(max_num_seqs)]
-    if drafter is not None:
-        spec = speculative_config(model if drafter == "self" else drafter, num_draft_tokens)
+    spec = drafting(model, drafter, num_draft_tokens)
+    if spec is not None:
         command += ["--speculative-config", json.dumps(spec)]
     return command + list(extra)
+
+
+def drafting(model: str | Path, drafter: str | Path | None, num_draft_tokens: int) -> dict | None:
+    """`speculative_config` for `model` drafted by `drafter` ("self": the model itself), or None without one."""
+    if drafter is None:
+        return None
+    return speculative_config(model if drafter == "self" else drafter, num_draft_tokens)
 
 
 def register() -> None:
@@ -155,7 +160,7 @@ def load(model: str | Path, *, drafter=None, num_draft_tokens: int = 3, dtype: s
         import sys
 
         raise ImportError(NO_VLLM.format(python=sys.executable)) from error
-    spec = None if drafter is None else speculative_config(model if drafter == "self" else drafter, num_draft_tokens)
+    spec = drafting(model, drafter, num_draft_tokens)
     return LLM(str(model), dtype=dtype, speculative_config=spec, disable_log_stats=False, **engine)
 
 

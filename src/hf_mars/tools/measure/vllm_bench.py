@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ...serving.vllm import SMALL_CPU
+
 
 def measure(spec: dict) -> list[dict]:
     """In the vLLM environment: one row per batch size for the method `spec["draft_tokens"]` names (None: plain),
@@ -89,12 +91,7 @@ def _in_vllm(python: str, spec: dict) -> list[dict]:
         spec_path, out_path = Path(folder) / "spec.json", Path(folder) / "rows.json"
         spec_path.write_text(json.dumps(spec))
         # vLLM's CPU worker drops to one thread unless OMP_NUM_THREADS says otherwise: every core, as hf_mars has
-        env = {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "2",
-            "OMP_NUM_THREADS": str(os.cpu_count()),
-        }
-        env |= dict(os.environ)
+        env = SMALL_CPU | {"OMP_NUM_THREADS": str(os.cpu_count())} | dict(os.environ)
         command = [python, "-m", "hf_mars.tools.measure.vllm_bench", str(spec_path), str(out_path)]
         subprocess.run(command, check=True, env=env)
         return json.loads(out_path.read_text())
