@@ -7,6 +7,8 @@ forward times `plain step / pass` printed here.
 
 Every generation decodes `--new-tokens` tokens with no EOS, so each method does a known number of passes; each method
 runs once to compile and capture before it is timed, and the methods take turns in each repeat (medians).
+`--profile N` then runs each method once more under `torch.profiler` and prints where the device's time goes: its
+busy time per pass (the kernels, inside CUDA graphs too) against the wall time, and the N kernels that take most.
 
     python examples/bench_graph_pass.py --device cuda --dtype bfloat16 --batch-sizes 1 8 --variants graph loop
 """
@@ -85,6 +87,35 @@ def time_calls(calls: dict, repeats: int, device: str) -> dict:
     return {name: (statistics.median(s), passes[name]) for name, s in seconds.items()}
 
 
+def profile_calls(calls: dict, timed: dict, new_tokens: int, top: int, device: str) -> None:
+    """Each call once under `torch.profiler`: device busy time and kernels per pass, and the `top` costliest ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    print("\n| method | wall ms per pass | device busy ms per pass | kernels per pass |\n| --- | --- | --- | --- |")
+    tables = {}
+    for label, (switch, call) in calls.items():
+        switch()
+        sync(device)
+        with profile(activities=[activity]) as prof:
+            call()
+            sync(device)
+        seconds, passes = timed[label]
+        passes = passes or new_tokens
+        kernels = [e for e in prof.key_averages() if e.device_type.name == activity.name and e.self_device_time_total]
+        if device != "cuda":  # on a CPU, its operators stand for kernels
+            kernels = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        busy = sum(e.self_device_time_total if device == "cuda" else e.self_cpu_time_total for e in kernels) / 1000
+        count = sum(e.count for e in kernels)
+        print(f"| {label} | {1000 * seconds / passes:.2f} | {busy / passes:.2f} | {count / passes:.0f} |", flush=True)
+        tables[label] = (sorted(kernels, key=lambda e: -(e.self_device_time_total or e.self_cpu_time_total)), passes)
+    for label, (kernels, passes) in tables.items():
+        print(f"\n{label}: the {top} costliest kernels, ms per pass (calls per pass)")
+        for e in kernels[:top]:
+            ms = (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1000 / passes
+            print(f"  {ms:7.3f}  ({e.count / passes:5.1f})  {e.key[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -96,11 +127,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"], help="fewer: a quick check")
     parser.add_argument("--eager", action="store_true", help="a static cache without compiling (a quick check)")
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="the model's attention")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="then profile each method: N kernels")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64  # one graph per method, width and batch size
     model, tokenizer = shipped_shape_model(args.device, getattr(torch, args.dtype), args.layers)
+    model.set_attn_implementation(args.attention)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{device_name}, torch {torch.__version__}, {args.dtype}, {args.new_tokens} new tokens, no EOS", flush=True)
+    setting = f"{args.dtype}, {args.attention} attention, {args.new_tokens} new tokens, no EOS"
+    print(f"{device_name}, torch {torch.__version__}, {setting}", flush=True)
     for batch in args.batch_sizes:
         enc = tokenizer(["hello world, how are you today"] * batch, return_tensors="pt").to(args.device)
         extra = static_compiled(model, enc.input_ids.shape[1], args.new_tokens, args.batch_sizes, TREES)
@@ -128,6 +163,9 @@ def main() -> None:
         for label, (seconds, passes) in timed.items():
             per_pass = seconds / (passes or args.new_tokens)
             print(f"| {label} | {1000 * per_pass:.2f} | {per_pass / step:.2f}x |", flush=True)
+        if args.profile:
+            with torch.no_grad():
+                profile_calls(calls, timed, args.new_tokens, args.profile, args.device)
 
 
 if __name__ == "__main__":

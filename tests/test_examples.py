@@ -66,7 +66,13 @@ def test_check_numerics_names_where_a_wide_pass_parts_from_a_one_token_pass(toy_
 def test_bench_graph_pass_times_the_graph_and_the_loop_against_a_plain_step():
     methods = ["--methods", "τ = 0.9", "lossless 4x3+8", "--variants", "graph", "loop"]
     quick = ["--device", "cpu", "--dtype", "float32", "--layers", "1", "--batch-sizes", "2", "--eager"]
-    out = run("bench_graph_pass.py", *quick, "--new-tokens", "6", "--repeats", "1", *methods)
+    out = run("bench_graph_pass.py", *quick, "--new-tokens", "6", "--repeats", "1", "--profile", "3", *methods)
+    profiled = out[out.index("device busy ms per pass") :].splitlines()[2:7]
+    assert [row.split(" | ")[0].lstrip("| ") for row in profiled][1:] == [
+        f"{m}, {v}" for m in ("τ = 0.9", "lossless 4x3+8") for v in ("graph", "loop")
+    ]
+    assert all(float(row.split(" | ")[2]) > 0 and int(row.split(" | ")[3].rstrip(" |")) > 0 for row in profiled)
+    assert out.count("costliest kernels") == 5
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
     assert names == ["plain generate()"] + [

@@ -27,7 +27,7 @@ MODES = {
 def generate(model, enc, enabled: bool = True, **kwargs):
     graph.ENABLED = enabled
     try:
-        kwargs = dict(max_new_tokens=40, cache_implementation="static", return_dict_in_generate=True, **kwargs)
+        kwargs = {"max_new_tokens": 40, "cache_implementation": "static", "return_dict_in_generate": True, **kwargs}
         return model.generate(**enc, **kwargs)
     finally:
         graph.ENABLED = True
@@ -167,3 +167,23 @@ def test_a_copy_or_another_dtype_of_the_model_builds_its_own_graph_passes():
     looped = generate(twin, enc, False, mars_verify=True).sequences
     assert torch.equal(generate(twin, enc, mars_verify=True).sequences, looped)
     assert {key[2] for key in twin._mars_graphs} == {torch.float32, torch.bfloat16}
+
+
+def test_a_compiled_graph_pass_compiles_every_shape_past_torchs_default_limit():
+    """Torch compiles 8 shapes of a function, then runs the rest eagerly; a process of MARS passes meets more (batch
+    sizes, modes, the trees `"auto"` times), and each must run compiled."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers import CompileConfig
+
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama", hidden_size=40, num_attention_heads=2), tok, block_size=3)
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True  # generate() compiles on GPUs only unless told
+    compiled = lambda: len(_debug_get_cache_entry_list(graph.graph_pass.__code__))  # noqa: E731
+    before, shapes = compiled(), range(1, 11)  # this model's width: shapes no other test compiled
+    assert torch._dynamo.config.recompile_limit < len(shapes)
+    for rows in shapes:
+        enc = toy_prompts(tok, n=rows, seed=2)
+        out = generate(model, enc, compile_config=config, max_new_tokens=8, mars_tau=0.9)
+        assert torch.equal(out.sequences, generate(model, enc, False, max_new_tokens=8, mars_tau=0.9).sequences)
+    assert compiled() - before == len(shapes)

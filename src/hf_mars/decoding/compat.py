@@ -146,7 +146,22 @@ def compiled_forward(model, generation_config, model_kwargs: dict):
     criteria = getattr(model, "_valid_auto_compile_criteria", None)
     if criteria is None or not criteria(model_kwargs, generation_config):
         return None
-    return model.get_compiled_call(generation_config.compile_config)
+    return many_shapes(model.get_compiled_call(generation_config.compile_config))
+
+
+# Shapes one compiled forward may take in a process: one per pass width and batch size that MARS runs (τ-mode, each
+# lossless tree, the trees `"auto"` times). Past torch's default of 8 the rest would run eagerly, silently slower.
+RECOMPILE_LIMIT = 64
+
+
+def many_shapes(compiled):
+    """`compiled` (a `torch.compile`d function) allowed `RECOMPILE_LIMIT` shapes in its calls from here."""
+
+    def call(*args, **kwargs):  # torch reads the limit when a call misses every shape compiled so far
+        with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def counts_static_writes(cache) -> bool:

@@ -265,8 +265,8 @@ def compiled_pass_costs(
     path, key = costs_path(), machine_key(model, batch, compiled=True)
     table = _read_table(path)
     forward = {} if refresh else {int(w): s for w, s in table.get(key, {}).get("forward", {}).items()}
-    missing = [tree for tree in trees if pass_width(*tree) not in forward]
-    missing += [] if 1 in forward else [None]
+    missing = [] if 1 in forward else [None]  # plain first: its compiled forward's first shape
+    missing += [tree for tree in trees if pass_width(*tree) not in forward]
     if missing:
         if not measure:
             raise NotMeasured(f"compiled pass costs of {key} are not measured yet")

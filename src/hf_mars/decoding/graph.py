@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compat import CACHE_ARG
+from .compat import CACHE_ARG, many_shapes
 from .scoring import choose
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify
@@ -323,13 +323,14 @@ def right_align(tokens, counts, width: int, pad_token_id, offsets=None):
 
 def _compiled(function, config, mode=None):
     """`function` compiled with `generate()`'s `CompileConfig` (its backend; inductor's `mode` if given, which here
-    means no CUDA graphs of its own), once per function and config."""
+    means no CUDA graphs of its own), once per function and config, allowed `RECOMPILE_LIMIT` shapes."""
     key = (function, config.backend, mode or config.mode)
     if key not in _COMPILED:
         inductor = config.backend == "inductor"
-        _COMPILED[key] = torch.compile(
+        compiled = torch.compile(
             function, backend=config.backend, mode=(mode or config.mode) if inductor else None, dynamic=False
         )
+        _COMPILED[key] = many_shapes(compiled)
     return _COMPILED[key]
 
 
