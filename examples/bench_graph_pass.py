@@ -66,6 +66,16 @@ def variant(name: str) -> None:
     graph.ENABLED = name == "graph"
 
 
+def only_sdpa_backend(name: str) -> None:
+    """Let SDPA take one kernel, every method plain decoding included. A compiled graph keeps the kernel it was traced
+    with, and torch's compile caches on disk would hand back one traced before: they are turned off."""
+    torch._inductor.config.force_disable_caches = True
+    torch._functorch.config.enable_autograd_cache = False
+    switches = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp"}
+    for backend, switch in {**switches, "math": "enable_math_sdp"}.items():
+        getattr(torch.backends.cuda, switch)(backend == name)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -128,13 +138,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"], help="fewer: a quick check")
     parser.add_argument("--eager", action="store_true", help="a static cache without compiling (a quick check)")
     parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="the model's attention")
+    parser.add_argument(
+        "--sdpa-backend",
+        choices=["flash", "efficient", "cudnn", "math"],
+        help="allow SDPA this kernel alone (CUDA), with torch's compile caches off so that it is traced anew",
+    )
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="then profile each method: N kernels")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64  # one graph per method, width and batch size
     model, tokenizer = shipped_shape_model(args.device, getattr(torch, args.dtype), args.layers)
     model.set_attn_implementation(args.attention)
+    if args.sdpa_backend:
+        only_sdpa_backend(args.sdpa_backend)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    setting = f"{args.dtype}, {args.attention} attention, {args.new_tokens} new tokens, no EOS"
+    attention = args.attention + (f" ({args.sdpa_backend} kernel)" if args.sdpa_backend else "")
+    setting = f"{args.dtype}, {attention} attention, {args.new_tokens} new tokens, no EOS"
     print(f"{device_name}, torch {torch.__version__}, {setting}", flush=True)
     for batch in args.batch_sizes:
         enc = tokenizer(["hello world, how are you today"] * batch, return_tensors="pt").to(args.device)
