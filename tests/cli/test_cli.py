@@ -219,3 +219,31 @@ def test_tune_picks_a_draft_tree_and_saves_it_for_lossless_generate(checkpoint):
     assert result.returncode == 0, result.stderr
     entries = json.loads((checkpoint / "generation_config.json").read_text())["mars_lossless"]
     assert set(entries) == {"1", "2"} and entries["1"] == saved and "batch 2" in result.stdout
+
+
+def test_tune_compile_times_trees_on_the_compiled_path_and_reports_compiled_costs(
+    checkpoint, tmp_path, monkeypatch, capsys
+):
+    """`hf-mars tune --compile` tunes as a GPU server decodes: a static cache and generate()'s compile path (torch's
+    eager backend here, so that compiling takes seconds), and the costs it reports, from which `"auto"` would choose
+    there, are compiled passes' (a plain compiled step for width 1), cached apart from eager forwards'."""
+    import functools
+    import json
+
+    import transformers
+
+    from hf_mars.cli import build_parser
+
+    monkeypatch.setattr(transformers, "CompileConfig", functools.partial(transformers.CompileConfig, backend="eager"))
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
+    argv = ["tune", str(checkpoint), "--prompts", "toy", "--limit", "2", "--max-new-tokens", "6", "--trees", "2x1"]
+    args = build_parser().parse_args([*argv, "--compile"])
+    args.run(args)
+    out = capsys.readouterr().out
+    assert "static cache, compiled, batch 1" in out and "a compiled plain step" in out
+    assert "| 2x1 | 4 |" in out and 'mars_lossless="auto" would run:' in out
+    table = json.loads((tmp_path / "cache" / "pass_costs.json").read_text())
+    assert list(table) == [next(key for key in table if key.endswith("| compiled passes"))]  # no eager forwards
+    assert set(table[next(iter(table))]["forward"]) == {"1", "4"}  # a plain compiled step, the 2x1 tree's pass
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert float(rows["2x1"].split(" | ")[3].rstrip("x")) > 0  # its graph pass against the plain step

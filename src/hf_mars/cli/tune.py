@@ -69,6 +69,12 @@ def add_parser(subparsers) -> None:
         help="tune in the dtype you decode in: the fastest tree depends on it",
     )
     tune.add_argument("--device", help="e.g. cuda (default: where the model loads)")
+    tune.add_argument(
+        "--compile",
+        action="store_true",
+        help="tune on the path a GPU server runs: a static cache and generate()'s torch.compile path (every tree "
+        'compiles once, untimed), and report the costs of compiled passes, which mars_lossless="auto" reads there',
+    )
     tune.set_defaults(run=run)
 
 
@@ -91,6 +97,7 @@ def run(args) -> None:
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
+        compiled=args.compile,
     )
     measured = acceptance(cells, args.trees, args.taus[0])
     _report(model, args, len(prompts), cells, best, fastest)
@@ -113,7 +120,8 @@ def _report(model, args, n_prompts: int, cells, best: dict, fastest) -> None:
     from ..tools.measure.bench import format_table
 
     device = model.device.type if model.device.type != "cpu" else f"cpu, {torch.get_num_threads()} threads"
-    print(f"\nLossless draft trees on {device}, {args.dtype}, batch {args.batch_size}, {n_prompts} prompts:\n")
+    path = "static cache, compiled" if args.compile else "dynamic cache, eager"
+    print(f"\nLossless draft trees on {device}, {args.dtype}, {path}, batch {args.batch_size}, {n_prompts} prompts:\n")
     print(format_table(cells))
     ar = next(c for c in cells if c.method == "ar")
     print(
@@ -133,18 +141,19 @@ def _shipped() -> Path:
 def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
     """What `mars_lossless="auto"` would pick here from the measured tokens per forward and this machine's pass
     costs, each tree's predicted speed-up beside the one just measured: the cost model checked against the clock."""
-    from ..decoding.costs import choose_tree, parse_tree, pass_costs, pass_width, tree_key
+    from ..decoding.costs import choose_tree, parse_tree, pass_width, tree_key
 
-    costs = pass_costs(
-        model, args.batch_size, [pass_width(*parse_tree(name)) for name in measured], args.refresh_costs
-    )
+    costs = _costs(model, args, [parse_tree(name) for name in measured])
     by_method = {cell.method: cell for cell in cells}
-    print(
-        f"\nPass costs here (batch {args.batch_size}: a one-token forward {costs.forward[1] * 1e3:.1f} ms, plus "
-        f"{costs.plain_overhead * 1e3:.1f} ms a plain step, {costs.mars_overhead * 1e3:.1f} ms a lossless pass) "
-        "and the speed-ups they predict:\n"
-    )
-    print("| tree | pass width | tokens/forward | forward vs 1 token | predicted | measured |")
+    if args.compile:
+        what = f"a compiled plain step {costs.forward[1] * 1e3:.2f} ms; a tree's width: its whole pass as one graph"
+    else:
+        what = (
+            f"a one-token forward {costs.forward[1] * 1e3:.1f} ms, plus {costs.plain_overhead * 1e3:.1f} ms a plain "
+            f"step, {costs.mars_overhead * 1e3:.1f} ms a lossless pass"
+        )
+    print(f"\nPass costs here (batch {args.batch_size}: {what}) and the speed-ups they predict:\n")
+    print("| tree | pass width | tokens/forward | pass vs width 1 | predicted | measured |")
     print("|---|---|---|---|---|---|")
     for name, tokens in measured.items():
         tree, cell = parse_tree(name), by_method[f"lossless {tree_key(*parse_tree(name))} tau={args.taus[0]}"]
@@ -154,6 +163,19 @@ def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
     choice = choose_tree(measured, costs)
     picked = tree_key(*choice) if choice else "none (plain decoding: no tree beats it by the margin here)"
     print(f'\nmars_lossless="auto" would run: {picked}')
+
+
+def _costs(model, args, trees):
+    """This machine's pass costs for `trees`, of the path tune timed them on: eager forwards, or compiled passes."""
+    from ..decoding.costs import compiled_pass_costs, pass_costs, pass_width
+    from ..decoding.settings import compiles
+    from ..tools.measure.tuning import compiled_call
+
+    if not args.compile:
+        return pass_costs(model, args.batch_size, [pass_width(*tree) for tree in trees], args.refresh_costs)
+    call = compiled_call(model, args.max_new_tokens, args.batch_size, trees)
+    config = compiles(model, [model.generation_config], call)
+    return compiled_pass_costs(model, args.batch_size, trees, config, refresh=args.refresh_costs)
 
 
 def _propose(model, tokenizer, prompts, args) -> None:

@@ -19,8 +19,10 @@ from transformers import GenerationConfig, GenerationMixin
 from ...decoding.compat import supports_logits_to_keep
 from ...decoding.costs import check_acceptance, pass_width, tree_key
 from ...decoding.generate import mars_settings
+from ...decoding.settings import CALL_KEYS
 from ...decoding.tree import canonical_candidates
 from .bench import Cell, run_benchmark
+from .decode import static_compiled
 from .trees import TUNE_TREES
 
 
@@ -34,6 +36,7 @@ def tune_lossless(
     max_new_tokens: int = 96,
     repeats: int = 1,
     progress: bool = True,
+    compiled: bool = False,
 ) -> tuple[dict, Cell, list[Cell]]:
     """Find the fastest lossless draft tree for this model and machine: `(best, fastest, cells)`.
 
@@ -41,7 +44,9 @@ def tune_lossless(
     `trees` at each τ, on `prompts`, at `batch_size`, side by side (`run_benchmark`, mask cost 0). `best` is the
     `mars_lossless` entry of the fastest (`save_lossless_preset` writes it into a checkpoint for that batch size, where
     `generate(mars_verify=True)` reads it), `fastest` its measurement, `cells` all of them, to print. Lossless mode's
-    text is the same for every tree (up to rounding), so speed alone decides.
+    text is the same for every tree (up to rounding), so speed alone decides. `compiled`: on the path a GPU server
+    runs, a static cache and `generate()`'s compile path (`run_benchmark`'s); the default tree is then the one chosen
+    from compiled pass costs.
     """
     cells = run_benchmark(
         model,
@@ -57,10 +62,12 @@ def tune_lossless(
         progress=progress,
         trees=trees,
         tau_mode=False,
+        compiled=compiled,
     )
+    call = compiled_call(model, max_new_tokens, batch_size, trees) if compiled else {}
     presets, keys = {}, ("mars_tau", "mars_block_size", "mars_draft_candidates", "mars_lookup")
     for tau in taus:
-        default = mars_settings(model, None, batch_size, mars_tau=tau, mars_verify=True)
+        default = mars_settings(model, None, batch_size, mars_tau=tau, mars_verify=True, **call)
         presets[f"lossless tau={tau}"] = {key: default[key] for key in keys}
         for block, n, lookup in trees:
             presets[f"lossless {tree_key(block, n, lookup)} tau={tau}"] = dict(
@@ -71,6 +78,13 @@ def tune_lossless(
             )
     fastest = max((c for c in cells if c.method in presets), key=lambda c: c.speedup)
     return presets[fastest.method], fastest, cells
+
+
+def compiled_call(model, max_new_tokens: int, batch_size: int, trees=()) -> dict:
+    """The `generate()` keywords that decide whether a call is compiled (`settings.CALL_KEYS`), as `run_benchmark`'s
+    compiled calls pass them: what `mars_settings` needs to resolve those calls' settings."""
+    kwargs = static_compiled(model, 1, max_new_tokens, (batch_size,), trees)
+    return {name: value for name, value in kwargs.items() if name in CALL_KEYS}
 
 
 def save_lossless_preset(folder: str | Path, preset: dict, batch_size: int = 1) -> Path:
