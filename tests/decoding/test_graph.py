@@ -98,17 +98,15 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
 
 
 def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
-    """Sampling, logits processors, user stopping criteria, stop strings, streamers and a mask cost run in the loop,
-    which knows them; a dynamic cache never leaves it."""
+    """Sampling, logits processors, user stopping criteria, stop strings and a mask cost run in the loop, which knows
+    them; a dynamic cache never leaves it."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
-    one = toy_prompts(tok, n=1, seed=9)
     cases = [
         (enc, dict(mars_tau=0.9, do_sample=True, temperature=0.7)),
         (enc, dict(mars_tau=0.9, repetition_penalty=1.3)),
         (enc, dict(mars_verify=True, stop_strings=["a"], tokenizer=tok)),
         (enc, dict(mars_tau=0.9, mars_mask_cost=0.2)),
-        (one, dict(mars_tau=0.9, streamer=Recorder())),
     ]
     for inputs, kwargs in cases:
         model.__dict__.pop("_mars_graphs", None)
@@ -117,6 +115,22 @@ def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     model.__dict__.pop("_mars_graphs", None)
     model.generate(**enc, max_new_tokens=10, mars_tau=0.9)  # dynamic cache
     assert not model.__dict__.get("_mars_graphs")
+
+
+@pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree"])
+def test_a_streamer_gets_the_loops_chunks_from_the_graph_pass(trained_toy, mode):
+    """With a streamer the run still continues as graph passes, and the streamer gets what the loop gives it: the
+    prompt, then each pass's tokens as one chunk, then the end."""
+    model, tok = trained_toy
+    one = toy_prompts(tok, n=1, seed=9)
+    model.__dict__.pop("_mars_graphs", None)
+    looped, graphed = Recorder(), Recorder()
+    out = generate(model, one, False, streamer=looped, **MODES[mode])
+    assert generate(model, one, streamer=graphed, **MODES[mode]).sequences.equal(out.sequences)
+    assert graph_passes(model) == out.mars_stats.forward_passes - 1
+    assert graphed.chunks == looped.chunks and graphed.ended and looped.ended
+    assert len(graphed.chunks) == out.mars_stats.forward_passes + 1  # the prompt, then one chunk a pass
+    assert max(len(chunk) for chunk in graphed.chunks[1:]) > 1, "some pass must stream several tokens"
 
 
 @pytest.mark.parametrize("parents", [(), (-1, 0, 1), (-1, 0, 1, -1, -1, 0, -1, 4)])

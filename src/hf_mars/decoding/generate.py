@@ -321,12 +321,12 @@ def open_session(
 def _graph_shape(model, run: Session) -> GraphShape | None:
     """The `GraphShape` that continues this run as one graph per pass, or None where the loop here must run: it needs
     a static cache that counts its writes, greedy decoding with no logits processors, EOS and the length limit as the
-    only stopping criteria, no streamer, masks in every pass (no mask cost), and, in lossless mode, exact verification
-    of a full draft tree (the first pass proposed one)."""
+    only stopping criteria, masks in every pass (no mask cost), and, in lossless mode, exact verification of a full
+    draft tree (the first pass proposed one). A streamer is fed from the host after each pass."""
     plan, cache, feed, settings = run.plan, run.cache, run.feed, run.plan.settings
     if not (enabled() and isinstance(cache, StaticMARSCache) and cache.counts_writes and plan.logits_to_keep):
         return None
-    if plan.do_sample or plan.processors or plan.typical or plan.window or plan.streamer is not None:
+    if plan.do_sample or plan.processors or plan.typical or plan.window:
         return None
     if not (run.stopping.per_row and run.schedule.constant):
         return None
@@ -359,11 +359,12 @@ def _compile_config(generation_config) -> CompileConfig:
 
 def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> None:
     """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph pass's buffers,
-    then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass,
-    then the state comes back. One generation at a time uses a model's graph pass of a shape."""
+    then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass
+    (and, with a streamer, of the row's new tokens), then the state comes back. One generation at a time uses a
+    model's graph pass of a shape."""
     g = graph_pass_for(model, run.cache.kv, shape, compile_config)
     _load_graph(g, run)
-    passes, last_tau = 0, None
+    passes, last_tau, streamed = 0, None, int(run.stopping.new_tokens[0])
     while True:
         tau = read_tau(run.plan.settings.tau)
         if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
@@ -373,9 +374,18 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
         passes += 1
         run.stats.tau_per_step.append(tau)
         run.stats.masks_per_step.append(shape.masks)
+        if run.plan.streamer is not None:  # batch 1: the pass's tokens as one chunk, as the loop streams them
+            streamed = _stream(g, run.plan.streamer, streamed)
         if g.state.finished.item():
             break
     _unload_graph(g, run, passes)
+
+
+def _stream(g, streamer, streamed: int) -> int:
+    """Hand the streamer the tokens row 0 decoded since `streamed`; how many it has decoded now."""
+    decoded, start = int(g.state.decoded[0]), int(g.state.prompt_length)
+    streamer.put(g.state.sequences[0, start + streamed : start + decoded].cpu())
+    return decoded
 
 
 def _load_graph(g, run: Session) -> None:
