@@ -364,7 +364,8 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
     model's graph pass of a shape."""
     g = graph_pass_for(model, run.cache.kv, shape, compile_config)
     _load_graph(g, run)
-    passes, last_tau, streamed = 0, None, int(run.stopping.new_tokens[0])
+    passes, last_tau = 0, None
+    streamed = int(run.stopping.new_tokens[0]) if run.plan.streamer is not None else 0  # a read only to stream
     while True:
         tau = read_tau(run.plan.settings.tau)
         if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
