@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import Recorder, make_model, make_tokenizer, toy_prompts
-from transformers import GenerationMixin
+from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
 
 import hf_mars
 from hf_mars.decoding import graph
@@ -98,14 +98,13 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
 
 
 def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
-    """Sampling, logits processors, user stopping criteria, stop strings and a mask cost run in the loop, which knows
-    them; a dynamic cache never leaves it."""
+    """Sampling, logits processors and a mask cost run in the loop, which knows them; a dynamic cache never leaves
+    it."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
     cases = [
         (enc, dict(mars_tau=0.9, do_sample=True, temperature=0.7)),
         (enc, dict(mars_tau=0.9, repetition_penalty=1.3)),
-        (enc, dict(mars_verify=True, stop_strings=["a"], tokenizer=tok)),
         (enc, dict(mars_tau=0.9, mars_mask_cost=0.2)),
     ]
     for inputs, kwargs in cases:
@@ -117,20 +116,60 @@ def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     assert not model.__dict__.get("_mars_graphs")
 
 
+@pytest.mark.parametrize("stop", [{}, dict(stop_strings=["w"])], ids=["eos", "stop string"])
 @pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree"])
-def test_a_streamer_gets_the_loops_chunks_from_the_graph_pass(trained_toy, mode):
+def test_a_streamer_gets_the_loops_chunks_from_the_graph_pass(trained_toy, mode, stop):
     """With a streamer the run still continues as graph passes, and the streamer gets what the loop gives it: the
-    prompt, then each pass's tokens as one chunk, then the end."""
+    prompt, then each pass's tokens as one chunk (none past a stop string), then the end."""
     model, tok = trained_toy
     one = toy_prompts(tok, n=1, seed=9)
     model.__dict__.pop("_mars_graphs", None)
     looped, graphed = Recorder(), Recorder()
-    out = generate(model, one, False, streamer=looped, **MODES[mode])
-    assert generate(model, one, streamer=graphed, **MODES[mode]).sequences.equal(out.sequences)
+    kwargs = dict(**stop, tokenizer=tok, **MODES[mode])
+    out = generate(model, one, False, streamer=looped, **kwargs)
+    assert generate(model, one, streamer=graphed, **kwargs).sequences.equal(out.sequences)
     assert graph_passes(model) == out.mars_stats.forward_passes - 1
     assert graphed.chunks == looped.chunks and graphed.ended and looped.ended
     assert len(graphed.chunks) == out.mars_stats.forward_passes + 1  # the prompt, then one chunk a pass
     assert max(len(chunk) for chunk in graphed.chunks[1:]) > 1, "some pass must stream several tokens"
+    assert sum(map(len, graphed.chunks[1:])) == int(out.mars_stats.new_tokens[0])  # nothing past the stop
+    assert not stop or int(out.mars_stats.new_tokens[0]) < 40, "the stop string must stop the row"
+
+
+class StopRowAfterCalls(StoppingCriteria):
+    """Stateful, per row: row i stops at its `limits[i]`-th call (a call is a step); records what it is shown."""
+
+    def __init__(self, limits):
+        self.limits, self.calls, self.seen = torch.tensor(limits), 0, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        self.seen.append(input_ids.clone())
+        return torch.full((input_ids.shape[0],), self.calls) >= self.limits
+
+
+@pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree"])
+def test_stopping_criteria_and_stop_strings_are_judged_between_graph_passes(trained_toy, mode):
+    """User criteria and stop strings are called on the host between graph passes, with the very tensors the loop
+    shows them, and the rows they stop take nothing more: the loop's output, row by row."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=3)
+    for stop in (dict(stop_strings=["3"], tokenizer=tok), dict(criteria=(5, 9, 13, 40))):
+        runs = {}
+        for enabled in (False, True):
+            model.__dict__.pop("_mars_graphs", None)
+            criterion = StopRowAfterCalls(stop["criteria"]) if "criteria" in stop else None
+            kwargs = {k: v for k, v in stop.items() if k != "criteria"}
+            if criterion is not None:
+                kwargs["stopping_criteria"] = StoppingCriteriaList([criterion])
+            runs[enabled] = generate(model, enc, enabled, **kwargs, **MODES[mode]), criterion, graph_passes(model)
+        (looped, looked, _), (graphed, judged, passes) = runs[False], runs[True]
+        assert passes > 0, "the run must continue as graph passes"
+        assert torch.equal(graphed.sequences, looped.sequences)
+        assert torch.equal(graphed.mars_stats.new_tokens, looped.mars_stats.new_tokens)
+        assert int(looped.mars_stats.new_tokens.min()) < 40, "some row must be stopped by the criterion"
+        if judged is not None:
+            assert len(judged.seen) == len(looked.seen) and all(map(torch.equal, judged.seen, looked.seen))
 
 
 @pytest.mark.parametrize("parents", [(), (-1, 0, 1), (-1, 0, 1, -1, -1, 0, -1, 4)])

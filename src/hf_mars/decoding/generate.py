@@ -320,15 +320,15 @@ def open_session(
 
 def _graph_shape(model, run: Session) -> GraphShape | None:
     """The `GraphShape` that continues this run as one graph per pass, or None where the loop here must run: it needs
-    a static cache that counts its writes, greedy decoding with no logits processors, EOS and the length limit as the
-    only stopping criteria, masks in every pass (no mask cost), and, in lossless mode, exact verification of a full
-    draft tree (the first pass proposed one). A streamer is fed from the host after each pass."""
+    a static cache that counts its writes, greedy decoding with no logits processors, masks in every pass (no mask
+    cost), and, in lossless mode, exact verification of a full draft tree (the first pass proposed one). Stopping
+    criteria other than EOS and the length limit, and a streamer, are served from the host after each pass."""
     plan, cache, feed, settings = run.plan, run.cache, run.feed, run.plan.settings
     if not (enabled() and isinstance(cache, StaticMARSCache) and cache.counts_writes and plan.logits_to_keep):
         return None
     if plan.do_sample or plan.processors or plan.typical or plan.window:
         return None
-    if not (run.stopping.per_row and run.schedule.constant):
+    if not run.schedule.constant:
         return None
     if model.config._attn_implementation not in BRANCHING:
         return None
@@ -359,13 +359,19 @@ def _compile_config(generation_config) -> CompileConfig:
 
 def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> None:
     """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph pass's buffers,
-    then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass
-    (and, with a streamer, of the row's new tokens), then the state comes back. One generation at a time uses a
-    model's graph pass of a shape."""
+    then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass,
+    then the state comes back. One generation at a time uses a model's graph pass of a shape.
+
+    What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
+    length limit are called as the loop calls them (on the graph's text; the rows they stop take nothing more), and
+    a streamer gets each pass's tokens. Each reads the device once or twice a pass."""
     g = graph_pass_for(model, run.cache.kv, shape, compile_config)
     _load_graph(g, run)
-    passes, last_tau = 0, None
-    streamed = int(run.stopping.new_tokens[0]) if run.plan.streamer is not None else 0  # a read only to stream
+    passes, last_tau, stopping, streamer = 0, None, run.stopping, run.plan.streamer
+    judging = not stopping.per_row
+    if judging:
+        stopping.sequences = g.state.sequences  # the criteria read (and pad) the text the graph writes
+    streamed = int(stopping.new_tokens[0]) if streamer is not None else 0  # a read only to stream
     while True:
         tau = read_tau(run.plan.settings.tau)
         if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
@@ -375,18 +381,23 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
         passes += 1
         run.stats.tau_per_step.append(tau)
         run.stats.masks_per_step.append(shape.masks)
-        if run.plan.streamer is not None:  # batch 1: the pass's tokens as one chunk, as the loop streams them
-            streamed = _stream(g, run.plan.streamer, streamed)
+        if judging:
+            stopping.judge(g.state.decoded, g.state.done)
+            g.state.done.logical_or_(stopping.settled)
+            torch.all(g.state.done, out=g.state.finished)
+        if streamer is not None:  # batch 1: the pass's tokens as one chunk, as the loop streams them
+            kept = stopping.new_tokens[0] if judging else g.state.decoded[0]
+            streamed = _stream(g, streamer, streamed, int(kept))
         if g.state.finished.item():
             break
     _unload_graph(g, run, passes)
 
 
-def _stream(g, streamer, streamed: int) -> int:
-    """Hand the streamer the tokens row 0 decoded since `streamed`; how many it has decoded now."""
-    decoded, start = int(g.state.decoded[0]), int(g.state.prompt_length)
-    streamer.put(g.state.sequences[0, start + streamed : start + decoded].cpu())
-    return decoded
+def _stream(g, streamer, streamed: int, kept: int) -> int:
+    """Hand the streamer row 0's tokens from `streamed` to `kept` new tokens; `kept`."""
+    start = int(g.state.prompt_length)
+    streamer.put(g.state.sequences[0, start + streamed : start + kept].cpu())
+    return kept
 
 
 def _load_graph(g, run: Session) -> None:
@@ -421,7 +432,9 @@ def _unload_graph(g, run: Session, passes: int) -> None:
     cache.real.copy_(state.real)
     cache.next_position = state.next_position.clone()
     cache.length += passes * g.shape.kept
-    run.stopping.new_tokens = state.decoded.clone()  # EOS and the length limit alone: each row's own count
+    if run.stopping.per_row:  # EOS and the length limit alone: each row's own count (else the criteria kept theirs)
+        run.stopping.new_tokens = state.decoded.clone()
+    run.stopping.sequences = text.sequences
     stats.forward_passes += passes
     stats.accepted_per_step.extend(state.accepted_log[:passes].clone().unbind(0))
 

@@ -10,9 +10,10 @@ inductor inside it) and replayed: one launch and one read of `finished` per pass
 the whole pass is one compiled function; without it the same function runs eagerly, which is what the tests check
 against the loop of `generate.py`.
 
-What it runs: a static cache, greedy decoding without logits processors or user stopping criteria, τ-mode with all
-B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy) and lossless mode's exact verification
-over a whole draft tree (chain, runner-ups, prompt lookup); a streamer is fed by the host loop between passes.
+What it runs: a static cache, greedy decoding without logits processors, τ-mode with all B-1 masks in every pass
+(τ >= 1 then accepts slot 0 alone: exactly greedy) and lossless mode's exact verification over a whole draft tree
+(chain, runner-ups, prompt lookup). User stopping criteria, stop strings and a streamer are served by the host loop
+between passes.
 `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds one, and runs
 everything else itself.
 
