@@ -10,6 +10,7 @@ import subprocess
 import psutil  # an accelerate dependency
 import pytest
 import torch
+from transformers import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from hf_mars.tools.checkpoints.toy import counting_dataset, toy_model, toy_tokenizer
@@ -29,6 +30,19 @@ def toy_prompts(tok, n=8, seed=4321):
     test = counting_dataset(n, seed=seed)
     prompts = [tok.apply_chat_template(ex["messages"][:1], add_generation_prompt=True, tokenize=False) for ex in test]
     return tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+class StopRowAfterCalls(StoppingCriteria):
+    """Stateful and per row: row i stops at its `limits[i]`-th call, whatever the tokens (a call is a step). Records
+    every tensor it is shown."""
+
+    def __init__(self, limits):
+        self.limits, self.calls, self.seen = torch.tensor(limits), 0, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        self.seen.append(input_ids.clone())
+        return torch.full((input_ids.shape[0],), self.calls) >= self.limits
 
 
 class Recorder(BaseStreamer):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Recorder, make_model, make_tokenizer, toy_prompts
-from transformers import GenerationMixin, StoppingCriteria, StoppingCriteriaList
+from helpers import Recorder, StopRowAfterCalls, make_model, make_tokenizer, toy_prompts
+from transformers import GenerationMixin, StoppingCriteriaList
 
 import hf_mars
 from hf_mars.decoding import graph
@@ -134,18 +134,6 @@ def test_a_streamer_gets_the_loops_chunks_from_the_graph_pass(trained_toy, mode,
     assert max(len(chunk) for chunk in graphed.chunks[1:]) > 1, "some pass must stream several tokens"
     assert sum(map(len, graphed.chunks[1:])) == int(out.mars_stats.new_tokens[0])  # nothing past the stop
     assert not stop or int(out.mars_stats.new_tokens[0]) < 40, "the stop string must stop the row"
-
-
-class StopRowAfterCalls(StoppingCriteria):
-    """Stateful, per row: row i stops at its `limits[i]`-th call (a call is a step); records what it is shown."""
-
-    def __init__(self, limits):
-        self.limits, self.calls, self.seen = torch.tensor(limits), 0, []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        self.seen.append(input_ids.clone())
-        return torch.full((input_ids.shape[0],), self.calls) >= self.limits
 
 
 @pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree"])

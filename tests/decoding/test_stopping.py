@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_model, make_tokenizer
+from helpers import StopRowAfterCalls, make_model, make_tokenizer
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_mars
@@ -30,19 +30,6 @@ def models():
     plain = make_model("qwen2", dtype=torch.float64)
     plain.load_state_dict(mars.state_dict())
     return mars, plain, tok
-
-
-class StopRowAfterCalls(StoppingCriteria):
-    """Stateful and per row: row i stops at its `limits[i]`-th call, whatever the tokens (a call is a step). Records
-    every tensor it is shown."""
-
-    def __init__(self, limits):
-        self.limits, self.calls, self.seen = torch.tensor(limits), 0, []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        self.seen.append(input_ids.clone())
-        return torch.full((input_ids.shape[0],), self.calls) >= self.limits
 
 
 class StopWhenAllSaw(StoppingCriteria):
