@@ -321,8 +321,9 @@ def test_a_compiled_call_chooses_from_the_costs_of_compiled_passes(auto_model, c
     compiled = dict(mars_verify=True, cache_implementation="static", compile_config=config)
     picked = hf_mars.mars_settings(model, None, 1, **compiled)
     assert (picked["mars_block_size"], picked["mars_draft_candidates"], picked["mars_lookup"]) == (4, 3, 8)
-    assert timed == [(1, (None, *(parse_tree(name) for name in ACCEPTANCE)), config)]  # plain first
-    assert hf_mars.mars_settings(model, None, 1, **compiled) == picked and len(timed) == 1  # cached
+    # plain first, then the narrowest tree; the widest earns most, and at this flat cost 2x3+4 cannot beat it
+    assert timed == [(1, (tree,), config) for tree in (None, (2, 1, 0), (4, 3, 8))]
+    assert hf_mars.mars_settings(model, None, 1, **compiled) == picked and len(timed) == 3  # cached
     assert hf_mars.mars_settings(model, None, 1, mars_verify=True)["mars_block_size"] == 1  # eager: none pays
     static_only = hf_mars.mars_settings(model, None, 1, mars_verify=True, cache_implementation="static")
     assert static_only["mars_block_size"] == 1  # a CPU does not compile unless told
@@ -343,3 +344,38 @@ def test_compiled_passes_are_timed_on_the_compiled_path(cache_dir):
     seconds = cost_model.measure_compiled_passes(model, 2, [None, (2, 1, 0)], config, new_tokens=6)
     assert set(seconds) == {1, pass_width(2, 1, 0)} and all(s > 0 for s in seconds.values())
     assert model.__dict__.get("_mars_graphs"), "the tree ran as graph passes"
+
+
+@pytest.mark.parametrize(
+    "curve",
+    [lambda w: 0.010, lambda w: 0.010 + 0.0004 * w, lambda w: 0.010 * (1 + w / (w + 20)), lambda w: 0.004 * w],
+    ids=["flat", "linear", "saturating", "steep"],
+)
+def test_compiled_costs_time_only_the_trees_that_could_win_and_choose_as_if_all_were_timed(
+    cache_dir, monkeypatch, curve
+):
+    """Timing a compiled pass compiles it (seconds to a minute on a GPU, a graph per width): a tree whose tokens per
+    forward over the cost of a narrower pass (which it cannot undercut) lose to the best timed so far is not timed,
+    and the choice is the one a timing of every tree makes."""
+    model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=4)
+    acceptance = {"2x1": 1.59, "2x3": 1.80, "3x2,2": 2.12, "2x3+4": 2.46, "2x2+6": 2.53, "3x2+4": 2.55}
+    acceptance |= {"3x3+5": 2.71, "4x1+4": 2.48, "4x3,2,2": 2.33, "4x3+8": 2.94}  # the shipped checkpoint's
+    trees = [parse_tree(name) for name in acceptance]
+    timed = []
+
+    def measure(model, batch_size, trees, compile_config=None):
+        timed.extend(trees)
+        return {w: 0.009 if w == 1 else curve(w) for w in (1 if t is None else pass_width(*t) for t in trees)}
+
+    monkeypatch.setattr(cost_model, "measure_compiled_passes", measure)
+    pruned = cost_model.compiled_pass_costs(model, 1, trees, acceptance=acceptance)
+    every = Costs({w: 0.009 if w == 1 else curve(w) for w in pruned.forward})
+    assert choose_tree(acceptance, pruned) == choose_tree(acceptance, every)
+    assert timed[:2] == [None, (2, 1, 0)] and len(timed) == len(set(timed))
+    widths = {pass_width(*tree) for tree in trees}
+    assert len(timed) < len(widths) + 1 or curve(56) / curve(4) > 3, "only a steep curve needs every width"
+    again = cost_model.compiled_pass_costs(model, 1, trees, acceptance=acceptance, measure=False)  # cached, pruned
+    assert again.forward == pruned.forward and len(timed) == len(set(timed))
+    timed.clear()
+    cost_model.compiled_pass_costs(model, 1, trees, refresh=True)  # no acceptance (hf-mars tune): every width
+    assert len(timed) == len(widths) + 1

@@ -255,26 +255,55 @@ def pass_costs(
 
 
 def compiled_pass_costs(
-    model, batch_size: int, trees, compile_config=None, refresh: bool = False, measure: bool = True
+    model, batch_size: int, trees, compile_config=None, refresh: bool = False, measure: bool = True, acceptance=None
 ) -> Costs:
     """`Costs` of the path a compiled call runs (a static cache and `generate()`'s compile path): a plain compiled
     step for width 1, and for each lossless tree its whole graph pass (`graph.py`: forward and bookkeeping in one),
     by the tree's width, with no overheads beside them. Measured on the compiled passes themselves (each compiles
-    once, which takes a while), cached per `machine_key(..., compiled=True)` at `cost_batch`."""
+    once, which takes a while), cached per `machine_key(..., compiled=True)` at `cost_batch`.
+
+    With `acceptance` (tree name -> tokens per forward) only the trees that could still win are timed
+    (`_worth_timing`); the others count at a floor, the cost of the widest narrower pass timed, which a wider pass
+    never undercuts, and lose at it. On a GPU, where a graph pass costs about the same at any width, that saves
+    most of the compiles."""
     batch = cost_batch(batch_size)
     path, key = costs_path(), machine_key(model, batch, compiled=True)
     table = _read_table(path)
     forward = {} if refresh else {int(w): s for w, s in table.get(key, {}).get("forward", {}).items()}
-    missing = [] if 1 in forward else [None]  # plain first: its compiled forward's first shape
-    missing += [tree for tree in trees if pass_width(*tree) not in forward]
-    if missing:
+    widths = sorted({pass_width(*tree) for tree in trees})
+    earns = {}  # width -> the most tokens per forward a tree of that width makes
+    for name, tokens in (acceptance or {}).items():
+        width = pass_width(*parse_tree(name))
+        earns[width] = max(tokens, earns.get(width, 0.0))
+    while (missing := _worth_timing(forward, widths, earns)) is not None:
         if not measure:
             raise NotMeasured(f"compiled pass costs of {key} are not measured yet")
-        logger.warning("MARS: measuring compiled pass costs on this machine (once; cached in %s)", path)
-        forward.update(measure_compiled_passes(model, batch, missing, compile_config))
+        if not forward:
+            logger.warning("MARS: measuring compiled pass costs on this machine (once; cached in %s)", path)
+        tree = None if missing == 1 else next(t for t in trees if pass_width(*t) == missing)
+        forward.update(measure_compiled_passes(model, batch, [tree], compile_config))
+        table = _read_table(path)
         table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}}
         _write_table(path, table)
-    return Costs({w: forward[w] for w in {1, *(pass_width(*tree) for tree in trees)}})
+    return Costs({w: forward[w] if w in forward else _below(forward, w) for w in {1, *widths}})
+
+
+def _worth_timing(forward: dict[int, float], widths: list[int], earns: dict[int, float]) -> int | None:
+    """The next width to time (1: the plain step), or None once the rest cannot win. Without `earns` (width -> the
+    most tokens per forward a tree of that width makes) every width is timed. With them: the plain step and the
+    narrowest tree first, then, of the widths whose tokens over their floor (`_below`) could still reach the best
+    rate timed so far (or plain decoding's by `MARGIN`), the middle one, which tightens the others' floors."""
+    untimed = [w for w in (1, *widths) if w not in forward]
+    if not earns or not untimed or 1 in untimed or widths[0] in untimed:
+        return untimed[0] if untimed else None
+    best = max([MARGIN / forward[1]] + [earns[w] / forward[w] for w in widths if w in forward and w in earns])
+    open_ = [w for w in untimed if earns.get(w, float("inf")) / _below(forward, w) >= best]
+    return open_[len(open_) // 2] if open_ else None
+
+
+def _below(forward: dict[int, float], width: int) -> float:
+    """The cost of the widest pass timed narrower than `width` (a tree's pass, not the plain step): a floor."""
+    return forward[max(w for w in forward if 1 < w < width)]
 
 
 @torch.no_grad()

@@ -273,7 +273,9 @@ def auto_tree(model, configs, batch_size: int, compile_config=None, measure: boo
     widths, limit = [pass_width(*tree) for tree in trees], pay_limit(acceptance)
     try:
         if compile_config is not None:
-            costs = compiled_pass_costs(model, batch_size, trees, compile_config, measure=measure)
+            costs = compiled_pass_costs(
+                model, batch_size, trees, compile_config, measure=measure, acceptance=acceptance
+            )
         else:
             costs = pass_costs(model, batch_size, widths, limit=limit, measure=measure)
     except NotMeasured:  # not measured yet, and not to be now: plain decoding until it is
