@@ -387,15 +387,14 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
             torch.all(g.state.done, out=g.state.finished)
         if streamer is not None:  # batch 1: the pass's tokens as one chunk, as the loop streams them
             kept = stopping.new_tokens[0] if judging else g.state.decoded[0]
-            streamed = _stream(g, streamer, streamed, int(kept))
+            streamed = _stream(g, streamer, run.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
             break
     _unload_graph(g, run, passes)
 
 
-def _stream(g, streamer, streamed: int, kept: int) -> int:
-    """Hand the streamer row 0's tokens from `streamed` to `kept` new tokens; `kept`."""
-    start = int(g.state.prompt_length)
+def _stream(g, streamer, start: int, streamed: int, kept: int) -> int:
+    """Hand the streamer row 0's tokens from `streamed` to `kept` new tokens past the prompt's `start`; `kept`."""
     streamer.put(g.state.sequences[0, start + streamed : start + kept].cpu())
     return kept
 

@@ -13,9 +13,8 @@ against the loop of `generate.py`.
 What it runs: a static cache, greedy decoding without logits processors, τ-mode with all B-1 masks in every pass
 (τ >= 1 then accepts slot 0 alone: exactly greedy) and lossless mode's exact verification over a whole draft tree
 (chain, runner-ups, prompt lookup). User stopping criteria, stop strings and a streamer are served by the host loop
-between passes.
-`generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds one, and runs
-everything else itself.
+between passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds one,
+and runs everything else itself.
 
 This file is copied into MARS checkpoints (trust_remote_code).
 """
