@@ -133,3 +133,29 @@ def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch
     monkeypatch.undo()
     passes = out.mars_stats.forward_passes
     assert passes > 5 and len(reads) <= passes + 3  # one per pass, and a few to set up and finish
+
+
+@pytest.mark.parametrize("in_graph", [True, False], ids=["graph pass", "loop"])
+def test_a_static_cache_squeezes_out_its_holes_and_keeps_the_tokens(trained_toy, monkeypatch, in_graph):
+    """A static cache holds the text and a few passes (`mars_cache_length`), not every slot the passes write: the
+    drafts a pass rejects leave holes, squeezed out in place when the next pass would not fit. Tokens stay greedy
+    `generate()`'s, batched, in the graph pass and in the loop alike."""
+    from hf_mars.decoding import cache, generate, graph
+    from hf_mars.decoding.settings import resolve_settings
+
+    monkeypatch.setattr(graph, "ENABLED", in_graph)
+    calls = []
+    for module in (cache, generate):  # the loop's cache calls it from `cache`, the graph pass from `generate`
+        compact = module.compact_static
+        monkeypatch.setattr(module, "compact_static", lambda *a, compact=compact: calls.append(1) or compact(*a))
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=13)
+    mode = dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4)
+    size = model.mars_cache_length(enc.input_ids.shape[1], 40, enc.input_ids.shape[0], **mode)
+    kv = StaticCache(config=model.config, max_cache_len=size)  # as a server sizes it (generate() may reuse a larger)
+    out = model.generate(**enc, max_new_tokens=40, return_dict_in_generate=True, **{CACHE_ARG: kv}, **mode)
+    greedy = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
+    assert torch.equal(out.sequences, greedy)
+    written = out.mars_stats.forward_passes * (1 + resolve_settings(model, None, 4, {}, **mode).drafts_per_pass)
+    assert enc.input_ids.shape[1] + written > size, "the passes must write more slots than the cache has"
+    assert calls, "the cache must have been compacted"

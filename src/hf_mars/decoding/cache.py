@@ -238,9 +238,11 @@ class StaticMARSCache:
 
     Every pass writes its `[pending | drafts | masks]` at the same slots for the whole batch, from `length` on (the
     static layers count them). After the pass the layers step back over the masks, so the next pass overwrites them:
-    nothing is cropped, nothing is reallocated. A row that takes fewer tokens than the pass's pending width leaves
-    holes, as in `MARSCache`; rows stay in the batch until all have finished, as in `generate()`, so that shapes
-    never change. The attention mask is always the whole `(batch, max_cache_len)` slot map.
+    nothing is cropped, nothing is reallocated. A row that takes fewer tokens than the pass's pending width, and the
+    drafts it rejects, leave holes; once a pass would not fit, `compact_static` squeezes them out in place. So the
+    cache needs room for the text and a few passes (`static_cache_length`), not for every slot a pass writes: every
+    pass attends over the whole `(batch, max_cache_len)` slot map, so its size is what attention costs. Rows stay in
+    the batch until all have finished, as in `generate()`, so that shapes never change.
 
     Attributes:
         kv (`StaticCache`): what the model's forward reads and writes.
@@ -264,6 +266,9 @@ class StaticMARSCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slot map as attention mask, and position ids, for a pass (see `MARSCache.step_inputs`)."""
         width = new_real.shape[1] + (len(tree) + 1) * num_masks
+        if self.length + width > self.size:
+            self.real[:, self.length :] = False  # the last pass's masks
+            self.length = int(compact_static(self.kv, self.real))
         if self.length + width > self.size:
             raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
@@ -290,7 +295,7 @@ class StaticMARSCache:
         return None, bool((~stopped).any())
 
     def tidy(self, passes: int, every: int, at: float) -> None:
-        """Nothing: compaction would change the shapes."""
+        """Nothing: the cache compacts when a pass would not fit (`step_inputs`), keeping its shapes."""
 
     def key_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """`(batch, max_cache_len)`: the position id of every slot: committed, this pass's, then unwritten (unseen)."""
@@ -315,6 +320,22 @@ class StaticMARSCache:
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
         self.length += new_real.shape[1]
         self.next_position = self.next_position + new_real.sum(dim=1)
+
+
+def compact_static(kv, real: torch.Tensor) -> torch.Tensor:
+    """Squeeze the holes out of a static cache in place: each row's real slots first, in order, the rest free (`real`
+    marks them). `()` tensor: the slots now in use, where the next pass writes (the layers that count their writes
+    are set there). Positions are untouched: rotary embeddings are already in the keys. The same fixed shapes every
+    time, and no read of the device: a graph pass can run it between two replays."""
+    order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # real slots first, each row in order
+    count = real.sum(dim=1)
+    tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
+    torch._foreach_copy_(tensors, [_gather_slots(t, order) for t in tensors])
+    real.copy_(torch.arange(real.shape[1], device=real.device) < count[:, None])
+    used = count.max()
+    if counts_static_writes(kv):
+        torch._foreach_copy_([layer.cumulative_length for layer in kv.layers], [used] * len(kv.layers))
+    return used
 
 
 def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> DynamicCache:

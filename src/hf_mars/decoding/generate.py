@@ -31,7 +31,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache, prefix_cache
+from .cache import MARSCache, StaticMARSCache, compact_static, prefix_cache
 from .compat import (
     CACHE_ARG,
     compiled_forward,
@@ -55,6 +55,9 @@ from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, T
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
 from .verify import Drafts
+
+# Passes' width of slots a static cache keeps past the text: it compacts at most once in that many passes
+SPARE_PASSES = 4
 
 __all__ = ["MARSGenerateOutput", "MARSGenerationMixin", "MARSStats", "TauController", "mars_decode", "mars_settings"]
 
@@ -201,15 +204,18 @@ class MARSGenerationMixin(GenerationMixin):
 
 
 def static_cache_length(settings: MARSSettings, prompt_length: int, max_new_tokens: int, candidates=None, lookup=None):
-    """Static cache slots a MARS generation may need. A pass advances `1 + drafts_per_pass` slots whatever it accepts:
-    B pending slots in τ-mode, the root and the full draft tree in lossless mode; the last pass also writes its masks.
-    `candidates`, `lookup`: what lossless mode's tree really has (they may be fewer than asked, see `_prepare`)."""
+    """Static cache slots a MARS generation needs: the text, and `SPARE_PASSES` passes' width. A pass writes
+    `[pending | drafts | masks]` whatever it accepts (B pending slots in τ-mode; the root, the full draft tree and a
+    group of masks after each in lossless mode), leaving holes; the cache squeezes them out when a pass would not fit
+    (`compact_static`), which the spare passes make rare. Attention reads every slot of a static cache in every
+    pass, so no more are asked for. `candidates`, `lookup`: what lossless mode's tree really has (they may be fewer
+    than asked, see `_prepare`)."""
     if candidates is not None or lookup is not None:
         candidates = settings.draft_candidates if candidates is None else candidates
         settings = replace(settings, draft_candidates=candidates, lookup=settings.lookup if lookup is None else lookup)
     per_pass = 1 + settings.drafts_per_pass
     groups = per_pass if settings.verify else 1  # groups of masks: after the root and after each draft
-    return prompt_length + max_new_tokens * per_pass + per_pass + groups * (settings.block_size - 1)
+    return prompt_length + max_new_tokens + SPARE_PASSES * (per_pass + groups * (settings.block_size - 1))
 
 
 def _rows(ids) -> int:
@@ -368,6 +374,7 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
     g = graph_pass_for(model, run.cache.kv, shape, compile_config)
     _load_graph(g, run)
     passes, last_tau, stopping, streamer = 0, None, run.stopping, run.plan.streamer
+    slot = run.cache.length  # where the next pass writes: each pass moves it `shape.kept` on, compaction back
     judging = not stopping.per_row
     if judging:
         stopping.sequences = g.state.sequences  # the criteria read (and pad) the text the graph writes
@@ -377,8 +384,11 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
         if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
             g.state.tau.fill_(tau if tau < 1.0 else float("inf"))
             last_tau = tau
+        if slot + shape.width > shape.slots:  # squeeze out the holes, between two replays
+            slot = int(compact_static(g.kv, g.state.real))
+            g.state.slot.fill_(slot)
         g.run()
-        passes += 1
+        passes, slot = passes + 1, slot + shape.kept
         run.stats.tau_per_step.append(tau)
         run.stats.masks_per_step.append(shape.masks)
         if judging:
@@ -390,7 +400,7 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
             streamed = _stream(g, streamer, run.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
             break
-    _unload_graph(g, run, passes)
+    _unload_graph(g, run, passes, slot)
 
 
 def _stream(g, streamer, start: int, streamed: int, kept: int) -> int:
@@ -421,8 +431,8 @@ def _load_graph(g, run: Session) -> None:
     g.eos.copy_(plan.eos)
 
 
-def _unload_graph(g, run: Session, passes: int) -> None:
-    """What `passes` graph passes decided, back into the run, for `_finish`."""
+def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
+    """What `passes` graph passes decided, back into the run (its cache filled up to `slot`), for `_finish`."""
     text, cache, stats, state = run.text, run.cache, run.stats, g.state
     text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
     text.decoded.copy_(state.decoded)
@@ -430,7 +440,7 @@ def _unload_graph(g, run: Session, passes: int) -> None:
     cache.kv = g.kv  # where this run's K/V now are (the output's cache is copied from them)
     cache.real.copy_(state.real)
     cache.next_position = state.next_position.clone()
-    cache.length += passes * g.shape.kept
+    cache.length = slot
     if run.stopping.per_row:  # EOS and the length limit alone: each row's own count (else the criteria kept theirs)
         run.stopping.new_tokens = state.decoded.clone()
     run.stopping.sequences = text.sequences
