@@ -176,3 +176,26 @@ def test_compiled_benchmark_runs_static_and_compiled_without_recompiling(monkeyp
     assert {"ar", "mars tau=1.0", "mars tau=0.5", "lossless tau=0.5"} <= set(by)
     assert by["mars tau=1.0"].agreement == by["lossless tau=0.5"].agreement == 1.0
     assert by["ar"].forward_share is None  # compiled forwards carry no timing hooks
+
+
+def test_a_compiled_benchmark_sizes_its_cache_for_every_tree_auto_may_pick_without_timing(monkeypatch):
+    """Lossless `"auto"` picks a tree of the checkpoint's `mars_acceptance` on the compiled path: the one static
+    cache fits each, and sizing it times nothing (not the eager path, which a compiled run never takes)."""
+    from hf_mars.decoding import costs
+    from hf_mars.tools.measure.decode import static_compiled
+
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
+    model.generation_config.mars_acceptance = {"2x3": 1.6, "4x3+8": 2.9}
+    model.generation_config.mars_lossless = "auto"
+
+    def untimed(*args, **kwargs):
+        raise AssertionError("sizing a cache must time nothing")
+
+    monkeypatch.setattr(costs, "measure_pass_costs", untimed)
+    monkeypatch.setattr(costs, "measure_compiled_passes", untimed)
+    slots = static_compiled(model, 20, 16, [1, 2])["max_cache_len"]
+    widest = model.mars_cache_length(
+        20, 16, 2, mars_verify=True, mars_block_size=4, mars_draft_candidates=3, mars_lookup=8
+    )
+    assert slots == widest

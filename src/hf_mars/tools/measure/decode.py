@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import CompileConfig, GenerationMixin
 
+from ...decoding.costs import parse_tree
+
 
 def generate_ar(model, **inputs):
     """Plain greedy `generate()` of transformers (the reference): `(sequences, None)`."""
@@ -17,14 +19,16 @@ def static_compiled(model, longest_prompt: int, max_new_tokens: int, batch_sizes
     """`generate()` kwargs for a static cache and `generate()`'s compile path, for plain decoding and MARS alike.
 
     `max_cache_len` is the most slots any method here needs (τ-mode, the default lossless tree, `trees`), so every
-    method's cache has one size and nothing recompiles for a longer prompt. On a GPU `generate()` compiles with its
+    method's cache has one size and nothing recompiles for a longer prompt. Where the checkpoint has a
+    `mars_acceptance` table, lossless mode's `"auto"` picks one of its trees: every one is sized for, so that none is
+    timed here (and on the eager path, which is not the one that will run). On a GPU `generate()` compiles with its
     default `CompileConfig` (CUDA graphs); elsewhere it is told to compile all the same.
     """
-
-    calls = [dict(mars_tau=0.5), dict(mars_verify=True)]
+    acceptance = getattr(model.generation_config, "mars_acceptance", None) or {}
+    calls = [dict(mars_tau=0.5)] + ([] if acceptance else [dict(mars_verify=True)])
     calls += [
         dict(mars_verify=True, mars_block_size=b, mars_draft_candidates=n, mars_lookup=lookup)
-        for b, n, lookup in trees
+        for b, n, lookup in [*trees, *map(parse_tree, acceptance)]
     ]
     slots = max(
         model.mars_cache_length(longest_prompt, max_new_tokens, batch, **call)
