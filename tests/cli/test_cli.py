@@ -247,3 +247,26 @@ def test_tune_compile_times_trees_on_the_compiled_path_and_reports_compiled_cost
     assert set(table[next(iter(table))]["forward"]) == {"1", "4"}  # a plain compiled step, the 2x1 tree's pass
     rows = {line.split(" | ")[0].strip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert float(rows["2x1"].split(" | ")[3].rstrip("x")) > 0  # its graph pass against the plain step
+
+
+def test_bench_names_the_tree_a_compiled_run_chose_from_compiled_costs(tmp_path, monkeypatch):
+    """`hf-mars bench --compile` says which tree `"auto"` ran at each batch size: read from the compiled pass costs
+    the runs chose from, never by timing the eager path (which a compiled run never takes)."""
+    from hf_mars.cli.bench import _lossless_trees
+    from hf_mars.decoding import costs
+
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
+    model.generation_config.mars_acceptance = {"2x3": 1.6, "4x3+8": 2.9}
+    model.generation_config.mars_lossless = "auto"
+
+    def eager(*args, **kwargs):
+        raise AssertionError("a compiled run's tree must not be chosen from eager timings")
+
+    def flat(model, batch, trees, compile_config=None):  # every compiled pass costs a plain step: the widest wins
+        return {1 if tree is None else costs.pass_width(*tree): 0.01 for tree in trees}
+
+    monkeypatch.setattr(costs, "measure_pass_costs", eager)
+    monkeypatch.setattr(costs, "measure_compiled_passes", flat)
+    assert _lossless_trees(model, [1], compiled=True).endswith("batch 1: 4x3+8")

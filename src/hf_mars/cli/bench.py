@@ -230,7 +230,7 @@ def run(args) -> None:
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
-    print(_lossless_trees(model, args.batch_sizes))
+    print(_lossless_trees(model, args.batch_sizes, args.compile))
     plain = _fastest_plain(model, tokenizer, prompts, args, cells)
     print(
         "\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
@@ -268,13 +268,15 @@ def load_on_device(args):
     return model, tokenizer
 
 
-def _lossless_trees(model, batch_sizes) -> str:
-    """Which tree "lossless tau=..." ran at each batch size (the checkpoint's `mars_lossless`: "auto" picks here)."""
+def _lossless_trees(model, batch_sizes, compiled: bool) -> str:
+    """Which tree "lossless tau=..." ran at each batch size (the checkpoint's `mars_lossless`: "auto" picks here),
+    asked as the runs asked, so that a compiled run reads the compiled pass costs it chose from (timing nothing)."""
     from ..decoding.costs import tree_key
+    from ..tools.measure.decode import compiled_path
 
     trees = []
     for batch in batch_sizes:
-        s = model.mars_settings(batch_size=batch, mars_verify=True)
+        s = model.mars_settings(batch_size=batch, mars_verify=True, **(compiled_path(model) if compiled else {}))
         tree = (s["mars_block_size"], s["mars_draft_candidates"], s["mars_lookup"])
         trees.append(f"batch {batch}: " + (tree_key(*tree) if tree[0] > 1 else "none (plain decoding)"))
     preset = getattr(model.generation_config, "mars_lossless", None)

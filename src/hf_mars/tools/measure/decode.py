@@ -35,7 +35,13 @@ def static_compiled(model, longest_prompt: int, max_new_tokens: int, batch_sizes
         for batch in batch_sizes
         for call in calls
     )
-    kwargs = dict(cache_implementation="static", max_cache_len=slots)
+    return dict(compiled_path(model), max_cache_len=slots)
+
+
+def compiled_path(model) -> dict:
+    """`generate()` kwargs of its compile path with a static cache: on a GPU its default `CompileConfig` (CUDA
+    graphs), elsewhere one that tells it to compile all the same."""
+    kwargs = dict(cache_implementation="static")
     if model.device.type != "cuda":
         kwargs["compile_config"] = CompileConfig(mode="default")
         kwargs["compile_config"]._compile_all_devices = True  # generate()'s own switch for compiling off a GPU
