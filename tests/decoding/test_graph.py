@@ -21,6 +21,7 @@ MODES = {
     "lossless chain": dict(mars_verify=True),
     "lossless tree": dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4),
     "lossless per-depth tree": dict(mars_verify=True, mars_draft_candidates=[2, 3, 2], mars_lookup=2),
+    "lossless at tau=1": dict(mars_verify=True, mars_tau=1.0, mars_lookup=4),  # the masks propose nothing
 }
 
 
