@@ -44,6 +44,12 @@ def add_parser(subparsers) -> None:
     )
     tune.add_argument("--max-new-tokens", type=int, default=96)
     tune.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported")
+    _add_output_options(tune)
+    tune.set_defaults(run=run)
+
+
+def _add_output_options(tune) -> None:
+    """What tune writes (`--save`, `--auto`), and how it loads and runs the model."""
     tune.add_argument(
         "--save",
         action="store_true",
@@ -75,7 +81,6 @@ def add_parser(subparsers) -> None:
         help="tune on the path a GPU server runs: a static cache and generate()'s torch.compile path (every tree "
         'compiles once, untimed), and report the costs of compiled passes, which mars_lossless="auto" reads there',
     )
-    tune.set_defaults(run=run)
 
 
 def run(args) -> None:
