@@ -191,6 +191,7 @@ def test_auto_runs_the_tree_the_costs_pick_with_greedy_output(
 ):
     model, tok = auto_model
     counting(monkeypatch, table(extra_token_cost))  # width 1 and the trees' widths
+    model.mars_measure([1, 4], mars_verify=True)
     for batch in (1, 4):
         settings = hf_mars.mars_settings(model, None, batch, mars_verify=True)
         assert (settings["mars_block_size"], settings["mars_draft_candidates"], settings["mars_lookup"]) == tree
@@ -227,9 +228,7 @@ def test_auto_without_acceptance_or_with_bad_acceptance_is_refused(trained_toy, 
                 model.generate(**enc, mars_verify=True, max_new_tokens=4)
         del config.mars_lossless  # acceptance alone also means auto
         config.mars_acceptance = {"2x1": 1.7}
-        assert (
-            hf_mars.mars_settings(model, mars_verify=True)["mars_block_size"] == 2
-        )  # a free wide pass: the tree pays
+        assert model.mars_measure(mars_verify=True)[1]["mars_block_size"] == 2  # a free wide pass: the tree pays
     finally:
         for name in ("mars_lossless", "mars_acceptance"):
             if hasattr(config, name):
@@ -239,7 +238,7 @@ def test_auto_without_acceptance_or_with_bad_acceptance_is_refused(trained_toy, 
 def test_mask_cost_auto_is_read_from_the_same_pass_costs(trained_toy, cache_dir, monkeypatch):
     model, tok = trained_toy
     calls = counting(monkeypatch, {1: 0.010, 2: 0.012, 3: 0.015, 4: 0.020})
-    settings = hf_mars.mars_settings(model, mars_tau=0.9, mars_mask_cost="auto")
+    settings = model.mars_measure(mars_tau=0.9, mars_mask_cost="auto")[1]
     assert settings["mars_mask_cost"] == [0.2, 0.5, 1.0] and len(calls) == 1  # B = 4: 1, 2, 3 masks
     assert hf_mars.mars_settings(model, mars_tau=0.9, mars_block_size=2, mars_mask_cost="auto")["mars_mask_cost"] == [
         0.2
@@ -319,17 +318,18 @@ def test_a_compiled_call_chooses_from_the_costs_of_compiled_passes(auto_model, c
     config = CompileConfig(backend="eager")
     config._compile_all_devices = True  # generate() compiles on GPUs only unless told
     compiled = dict(mars_verify=True, cache_implementation="static", compile_config=config)
-    picked = hf_mars.mars_settings(model, None, 1, **compiled)
+    picked = model.mars_measure([1], **compiled)[1]
     assert (picked["mars_block_size"], picked["mars_draft_candidates"], picked["mars_lookup"]) == (4, 3, 8)
     # plain first, then the narrowest tree; the widest earns most, and at this flat cost 2x3+4 cannot beat it
     assert timed == [(1, (tree,), config) for tree in (None, (2, 1, 0), (4, 3, 8))]
     assert hf_mars.mars_settings(model, None, 1, **compiled) == picked and len(timed) == 3  # cached
-    assert hf_mars.mars_settings(model, None, 1, mars_verify=True)["mars_block_size"] == 1  # eager: none pays
+    assert model.mars_measure([1], mars_verify=True)[1]["mars_block_size"] == 1  # eager: none pays
     static_only = hf_mars.mars_settings(model, None, 1, mars_verify=True, cache_implementation="static")
     assert static_only["mars_block_size"] == 1  # a CPU does not compile unless told
     keys = list(json.loads((cache_dir / "pass_costs.json").read_text()))
     assert sorted(keys) == sorted([machine_key(model, 1), machine_key(model, 1, compiled=True)])
     enc = toy_prompts(tok, n=2, seed=13)
+    model.mars_measure([2], **compiled)
     out = model.generate(**enc, **compiled, max_new_tokens=20, return_dict_in_generate=True)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=20)
     assert torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward > 1.0
@@ -379,3 +379,26 @@ def test_compiled_costs_time_only_the_trees_that_could_win_and_choose_as_if_all_
     timed.clear()
     cost_model.compiled_pass_costs(model, 1, trees, refresh=True)  # no acceptance (hf-mars tune): every width
     assert len(timed) == len(widths) + 1
+
+
+def test_resolving_settings_never_times_and_says_how_to_measure(auto_model, cache_dir, monkeypatch, caplog):
+    """`generate()`, `mars_settings` and a session time nothing: `"auto"` settings not measured yet decode as if
+    nothing paid (lossless: plainly; mask cost: every mask), with one warning per setting and batch size that names
+    the explicit call, `model.mars_measure`; after it, calls run the tree it chose."""
+    model, tok = auto_model
+    calls = counting(monkeypatch, table(0.0))
+    monkeypatch.setattr(cost_model, "_WARNED", set())  # once per process: this test's warnings are new
+    enc = toy_prompts(tok, n=2, seed=3)
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=12)
+    with caplog.at_level("WARNING"):
+        assert hf_mars.mars_settings(model, None, 2, mars_verify=True)["mars_block_size"] == 1
+        out = model.generate(**enc, mars_verify=True, max_new_tokens=12, return_dict_in_generate=True)
+        masks = hf_mars.mars_settings(model, None, 2, mars_tau=0.9, mars_mask_cost="auto")["mars_mask_cost"]
+        assert masks == [0.0] * 3  # every mask fed
+        model.mars_session(enc.input_ids, attention_mask=enc.attention_mask, mars_verify=True, max_new_tokens=4)
+    assert calls == [] and torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward == 1.0
+    warned = [r.getMessage() for r in caplog.records if "mars_measure" in r.getMessage()]
+    assert len(warned) == 2 and 'mars_lossless="auto"' in warned[0] and 'mars_mask_cost="auto"' in warned[1]
+    assert model.mars_measure([2], mars_verify=True)[2]["mars_block_size"] == 4 and calls
+    out = model.generate(**enc, mars_verify=True, max_new_tokens=12, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward > 1.0

@@ -96,6 +96,7 @@ def run(args) -> None:
     if args.dtype == "auto":
         model = _auto_dtype(model, inputs["input_ids"].shape[1], args.max_new_tokens)
     mars = _mars_arguments(args)
+    model.mars_measure([1], **mars)  # what "auto" settings read (once per machine; generate() never times)
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         _warm_up(model, inputs, mars)
     _print_settings(model, mars, args.lossless)

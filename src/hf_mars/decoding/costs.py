@@ -4,7 +4,8 @@ Two measurements meet here. What a tree earns, tokens per pass, belongs to the c
 once, on any machine, and stores it in the generation config as `mars_acceptance` (`{"BxN+L": tokens per forward}`,
 N an int or per-depth counts, "4x3,2+4": `parse_tree`).
 What a pass costs belongs to the machine: the time of a forward over w tokens for this device, dtype, thread count,
-batch size and architecture, measured here at first use (a few seconds) and cached per machine in
+batch size and architecture, measured here when asked (`model.mars_measure`, the tools, a server's start: seconds,
+or minutes where compiled passes compile; resolving settings never times) and cached per machine in
 `$HF_MARS_CACHE/pass_costs.json` (default `~/.cache/hf_mars`). A tree runs only if it beats plain decoding, one
 token per one-token pass, by `MARGIN`; otherwise the call is plain `generate()`, which lossless mode's output equals.
 So lossless mode is never meaningfully slower than plain decoding in the same dtype, and wide trees run where a wide
@@ -109,14 +110,35 @@ class NotMeasured(LookupError):
     """Pass costs that may not be timed now (`measure=False`) are not in the table yet."""
 
 
-def mask_costs(model, batch_size: int, block_size: int, measure: bool = True) -> list[float]:
+def mask_costs(model, batch_size: int, block_size: int, measure: bool = False) -> list[float]:
     """`mars_mask_cost="auto"`: what 1 .. B-1 masks add to a one-token pass here, from the cached pass costs (0
-    while they are not measured and may not be now: `measure=False`)."""
+    while they are not measured, unless `measure`)."""
     try:
         widths = range(1, block_size + 1)
         return mask_shares(pass_costs(model, batch_size, widths, measure=measure).forward, block_size)
     except NotMeasured:
+        warn_not_measured('mars_mask_cost="auto"', batch_size, "feeds every mask")
         return [0.0] * (block_size - 1)
+
+
+def warn_not_measured(setting: str, batch_size: int, meanwhile: str) -> None:
+    """Say once per setting and batch size that an `"auto"` setting found no pass costs: resolving settings never
+    times (it would stall a `generate()` call, or a server's request, for seconds to minutes); the user does."""
+    if (setting, batch_size) in _WARNED:
+        return
+    _WARNED.add((setting, batch_size))
+    logger.warning(
+        "MARS: %s needs this machine's pass costs at batch %d, not measured yet: until they are, it %s. "
+        "`model.mars_measure(batch_sizes=[%d])` times them once (with the call's cache_implementation and "
+        "compile_config, for a compiled path), cached per machine; `hf-mars tune` too.",
+        setting,
+        batch_size,
+        meanwhile,
+        batch_size,
+    )
+
+
+_WARNED: set = set()
 
 
 def mask_shares(forward: dict[int, float], block_size: int) -> list[float]:

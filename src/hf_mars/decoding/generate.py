@@ -141,7 +141,7 @@ class MARSGenerationMixin(GenerationMixin):
         labels=None,
         budgets=None,
         max_rows: int | None = None,
-        measure: bool = True,
+        measure: bool = False,
         **kwargs,
     ) -> Session:
         """A MARS decoding session over these rows, prepared exactly as `generate()` prepares its batch (the same
@@ -158,7 +158,7 @@ class MARSGenerationMixin(GenerationMixin):
                 at most that).
             max_rows: the most rows the session will hold, rows that join it later included (default: these):
                 settings that depend on the batch size (`"auto"` trees and mask costs) are chosen for it.
-            measure: whether pass costs that `"auto"` settings need may be timed now (see `resolve_settings`).
+            measure: time now the pass costs that `"auto"` settings need and miss (see `mars_measure`).
 
         Stopping beyond EOS and each row's budget (stop strings, criteria, a client that leaves) is the caller's: it
         reads the rows after each pass and releases those it stops. Streamers and outputs of `generate()`'s dict
@@ -182,9 +182,17 @@ class MARSGenerationMixin(GenerationMixin):
         opened = functools.partial(open_session, settings=settings, labels=labels, budgets=budgets)
         return super().generate(input_ids, config, custom_generate=opened, **kwargs)
 
-    def mars_settings(self, generation_config=None, batch_size: int = 1, measure=True, **mars_kwargs) -> dict | None:
+    def mars_settings(self, generation_config=None, batch_size: int = 1, measure=False, **mars_kwargs) -> dict | None:
         """What `generate(**mars_kwargs)` runs with at this batch size, defaults resolved (see `mars_settings`)."""
         return mars_settings(self, generation_config, batch_size, measure, **mars_kwargs)
+
+    def mars_measure(self, batch_sizes=(1,), generation_config=None, **kwargs) -> dict:
+        """Time on this machine what `"auto"` settings read (lossless mode's tree, `mars_mask_cost`), for calls of
+        these batch sizes made with `kwargs` (with `cache_implementation="static"` and, off a GPU, a
+        `compile_config`, the compiled passes those calls run), and cache it per machine. `generate()` never times:
+        until this runs (or `hf-mars tune`), `"auto"` settings decode as if nothing paid. Takes seconds to minutes
+        (each compiled tree width compiles once). `{batch size: the settings calls of that size now run with}`."""
+        return {b: mars_settings(self, generation_config, b, True, **dict(kwargs)) for b in batch_sizes}
 
     def mars_dtype(self, batch_size: int = 1, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS):
         """The dtype in which lossless decoding of such calls is expected fastest on this machine, and why: a

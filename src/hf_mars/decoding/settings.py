@@ -26,6 +26,7 @@ from .costs import (
     pass_costs,
     pass_width,
     pay_limit,
+    warn_not_measured,
 )
 from .tree import runner_ups
 
@@ -150,7 +151,7 @@ class MARSSettings:
 
 
 def resolve_settings(
-    model, generation_config=None, batch_size: int = 1, call: dict | None = None, measure: bool = True, **kwargs
+    model, generation_config=None, batch_size: int = 1, call: dict | None = None, measure: bool = False, **kwargs
 ) -> MARSSettings | None:
     """`MARSSettings` for these `mars_*` kwargs at this batch size; `None` means plain `generate()` (no τ anywhere).
 
@@ -158,8 +159,9 @@ def resolve_settings(
     (in lossless mode each config's `mars_lossless` preset before its own keys), the default. Lossless mode's output
     does not depend on τ, so it runs without one (τ = 0: every draft is proposed, the tree's shape bounds the pass).
     `call`: the call's other `generate()` kwargs, which say whether its passes are compiled (see `compiles`).
-    `measure=False`: pass costs not measured yet count as paying for nothing (`mars_lossless="auto"` decodes plainly,
-    `mars_mask_cost="auto"` is 0) rather than being timed now (a server's requests, answered at once).
+    Resolving times nothing: pass costs not measured yet count as paying for nothing (`mars_lossless="auto"` decodes
+    plainly, `mars_mask_cost="auto"` is 0, with a warning that says how to measure them). `measure=True` times what
+    is missing first: `model.mars_measure`, the explicit call, does that.
     """
     configs = [model.generation_config]
     if generation_config is not None and generation_config is not model.generation_config:
@@ -222,7 +224,7 @@ def _layers(model, configs, verify: bool, batch_size: int, call: dict, measure: 
     return layers
 
 
-def mars_settings(model, generation_config=None, batch_size: int = 1, measure: bool = True, **kwargs) -> dict | None:
+def mars_settings(model, generation_config=None, batch_size: int = 1, measure: bool = False, **kwargs) -> dict | None:
     """What `generate(**kwargs)` runs with at this batch size, as `generate()` kwargs with every default resolved;
     `None`: plain `generate()`. See `resolve_settings` (and its `measure`); `cache_implementation` and
     `compile_config` count as in `generate()`."""
@@ -258,7 +260,7 @@ def compiles(model, configs, call: dict):
     return config if getattr(config, "_compile_all_devices", False) else None
 
 
-def auto_tree(model, configs, batch_size: int, compile_config=None, measure: bool = True) -> dict:
+def auto_tree(model, configs, batch_size: int, compile_config=None, measure: bool = False) -> dict:
     """The tree of the checkpoint's `mars_acceptance` with the most tokens per second at this batch size on this
     machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding. With the
     `compile_config` of a call whose passes are compiled, the costs are those of compiled passes
@@ -279,6 +281,7 @@ def auto_tree(model, configs, batch_size: int, compile_config=None, measure: boo
         else:
             costs = pass_costs(model, batch_size, widths, limit=limit, measure=measure)
     except NotMeasured:  # not measured yet, and not to be now: plain decoding until it is
+        warn_not_measured('mars_lossless="auto"', batch_size, "decodes plainly")
         costs = None
     tree = (choose_tree(acceptance, costs) if costs is not None else None) or (1, 1, 0)
     return dict(zip(TREE_KEYS, tree), mars_tau=0.0)

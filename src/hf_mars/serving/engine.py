@@ -328,7 +328,7 @@ def measure_in_background(model, max_batch_size: int) -> threading.Thread:
     def measure() -> None:
         started = time.monotonic()
         logger.info("pass costs at batch %d: measuring in the background (plain decoding until then)", max_batch_size)
-        model.mars_settings(batch_size=max_batch_size, mars_verify=True)
+        model.mars_measure([max_batch_size], mars_verify=True)
         logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 
     thread = threading.Thread(target=measure, name="mars-costs", daemon=True)
