@@ -108,3 +108,14 @@ def venv_python(variable: str, what: str, install: str) -> str:
             pytest.fail(f"CI runs {what}: {variable} is unset ({install})")
         pytest.skip(f"{what} needs a venv of its own: {install}")
     return python
+
+
+def auto_lossless_model(acceptance: dict | None = None):
+    """A tiny Llama made MARS (B = 4) whose lossless mode is `"auto"`, with these trees' tokens per forward."""
+    import hf_mars
+
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
+    model.generation_config.mars_acceptance = acceptance or {"2x3": 1.6, "4x3+8": 2.9}
+    model.generation_config.mars_lossless = "auto"
+    return model, tok

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_model, make_tokenizer
+from helpers import auto_lossless_model, make_model, make_tokenizer
 
 import hf_mars
 
@@ -257,10 +257,7 @@ def test_bench_names_the_tree_a_compiled_run_chose_from_compiled_costs(tmp_path,
     from hf_mars.tools.measure.decode import compiled_path
 
     monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
-    tok = make_tokenizer()
-    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
-    model.generation_config.mars_acceptance = {"2x3": 1.6, "4x3+8": 2.9}
-    model.generation_config.mars_lossless = "auto"
+    model, _ = auto_lossless_model()
 
     def eager(*args, **kwargs):
         raise AssertionError("a compiled run's tree must not be chosen from eager timings")

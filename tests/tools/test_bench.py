@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from helpers import make_model, make_tokenizer
+from helpers import auto_lossless_model, make_model, make_tokenizer
 
 import hf_mars
 from hf_mars.tools.evaluate.evals import load_prompts
@@ -184,10 +184,7 @@ def test_a_compiled_benchmark_sizes_its_cache_for_every_tree_auto_may_pick_witho
     from hf_mars.decoding import costs
     from hf_mars.tools.measure.decode import static_compiled
 
-    tok = make_tokenizer()
-    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
-    model.generation_config.mars_acceptance = {"2x3": 1.6, "4x3+8": 2.9}
-    model.generation_config.mars_lossless = "auto"
+    model, _ = auto_lossless_model()
 
     def untimed(*args, **kwargs):
         raise AssertionError("sizing a cache must time nothing")
