@@ -192,7 +192,7 @@ class MARSGenerationMixin(GenerationMixin):
         `compile_config`, the compiled passes those calls run), and cache it per machine. `generate()` never times:
         until this runs (or `hf-mars tune`), `"auto"` settings decode as if nothing paid. Takes seconds to minutes
         (each compiled tree width compiles once). `{batch size: the settings calls of that size now run with}`."""
-        return {b: mars_settings(self, generation_config, b, True, **dict(kwargs)) for b in batch_sizes}
+        return {b: mars_settings(self, generation_config, b, True, **kwargs) for b in batch_sizes}
 
     def mars_dtype(self, batch_size: int = 1, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS):
         """The dtype in which lossless decoding of such calls is expected fastest on this machine, and why: a
