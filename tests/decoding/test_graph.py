@@ -173,15 +173,17 @@ def test_relative_positions_are_the_caches_positions(parents, pending):
     assert torch.equal(next_position[:, None] + _relative_positions(shape), expected)
 
 
-def test_the_graph_pass_dispatches_fewer_ops_than_the_loop():
-    """aten ops outside the forward, per pass, static cache, eager (`hf-mars bench --host-bound` prints them)."""
+def test_the_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():
+    """aten ops outside the forward, per pass, static cache, eager (`hf-mars bench --host-bound` prints them): what a
+    GPU launches around the forward when the pass is not captured. A count, not a timing: the same on every machine."""
     from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
 
     model, tokenizer = host_bound_model(layers=2, hidden=32)
-    rows = {row["method"]: row for row in host_ops(model, tokenizer, batch_sizes=(2,), max_new_tokens=12)}
+    rows = {row["method"]: row for row in host_ops(model, tokenizer, batch_sizes=(2,), max_new_tokens=24)}
     for mode in ("MARS τ = 0.9", "lossless"):
         assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"]
         assert rows[f"{mode}, one graph"]["kernels"] < rows[f"{mode}, loop"]["kernels"]
+        assert rows[f"{mode}, one graph"]["ratio"] <= 1.5, rows[f"{mode}, one graph"]
     assert rows["plain generate()"]["ratio"] == 1.0
 
 

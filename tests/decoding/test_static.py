@@ -140,12 +140,12 @@ def test_a_static_cache_squeezes_out_its_holes_and_keeps_the_tokens(trained_toy,
     """A static cache holds the text and a few passes (`mars_cache_length`), not every slot the passes write: the
     drafts a pass rejects leave holes, squeezed out in place when the next pass would not fit. Tokens stay greedy
     `generate()`'s, batched, in the graph pass and in the loop alike."""
-    from hf_mars.decoding import cache, generate, graph
+    from hf_mars.decoding import cache, graph
     from hf_mars.decoding.settings import resolve_settings
 
     monkeypatch.setattr(graph, "ENABLED", in_graph)
     calls = []
-    for module in (cache, generate):  # the loop's cache calls it from `cache`, the graph pass from `generate`
+    for module in (cache, graph):  # the loop's cache calls it from `cache`, the graph pass from `graph`
         compact = module.compact_static
         monkeypatch.setattr(module, "compact_static", lambda *a, compact=compact: calls.append(1) or compact(*a))
     model, tok = trained_toy

@@ -324,15 +324,19 @@ class StaticMARSCache:
         self.next_position = self.next_position + new_real.sum(dim=1)
 
 
-def compact_static(kv, real: torch.Tensor) -> torch.Tensor:
+def compact_static(kv, real: torch.Tensor, stacked: torch.Tensor | None = None) -> torch.Tensor:
     """Squeeze the holes out of a static cache in place: each row's real slots first, in order, the rest free (`real`
     marks them). `()` tensor: the slots now in use, where the next pass writes (the layers that count their writes
     are set there). Positions are untouched: rotary embeddings are already in the keys. The same fixed shapes every
-    time, and no read of the device: a graph pass can run it between two replays."""
+    time, and no read of the device: a graph pass can run it between two replays. `stacked`: one tensor that every
+    layer's keys and values are views of, gathered at once."""
     order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # real slots first, each row in order
     count = real.sum(dim=1)
-    tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
-    torch._foreach_copy_(tensors, [_gather_slots(t, order) for t in tensors])
+    if stacked is not None:
+        stacked.copy_(_gather_slots(stacked, order))
+    else:
+        tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
+        torch._foreach_copy_(tensors, [_gather_slots(t, order) for t in tensors])
     real.copy_(torch.arange(real.shape[1], device=real.device) < count[:, None])
     used = count.max()
     if counts_static_writes(kv):
@@ -387,6 +391,7 @@ def _pad_slots(states: torch.Tensor, holes: int, dim: int = 2) -> torch.Tensor:
 
 
 def _gather_slots(states: torch.Tensor, order: torch.LongTensor) -> torch.Tensor:
-    """`states[b, :, order[b], :]` for a `(batch, heads, slots, dim)` tensor."""
-    index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
-    return states.gather(2, index)
+    """`states[..., b, :, order[b], :]` for a `(..., batch, heads, slots, dim)` tensor (layers stacked or not)."""
+    lead = (1,) * (states.dim() - 4)
+    index = order.view(*lead, order.shape[0], 1, order.shape[1], 1)
+    return states.gather(-2, index.expand(*states.shape[:-2], order.shape[1], states.shape[-1]))

@@ -31,7 +31,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache, compact_static, prefix_cache
+from .cache import MARSCache, StaticMARSCache, prefix_cache
 from .compat import (
     CACHE_ARG,
     compiled_forward,
@@ -393,8 +393,7 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
             g.state.tau.fill_(tau if tau < 1.0 else float("inf"))
             last_tau = tau
         if slot + shape.width > shape.slots:  # squeeze out the holes, between two replays
-            slot = int(compact_static(g.kv, g.state.real))
-            g.state.slot.fill_(slot)
+            slot = g.compact(slot)
         g.run()
         passes, slot = passes + 1, slot + shape.kept
         run.stats.tau_per_step.append(tau)
@@ -423,18 +422,18 @@ def _load_graph(g, run: Session) -> None:
     width = text.sequences.shape[1]
     state.sequences[:, :width].copy_(text.sequences)
     state.sequences[:, width:].fill_(plan.pad_token_id)
-    for name, value in (("prompt_length", text.prompt_length), ("slot", cache.length)):
-        getattr(state, name).fill_(value)
-    for name, value in (("budget", text.budget), ("decoded", text.decoded), ("passes", text.passes)):
-        getattr(state, name).copy_(value)
+    torch.add(g.offsets, text.prompt_length, out=state.write_offsets)
+    state.slot.fill_(cache.length)
+    state.budget.copy_(text.budget)
+    state.decoded.copy_(text.decoded)
     state.done.copy_(~text.active)
     state.real.copy_(cache.real)
-    state.next_position.copy_(cache.next_position)
+    state.last_position.copy_(cache.next_position + feed.pending_real.sum(dim=1) - 1)
     pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a first pass without masks: holes on the left
-    state.pending.copy_(torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id))
-    state.pending_real.copy_(torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
-    state.drafts.copy_(feed.drafts.tokens)
-    state.drafts_real.copy_(feed.drafts.real)
+    g.pending.copy_(torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id))
+    g.pending_real.copy_(torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
+    g.drafts.copy_(feed.drafts.tokens)
+    g.drafts_real.copy_(feed.drafts.real)
     state.step.zero_()
     g.eos.copy_(plan.eos)
 
@@ -442,18 +441,20 @@ def _load_graph(g, run: Session) -> None:
 def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
     """What `passes` graph passes decided, back into the run (its cache filled up to `slot`), for `_finish`."""
     text, cache, stats, state = run.text, run.cache, run.stats, g.state
+    taken = state.accepted_log[:, :passes]  # a row takes a token in every pass it decodes in
     text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
     text.decoded.copy_(state.decoded)
-    text.passes.copy_(state.passes)
+    text.passes.add_((taken > 0).sum(dim=1))
     cache.kv = g.kv  # where this run's K/V now are (the output's cache is copied from them)
     cache.real.copy_(state.real)
-    cache.next_position = state.next_position.clone()
+    cache.real[:, slot:] = False  # the last pass's masks
+    cache.next_position = state.last_position - g.pending_real.sum(dim=1) + 1
     cache.length = slot
     if run.stopping.per_row:  # EOS and the length limit alone: each row's own count (else the criteria kept theirs)
         run.stopping.new_tokens = state.decoded.clone()
     run.stopping.sequences = text.sequences
     stats.forward_passes += passes
-    stats.accepted_per_step.extend(state.accepted_log[:passes].clone().unbind(0))
+    stats.accepted_per_step.extend(taken.T.clone().unbind(0))
 
 
 def _prepare(model, input_ids, processors, criteria, generation_config, settings, streamer, model_kwargs) -> Session:

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
-from .scoring import choose
-from .tree import DraftTree
-from .verify import Drafts, add_lookup, propose, verify
+from .scoring import confidence
+from .tree import DraftTree, depth_candidates, lookup, runner_ups
+from .verify import _runner_ups
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
@@ -71,60 +72,64 @@ class GraphShape:
     def width(self) -> int:
         return self.kept + self.groups * self.masks
 
+    @property
+    def tokens(self) -> int:
+        """Tokens a pass may take: the tree's depth and one (lossless), the pending slots (τ-mode)."""
+        return self.tree.depth + 1 if self.verify else self.pending
+
 
 @dataclass
 class GraphState:
     """What a graph pass reads and writes in place, for every row of the batch (rows stay until all are done)."""
 
     sequences: torch.Tensor  # (batch, slots): prompt, then the decoded tokens, then pad
-    prompt_length: torch.Tensor  # () the prompt's width
+    write_offsets: torch.Tensor  # (tokens a pass may take,) the prompt's width + 0, 1, ...: where row text goes
     budget: torch.Tensor  # (batch,) new tokens each row may take
     decoded: torch.Tensor  # (batch,) new tokens decoded
-    passes: torch.Tensor  # (batch,) passes each row took part in
     done: torch.Tensor  # (batch,) rows that reached EOS or the length limit
     finished: torch.Tensor  # () every row done
-    real: torch.Tensor  # (batch, slots) which cache slots hold real tokens
+    real: torch.Tensor  # (batch, slots) which cache slots hold real tokens (up to `slot`; see `GraphPass.compact`)
     slot: torch.Tensor  # () the first slot the next pass writes
-    next_position: torch.Tensor  # (batch,) position id of each row's next real token
-    pending: torch.Tensor  # (batch, pending)
-    pending_real: torch.Tensor
-    drafts: torch.Tensor  # (batch, len(tree))
-    drafts_real: torch.Tensor
+    last_position: torch.Tensor  # (batch,) position id of each row's last pending token
+    fed: torch.Tensor  # (batch, width) the pass's input: pending tokens, drafts, then the masks (written once)
+    fed_real: torch.Tensor  # (batch, width) which of them are real (the masks always)
     tau: torch.Tensor  # () the τ of the next pass (inf: accept or propose nothing)
-    step: torch.Tensor  # () passes run
-    accepted_log: torch.Tensor  # (slots, batch) tokens each row took in each pass
+    step: torch.Tensor  # (1,) passes run
+    accepted_log: torch.Tensor  # (batch, slots) tokens each row took in each pass
 
     @classmethod
     def empty(cls, shape: GraphShape, device) -> GraphState:
-        batch, slots = shape.batch, shape.slots
+        batch, slots, kept = shape.batch, shape.slots, shape.kept
         long = dict(dtype=torch.long, device=device)
         flag = dict(dtype=torch.bool, device=device)
+        fed, fed_real = torch.zeros(batch, shape.width, **long), torch.zeros(batch, shape.width, **flag)
+        fed[:, kept:], fed_real[:, kept:] = shape.mask_token_id, True
         return cls(
             sequences=torch.zeros(batch, slots, **long),
-            prompt_length=torch.zeros((), **long),
+            write_offsets=torch.zeros(shape.tokens, **long),
             budget=torch.zeros(batch, **long),
             decoded=torch.zeros(batch, **long),
-            passes=torch.zeros(batch, **long),
             done=torch.zeros(batch, **flag),
             finished=torch.zeros((), **flag),
             real=torch.zeros(batch, slots, **flag),
             slot=torch.zeros((), **long),
-            next_position=torch.zeros(batch, **long),
-            pending=torch.zeros(batch, shape.pending, **long),
-            pending_real=torch.zeros(batch, shape.pending, **flag),
-            drafts=torch.zeros(batch, len(shape.tree), **long),
-            drafts_real=torch.zeros(batch, len(shape.tree), **flag),
+            last_position=torch.zeros(batch, **long),
+            fed=fed,
+            fed_real=fed_real,
             tau=torch.zeros((), dtype=torch.float32, device=device),
-            step=torch.zeros((), **long),
-            accepted_log=torch.zeros(slots, batch, **long),
+            step=torch.zeros(1, **long),
+            accepted_log=torch.zeros(batch, slots, **long),
         )
 
 
 class GraphPass:
     """One shape's pass, its state and (on CUDA, compiled) its captured graph: `run()` decodes one pass.
 
-    Everything a pass needs that does not change from pass to pass (index ranges, the tree's visibility, each fed
-    token's position relative to the row's next one) is built here once, so that a pass launches only what it must.
+    Everything a pass needs that does not change from pass to pass is built here once, as tables that a pass reads
+    with one index each: which slots a query sees (by key slot minus pass slot), where each fed token sits, and, for
+    lossless mode, each tree node's lineage, path and group of masks. A GPU launches each eager op of a pass as a
+    kernel of its own, so a pass is written to launch few: views made here once, several counters moved by one
+    `_foreach_add_`, tables instead of arithmetic.
     """
 
     def __init__(self, model, kv, shape: GraphShape, compile_config=None):
@@ -134,8 +139,9 @@ class GraphPass:
         host-to-device copies, which CUDA graph capture refuses.)"""
         self.model, self.shape = model, shape
         self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
+        self.stacked = _stack_layers(self.kv)
         device = kv.layers[0].keys.device
-        self.state = GraphState.empty(shape, device)
+        self.state = state = GraphState.empty(shape, device)
         self.capture = compile_config is not None and device.type == "cuda"
         self.forward, self.step = model, graph_pass
         if self.capture:  # the forward compiled without CUDA graphs of its own; the pass around it is captured
@@ -144,23 +150,26 @@ class GraphPass:
             self.step = _compiled(graph_pass, compile_config)
         self.lengths = [layer.cumulative_length for layer in self.kv.layers]
         self.tensors = [t for layer in self.kv.layers for t in (layer.keys, layer.values)] + self.lengths
+        # A pass moves these on: the slot by what it keeps, the step by one, each layer's write count back over masks
+        masks = shape.width - shape.kept
+        self.counters = [state.slot, state.step] + (self.lengths if masks else [])
+        self.counter_steps = [shape.kept, 1] + ([-masks] * len(self.lengths) if masks else [])
         self.eos = torch.zeros(shape.eos, dtype=torch.long, device=device)
-        batch, width, masks = shape.batch, shape.width, shape.groups * shape.masks
-        visible = shape.tree.visibility(shape.pending, shape.masks)
-        before, after = torch.ones(width, 1, dtype=torch.bool), torch.zeros(width, 1, dtype=torch.bool)
-        self.sees = torch.cat([before, visible, after], dim=1).to(device)  # by key slot - pass slot + 1, clamped
-        self.relative = _relative_positions(shape).to(device)
-        self.key_slots = torch.arange(shape.slots, device=device)
-        self.pass_slots = torch.arange(width, device=device)
-        self.offsets = torch.arange(max(shape.pending, len(shape.tree) + 1, shape.masks + 1), device=device)
-        self.mask_ids = torch.full((batch, masks), shape.mask_token_id, dtype=torch.long, device=device)
-        self.masks_real = torch.ones(batch, masks, dtype=torch.bool, device=device)
-        self.unkept = torch.zeros(batch, width - shape.kept, dtype=torch.bool, device=device)
-        self.within = torch.ones(batch, shape.masks, dtype=torch.bool, device=device)
-        self.rows = torch.arange(batch, device=device)
-        self.open = torch.zeros((), dtype=model.dtype, device=device)  # the additive mask's two values
-        self.shut = torch.tensor(torch.finfo(model.dtype).min, dtype=model.dtype, device=device)
+        self._views(shape, state)
+        for name, table in _tables(shape, model.dtype).items():
+            setattr(self, name, table.to(device))
         self.graph, self.eager_runs = None, 0
+
+    def _views(self, shape: GraphShape, state: GraphState) -> None:
+        """Views of the state's buffers that a pass reads or writes, made once (a view made in a pass is an op)."""
+        pending, drafts = slice(0, shape.pending), slice(shape.pending, shape.kept)
+        self.pending, self.drafts = state.fed[:, pending], state.fed[:, drafts]
+        self.pending_real, self.drafts_real = state.fed_real[:, pending], state.fed_real[:, drafts]
+        self.slots = torch.zeros(shape.width, dtype=torch.long, device=state.fed.device)  # this pass's cache slots
+        self.kept_slots = self.slots[: shape.kept]
+        self.real_keys = state.real[:, None, None, :]
+        self.decoded_column, self.last_column = state.decoded[:, None], state.last_position[:, None]
+        self.rows = torch.arange(shape.batch, device=state.fed.device)[:, None]
 
     def load_cache(self, kv) -> None:
         """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
@@ -169,6 +178,14 @@ class GraphPass:
             [t for layer in kv.layers for t in (layer.keys, layer.values)]
             + [layer.cumulative_length for layer in kv.layers],
         )
+
+    def compact(self, slot: int) -> int:
+        """Squeeze the holes out of this pass's cache between two passes (`compact_static`): the slot the next pass
+        writes. Slots from `slot` on held the last pass's masks, which the next pass writes again: nothing real."""
+        self.state.real[:, slot:] = False
+        used = int(compact_static(self.kv, self.state.real, self.stacked))
+        self.state.slot.fill_(used)
+        return used
 
     def run(self) -> None:
         """One pass: the graph replayed, else (before capture, or off CUDA) the pass itself."""
@@ -190,6 +207,71 @@ class GraphPass:
             self.step(self)
 
 
+def _stack_layers(kv):
+    """Every layer's keys and values made views of one `(2 x layers, batch, heads, slots, dim)` tensor, so that a
+    compaction gathers once, not once per layer; None where the layers differ in shape or dtype (left as they are)."""
+    tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
+    if len({(t.shape, t.dtype) for t in tensors}) != 1:
+        return None
+    stacked = torch.stack(tensors)
+    for layer, (keys, values) in zip(kv.layers, stacked.view(len(kv.layers), 2, *stacked.shape[1:])):
+        static = hasattr(layer.keys, "_dynamo_static_input_type")  # as transformers marks them for torch.compile
+        layer.keys, layer.values = keys, values
+        if static:
+            torch._dynamo.mark_static_address(keys)
+            torch._dynamo.mark_static_address(values)
+    return stacked
+
+
+def _tables(shape: GraphShape, dtype) -> dict:
+    """The constants a pass indexes (see `GraphPass`), on the host."""
+    width, slots = shape.width, shape.slots
+    visible = shape.tree.visibility(shape.pending, shape.masks)
+    # By key slot - pass slot + slots: before the pass every real slot is seen, within it the tree's visibility
+    sees = torch.cat(
+        [torch.ones(width, slots, dtype=torch.bool), visible, torch.zeros(width, slots - width, dtype=torch.bool)], 1
+    )
+    tables = dict(
+        sees=sees[None, None],
+        key_columns=torch.arange(slots) + slots,
+        pass_slots=torch.arange(width),
+        relative=_relative_positions(shape) - (shape.pending - 1),  # past the last pending token
+        offsets=torch.arange(shape.tokens),
+        open=torch.zeros((), dtype=dtype),  # the additive mask's two values
+        shut=torch.tensor(torch.finfo(dtype).min, dtype=dtype),
+    )
+    if shape.verify:
+        tables.update(_tree_tables(shape))
+    else:  # the first `count` of a pass's tokens right-aligned as the next pending ones, for each count
+        holes = shape.pending - torch.arange(shape.pending + 1)[:, None]  # for each count
+        column = torch.arange(shape.pending)
+        tables.update(align=(column - holes).clamp(min=0), align_real=column >= holes)
+    return tables
+
+
+def _tree_tables(shape: GraphShape) -> dict:
+    """Lossless mode's tables over the tree's nodes `[root, drafts]`, as a pass's logits are laid out: which drafts are
+    off each node's path, each node's depth, the logits of each node's path (root first, then one a depth), whether
+    each fed slot is on each node's path, and the logits of the masks that follow each node."""
+    tree, masks = shape.tree, shape.masks
+    nodes = len(tree) + 1
+    lineage = tree.lineage  # (nodes, drafts)
+    path = torch.zeros(nodes, shape.tokens, dtype=torch.long)
+    for draft in range(len(tree)):
+        ancestors, parent = [draft + 1], tree.parents[draft]
+        while parent >= 0:
+            ancestors, parent = [parent + 1] + ancestors, tree.parents[parent]
+        path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
+    return dict(
+        parent_slots=torch.tensor(tree.parents, dtype=torch.long) + 1,
+        outside=~lineage,
+        node_depths=torch.cat([torch.zeros(1, dtype=torch.long), tree.depths]),
+        path=path,
+        kept_by_end=torch.cat([torch.ones(nodes, 1, dtype=torch.bool), lineage], 1),
+        group=nodes + torch.arange(nodes)[:, None] * masks + torch.arange(masks),
+    )
+
+
 def _relative_positions(shape: GraphShape) -> torch.Tensor:
     """`(width,)`: each fed token's position past the first pending slot's, were every pending slot real: pending
     tokens in a row, each draft its depth past the last, each group of masks continuing the token it follows."""
@@ -201,64 +283,74 @@ def _relative_positions(shape: GraphShape) -> torch.Tensor:
 
 def graph_pass(g: GraphPass) -> None:
     """One MARS pass over `[pending | drafts | groups of masks]`, everything it decides written into `g.state`."""
-    logits, slots = _forward(g)
-    tokens, accepted, kept, end = _accept(g, logits)
-    _commit(g, slots, tokens, accepted, kept)
-    _next_inputs(g, logits, tokens, accepted, end)
+    logits = _forward(g)
+    tokens, accepted, path = _accept(g, logits)
+    _commit(g, tokens, accepted, path)
+    _next_inputs(g, logits, tokens, accepted, path)
     torch.all(g.state.done, out=g.state.finished)
 
 
-def _forward(g: GraphPass) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(g: GraphPass) -> torch.Tensor:
     """The pass's forward: its slots marked in the slot map, positions counted in real tokens, a 4D mask of the slot
-    map and the tree's visibility. `(logits from the last pending token on, in float32, the slots written)`."""
+    map and the tree's visibility. The logits from the last pending token on, in float32."""
     shape, state = g.shape, g.state
-    slots = state.slot + g.pass_slots
-    state.real.index_copy_(1, slots, torch.cat([state.pending_real, state.drafts_real, g.masks_real], dim=1))
-    first = state.next_position  # lossless: the one pending token is always real
-    if not shape.verify:  # right-aligned pending tokens, the first real ones of `count`
-        first = first + state.pending_real.sum(dim=1) - shape.pending
-    positions = (first[:, None] + g.relative).clamp_(min=0)
-    input_ids = torch.cat([state.pending, state.drafts, g.mask_ids], dim=1)
-    needed = shape.width - shape.pending + 1
+    torch.add(g.pass_slots, state.slot, out=g.slots)
+    state.real.index_copy_(1, g.slots, state.fed_real)
+    positions = g.last_column + g.relative
+    if not shape.verify:  # right-aligned pending tokens: the holes on the left would count back past 0
+        positions.clamp_(min=0)
     out = g.forward(
-        input_ids=input_ids,
+        input_ids=state.fed,
         attention_mask=_slot_attention(g, state.slot),
         position_ids=positions,
         use_cache=True,
         return_dict=True,
-        logits_to_keep=needed,
+        logits_to_keep=shape.width - shape.pending + 1,
         **{CACHE_ARG: g.kv},
     )
-    return out.logits[:, -needed:].float(), slots
+    return out.logits.float()
 
 
 def _slot_attention(g: GraphPass, slot: torch.Tensor) -> torch.Tensor:
     """`(batch, 1, width, slots)` additive mask of a pass written from `slot` on: a query sees the real slots before
     the pass and, within it, the real ones the tree's visibility allows."""
-    width = g.shape.width
-    column = (g.key_slots - slot).clamp_(-1, width).add_(1)  # 0: before the pass, width + 1: after it
-    allowed = g.sees[:, column][None] & g.state.real[:, None, :]
-    return torch.where(allowed, g.open, g.shut)[:, None]
+    allowed = g.sees.index_select(3, g.key_columns - slot) & g.real_keys
+    return torch.where(allowed, g.open, g.shut)
 
 
 def _accept(g: GraphPass, logits: torch.Tensor):
-    """`(tokens, accepted, kept drafts, end)`: τ's test or exact verification, then EOS and the length limit."""
+    """`(tokens, accepted, path)`: τ's test or exact verification, then EOS and the length limit. `path`: lossless
+    mode's `(end, depth)`, the deepest kept node and its depth (the bonus token's slot in `tokens`), else None."""
     shape, state = g.shape, g.state
-    kept = end = None
+    path = None
     if shape.verify:
-        drafts = Drafts(state.drafts, state.drafts_real, shape.tree)
-        tokens, accepted, kept, end = verify(logits[:, : len(shape.tree) + 1], drafts, None, False)
+        tokens, accepted, path = _verify(g, logits)
     elif shape.masks:
-        tokens, confs = choose(logits, None, False, shape.confidence)
-        accepted = (confs[:, 1:] >= state.tau).cumprod(dim=1, dtype=torch.long).sum(dim=1).add_(1)
+        tokens, confs = logits.argmax(dim=-1), _confidence(torch.softmax(logits, dim=-1), shape.confidence)
+        accepted = (confs[:, 1:] >= state.tau).cumprod(dim=1).sum(dim=1).add_(1)
     else:  # τ >= 1 throughout: one token a pass, no masks
         tokens = logits.argmax(dim=-1)
-        accepted = g.masks_real.new_ones(shape.batch, dtype=torch.long)
+        accepted = torch.ones_like(state.decoded)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
-    state.accepted_log.index_copy_(0, state.step[None], accepted[None])
-    state.passes.add_(~state.done)
+    state.accepted_log.index_copy_(1, state.step, accepted[:, None])
     state.done.logical_or_(ended)
-    return tokens, accepted, kept, end
+    return tokens, accepted, path
+
+
+def _confidence(probs, measure: str):
+    """`scoring.confidence` of each slot's top token (the top token's probability is the largest one, exactly)."""
+    return probs.amax(dim=-1) if measure == "probability" else confidence(probs, None, measure)
+
+
+def _verify(g: GraphPass, logits: torch.Tensor):
+    """Exact verification of the tree (`verify.verify`'s, by table): a node is kept when every draft on its path
+    equals the model's token at its parent; the deepest kept node (of equal depths, the first) ends the path, whose
+    tokens are the model's own at the root and at each node on it. `(tokens, accepted, (end, depth))`."""
+    target = logits.argmax(dim=-1)  # (batch, nodes + masks)
+    match = (g.drafts == target.index_select(1, g.parent_slots)) & g.drafts_real
+    kept = (match[:, None, :] | g.outside).all(dim=2)  # (batch, nodes): the root's path has no draft
+    depth, end = (kept * g.node_depths).max(dim=1)
+    return target.gather(1, g.path.index_select(0, end)), depth + 1, (end, depth[:, None])
 
 
 def cut(tokens, accepted, left, idle, eos):
@@ -275,42 +367,54 @@ def cut(tokens, accepted, left, idle, eos):
     return accepted, ended
 
 
-def _commit(g: GraphPass, slots, tokens, accepted, kept) -> None:
+def _commit(g: GraphPass, tokens, accepted, path) -> None:
     """The pending tokens and kept drafts stay cached, the rejected drafts as holes; the cache steps back over the
     masks, which the next pass overwrites. The accepted tokens go into the text."""
-    shape, state = g.shape, g.state
-    fed = torch.cat([state.pending_real, kept], dim=1) if shape.verify else state.pending_real
-    state.real.index_copy_(1, slots, torch.cat([fed, g.unkept], dim=1))
-    state.slot.add_(shape.kept)
-    if shape.width > shape.kept:
-        torch._foreach_sub_(g.lengths, shape.width - shape.kept)
-    state.next_position.add_(fed.sum(dim=1))
-    offsets = g.offsets[: tokens.shape[1]]
-    where = (state.prompt_length + state.decoded)[:, None] + offsets
-    state.sequences.scatter_(1, where, tokens.masked_fill(offsets >= accepted[:, None], shape.pad_token_id))
-    state.decoded.add_(accepted)
-    state.step.add_(1)
+    state = g.state
+    if path is not None:  # lossless: the drafts off the kept path become holes
+        state.real.index_copy_(1, g.kept_slots, g.kept_by_end.index_select(0, path[0]))
+    where = g.decoded_column + state.write_offsets
+    state.sequences.scatter_(1, where, tokens.masked_fill(g.offsets >= accepted[:, None], g.shape.pad_token_id))
+    torch._foreach_add_(g.counters, g.counter_steps)
+    torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
 
 
-def _next_inputs(g: GraphPass, logits, tokens, accepted, end) -> None:
+def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     """τ-mode: the accepted tokens, right-aligned. Lossless mode: the last token, and the drafts that the group of
     masks after the last kept draft proposes (the full tree, unfilled slots not real)."""
-    shape, state = g.shape, g.state
-    if not shape.verify:
-        pending, pending_real = right_align(tokens, accepted, shape.pending, shape.pad_token_id, g.offsets)
-        state.pending.copy_(pending)
-        state.pending_real.copy_(pending_real)
+    shape = g.shape
+    if not shape.verify:  # the holes on the left hold any token: nothing sees them
+        g.pending.copy_(tokens.gather(1, g.align.index_select(0, accepted)))
+        g.pending_real.copy_(g.align_real.index_select(0, accepted))
         return
-    state.pending.copy_(tokens.gather(1, (accepted - 1).clamp_(min=0)[:, None]))
-    followed = logits[:, len(shape.tree) + 1 :].unflatten(1, (shape.groups, shape.masks))[g.rows, end]
-    # The shape stands for the settings: `propose` reads their `confidence` only
-    options = (None, state.tau, g.within, shape, False, shape.candidates, shape.pad_token_id, True)
-    drafts = propose(followed, *options)
+    end, depth = path
+    g.pending.copy_(tokens.gather(1, depth))  # the bonus token (a row that took fewer is done)
+    if len(shape.tree):
+        tokens, real = _propose(g, logits, end)
+        g.drafts.copy_(tokens)
+        g.drafts_real.copy_(real)
+
+
+def _propose(g: GraphPass, logits, end):
+    """The next drafts (`verify.propose`'s, full tree): from the masks after each row's `end`, the chain of confident
+    tokens and their runner-ups, then prompt lookup's branch. `(tokens, real)`: a slot that is not real holds any
+    token, which nothing sees."""
+    shape, state = g.shape, g.state
+    parts = []
+    if shape.masks:
+        followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
+        probs = torch.softmax(followed, dim=-1)
+        guesses = followed.argmax(dim=-1)
+        real = torch.cummin(_confidence(probs, shape.confidence) >= state.tau, dim=1).values
+        parts.append((guesses, real))
+        if runner_ups(shape.candidates):
+            counts = depth_candidates(shape.candidates, shape.masks)
+            parts += [(t, r) for _, t, r in _runner_ups(probs, guesses, real.sum(dim=1), state.tau, counts)]
     if shape.lookup:
-        lengths = state.prompt_length + state.decoded
-        drafts = add_lookup(drafts, state.sequences, lengths, shape.lookup, shape.pad_token_id, True)
-    state.drafts.copy_(drafts.tokens)
-    state.drafts_real.copy_(drafts.real)
+        parts.append(lookup(state.sequences, state.write_offsets[0] + state.decoded, shape.lookup))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([t for t, _ in parts], dim=1), torch.cat([r for _, r in parts], dim=1)
 
 
 def right_align(tokens, counts, width: int, pad_token_id, offsets=None):
