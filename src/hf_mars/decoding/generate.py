@@ -54,6 +54,7 @@ from .scoring import check_stateless, history_free
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
+from .tree import DraftTree
 from .verify import Drafts
 
 # Passes' width of slots a static cache keeps past the text: it compacts at most once in that many passes
@@ -334,28 +335,34 @@ def open_session(
 
 def _graph_shape(model, run: Session) -> GraphShape | None:
     """The `GraphShape` that continues this run as one graph per pass, or None where the loop here must run: it needs
-    a static cache that counts its writes, greedy decoding with no logits processors, masks in every pass (no mask
-    cost), and, in lossless mode, exact verification of a full draft tree (the first pass proposed one). Stopping
-    criteria other than EOS and the length limit, and a streamer, are served from the host after each pass."""
-    plan, cache, feed, settings = run.plan, run.cache, run.feed, run.plan.settings
-    if not (enabled() and isinstance(cache, StaticMARSCache) and cache.counts_writes and plan.logits_to_keep):
+    a static cache that counts its writes and, in lossless mode, a full draft tree (the first pass proposed one), then
+    what `graph_shape` needs."""
+    cache, tree, settings = run.cache, run.feed.drafts.tree, run.plan.settings
+    if not (isinstance(cache, StaticMARSCache) and cache.counts_writes):
         return None
-    if plan.do_sample or plan.processors or plan.typical or plan.window:
+    if settings.verify and len(tree) != settings.drafts_per_pass:
         return None
-    if not run.schedule.constant:
+    return graph_shape(model, run, run.text.sequences.shape[0], cache.size, tree)
+
+
+def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
+    """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
+    full `tree`, or None where only the loop can: greedy decoding with no logits processors, masks in every pass (no
+    mask cost), exact verification. Stopping criteria other than EOS and the length limit, and a streamer, are served
+    from the host after each pass."""
+    plan, settings = run.plan, run.plan.settings
+    if not (enabled() and plan.logits_to_keep) or plan.do_sample or plan.processors or plan.typical or plan.window:
         return None
-    if model.config._attn_implementation not in BRANCHING:
-        return None
-    if settings.verify and len(feed.drafts.tree) != settings.drafts_per_pass:
+    if not run.schedule.constant or model.config._attn_implementation not in BRANCHING:
         return None
     verify = settings.verify
     masks = 0 if not verify and not callable(settings.tau) and settings.tau >= 1.0 else settings.block_size - 1
     return GraphShape(
-        batch=run.text.sequences.shape[0],
-        slots=cache.size,
+        batch=batch,
+        slots=slots,
         verify=verify,
         pending=1 if verify or not masks else settings.block_size,
-        tree=feed.drafts.tree,
+        tree=tree,
         masks=masks,
         confidence=settings.confidence,
         candidates=plan.candidates,
@@ -422,7 +429,7 @@ def _load_graph(g, run: Session) -> None:
     width = text.sequences.shape[1]
     state.sequences[:, :width].copy_(text.sequences)
     state.sequences[:, width:].fill_(plan.pad_token_id)
-    torch.add(g.offsets, text.prompt_length, out=state.write_offsets)
+    state.write_offsets.copy_(g.offsets + text.prompt_length)
     state.slot.fill_(cache.length)
     state.budget.copy_(text.budget)
     state.decoded.copy_(text.decoded)

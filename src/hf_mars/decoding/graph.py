@@ -83,7 +83,7 @@ class GraphState:
     """What a graph pass reads and writes in place, for every row of the batch (rows stay until all are done)."""
 
     sequences: torch.Tensor  # (batch, slots): prompt, then the decoded tokens, then pad
-    write_offsets: torch.Tensor  # (tokens a pass may take,) the prompt's width + 0, 1, ...: where row text goes
+    write_offsets: torch.Tensor  # (batch, tokens a pass may take) where each row's text starts + 0, 1, ...
     budget: torch.Tensor  # (batch,) new tokens each row may take
     decoded: torch.Tensor  # (batch,) new tokens decoded
     done: torch.Tensor  # (batch,) rows that reached EOS or the length limit
@@ -106,7 +106,7 @@ class GraphState:
         fed[:, kept:], fed_real[:, kept:] = shape.mask_token_id, True
         return cls(
             sequences=torch.zeros(batch, slots, **long),
-            write_offsets=torch.zeros(shape.tokens, **long),
+            write_offsets=torch.zeros(batch, shape.tokens, **long),
             budget=torch.zeros(batch, **long),
             decoded=torch.zeros(batch, **long),
             done=torch.zeros(batch, **flag),
@@ -169,6 +169,7 @@ class GraphPass:
         self.kept_slots = self.slots[: shape.kept]
         self.real_keys = state.real[:, None, None, :]
         self.decoded_column, self.last_column = state.decoded[:, None], state.last_position[:, None]
+        self.text_start = state.write_offsets[:, 0]
         self.rows = torch.arange(shape.batch, device=state.fed.device)[:, None]
 
     def load_cache(self, kv) -> None:
@@ -411,7 +412,7 @@ def _propose(g: GraphPass, logits, end):
             counts = depth_candidates(shape.candidates, shape.masks)
             parts += [(t, r) for _, t, r in _runner_ups(probs, guesses, real.sum(dim=1), state.tau, counts)]
     if shape.lookup:
-        parts.append(lookup(state.sequences, state.write_offsets[0] + state.decoded, shape.lookup))
+        parts.append(lookup(state.sequences, g.text_start + state.decoded, shape.lookup))
     if len(parts) == 1:
         return parts[0]
     return torch.cat([t for t, _ in parts], dim=1), torch.cat([r for _, r in parts], dim=1)

@@ -97,6 +97,19 @@ def runner_ups(candidates) -> int:
     return sum(count - 1 for count in _counts(candidates))
 
 
+def full_tree(masks: int, candidates, lookup: int) -> DraftTree:
+    """The whole tree that lossless passes on a static cache propose (`verify.propose` and `add_lookup` with
+    `full_tree`): the chain of `masks` drafts, the runner-ups of each depth after the chain's draft above it, then
+    prompt lookup's branch of `lookup` drafts from the root."""
+    parents = tuple(range(-1, masks - 1))
+    for depth, count in enumerate(depth_candidates(candidates, masks), start=1):
+        parents += (depth - 2,) * (count - 1)
+    from_masks = len(parents)
+    if lookup:
+        parents += (-1,) + tuple(range(from_masks, from_masks + lookup - 1))
+    return DraftTree.of(parents, from_masks)
+
+
 def canonical_candidates(candidates) -> int | tuple[int, ...]:
     """One spelling per tree: trailing ones dropped (the chain is there anyway), an int where only depth 1 has
     runner-ups, so `[3, 1, 1]`, `[3]` and `3` are all `3`."""
