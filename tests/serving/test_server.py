@@ -24,9 +24,10 @@ MODES = {"tau=1": {"mars_tau": 1.0}, "lossless": {"mars_verify": True}, "tau=0.9
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A server on a free loopback port, its engine, the checkpoint's path, and an offline copy of the model."""
+@pytest.fixture(scope="module", params=[None, 640], ids=["session", "graph pass"])
+def server(tmp_path_factory, request):
+    """A server on a free loopback port, its engine, the checkpoint's path, and an offline copy of the model. Twice:
+    rows in a `Session` of a dynamic cache, and (`--cache-slots`) in one graph pass over a static cache, eager."""
     from hf_mars.serving.server import build_app
 
     path = str(tmp_path_factory.mktemp("served"))
@@ -36,7 +37,7 @@ def server(tmp_path_factory):
     to_mars(model, tok, block_size=4)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=16)
+    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=16, cache_slots=request.param)
     offline = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
     with serving(app) as url:
         yield {"url": url, "engine": engine, "path": path, "offline": offline, "tok": tok}
@@ -91,9 +92,11 @@ def test_32_streams_arriving_staggered_with_mixed_settings_each_get_their_own_te
     async def staggered():
         return await asyncio.gather(*[stream(content, mode, 0.02 * i) for i, (content, mode) in enumerate(jobs)])
 
-    before = len(server["engine"].batch_sizes)
+    engine = server["engine"]
+    before = len(engine.batch_sizes)
     results = asyncio.run(staggered())
-    assert max(server["engine"].batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    assert max(engine.batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    assert (engine._graph is not None) == (engine.cache_slots is not None), "the graph pass must have served"
     for (content, mode), (text, usage) in zip(jobs, results):
         assert (text, usage.completion_tokens) == _offline(server, content, MODES[mode]), (content, mode)
         assert 1 <= usage.forward_passes <= usage.completion_tokens
@@ -212,6 +215,18 @@ def test_continuous_batching_flag_is_accepted():
 
     args = build_parser().parse_args(["serve", "--continuous-batching", "some/model"])
     assert args.continuous_batching and args.model == "some/model"
+
+
+def test_cache_slots_are_checked_and_belong_to_the_hf_mars_engine():
+    from hf_mars.cli import build_parser
+
+    for argv, message in (
+        (["serve", "--cache-slots", "0", "some/model"], "--cache-slots must be at least 1"),
+        (["serve", "--engine", "vllm", "--cache-slots", "512", "some/model"], "--cache-slots is an hf_mars engine"),
+    ):
+        args = build_parser().parse_args(argv)
+        with pytest.raises(ValueError, match=message):
+            args.run(args)
 
 
 def test_serve_bench_measures_plain_and_mars_side_by_side(server):

@@ -11,6 +11,7 @@ import sys
 from .options import DTYPES, add_model
 
 HELP = "serve a MARS checkpoint over an OpenAI-compatible HTTP API"
+DEFAULT_CACHE_SLOTS = 2048  # static cache slots per row with --compile
 DESCRIPTION = (
     "Serve a MARS checkpoint with transformers serve's OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
     "/v1/models, /health). Requests choose MARS per call with mars_tau, mars_verify and the draft-tree fields (as "
@@ -29,7 +30,18 @@ def add_parser(subparsers) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default: the checkpoint's")
     serve.add_argument("--device", default="auto", help="e.g. cpu, cuda, cuda:1 (default: accelerate's choice)")
-    serve.add_argument("--compile", action="store_true", help="static cache and torch.compile, as transformers serve")
+    serve.add_argument(
+        "--compile",
+        action="store_true",
+        help="static cache and torch.compile, as transformers serve: every pass one compiled graph (a CUDA graph on "
+        "CUDA), rows joining it between passes",
+    )
+    serve.add_argument(
+        "--cache-slots",
+        type=int,
+        help="decode every pass as one graph over a static cache of this many slots per row: a prompt, its max_tokens "
+        f"and a few passes must fit (default with --compile: {DEFAULT_CACHE_SLOTS}; without it, eager)",
+    )
     serve.add_argument("--max-batch-size", type=int, help="most requests decoding at once (default: 8; vLLM's own)")
     serve.add_argument(
         "--continuous-batching",
@@ -56,6 +68,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> None:
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    if args.cache_slots is not None and args.cache_slots < 1:
+        raise ValueError(f"--cache-slots must be at least 1, got {args.cache_slots}")
     from ..tools.checkpoints.loading import resolve_checkpoint
 
     model = args.model or resolve_checkpoint(None)
@@ -70,7 +84,8 @@ def run(args) -> None:
 
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
-    app, _ = build_app(model, args.dtype, args.device, args.compile, args.max_batch_size or 8)
+    slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
+    app, _ = build_app(model, args.dtype, args.device, args.compile, args.max_batch_size or 8, cache_slots=slots)
     print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {model})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
@@ -84,7 +99,8 @@ def run_vllm(args, model: str) -> None:
     """
     from ..serving.vllm import NO_VLLM, serve_command
 
-    for flag, given in (("--compile", args.compile), ("--device", args.device != "auto")):
+    ours = (("--compile", args.compile), ("--cache-slots", args.cache_slots), ("--device", args.device != "auto"))
+    for flag, given in ours:
         if given:
             raise ValueError(f"{flag} is an hf_mars engine option; vLLM compiles and picks its device itself")
     if importlib.util.find_spec("vllm") is None:

@@ -28,6 +28,7 @@ from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, 
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..decoding.session import Session
+from .graph_session import GraphSession
 
 logger = logging.getLogger("hf_mars.serve")
 
@@ -113,17 +114,21 @@ class MARSEngine(BaseGenerateManager):
     and `generate_non_streaming` as they call its sequential `GenerateManager`; this one queues the request and
     returns, and its inference thread decodes it in the running session."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 8):
+    def __init__(self, model, tokenizer, max_batch_size: int = 8, cache_slots: int | None = None, compile_config=None):
+        """`cache_slots`: decode in one graph pass over a static cache of that many slots (`GraphSession`, compiled
+        with `compile_config` if given), as `serve --compile` does; else (None) in a `Session` of a dynamic cache."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
+        self.cache_slots, self.compile_config = cache_slots, compile_config
+        self._graph: GraphSession | None = None  # kept while idle: its graph is compiled (and captured) once
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.batch_sizes: list[int] = []  # rows decoding in each pass, for tests and logs
         self._usage: OrderedDict[str, dict] = OrderedDict()  # finished rows' passes, until the handler reads them
         self.finished: deque[dict] = deque(maxlen=1024)  # the last rows decoded: what they took, whether cancelled
         self._queue: queue.Queue[Request | None] = queue.Queue()
         self._waiting: list[Request] = []
-        self.session: Session | None = None
+        self.session: Session | GraphSession | None = None
         self._key: str | None = None  # the running rows' `Request.key`
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
         self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
@@ -210,7 +215,8 @@ class MARSEngine(BaseGenerateManager):
         if not self._waiting:
             return
         session = self.session
-        if session is not None and (self._waiting[0].key != self._key or session.cache.fixed_shapes):
+        keeps_batch = isinstance(session, Session) and session.cache.fixed_shapes
+        if session is not None and (self._waiting[0].key != self._key or keeps_batch):
             return  # the running rows finish first
         key = self._waiting[0].key
         room = self.max_batch_size - (len(session.labels) if session is not None else 0)
@@ -221,14 +227,29 @@ class MARSEngine(BaseGenerateManager):
         joining = self._open(group)
         if joining is None or not joining.labels:
             return
-        if session is None:
+        if session is None and self.cache_slots is None:
             self.session, self._key = joining, key
             return
         try:
+            if session is None:
+                session = self.session = self._graph_for(joining)
+                self._key = key
             session.admit(joining)
-        except ValueError as error:  # settings resolved apart after all: these rows are answered with why
+        except ValueError as error:  # settings resolved apart after all, or too long: answered with why
             for request in joining.labels:
                 self._finish(request, error)
+        if self.session is not None and not self.session.live:
+            self.session = None
+
+    def _graph_for(self, first: Session) -> GraphSession:
+        """The graph session that `first`'s rows decode in: the one kept from earlier rows where their settings are
+        the same, else a new one."""
+        graph = self._graph
+        if graph is None or not graph.decodes_like(first):
+            graph = self._graph = GraphSession(
+                self.model, first, self.max_batch_size, self.cache_slots, self.compile_config
+            )
+        return graph
 
     def _open(self, group: list[Request]) -> Session | None:
         """A session over `group`, after its prompt's pass (its rows' first tokens already sent); None where it
@@ -263,6 +284,8 @@ class MARSEngine(BaseGenerateManager):
         config = group[0].generation_config.__class__.from_dict(group[0].generation_config.to_dict())
         config.max_new_tokens = max(r.max_new_tokens for r in group)
         config.stop_strings = None
+        if self.cache_slots is not None:  # the prompt's pass on a cache of its own, whose rows then join the graph's
+            config.cache_implementation, config.compile_config = None, None
         device = self.model.device
         settings = self._settings if self.session is not None else {}
         return self.model.mars_session(
@@ -278,7 +301,8 @@ class MARSEngine(BaseGenerateManager):
 
     def _step(self) -> None:
         session = self.session
-        self.batch_sizes.append(int(session.text.active.sum()))
+        decoding = len(session.labels) if isinstance(session, GraphSession) else int(session.text.active.sum())
+        self.batch_sizes.append(decoding)
         try:
             session.step(self.model)
         except Exception as error:  # noqa: BLE001 - the rows are answered with it; the server goes on

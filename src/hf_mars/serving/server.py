@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, CompileConfig, PretrainedConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager
@@ -130,11 +130,21 @@ class MARSCompletionHandler(MARSRequests, CompletionHandler):
     """`/v1/completions` with MARS settings."""
 
 
-def build_app(model: str, dtype: str = "auto", device: str = "auto", compile: bool = False, max_batch_size: int = 8):
-    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine."""
+def build_app(
+    model: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    compile: bool = False,
+    max_batch_size: int = 8,
+    cache_slots: int | None = None,
+):
+    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
+    one graph over a static cache of that many slots per row (`GraphSession`), compiled if `compile`."""
     manager = MARSModelManager(device=device, dtype=dtype, force_model=model)
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
-    engine = MARSEngine(loaded, getattr(tokenizer, "tokenizer", tokenizer), max_batch_size=max_batch_size)
+    compile_config = CompileConfig() if compile and cache_slots else None
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    engine = MARSEngine(loaded, tokenizer, max_batch_size, cache_slots=cache_slots, compile_config=compile_config)
     engine.measuring = measure_in_background(loaded, max_batch_size)
     state = MARSGenerationState(engine, compile=compile)
     shared = dict(model_manager=manager, generation_state=state)

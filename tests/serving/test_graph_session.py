@@ -1,0 +1,94 @@
+"""`GraphSession` (serving/graph_session.py): a server's rows decoding in one graph pass over a static cache, joining
+free rows between passes and freeing them the moment they stop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_model, make_tokenizer, toy_prompts
+from transformers import GenerationMixin
+
+import hf_mars
+from hf_mars.decoding import graph
+from hf_mars.decoding.tree import full_tree
+from hf_mars.serving.graph_session import GraphSession
+
+MODES = {
+    "tau=1": dict(mars_tau=1.0),
+    "lossless tree": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3),
+}
+SLOTS = {"tau=1": 96, "lossless tree": 160}  # a few passes more than the longest prompt and budget need
+
+
+def _opened(model, prompt, label, budget, mode):
+    """A request's session after its prompt's pass, as the engine opens one."""
+    session = model.mars_session(prompt[None], labels=[label], budgets=[budget], max_new_tokens=30, **mode)
+    session.step(model)
+    return session
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_joining_between_passes_get_the_greedy_text_of_each_request_alone(trained_toy, mode, monkeypatch):
+    """Six requests through three rows, one joining every few passes while the others decode: rows are reused once
+    free, the cache is compacted, and every request gets greedy `generate()`'s tokens for its prompt alone."""
+    compactions = []
+    compact = graph.compact_static
+    monkeypatch.setattr(graph, "compact_static", lambda *a: compactions.append(1) or compact(*a))
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=6, seed=7)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(6)]
+    budgets = [30, 12, 30, 20, 30, 25]
+    with torch.inference_mode():
+        first = _opened(model, prompts[0], 0, budgets[0], MODES[mode])
+        rows = GraphSession(model, first, max_rows=3, slots=SLOTS[mode])
+        rows.admit(first)
+        waiting, finished, held = list(range(1, 6)), {}, []
+        for step in range(400):
+            if waiting and len(rows.labels) < 3 and step % 3 == 0:
+                i = waiting.pop(0)
+                rows.admit(_opened(model, prompts[i], i, budgets[i], MODES[mode]))
+            if not rows.live:
+                break
+            held.append(len(rows.labels))
+            rows.step(model)
+            stopped = [(label, tokens, passes) for label, tokens, done, passes in rows.rows() if done]
+            rows.release([label for label, _, _ in stopped])
+            finished.update({label: (tokens, passes) for label, tokens, passes in stopped})
+    assert sorted(finished) == list(range(6)) and max(held) == 3
+    assert compactions, "the cache must have been compacted"
+    took_several = False
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])
+        tokens, passes = finished[i]
+        assert tokens == alone[0, prompt.numel() :].tolist(), i
+        assert 1 <= passes <= len(tokens)
+        took_several |= passes < len(tokens)
+    assert took_several or mode == "tau=1", "the test must exercise passes that take several tokens"
+
+
+def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(trained_toy):
+    model, tok = trained_toy
+    prompt = toy_prompts(tok, n=1, seed=1).input_ids[0]
+    with torch.inference_mode():
+        first = _opened(model, prompt, "a", 30, MODES["tau=1"])
+        rows = GraphSession(model, first, max_rows=2, slots=prompt.numel() + 30)  # one short of the pass
+        with pytest.raises(ValueError, match="cache slots"):
+            rows.admit(first)
+        other = _opened(model, prompt, "b", 4, MODES["lossless tree"])
+        with pytest.raises(ValueError, match="other settings"):
+            rows.admit(other)
+        with pytest.raises(ValueError, match="decode in the loop"):
+            GraphSession(model, _opened(model, prompt, "c", 4, dict(mars_tau=0.9, mars_mask_cost=0.5)), 2, 200)
+
+
+@pytest.mark.parametrize("candidates, lookup", [(1, 0), (3, 0), ((2, 3, 2), 2), (1, 4)])
+def test_the_full_tree_is_the_one_static_passes_propose(candidates, lookup):
+    """A graph session builds its shape before any of its passes: `full_tree` must be the tree a static cache's
+    first pass proposes, or rows would join with drafts of another shape."""
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
+    enc = toy_prompts(tok, n=2, seed=1)
+    mode = dict(mars_verify=True, mars_draft_candidates=candidates, mars_lookup=lookup)
+    model.generate(**enc, max_new_tokens=8, cache_implementation="static", **mode)
+    (shape,) = [key[0] for key in model._mars_graphs]
+    assert shape.tree == full_tree(3, candidates, lookup)
