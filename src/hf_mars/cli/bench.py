@@ -77,6 +77,12 @@ def _add_other_benches(bench) -> None:
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="with --serve (default: 1 4 16)")
     bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
     bench.add_argument(
+        "--cache-slots",
+        type=int,
+        help="with --serve: the server's rows in one graph pass over a static cache of this many slots (as `serve "
+        "--cache-slots`; with --compile, compiled)",
+    )
+    bench.add_argument(
         "--vllm",
         metavar="PYTHON",
         help="instead: vLLM (the Python of its environment, where hf_mars is installed too) decoding the checkpoint "
@@ -129,6 +135,7 @@ def run_serve(args) -> None:
 
     from ..tools.checkpoints.loading import resolve_checkpoint
     from ..tools.measure.serve_bench import run_serve_bench, serve_table, start_server
+    from .serve import DEFAULT_CACHE_SLOTS
 
     if args.url:  # another OpenAI-compatible server, already running: plain requests only
         model = args.model or OpenAI(base_url=args.url, api_key="-").models.list().data[0].id
@@ -140,12 +147,15 @@ def run_serve(args) -> None:
         if args.dtype == "auto":
             raise SystemExit("--serve runs the server in one dtype: pass --dtype float32 or bfloat16.")
         model = args.model or resolve_checkpoint(None)
-        url, server = start_server(model, args.dtype, args.device or "auto", args.max_batch_size)
+        slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
+        url, server = start_server(model, args.dtype, args.device or "auto", args.max_batch_size, args.compile, slots)
         try:
             rows = run_serve_bench(url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats)
         finally:
             server.should_exit = True
         served = f"hf-mars serve on {device_name(args.device)}, {args.dtype}, max batch {args.max_batch_size}"
+        if slots:
+            served += f", one graph pass over {slots} cache slots" + (", compiled" if args.compile else ", eager")
     print(f"\n{served}, streaming clients:\n")
     print(serve_table(rows))
     out = Path(args.output)

@@ -49,10 +49,12 @@ class Timing:
     tokens: int
 
 
-def start_server(model: str, dtype: str, device: str, max_batch_size: int, port: int = 0):
+def start_server(
+    model: str, dtype: str, device: str, max_batch_size: int, compile: bool = False, cache_slots=None, port: int = 0
+):
     """The app on a loopback port in a background thread: `(url, server)`; `server.should_exit = True` stops it."""
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
-    app, _ = build_app(model, dtype, device, max_batch_size=max_batch_size)
+    app, _ = build_app(model, dtype, device, compile, max_batch_size, cache_slots=cache_slots)
     if not port:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
