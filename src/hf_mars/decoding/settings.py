@@ -163,9 +163,8 @@ def resolve_settings(
     plainly, `mars_mask_cost="auto"` is 0, with a warning that says how to measure them). `measure=True` times what
     is missing first: `model.mars_measure`, the explicit call, does that.
     """
-    configs = [model.generation_config]
-    if generation_config is not None and generation_config is not model.generation_config:
-        configs.insert(0, generation_config)  # the call's config first
+    own = model.generation_config
+    configs = [own] if generation_config is None or generation_config is own else [generation_config, own]
     for config in configs:
         _check_keys(config)
     verify = check_verify(

@@ -9,7 +9,8 @@ exactly (a row's tokens do not depend on the rows beside it), so a request's tex
 
 Requests decode together when they share a `Request.key`: sampling, MARS mode, τ, tree. A request with another key
 waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
-`--compile` (a static cache, whose batch keeps its shape) rows join only between sessions.
+`--compile` (or `--cache-slots`) the running rows are a `GraphSession` instead (graph_session.py): fixed rows of one
+graph pass over a static cache, which requests join and leave the same way.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class MARSEngine(BaseGenerateManager):
                 session = self.session = self._graph_for(joining)
                 self._key = key
             session.admit(joining)
-        except ValueError as error:  # settings resolved apart after all, or too long: answered with why
+        except Exception as error:  # noqa: BLE001 - settings resolved apart, too long, no graph: answered with why
             for request in joining.labels:
                 self._finish(request, error)
         if self.session is not None and not self.session.live:
