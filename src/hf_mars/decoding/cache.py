@@ -377,7 +377,7 @@ def _positions(next_position, new_real, num_masks: int, tree: DraftTree):
     pending = new_real[:, : width - len(tree)]
     pending_positions = next_position[:, None] + pending.long().cumsum(dim=1) - 1
     root = pending_positions[:, -1:]
-    draft_positions = root + tree.on(root.device).depths
+    draft_positions = root + tree.on(root.device).depths[1:]
     anchors = torch.cat([root, draft_positions], dim=1)  # (batch, groups): the token each group follows
     mask_positions = (anchors[:, :, None] + torch.arange(1, num_masks + 1, device=root.device)).reshape(batch, -1)
     return torch.cat([pending_positions, draft_positions, mask_positions], dim=1).clamp(min=0)

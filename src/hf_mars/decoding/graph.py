@@ -30,7 +30,7 @@ from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
 from .scoring import confidence
 from .tree import DraftTree, depth_candidates, lookup, runner_ups
-from .verify import _runner_ups
+from .verify import _runner_ups, deepest_kept
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
@@ -158,6 +158,7 @@ class GraphPass:
         self._views(shape, state)
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
+        self.tree = shape.tree.on(device)
         self.graph, self.eager_runs = None, 0
 
     def _views(self, shape: GraphShape, state: GraphState) -> None:
@@ -251,12 +252,11 @@ def _tables(shape: GraphShape, dtype) -> dict:
 
 
 def _tree_tables(shape: GraphShape) -> dict:
-    """Lossless mode's tables over the tree's nodes `[root, drafts]`, as a pass's logits are laid out: which drafts are
-    off each node's path, each node's depth, the logits of each node's path (root first, then one a depth), whether
-    each fed slot is on each node's path, and the logits of the masks that follow each node."""
+    """Lossless mode's tables over the tree's nodes `[root, drafts]`, as a pass's logits are laid out, besides the
+    tree's own (`DraftTree.on`): the logits of each node's path (root first, then one a depth), whether each fed slot
+    is on each node's path, and the logits of the masks that follow each node."""
     tree, masks = shape.tree, shape.masks
     nodes = len(tree) + 1
-    lineage = tree.lineage  # (nodes, drafts)
     path = torch.zeros(nodes, shape.tokens, dtype=torch.long)
     for draft in range(len(tree)):
         ancestors, parent = [draft + 1], tree.parents[draft]
@@ -264,11 +264,8 @@ def _tree_tables(shape: GraphShape) -> dict:
             ancestors, parent = [parent + 1] + ancestors, tree.parents[parent]
         path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
     return dict(
-        parent_slots=torch.tensor(tree.parents, dtype=torch.long) + 1,
-        outside=~lineage,
-        node_depths=torch.cat([torch.zeros(1, dtype=torch.long), tree.depths]),
         path=path,
-        kept_by_end=torch.cat([torch.ones(nodes, 1, dtype=torch.bool), lineage], 1),
+        kept_by_end=torch.cat([torch.ones(nodes, 1, dtype=torch.bool), tree.lineage], 1),
         group=nodes + torch.arange(nodes)[:, None] * masks + torch.arange(masks),
     )
 
@@ -348,9 +345,8 @@ def _verify(g: GraphPass, logits: torch.Tensor):
     equals the model's token at its parent; the deepest kept node (of equal depths, the first) ends the path, whose
     tokens are the model's own at the root and at each node on it. `(tokens, accepted, (end, depth))`."""
     target = logits.argmax(dim=-1)  # (batch, nodes + masks)
-    match = (g.drafts == target.index_select(1, g.parent_slots)) & g.drafts_real
-    kept = (match[:, None, :] | g.outside).all(dim=2)  # (batch, nodes): the root's path has no draft
-    depth, end = (kept * g.node_depths).max(dim=1)
+    match = (g.drafts == target.index_select(1, g.tree.parent_slots)) & g.drafts_real
+    depth, end = deepest_kept(match, g.tree)
     return target.gather(1, g.path.index_select(0, end)), depth + 1, (end, depth[:, None])
 
 
@@ -418,11 +414,10 @@ def _propose(g: GraphPass, logits, end):
     return torch.cat([t for t, _ in parts], dim=1), torch.cat([r for _, r in parts], dim=1)
 
 
-def right_align(tokens, counts, width: int, pad_token_id, offsets=None):
+def right_align(tokens, counts, width: int, pad_token_id):
     """The first `counts[i]` tokens of each row, right-aligned (left-padded) to `width`: `(tokens, real)`, as a
-    left-padded prompt is. `offsets`: `arange` of at least `width`, if the caller has one."""
-    offsets = torch.arange(width, device=tokens.device) if offsets is None else offsets[:width]
-    index = offsets + (counts - width)[:, None]
+    left-padded prompt is."""
+    index = torch.arange(width, device=tokens.device) + (counts - width)[:, None]
     real = index >= 0
     return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
 

@@ -145,9 +145,9 @@ class TreeTensors(NamedTuple):
     """A `DraftTree` as tensors on one device, for the passes that verify it."""
 
     lineage: torch.BoolTensor  # (len + 1, len): see `DraftTree.lineage`
-    depths: torch.LongTensor  # (len,)
+    depths: torch.LongTensor  # (len + 1,) each node's among `[root, drafts]`: the root 0, a draft its path's length
     parent_slots: torch.LongTensor  # (len,) each draft's parent's index among `[root, drafts]`
-    outside: torch.BoolTensor  # (len, len): the drafts off each draft's path (not it, not its ancestors)
+    outside: torch.BoolTensor  # (len + 1, len): the drafts off each node's path (for the root, every draft)
     at_depth: torch.BoolTensor  # (depth, len): the drafts at each depth 1 .. `DraftTree.depth`
 
 
@@ -155,7 +155,8 @@ class TreeTensors(NamedTuple):
 def _on_device(tree: DraftTree, device: str) -> TreeTensors:
     parent_slots = torch.tensor(tree.parents, dtype=torch.long) + 1
     at_depth = tree.depths[None, :] == torch.arange(1, tree.depth + 1)[:, None]
-    tensors = (tree.lineage, tree.depths, parent_slots, ~tree.lineage[1:], at_depth)
+    depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
+    tensors = (tree.lineage, depths, parent_slots, ~tree.lineage, at_depth)
     return TreeTensors(*(tensor.to(device) for tensor in tensors))
 
 

@@ -104,13 +104,18 @@ def _keep_deepest(match, drafts: Drafts, after):
     if not len(drafts.tree):
         return after(end), count + 1, drafts.real, end
     tree = drafts.tree.on(match.device)
-    kept = (match[:, None, :] | tree.outside).all(dim=2)  # every draft on its path matches
-    count, deepest = (kept * tree.depths).max(dim=1)
-    end = (deepest + 1).masked_fill_(count == 0, 0)
+    count, end = deepest_kept(match, tree)
     kept = tree.lineage[end]
     path = (drafts.tokens[:, None, :] * (kept[:, None, :] & tree.at_depth)).sum(dim=2)  # (rows, max depth)
     tokens = torch.nn.functional.pad(path, (0, 1)).scatter_(1, count[:, None], after(end))
     return tokens, count + 1, kept, end
+
+
+def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(depth, end)`: the deepest node of the tree (`TreeTensors`) whose path's drafts all `match`, by its index
+    among `[root, drafts]` (of equal depths, the first in the tree, the chain's; the root, depth 0, when none)."""
+    kept = (match[:, None, :] | tree.outside).all(dim=2)  # (rows, nodes): the root's path has no draft
+    return (kept * tree.depths).max(dim=1)
 
 
 def _verify_sampled(scores, drafts: Drafts):
