@@ -143,8 +143,9 @@ def test_vllm_serves_and_drafts_with_the_greedy_output_of_generate(folders, tmp_
         {"model": str(folders["older"]), "drafter": "self"},
         {"model": target},
         {"model": target, "drafter": mars, "num_draft_tokens": 2},
+        {"model": mars, "drafter": mars_vllm.MARS_STEP, "num_draft_tokens": 2},  # masks in the verifying forward
     ]
-    plain, drafted, older, refused, target_plain, target_drafted = run_jobs(jobs, ids, tmp_path)
+    plain, drafted, older, refused, target_plain, target_drafted, step = run_jobs(jobs, ids, tmp_path)
 
     assert plain["token_ids"] == greedy(folders["mars"], ids)
     assert drafted["token_ids"] == older["token_ids"] == plain["token_ids"]
@@ -158,6 +159,54 @@ def test_vllm_serves_and_drafts_with_the_greedy_output_of_generate(folders, tmp_
     assert accepted["per_position"][1] > 0  # the trained masks draft tokens the target keeps
     assert sum(accepted["per_position"]) == accepted["accepted_tokens"]
     assert len(target_drafted["acceptance"]["per_position"]) == 2
+
+    assert step["token_ids"] == plain["token_ids"]  # MARS's own step: exact, one forward a step
+    kept = step["acceptance"]["per_position"]
+    assert len(kept) == 2 + 3 and kept[2:] == [0, 0, 0]  # K = 2 drafts, then B-1 = 3 masks, never kept
+    assert kept[0] > 0 and kept[1] > 0  # the masks' predictions are drafts the target keeps
+    assert step["acceptance"]["accepted_tokens"] == sum(kept)
+
+
+class OneHot:
+    """A target whose logits are its hidden states: a row's token is the index of its largest entry."""
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+def test_the_mars_step_drafts_from_masks_that_followed_only_kept_drafts():
+    from hf_mars.serving.vllm_step import MARSStep
+
+    def hidden(*rows):  # the target's hidden states at each request's sampled positions, one token each
+        return torch.nn.functional.one_hot(torch.tensor([t for row in rows for t in row]), 10).float()
+
+    step = MARSStep.__new__(MARSStep)  # as vLLM makes it, without vLLM: the checkpoint's mask 9, B = 4, K = 2
+    step.mask, step.masks, step.drafts, step.proposed = 9, 3, 2, {"kept": 2, "cut": 2}
+    ids = ["reading", "first", "kept", "cut"]
+    sampled = [[], [8], [1, 2, 3], [1, 0]]  # a prompt's chunk; a first token; all drafts kept; the second rejected
+    # Per request: its last token's row, then one per speculative token fed (2 drafts, then 3 masks)
+    rows = hidden([5], [1], [2, 3, 4, 6, 7, 5], [1, 2, 3, 4, 6, 7])
+    proposals = step.propose_from_target(OneHot(), ids, sampled, rows, [0, 0, 5, 5])
+    assert proposals[0] == []  # no token yet: nothing to draft from
+    assert proposals[1] == [9, 9, 9]  # no masks fed yet: masks alone, which the next step reads drafts from
+    assert proposals[2] == [6, 7, 9, 9, 9]  # its first two masks' tokens (the rows after its two drafts), masks
+    assert proposals[3] == [9, 9, 9]  # its masks followed a rejected draft: masks alone
+    assert step.proposed == {"first": 0, "kept": 2, "cut": 0}
+    after_masks = step.propose_from_target(OneHot(), ["first"], [[8]], hidden([8, 1, 2, 3]), [3])
+    assert after_masks == [[1, 2, 9, 9, 9]]  # after masks alone, the first K masks' tokens are the drafts
+
+
+def test_the_mars_step_is_configured_from_the_checkpoint(folders):
+    spec = mars_vllm.drafting(folders["mars"], mars_vllm.MARS_STEP, 2)
+    assert spec == {
+        "method": "custom_class",
+        "model": "hf_mars.serving.vllm_step.MARSStep",
+        "num_speculative_tokens": 5,
+    }
+    with pytest.raises(ValueError, match="drafts 1 to 3 tokens"):
+        mars_vllm.drafting(folders["mars"], mars_vllm.MARS_STEP, 4)
+    with pytest.raises(mars_vllm.NotADrafter, match="no `mask_token_id`"):
+        mars_vllm.drafting(folders["target"], mars_vllm.MARS_STEP, 2)
 
 
 def free_port() -> int:

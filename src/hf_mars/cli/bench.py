@@ -86,10 +86,14 @@ def _add_other_benches(bench) -> None:
         "--vllm",
         metavar="PYTHON",
         help="instead: vLLM (the Python of its environment, where hf_mars is installed too) decoding the checkpoint "
-        "plainly against the checkpoint drafting for itself, K = --draft-tokens, then hf_mars plain and lossless "
+        "plainly against the checkpoint drafting for itself, K = --draft-tokens, and MARS's own step in vLLM, K = "
+        "--step-tokens, then hf_mars plain and lossless "
         "on the same prompts (uses --prompts, --limit, --batch-sizes, --max-new-tokens, --repeats, --dtype)",
     )
     bench.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 3, 4], help="with --vllm (default: 2 3 4)")
+    bench.add_argument(
+        "--step-tokens", type=int, nargs="*", default=[1, 2, 3], help="with --vllm: MARS step's K (default: 1 2 3)"
+    )
     bench.add_argument(
         "--url",
         help="with --serve: drive this already running OpenAI-compatible server (e.g. `transformers serve "
@@ -182,6 +186,7 @@ def run_vllm(args) -> None:
         ids,
         args.vllm,
         draft_tokens=args.draft_tokens,
+        step_tokens=args.step_tokens,
         batch_sizes=args.batch_sizes,
         max_tokens=args.max_new_tokens,
         repeats=args.repeats,
@@ -199,7 +204,8 @@ def run_vllm(args) -> None:
         mask_costs=[0.0],
     )
     print(f"\n{args.model or 'the shipped checkpoint'}, {args.dtype}, {len(prompts)} prompts, on {device_name(None)}")
-    print("\nvLLM (greedy; K drafts per step from one drafter forward over [last token, masks]):\n")
+    print("\nvLLM (greedy; drafts itself: K drafts from a second forward over [last token, masks]; MARS step:")
+    print("K drafts from the masks after the drafts of the verifying forward, its first K acceptance positions):\n")
     print(format_rows(rows))
     print("\nhf_mars on the same prompts:\n")
     print(format_table(cells))

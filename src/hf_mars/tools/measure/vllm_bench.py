@@ -1,5 +1,6 @@
 """vLLM decoding a MARS checkpoint plainly against the checkpoint drafting for itself (parallel drafting, K drafts a
-step): tokens/s, acceptance per draft position and mean accepted length, at each batch size.
+step from a second forward) and against MARS's own step (K drafts from the masks of the verifying forward itself,
+`serving/vllm_step.py`): tokens/s, acceptance per draft position and mean accepted length, at each batch size.
 
 Two halves, because vLLM lives in an environment of its own: `vllm_table` runs in hf_mars's environment and runs
 this module in the vLLM environment once per method (`python -m hf_mars.tools.measure.vllm_bench SPEC OUT`), where
@@ -20,16 +21,18 @@ from pathlib import Path
 
 from ...serving.vllm import SMALL_CPU
 
+METHODS = {None: "vLLM plain", "self": "vLLM, drafts itself, K = {k}", "mars-step": "vLLM, MARS step, K = {k}"}
+
 
 def measure(spec: dict) -> list[dict]:
-    """In the vLLM environment: one row per batch size for the method `spec["draft_tokens"]` names (None: plain),
-    the median time over the repeats after a warm-up batch."""
+    """In the vLLM environment: one row per batch size for the method `spec["drafter"]` names (None: plain; "self";
+    "mars-step") with `spec["draft_tokens"]` drafts a step, the median time over the repeats after a warm-up batch."""
     from ...serving import vllm as mars_vllm
 
-    k = spec["draft_tokens"]
+    k, drafter = spec["draft_tokens"], spec["drafter"]
     llm = mars_vllm.load(
         spec["model"],
-        drafter=None if k is None else "self",
+        drafter=drafter,
         num_draft_tokens=k or 1,
         dtype=spec["dtype"],
         max_model_len=spec["max_model_len"],
@@ -39,7 +42,7 @@ def measure(spec: dict) -> list[dict]:
         groups = [spec["prompts"][i : i + batch] for i in range(0, len(spec["prompts"]), batch)]
         mars_vllm.generate(llm, groups[0], spec["max_tokens"])  # warm-up
         repeats = [[mars_vllm.generate(llm, g, spec["max_tokens"]) for g in groups] for _ in range(spec["repeats"])]
-        rows.append(_row("vLLM plain" if k is None else f"vLLM, drafts itself, K = {k}", batch, repeats))
+        rows.append(_row(METHODS[drafter].format(k=k), batch, repeats))
     return rows
 
 
@@ -62,13 +65,15 @@ def vllm_table(
     python: str,
     *,
     draft_tokens=(2, 3, 4),
+    step_tokens=(1, 2, 3),
     batch_sizes=(1, 8),
     max_tokens: int = 128,
     repeats: int = 2,
     dtype: str = "float32",
 ) -> list[dict]:
     """Each method's rows from the vLLM environment whose interpreter is `python`, with its ratio to plain and
-    whether its tokens are plain's."""
+    whether its tokens are plain's: plain, parallel drafting with each of `draft_tokens`, MARS's step with each of
+    `step_tokens` (at most the checkpoint's B-1)."""
     spec = {
         "model": str(model),
         "prompts": prompts,
@@ -78,7 +83,8 @@ def vllm_table(
         "repeats": repeats,
         "dtype": dtype,
     }
-    rows = [row for k in (None, *draft_tokens) for row in _in_vllm(python, spec | {"draft_tokens": k})]
+    methods = [(None, None), *(("self", k) for k in draft_tokens), *(("mars-step", k) for k in step_tokens)]
+    rows = [row for d, k in methods for row in _in_vllm(python, spec | {"drafter": d, "draft_tokens": k})]
     plain = {row["batch"]: (row["tokens_per_s"], row["token_ids"]) for row in rows if row["method"] == "vLLM plain"}
     for row in rows:
         speed, tokens = plain[row["batch"]]
