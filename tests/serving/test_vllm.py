@@ -220,7 +220,9 @@ def test_hf_mars_serve_engine_vllm_answers_with_the_greedy_tokens(folders):
     python, port, ids = vllm_python(), free_port(), prompts(2)
     env = mars_vllm.SMALL_CPU | dict(os.environ)
     command = [python, "-m", "hf_mars.cli", "serve", str(folders["mars"]), "--engine", "vllm", "--port", str(port)]
-    command += ["--dtype", "float32", "--draft-model", "self", "--vllm-args=--enforce-eager --max-model-len 512"]
+    # MARS's own step (its proposer class is imported in vLLM's engine); parallel drafting is the same JSON path
+    command += ["--dtype", "float32", "--draft-model", "mars-step", "--num-draft-tokens", "2"]
+    command += ["--vllm-args=--enforce-eager --max-model-len 512"]
     server = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
