@@ -209,6 +209,26 @@ def test_the_mars_step_is_configured_from_the_checkpoint(folders):
         mars_vllm.drafting(folders["target"], mars_vllm.MARS_STEP, 2)
 
 
+def test_the_mars_step_refuses_another_vllm_release_and_a_wrong_draft_count(monkeypatch):
+    import sys
+    import types
+
+    from hf_mars.serving.vllm_step import MARSStep
+
+    def config(release, block=4, spec_tokens=5, mask=9):
+        monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=release))
+        hf = types.SimpleNamespace(mask_token_id=mask, mars_block_size=block)
+        spec = types.SimpleNamespace(num_speculative_tokens=spec_tokens)
+        return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=hf), speculative_config=spec)
+
+    with pytest.raises(RuntimeError, match="private method of vLLM 0.32.x.*this is vLLM 0.33.0.*--draft-model self"):
+        MARSStep(config("0.33.0"))
+    with pytest.raises(ValueError, match=r"num_speculative_tokens = K \+ 3"):
+        MARSStep(config("0.32.0", spec_tokens=7))  # K = 4 drafts, but 3 masks predict 3 tokens
+    with pytest.raises(ValueError, match="mask_token_id"):
+        MARSStep(config("0.32.0", mask=None))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

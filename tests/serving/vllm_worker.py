@@ -1,9 +1,10 @@
 """Runs greedy jobs on vLLM's CPU build for tests/serving/test_vllm.py, in the vLLM venv (HF_MARS_VLLM_PYTHON), where
 hf_mars is installed without its dependencies: `python vllm_worker.py JOBS.json OUT.json`.
 
-JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N, "jobs": [{"model": PATH, "drafter": PATH|"self"|null,
-"num_draft_tokens": K}, ...]}. OUT.json: per job, each prompt's tokens and vLLM's acceptance counters. The jobs share
-one process (vLLM's start costs more than a tiny model's run); each engine is dropped before the next is made.
+JOBS.json: {"prompts": [[ids...], ...], "max_tokens": N, "jobs": [{"model": PATH,
+"drafter": PATH|"self"|"mars-step"|null, "num_draft_tokens": K}, ...]}. OUT.json: per job, each prompt's tokens and
+vLLM's acceptance counters. The jobs share one process (vLLM's start costs more than a tiny model's run); each
+engine is dropped before the next is made.
 """
 
 from __future__ import annotations
