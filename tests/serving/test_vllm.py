@@ -181,7 +181,7 @@ def test_the_mars_step_drafts_from_masks_that_followed_only_kept_drafts():
         return torch.nn.functional.one_hot(torch.tensor([t for row in rows for t in row]), 10).float()
 
     step = MARSStep.__new__(MARSStep)  # as vLLM makes it, without vLLM: the checkpoint's mask 9, B = 4, K = 2
-    step.mask, step.masks, step.drafts, step.proposed = 9, 3, 2, {"kept": 2, "cut": 2}
+    step.mask, step.masks, step.drafts, step.proposed, step.keep = 9, 3, 2, {"kept": 2, "cut": 2}, 3
     ids = ["reading", "first", "kept", "cut"]
     sampled = [[], [8], [1, 2, 3], [1, 0]]  # a prompt's chunk; a first token; all drafts kept; the second rejected
     # Per request: its last token's row, then one per speculative token fed (2 drafts, then 3 masks)
@@ -192,8 +192,10 @@ def test_the_mars_step_drafts_from_masks_that_followed_only_kept_drafts():
     assert proposals[2] == [6, 7, 9, 9, 9]  # its first two masks' tokens (the rows after its two drafts), masks
     assert proposals[3] == [9, 9, 9]  # its masks followed a rejected draft: masks alone
     assert step.proposed == {"first": 0, "kept": 2, "cut": 0}
+    step.keep = 2  # the requests it remembers: "kept", unscheduled the longest, is dropped; "cut" waits its turn
     after_masks = step.propose_from_target(OneHot(), ["first"], [[8]], hidden([8, 1, 2, 3]), [3])
     assert after_masks == [[1, 2, 9, 9, 9]]  # after masks alone, the first K masks' tokens are the drafts
+    assert step.proposed == {"cut": 0, "first": 2}
 
 
 def test_the_mars_step_is_configured_from_the_checkpoint(folders, monkeypatch):

@@ -89,7 +89,10 @@ class MARSStep:
                 f"MARS's own step takes num_speculative_tokens = K + {self.masks} (K drafts, 1 <= K <= "
                 f"{self.masks}, and B-1 masks): see `step_config`"
             )
-        self.proposed: dict[str, int] = {}  # request -> drafts (not masks) among its last proposal
+        # request -> drafts (not masks) among its last proposal; kept for requests a step leaves unscheduled (their
+        # proposal is fed when they run again), the oldest dropped past `keep`
+        self.proposed: dict[str, int] = {}
+        self.keep = 4 * vllm_config.scheduler_config.max_num_seqs
         _install()
 
     def propose(self, *args, **kwargs):
@@ -120,15 +123,18 @@ class MARSStep:
                 rows.append(0)
             at += fed + 1
         drafts = _argmax(model, hidden, wanted)
-        proposals, self.proposed, start = [], {}, 0
+        proposals, start = [], 0
         for req_id, end in zip(req_ids, rows):
             if end is None:
                 proposals.append([])
                 continue
             ours = drafts[start:end] if end else []
             start = end or start
-            self.proposed[req_id] = len(ours)
+            self.proposed.pop(req_id, None)
+            self.proposed[req_id] = len(ours)  # the newest last
             proposals.append(ours + [self.mask] * self.masks)
+        while len(self.proposed) > self.keep:  # requests long gone (finished, or aborted)
+            del self.proposed[next(iter(self.proposed))]
         return proposals
 
 
