@@ -26,6 +26,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
+
 VLLM_RELEASE = "0.32."  # the vLLM release whose model runner `_install` wraps
 CLASS_PATH = f"{__name__}.MARSStep"
 WRONG_RELEASE = (
@@ -57,18 +59,25 @@ def step_config(config: dict, num_draft_tokens: int) -> dict:
     `num_draft_tokens` drafts (at most B-1, the masks' predictions) and B-1 masks each step; refused before vLLM
     starts where the vLLM installed here is another release."""
     check_release(installed_release())
-    masks = config.get("mars_block_size", 0) - 1
+    masks = check_counts(config.get("mars_block_size"), num_draft_tokens)
+    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": num_draft_tokens + masks}
+
+
+def check_counts(block_size, num_draft_tokens: int) -> int:
+    """The checkpoint's B-1 masks, once `block_size` (B) is a MARS checkpoint's and K = `num_draft_tokens` is a
+    number of drafts its masks can fill (1 to B-1)."""
+    masks = (block_size or 0) - 1
     if masks < 1:
         raise ValueError(
             "MARS's own step needs a MARS checkpoint (`mars_block_size` of 2 or more in its config.json), got "
-            f"mars_block_size = {config.get('mars_block_size')!r}"
+            f"mars_block_size = {block_size!r}"
         )
     if not 1 <= num_draft_tokens <= masks:
         raise ValueError(
             f"MARS's own step drafts 1 to {masks} tokens (the checkpoint's B-1 masks predict {masks}), got "
-            f"num_draft_tokens = {num_draft_tokens}"
+            f"{num_draft_tokens}: it takes num_speculative_tokens = K + {masks}, K drafts and B-1 masks"
         )
-    return {"method": "custom_class", "model": CLASS_PATH, "num_speculative_tokens": num_draft_tokens + masks}
+    return masks
 
 
 class MARSStep:
@@ -82,13 +91,9 @@ class MARSStep:
         self.mask = getattr(config, "mask_token_id", None)
         if self.mask is None:
             raise ValueError("MARS's own step needs the checkpoint's `mask_token_id` in its config.json")
-        self.masks = int(getattr(config, "mars_block_size", 0)) - 1
-        self.drafts = vllm_config.speculative_config.num_speculative_tokens - self.masks
-        if self.masks < 1 or not 1 <= self.drafts <= self.masks:
-            raise ValueError(
-                f"MARS's own step takes num_speculative_tokens = K + {self.masks} (K drafts, 1 <= K <= "
-                f"{self.masks}, and B-1 masks): see `step_config`"
-            )
+        block = getattr(config, "mars_block_size", None)
+        self.drafts = vllm_config.speculative_config.num_speculative_tokens - ((block or 0) - 1)
+        self.masks = check_counts(block, self.drafts)
         # request -> drafts (not masks) among its last proposal; kept for requests a step leaves unscheduled (their
         # proposal is fed when they run again), the oldest dropped past `keep`
         self.proposed: dict[str, int] = {}
@@ -142,8 +147,6 @@ def _argmax(model, hidden, rows: list[int]) -> list[int]:
     """The target's most likely token at these rows of `hidden` (its logits computed for them alone)."""
     if not rows:
         return []
-    import torch
-
     index = torch.tensor(rows, device=hidden.device)
     return model.compute_logits(hidden.index_select(0, index)).argmax(dim=-1).tolist()
 
@@ -156,12 +159,13 @@ def _install() -> None:
     original = GPUModelRunner.propose_draft_token_ids
     if getattr(original, "mars_step", False):
         return
+    signature = inspect.signature(original)  # once: binding the runner's arguments by name each step
 
     @functools.wraps(original)
     def propose_draft_token_ids(self, *args, **kwargs):
         if not isinstance(self.drafter, MARSStep):
             return original(self, *args, **kwargs)
-        given = inspect.signature(original).bind(self, *args, **kwargs).arguments
+        given = signature.bind(self, *args, **kwargs).arguments
         metadata = given["spec_decode_metadata"]
         self._draft_probs, self._draft_prob_req_ids = None, None
         return self.drafter.propose_from_target(

@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ...serving.vllm import SMALL_CPU
+from ...serving.vllm import MARS_STEP, SMALL_CPU
 
-METHODS = {None: "vLLM plain", "self": "vLLM, drafts itself, K = {k}", "mars-step": "vLLM, MARS step, K = {k}"}
+METHODS = {None: "vLLM plain", "self": "vLLM, drafts itself, K = {k}", MARS_STEP: "vLLM, MARS step, K = {k}"}
 
 
 def measure(spec: dict) -> list[dict]:
@@ -83,7 +83,7 @@ def vllm_table(
         "repeats": repeats,
         "dtype": dtype,
     }
-    methods = [(None, None), *(("self", k) for k in draft_tokens), *(("mars-step", k) for k in step_tokens)]
+    methods = [(None, None), *(("self", k) for k in draft_tokens), *((MARS_STEP, k) for k in step_tokens)]
     rows = [row for d, k in methods for row in _in_vllm(python, spec | {"drafter": d, "draft_tokens": k})]
     plain = {row["batch"]: (row["tokens_per_s"], row["token_ids"]) for row in rows if row["method"] == "vLLM plain"}
     for row in rows:
