@@ -4,8 +4,10 @@ speed of the answer being written, the tokens of each pass as one colored span, 
 
     MARS_MODEL=<repo id or folder> [MARS_REVISION=<commit>] python app.py [--model ...] [--revision ...]
 
-The checkpoint brings its own decoding code (trust_remote_code): this file needs torch, transformers and gradio
-only, not hf_mars. Host and port: Gradio's own GRADIO_SERVER_NAME / GRADIO_SERVER_PORT.
+The checkpoint brings its own decoding code (trust_remote_code): this file needs torch, transformers and gradio.
+Timing this machine's pass costs, which lossless "auto" and MARS_DTYPE=auto read, is hf_mars's: `hf-mars push-space`
+uploads that part of hf_mars beside this file; without it they decode as if nothing was measured. Host and port:
+Gradio's own GRADIO_SERVER_NAME / GRADIO_SERVER_PORT.
 """
 
 from __future__ import annotations
@@ -658,14 +660,28 @@ def load_model(path: str | None = None, revision: str | None = None):
 
 
 def in_fastest_dtype(model):
-    """MARS_DTYPE=auto: the dtype where lossless decoding is expected fastest on this machine, from the pass costs the
-    checkpoint's code measures here (cached after the first start); float32 where that code predates it."""
-    if not hasattr(model, "mars_dtype"):
-        print("MARS_DTYPE=auto: checkpoint code too old to measure dtypes; float32", file=sys.stderr)
+    """MARS_DTYPE=auto: the dtype where lossless decoding is expected fastest on this machine, from pass costs timed
+    here by hf_mars's tools (cached after the first start); float32 where hf_mars is not importable."""
+    tools = timing_tools()
+    if tools is None:
+        print(f"MARS_DTYPE=auto: {NO_TIMING}; float32", file=sys.stderr)
         return model
-    choice = model.mars_dtype()
+    choice = tools.choose_dtype(model)
     print(f"MARS_DTYPE=auto: {choice.reason()}", file=sys.stderr)
     return model.to(choice.dtype)
+
+
+NO_TIMING = "timing pass costs needs hf_mars (`hf-mars push-space` uploads it beside this app)"
+
+
+def timing_tools():
+    """hf_mars, which times pass costs (a checkpoint's code only reads them), where it is importable: uploaded beside
+    this app by `hf-mars push-space`, or installed; None elsewhere."""
+    try:
+        import hf_mars
+    except ImportError:
+        return None
+    return hf_mars
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -684,8 +700,11 @@ def main(argv: list[str] | None = None) -> None:
 def warm_up(model, tokenizer) -> None:
     """One tiny call down each path, so that the first visitor's timings do not include one-off set-up costs."""
     inputs = tokenizer("Hello", return_tensors="pt")
-    if hasattr(model, "mars_measure"):  # what lossless "auto" reads, timed once per machine (generate() never times)
-        model.mars_measure([1], mars_verify=True)
+    tools = timing_tools()
+    if tools is not None:  # what lossless "auto" reads, timed once per machine (generate() never times)
+        tools.measure(model, [1], mars_verify=True)
+    else:
+        print(f'lossless "auto" decodes plainly until pass costs are measured: {NO_TIMING}', file=sys.stderr)
     model.generate(**inputs, max_new_tokens=2, mars_tau=0.5, do_sample=False)
     GenerationMixin.generate(model, **inputs, max_new_tokens=2, do_sample=False)
 

@@ -16,6 +16,8 @@ _NAMES = {
     ".decoding.generate": ("MARSGenerationMixin", "MARSGenerateOutput", "MARSStats", "TauController", "mars_settings"),
     ".decoding.modeling": ("MASK_TOKEN", "mars_class"),
     ".decoding.session": ("Session",),
+    ".tools.measure.passes": ("measure",),
+    ".tools.measure.dtypes": ("choose_dtype",),
     ".convert": ("convert_checkpoint", "to_mars"),
     ".tools.checkpoints.shipped": ("default_checkpoint",),
     ".tools.checkpoints.loading": ("CheckpointError", "load_checkpoint"),

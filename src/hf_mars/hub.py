@@ -8,8 +8,10 @@ the configs with their MARS defaults, the tokenizer, and a model card rendered f
 Everything goes in one commit, so a repo never holds weights without their card or code.
 
 `push_space(space_id, model_repo)` uploads a Space folder and sets its `MARS_MODEL` variable, which the app reads to
-pick the checkpoint. The default folder is the source checkout's `spaces_demo/`, which is not package data: an
-installed wheel has none, and `push_space` then asks for `folder=` (`hf-mars push-space --folder DIR`).
+pick the checkpoint. Beside the app goes the part of hf_mars that times pass costs (`SPACE_TIMING`), which the app
+runs at its start and a checkpoint's code does not carry. The default folder is the source checkout's `spaces_demo/`,
+which is not package data: an installed wheel has none, and `push_space` then asks for `folder=` (`hf-mars
+push-space --folder DIR`).
 
 Authentication is huggingface_hub's: `token=None` means the `HF_TOKEN` environment variable, else the token saved
 by `hf auth login`. Nothing here reads or overrides a token itself.
@@ -420,6 +422,29 @@ def portable_tokenizer_config(path: Path) -> bytes | None:
 
 
 SPACE_IGNORE = ["__pycache__/*", "**/__pycache__/*", "*.pyc", ".*", "**/.*", "*.egg-info/*"]
+# The part of hf_mars a Space runs beside its app: timing pass costs, which a checkpoint's code only reads, and what
+# that imports. Globs in the package folder, so they hold for a source checkout and an installed wheel alike.
+SPACE_TIMING = (
+    "__init__.py",
+    "decoding/*.py",
+    "tools/__init__.py",
+    "tools/measure/__init__.py",
+    "tools/measure/passes.py",
+    "tools/measure/dtypes.py",
+)
+
+
+def space_files(folder: Path) -> tuple[list[tuple[str, Path]], list[tuple[str, str]]]:
+    """What `push_space` uploads, as (path in the Space, local file): the folder's files, and hf_mars's timing tools
+    under `hf_mars/`; and what it leaves out, as (path, why)."""
+    own = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    kept = set(filter_repo_objects(own, ignore_patterns=SPACE_IGNORE))
+    skipped = [(path, "cache or hidden file") for path in own if path not in kept]
+    skipped += [(path, "replaced by this hf_mars's timing tools") for path in own if path.startswith("hf_mars/")]
+    package = Path(__file__).resolve().parent
+    timing = [p for pattern in SPACE_TIMING for p in sorted(package.glob(pattern))]
+    files = [(path, folder / path) for path in own if path in kept and not path.startswith("hf_mars/")]
+    return files + [("hf_mars/" + p.relative_to(package).as_posix(), p) for p in timing], skipped
 
 
 def push_space(
@@ -437,8 +462,8 @@ def push_space(
     The Space gets the variable `MARS_MODEL=model_repo` and, when `model_revision` is given, `MARS_REVISION` (pin
     one: the checkpoint's remote code runs in the Space; without it a previous pin is removed). Both are set before
     the upload, so the first build already has them. The folder (default: the source checkout's `spaces_demo/`,
-    which an installed wheel does not have) is uploaded as it is, caches and hidden files excepted; its README.md
-    carries the Space's YAML.
+    which an installed wheel does not have) is uploaded as it is, caches and hidden files excepted, in one commit with
+    hf_mars's timing tools under `hf_mars/` (`space_files`); its README.md carries the Space's YAML.
     """
     folder = _space_folder(folder)
     api = HfApi(token=token)
@@ -450,18 +475,15 @@ def push_space(
         ) from err
     _prepare_repo(api, space_id, repo_type="space", private=private, revision=None, token=token, space_sdk="gradio")
     _point_space_at(api, space_id, model_repo, model_revision, token)
-    info = api.upload_folder(
+    files, skipped = space_files(folder)
+    info = api.create_commit(
         repo_id=space_id,
-        folder_path=folder,
         repo_type="space",
-        ignore_patterns=list(SPACE_IGNORE),
+        operations=[CommitOperationAdd(path_in_repo=path, path_or_fileobj=str(local)) for path, local in files],
         commit_message=commit_message or f"MARS demo for {model_repo}",
         token=token,
     )
-    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    uploaded = list(filter_repo_objects(files, ignore_patterns=SPACE_IGNORE))
-    sizes = [(path, (folder / path).stat().st_size) for path in uploaded]
-    skipped = [(path, "cache or hidden file") for path in files if path not in uploaded]
+    sizes = [(path, local.stat().st_size) for path, local in files]
     return PushResult(space_id, "space", "main", info.commit_url, info.oid, sizes, skipped)
 
 

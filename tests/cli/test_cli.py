@@ -254,6 +254,7 @@ def test_bench_names_the_tree_a_compiled_run_chose_from_compiled_costs(tmp_path,
     the runs chose from, never by timing the eager path (which a compiled run never takes)."""
     from hf_mars.cli.bench import _lossless_trees
     from hf_mars.decoding import costs
+    from hf_mars.tools.measure import passes
     from hf_mars.tools.measure.decode import compiled_path
 
     monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
@@ -265,7 +266,7 @@ def test_bench_names_the_tree_a_compiled_run_chose_from_compiled_costs(tmp_path,
     def flat(model, batch, trees, compile_config=None):  # every compiled pass costs a plain step: the widest wins
         return {1 if tree is None else costs.pass_width(*tree): 0.01 for tree in trees}
 
-    monkeypatch.setattr(costs, "measure_pass_costs", eager)
-    monkeypatch.setattr(costs, "measure_compiled_passes", flat)
-    model.mars_measure([1], mars_verify=True, **compiled_path(model))  # what the bench's runs do first
+    monkeypatch.setattr(passes, "measure_pass_costs", eager)
+    monkeypatch.setattr(passes, "measure_compiled_passes", flat)
+    passes.measure(model, [1], mars_verify=True, **compiled_path(model))  # what the bench's runs do first
     assert _lossless_trees(model, [1], compiled=True).endswith("batch 1: 4x3+8")

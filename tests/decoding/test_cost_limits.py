@@ -9,8 +9,9 @@ import pytest
 from helpers import make_model, make_tokenizer
 
 import hf_mars
-from hf_mars.decoding import costs as cost_model
-from hf_mars.decoding.costs import choose_tree, cost_batch, machine_key, pass_costs, pay_limit
+from hf_mars.decoding.costs import choose_tree, cost_batch, machine_key, pay_limit
+from hf_mars.tools.measure import passes
+from hf_mars.tools.measure.passes import pass_costs
 
 
 @pytest.fixture
@@ -34,8 +35,8 @@ def slow_width(monkeypatch, per_token: float = 0.001) -> list:
                 break
         return timed
 
-    monkeypatch.setattr(cost_model, "measure_pass_costs", measure)
-    monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    monkeypatch.setattr(passes, "measure_pass_costs", measure)
+    monkeypatch.setattr(passes, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
     return calls
 
 
@@ -68,6 +69,6 @@ def test_widths_past_what_any_tree_can_pay_are_not_timed(cache_dir, monkeypatch)
 
 def test_real_warm_up_stops_at_the_first_width_past_the_limit(cache_dir):
     model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=2)
-    measured = cost_model.measure_pass_costs(model, 1, [1, 4, 8, 16], context=16, repeats=1, limit=1e-3)
+    measured = passes.measure_pass_costs(model, 1, [1, 4, 8, 16], context=16, repeats=1, limit=1e-3)
     assert set(measured) == {1, 4}  # 4 tokens cost more than a thousandth of one: 8 and 16 are left out
-    assert set(cost_model.measure_pass_costs(model, 1, [1, 4, 8], context=16, repeats=1)) == {1, 4, 8}
+    assert set(passes.measure_pass_costs(model, 1, [1, 4, 8], context=16, repeats=1)) == {1, 4, 8}

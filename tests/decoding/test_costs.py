@@ -1,9 +1,12 @@
 """`mars_lossless="auto"`: the tree chosen from the checkpoint's tokens per forward and this machine's pass costs
-(`decoding/costs.py`), the costs' cache and what invalidates it, and the output, which stays greedy `generate()`'s."""
+(`decoding/costs.py`, which reads them), their timing (`tools/measure/passes.py`, `hf_mars.measure`), the costs' cache
+and what invalidates it, and the output, which stays greedy `generate()`'s."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,9 @@ from transformers import CompileConfig, GenerationMixin
 
 import hf_mars
 from hf_mars.decoding import costs as cost_model
-from hf_mars.decoding.costs import Costs, choose_tree, machine_key, parse_tree, pass_costs, pass_width
+from hf_mars.decoding.costs import Costs, NotMeasured, choose_tree, machine_key, parse_tree, pass_width
+from hf_mars.tools.measure import dtypes, passes
+from hf_mars.tools.measure.passes import pass_costs
 
 ACCEPTANCE = {"2x1": 1.6, "2x3+4": 2.1, "4x3+8": 2.6}  # tokens per forward, as `hf-mars tune` measures them
 WIDTHS = sorted({1, *(pass_width(*parse_tree(name)) for name in ACCEPTANCE)})
@@ -69,8 +74,8 @@ def counting(monkeypatch, measured: dict[int, float] | None = None) -> list:
         calls.append((model.dtype, batch_size, tuple(widths)))
         return {w: (measured or {}).get(w, 0.001 * w) for w in widths}
 
-    monkeypatch.setattr(cost_model, "measure_pass_costs", measure)
-    monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    monkeypatch.setattr(passes, "measure_pass_costs", measure)
+    monkeypatch.setattr(passes, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
     return calls
 
 
@@ -93,27 +98,44 @@ def test_pass_costs_are_measured_once_per_machine_dtype_batch_and_model_shape(ca
     assert calls[-1] == (torch.float32, 1, (1, 4))
 
 
+def test_reading_costs_never_times(cache_dir, monkeypatch):
+    """The code a checkpoint carries reads the table and times nothing: a cost it lacks raises `NotMeasured` unless
+    hf_mars's tooling hands it a timer."""
+    calls = counting(monkeypatch)
+    model = make_model("llama")
+    with pytest.raises(NotMeasured):
+        cost_model.pass_costs(model, 1, [4])
+    timed = pass_costs(model, 1, [4, 8])
+    assert cost_model.pass_costs(model, 1, [8, 4]) == timed and len(calls) == 1
+    with pytest.raises(NotMeasured):
+        cost_model.pass_costs(model, 1, [4], prefill=True)  # the prompt's forward was not timed
+    shipped = Path(cost_model.__file__).read_text()
+    assert "perf_counter" not in shipped and "def measure_" not in shipped
+
+
 def test_costs_timed_beside_other_work_are_timed_again_by_the_next_process(cache_dir, monkeypatch, caplog):
     """Figures timed while another process held part of the CPU are used, said to be off, and timed again once by the
     next process; figures timed alone are kept."""
     calls = counting(monkeypatch)
     model = make_model("llama")
-    monkeypatch.setattr(cost_model, "_RETIMED", set())
-    monkeypatch.setattr(cost_model, "_cpu_share", lambda started: 0.4)  # another process had more than half the CPU
-    with caplog.at_level("WARNING", logger=cost_model.__name__):
+    monkeypatch.setattr(passes, "_cpu_share", lambda started: 0.4)  # another process had more than half the CPU
+    with caplog.at_level("WARNING", logger=passes.__name__):
         busy = pass_costs(model, 1, [4])
     saved = json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
     assert saved["busy"] == 0.4 and "other work was running" in caplog.text
     assert pass_costs(model, 1, [4]) == busy and len(calls) == 1  # this process does not time them twice
-    monkeypatch.setattr(cost_model, "_cpu_share", lambda started: 0.97)  # the other work ends
+    assert cost_model.pass_costs(model, 1, [4]) == busy  # and decodes with them
+    monkeypatch.setattr(passes, "_cpu_share", lambda started: 0.97)  # the other work ends
     pass_costs(model, 1, [4, 8])  # a width timed alone does not clear the entry's old figures
     assert json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]["busy"] == 0.4
 
-    monkeypatch.setattr(cost_model, "_RETIMED", set())  # the next process, on an idle machine
+    monkeypatch.setattr(os, "getpid", lambda: -1)  # the next process, on an idle machine
+    with pytest.raises(NotMeasured):  # which does not decode with figures timed busy by another
+        cost_model.pass_costs(model, 1, [4])
     pass_costs(model, 1, [4])
     assert calls[-1][2] == (1, 4) and len(calls) == 3  # every width again
     assert "busy" not in json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
-    monkeypatch.setattr(cost_model, "_RETIMED", set())
+    monkeypatch.setattr(os, "getpid", lambda: -2)
     pass_costs(model, 1, [4])
     assert len(calls) == 3  # figures timed alone stay
 
@@ -123,14 +145,14 @@ def test_cpu_share_tells_work_from_waiting():
     0 while it sleeps, as it would while another process holds the CPU."""
     import time
 
-    started = cost_model._clocks()
+    started = passes._clocks()
     end = time.perf_counter() + 0.2
     while time.perf_counter() < end:
         pass
-    assert cost_model._cpu_share(started) > 0.5 * (1 / torch.get_num_threads())
-    started = cost_model._clocks()
+    assert passes._cpu_share(started) > 0.5 * (1 / torch.get_num_threads())
+    started = passes._clocks()
     time.sleep(0.2)
-    assert cost_model._cpu_share(started) < 0.2
+    assert passes._cpu_share(started) < 0.2
 
 
 def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatch):
@@ -159,9 +181,9 @@ def test_real_measurement_times_every_width_with_the_batch_mask(cache_dir):
     masks = []
     hook = model.register_forward_pre_hook(lambda m, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
     try:
-        measured = cost_model.measure_pass_costs(model, 2, [1, 4, 8], context=16, repeats=2)
+        measured = passes.measure_pass_costs(model, 2, [1, 4, 8], context=16, repeats=2)
         timed_forwards = len(masks)
-        overheads = cost_model.measure_overheads(model, 2, measured, context=16, repeats=1)  # real generate() calls
+        overheads = passes.measure_overheads(model, 2, measured, context=16, repeats=1)  # real generate() calls
     finally:
         hook.remove()
     assert set(measured) == {1, 4, 8} and all(0.0 < s < 5.0 for s in measured.values())
@@ -191,7 +213,7 @@ def test_auto_runs_the_tree_the_costs_pick_with_greedy_output(
 ):
     model, tok = auto_model
     counting(monkeypatch, table(extra_token_cost))  # width 1 and the trees' widths
-    model.mars_measure([1, 4], mars_verify=True)
+    hf_mars.measure(model, [1, 4], mars_verify=True)
     for batch in (1, 4):
         settings = hf_mars.mars_settings(model, None, batch, mars_verify=True)
         assert (settings["mars_block_size"], settings["mars_draft_candidates"], settings["mars_lookup"]) == tree
@@ -228,7 +250,7 @@ def test_auto_without_acceptance_or_with_bad_acceptance_is_refused(trained_toy, 
                 model.generate(**enc, mars_verify=True, max_new_tokens=4)
         del config.mars_lossless  # acceptance alone also means auto
         config.mars_acceptance = {"2x1": 1.7}
-        assert model.mars_measure(mars_verify=True)[1]["mars_block_size"] == 2  # a free wide pass: the tree pays
+        assert hf_mars.measure(model, mars_verify=True)[1]["mars_block_size"] == 2  # a free wide pass: the tree pays
     finally:
         for name in ("mars_lossless", "mars_acceptance"):
             if hasattr(config, name):
@@ -238,7 +260,7 @@ def test_auto_without_acceptance_or_with_bad_acceptance_is_refused(trained_toy, 
 def test_mask_cost_auto_is_read_from_the_same_pass_costs(trained_toy, cache_dir, monkeypatch):
     model, tok = trained_toy
     calls = counting(monkeypatch, {1: 0.010, 2: 0.012, 3: 0.015, 4: 0.020})
-    settings = model.mars_measure(mars_tau=0.9, mars_mask_cost="auto")[1]
+    settings = hf_mars.measure(model, mars_tau=0.9, mars_mask_cost="auto")[1]
     assert settings["mars_mask_cost"] == [0.2, 0.5, 1.0] and len(calls) == 1  # B = 4: 1, 2, 3 masks
     assert hf_mars.mars_settings(model, mars_tau=0.9, mars_block_size=2, mars_mask_cost="auto")["mars_mask_cost"] == [
         0.2
@@ -260,17 +282,17 @@ def test_the_dtype_is_the_one_where_lossless_decoding_is_fastest(auto_model, cac
         torch.bfloat16: {w: 0.008 + 0.004 * (w - 1) for w in WIDTHS},  # faster one-token pass, costly width
     }
     monkeypatch.setattr(
-        cost_model, "measure_pass_costs", lambda m, b, widths, **_: {w: per_dtype[m.dtype][w] for w in widths}
+        passes, "measure_pass_costs", lambda m, b, widths, **_: {w: per_dtype[m.dtype][w] for w in widths}
     )
-    monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
-    monkeypatch.setattr(cost_model, "measure_prefill", lambda *a, **k: 0.0)  # the prompt's cost: the next test
-    choice = model.mars_dtype()
+    monkeypatch.setattr(passes, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    monkeypatch.setattr(passes, "measure_prefill", lambda *a, **k: 0.0)  # the prompt's cost: the next test
+    choice = hf_mars.choose_dtype(model)
     assert choice.dtype == torch.float32 and choice.fastest_plain == torch.bfloat16
     assert choice.lossless[torch.bfloat16][0] is None  # no tree pays in bfloat16 here
     assert "float32" in choice.reason() and "bfloat16" in choice.reason() and "no tree pays" in choice.reason()
     assert model.dtype == torch.float32  # the model itself is not converted
     per_dtype[torch.bfloat16] = {w: 0.008 for w in WIDTHS}  # native bfloat16: width free too
-    assert cost_model.choose_dtype(model, batch_size=2).dtype == torch.bfloat16  # another batch size: measured anew
+    assert dtypes.choose_dtype(model, batch_size=2).dtype == torch.bfloat16  # another batch size: measured anew
 
 
 def test_a_dear_prompt_forward_counts_in_the_dtype_choice(auto_model, cache_dir, monkeypatch):
@@ -281,14 +303,14 @@ def test_a_dear_prompt_forward_counts_in_the_dtype_choice(auto_model, cache_dir,
     prompt = {torch.float32: 0.5, torch.bfloat16: 5.0}  # seconds to read 256 prompt tokens
     prefills = []
     monkeypatch.setattr(
-        cost_model, "measure_pass_costs", lambda m, b, ws, **_: {w: step[m.dtype] + 0.01 * (w - 1) for w in ws}
+        passes, "measure_pass_costs", lambda m, b, ws, **_: {w: step[m.dtype] + 0.01 * (w - 1) for w in ws}
     )
-    monkeypatch.setattr(cost_model, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
-    monkeypatch.setattr(cost_model, "measure_prefill", lambda m, b: prefills.append(m.dtype) or prompt[m.dtype])
-    chat = model.mars_dtype(prompt_tokens=16, new_tokens=1000)  # a short prompt, a long answer
+    monkeypatch.setattr(passes, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    monkeypatch.setattr(passes, "measure_prefill", lambda m, b: prefills.append(m.dtype) or prompt[m.dtype])
+    chat = hf_mars.choose_dtype(model, prompt_tokens=16, new_tokens=1000)  # a short prompt, a long answer
     assert chat.dtype == torch.bfloat16 and chat.prefill[torch.bfloat16] == pytest.approx(5.0 * 16 / 256)
     assert chat.lossless[torch.bfloat16] == (None, pytest.approx(1000 / (5.0 * 16 / 256 + 1000 * 0.008)))
-    summary = model.mars_dtype(prompt_tokens=1024, new_tokens=32)  # a long prompt, a short answer
+    summary = hf_mars.choose_dtype(model, prompt_tokens=1024, new_tokens=32)  # a long prompt, a short answer
     assert summary.dtype == torch.float32 and summary.fastest_plain == torch.float32
     assert "1024-token prompt, 32 new tokens" in summary.reason() and "prompt 20.0 s" in summary.reason()
     assert prefills == [torch.float32, torch.bfloat16]  # measured once per dtype, then read from the cache
@@ -297,7 +319,7 @@ def test_a_dear_prompt_forward_counts_in_the_dtype_choice(auto_model, cache_dir,
 
 def test_real_prefill_measurement(cache_dir):
     model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=2)
-    assert 0.0 < cost_model.measure_prefill(model, 2, context=16) < 5.0
+    assert 0.0 < passes.measure_prefill(model, 2, context=16) < 5.0
     costs = pass_costs(model, 1, [4], prefill=True)
     assert costs.prefill is not None and costs.prefill > 0.0
 
@@ -314,22 +336,22 @@ def test_a_compiled_call_chooses_from_the_costs_of_compiled_passes(auto_model, c
         timed.append((batch_size, tuple(trees), compile_config))
         return {1 if tree is None else pass_width(*tree): 0.010 for tree in trees}
 
-    monkeypatch.setattr(cost_model, "measure_compiled_passes", measure)
+    monkeypatch.setattr(passes, "measure_compiled_passes", measure)
     config = CompileConfig(backend="eager")
     config._compile_all_devices = True  # generate() compiles on GPUs only unless told
     compiled = dict(mars_verify=True, cache_implementation="static", compile_config=config)
-    picked = model.mars_measure([1], **compiled)[1]
+    picked = hf_mars.measure(model, [1], **compiled)[1]
     assert (picked["mars_block_size"], picked["mars_draft_candidates"], picked["mars_lookup"]) == (4, 3, 8)
     # plain first, then the narrowest tree; the widest earns most, and at this flat cost 2x3+4 cannot beat it
     assert timed == [(1, (tree,), config) for tree in (None, (2, 1, 0), (4, 3, 8))]
     assert hf_mars.mars_settings(model, None, 1, **compiled) == picked and len(timed) == 3  # cached
-    assert model.mars_measure([1], mars_verify=True)[1]["mars_block_size"] == 1  # eager: none pays
+    assert hf_mars.measure(model, [1], mars_verify=True)[1]["mars_block_size"] == 1  # eager: none pays
     static_only = hf_mars.mars_settings(model, None, 1, mars_verify=True, cache_implementation="static")
     assert static_only["mars_block_size"] == 1  # a CPU does not compile unless told
     keys = list(json.loads((cache_dir / "pass_costs.json").read_text()))
     assert sorted(keys) == sorted([machine_key(model, 1), machine_key(model, 1, compiled=True)])
     enc = toy_prompts(tok, n=2, seed=13)
-    model.mars_measure([2], **compiled)
+    hf_mars.measure(model, [2], **compiled)
     out = model.generate(**enc, **compiled, max_new_tokens=20, return_dict_in_generate=True)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=20)
     assert torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward > 1.0
@@ -341,7 +363,7 @@ def test_compiled_passes_are_timed_on_the_compiled_path(cache_dir):
     model = hf_mars.to_mars(make_model("llama"), tok, block_size=2)
     config = CompileConfig(backend="eager")
     config._compile_all_devices = True
-    seconds = cost_model.measure_compiled_passes(model, 2, [None, (2, 1, 0)], config, new_tokens=6)
+    seconds = passes.measure_compiled_passes(model, 2, [None, (2, 1, 0)], config, new_tokens=6)
     assert set(seconds) == {1, pass_width(2, 1, 0)} and all(s > 0 for s in seconds.values())
     assert model.__dict__.get("_mars_graphs"), "the tree ran as graph passes"
 
@@ -367,24 +389,24 @@ def test_compiled_costs_time_only_the_trees_that_could_win_and_choose_as_if_all_
         timed.extend(trees)
         return {w: 0.009 if w == 1 else curve(w) for w in (1 if t is None else pass_width(*t) for t in trees)}
 
-    monkeypatch.setattr(cost_model, "measure_compiled_passes", measure)
-    pruned = cost_model.compiled_pass_costs(model, 1, trees, acceptance=acceptance)
+    monkeypatch.setattr(passes, "measure_compiled_passes", measure)
+    pruned = passes.compiled_pass_costs(model, 1, trees, acceptance=acceptance)
     every = Costs({w: 0.009 if w == 1 else curve(w) for w in pruned.forward})
     assert choose_tree(acceptance, pruned) == choose_tree(acceptance, every)
     assert timed[:2] == [None, (2, 1, 0)] and len(timed) == len(set(timed))
     widths = {pass_width(*tree) for tree in trees}
     assert len(timed) < len(widths) + 1 or curve(56) / curve(4) > 3, "only a steep curve needs every width"
-    again = cost_model.compiled_pass_costs(model, 1, trees, acceptance=acceptance, measure=False)  # cached, pruned
+    again = cost_model.compiled_pass_costs(model, 1, trees, acceptance=acceptance)  # read: cached, pruned
     assert again.forward == pruned.forward and len(timed) == len(set(timed))
     timed.clear()
-    cost_model.compiled_pass_costs(model, 1, trees, refresh=True)  # no acceptance (hf-mars tune): every width
+    passes.compiled_pass_costs(model, 1, trees, refresh=True)  # no acceptance (hf-mars tune): every width
     assert len(timed) == len(widths) + 1
 
 
 def test_resolving_settings_never_times_and_says_how_to_measure(auto_model, cache_dir, monkeypatch, caplog):
     """`generate()`, `mars_settings` and a session time nothing: `"auto"` settings not measured yet decode as if
     nothing paid (lossless: plainly; mask cost: every mask), with one warning per setting and batch size that names
-    the explicit call, `model.mars_measure`; after it, calls run the tree it chose."""
+    the explicit call, `hf_mars.measure`; after it, calls run the tree it chose."""
     model, tok = auto_model
     calls = counting(monkeypatch, table(0.0))
     monkeypatch.setattr(cost_model, "_WARNED", set())  # once per process: this test's warnings are new
@@ -397,8 +419,8 @@ def test_resolving_settings_never_times_and_says_how_to_measure(auto_model, cach
         assert masks == [0.0] * 3  # every mask fed
         model.mars_session(enc.input_ids, attention_mask=enc.attention_mask, mars_verify=True, max_new_tokens=4)
     assert calls == [] and torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward == 1.0
-    warned = [r.getMessage() for r in caplog.records if "mars_measure" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "hf_mars.measure(model" in r.getMessage()]
     assert len(warned) == 2 and 'mars_lossless="auto"' in warned[0] and 'mars_mask_cost="auto"' in warned[1]
-    assert model.mars_measure([2], mars_verify=True)[2]["mars_block_size"] == 4 and calls
+    assert hf_mars.measure(model, [2], mars_verify=True)[2]["mars_block_size"] == 4 and calls
     out = model.generate(**enc, mars_verify=True, max_new_tokens=12, return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward > 1.0

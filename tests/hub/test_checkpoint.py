@@ -101,6 +101,50 @@ def test_load_with_remote_code_without_hf_mars_and_generate(tmp_path, family):
     assert result["passes"] == expected.mars_stats.forward_passes < 20
 
 
+def test_remote_code_times_nothing_and_reads_the_costs_hf_mars_timed(tmp_path, monkeypatch):
+    """A checkpoint's code carries no timing: without hf_mars, lossless "auto" on an unmeasured machine decodes plainly
+    and says how to measure; once hf_mars has timed this machine's pass costs, the same code reads them and runs the
+    tree they favour. The output is greedy `generate()`'s either way."""
+    from transformers import GenerationConfig
+
+    from hf_mars.tools.measure import passes
+
+    model, tok, path = saved_mars(tmp_path, "llama", block_size=2)
+    for config in (model.generation_config, GenerationConfig.from_pretrained(path)):
+        config.mars_lossless, config.mars_acceptance, config.mars_tau = "auto", {"2x1": 1.9}, None
+    config.save_pretrained(path)
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
+    code = f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
+        torch.set_num_threads({torch.get_num_threads()})  # the cost table's key names the thread count
+        tok = AutoTokenizer.from_pretrained({str(path)!r})
+        model = AutoModelForCausalLM.from_pretrained({str(path)!r}, trust_remote_code=True)
+        enc = tok(["hello world"], return_tensors="pt")
+        out = model.generate(**enc, mars_verify=True, max_new_tokens=12)
+        greedy = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=12)
+        tree = model.mars_settings(mars_verify=True)["mars_block_size"]
+        print(json.dumps(dict(tree=tree, greedy=torch.equal(out, greedy))))
+        """
+
+    def run():
+        prelude = "import sys; sys.modules['hf_mars'] = None\n"
+        done = subprocess.run(
+            [sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+    unmeasured, said = run()
+    assert unmeasured == {"tree": 1, "greedy": True} and "hf_mars.measure(model, batch_sizes=[1])" in said
+    monkeypatch.setattr(passes, "measure_pass_costs", lambda m, b, widths, **_: {w: 0.01 for w in widths})  # free
+    monkeypatch.setattr(passes, "measure_overheads", lambda *a, **k: dict(plain_overhead=0.0, mars_overhead=0.0))
+    monkeypatch.setattr(passes, "_cpu_share", lambda started: 1.0)  # alone on the CPU: trusted by other processes
+    assert hf_mars.measure(model, [1], mars_verify=True)[1]["mars_block_size"] == 2
+    measured, said = run()
+    assert measured == {"tree": 2, "greedy": True} and "not measured yet" not in said
+
+
 def test_loads_as_plain_base_model_without_remote_code(tmp_path):
     model, tok, path = saved_mars(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(path)

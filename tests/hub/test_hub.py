@@ -11,6 +11,8 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from helpers import make_model, make_tokenizer
 from huggingface_hub import HfApi, ModelCard, constants
 
 import hf_mars
-from hf_mars.decoding import REMOTE_FILES
+from hf_mars.decoding import REMOTE_FILES, costs
 from hf_mars.hub import (
     SPACE_FOLDER,
     check_mars_folder,
@@ -27,6 +29,7 @@ from hf_mars.hub import (
     push_space,
     push_to_hub,
     render_model_card,
+    space_files,
     tau_table_markdown,
 )
 
@@ -313,10 +316,17 @@ def test_push_space_uploads_the_folder_and_points_it_at_the_model(hub, tmp_path)
     result = push_space("me/demo", "me/model", folder=folder, model_revision="main")
     space = hub.repo("me/demo", "space")
     assert hub.create_payloads[-1] == {"name": "demo", "organization": "me", "type": "space", "sdk": "gradio"}
-    assert set(space.files()) == {".gitattributes", "app.py", "requirements.txt", "README.md"}  # no __pycache__
+    timing = {path for path in space.files() if path.startswith("hf_mars/")}  # hf_mars's timing tools
+    assert {
+        "hf_mars/decoding/costs.py",
+        "hf_mars/tools/measure/passes.py",
+        "hf_mars/tools/measure/dtypes.py",
+    } <= timing
+    assert set(space.files()) - timing == {".gitattributes", "app.py", "requirements.txt", "README.md"}  # no cache
     assert space.files()["app.py"] == (folder / "app.py").read_bytes()
+    assert space.files()["hf_mars/decoding/costs.py"] == Path(costs.__file__).read_bytes()
     assert space.variables == {"MARS_MODEL": "me/model", "MARS_REVISION": "main"}
-    assert {p for p, _ in result.uploaded} == {"app.py", "requirements.txt", "README.md"}
+    assert {p for p, _ in result.uploaded} == {"app.py", "requirements.txt", "README.md"} | timing
     assert result.commit_url == f"{hub.url}/spaces/me/demo/commit/{space.branches['main']}"
     assert all(auth == f"Bearer {TOKEN}" for _, _, auth in repo_requests(hub))
 
@@ -337,8 +347,37 @@ def test_push_space_publishes_the_projects_space_folder_by_default(hub):
         for p in SPACE_FOLDER.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".") and p.suffix != ".pyc"
     }
-    assert {"app.py", "README.md"} <= expected and set(files) == expected | {".gitattributes"}
+    timing = {name for name in files if name.startswith("hf_mars/")}
+    assert {"app.py", "README.md"} <= expected and set(files) == expected | timing | {".gitattributes"}
     assert all(files[name] == (SPACE_FOLDER / name).read_bytes() for name in expected)
+
+
+def test_the_space_s_timing_tools_run_on_their_own(tmp_path):
+    """What `push_space` puts beside the app under hf_mars/ is all that `hf_mars.measure` and `hf_mars.choose_dtype`
+    import: in a folder holding only the Space's files, they load from there and time the passes of a checkpoint
+    loaded with its own code, as the Space's app does at its start."""
+    files, _ = space_files(space_folder(tmp_path / "space"))
+    for path, local in files:
+        (tmp_path / "staged" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "staged" / path).write_bytes(local.read_bytes())
+    save_checkpoint(tmp_path / "ckpt", extras=False)
+    code = textwrap.dedent(
+        f"""
+        import os, hf_mars, transformers
+        assert hf_mars.__file__.startswith(os.getcwd()), hf_mars.__file__
+        model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True)
+        model.generation_config.mars_acceptance, model.generation_config.mars_lossless = {{"2x1": 1.5}}, "auto"
+        print(hf_mars.choose_dtype(model, prompt_tokens=8, new_tokens=8).reason())
+        print(hf_mars.measure(model, [1], mars_verify=True))
+        """
+    )
+    env = dict(os.environ, HF_MARS_CACHE=str(tmp_path / "cache"))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path / "staged", env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "expected lossless for a 8-token prompt" in done.stdout and "mars_block_size" in done.stdout
+    assert (tmp_path / "cache" / "pass_costs.json").is_file()
 
 
 def test_push_space_without_a_folder_outside_a_checkout_names_what_is_missing(hub, monkeypatch, tmp_path):

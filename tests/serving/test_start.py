@@ -11,6 +11,7 @@ from helpers import make_model, make_tokenizer, serving
 
 from hf_mars import to_mars
 from hf_mars.decoding import costs
+from hf_mars.tools.measure import passes
 
 pytest.importorskip("uvicorn")
 
@@ -22,14 +23,14 @@ def test_a_fresh_machine_answers_at_once_while_pass_costs_are_measured(tmp_path,
 
     monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))  # an empty cost cache
     gate, measuring = threading.Event(), threading.Event()
-    real = costs.measure_pass_costs
+    real = passes.measure_pass_costs
 
     def held(*args, **kwargs):  # the measurement waits until the test has been answered
         measuring.set()
         assert gate.wait(120)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(costs, "measure_pass_costs", held)
+    monkeypatch.setattr(passes, "measure_pass_costs", held)
     tok, model = make_tokenizer(), make_model("llama")
     to_mars(model, tok, block_size=4)
     model.generation_config.mars_lossless, model.generation_config.mars_acceptance = "auto", ACCEPTANCE
@@ -50,6 +51,6 @@ def test_a_fresh_machine_answers_at_once_while_pass_costs_are_measured(tmp_path,
         gate.set()
         engine.measuring.join(timeout=300)
         assert not engine.measuring.is_alive() and costs.costs_path().exists()
-    monkeypatch.setattr(costs, "measure_pass_costs", None)  # the sessions' batch size is measured: nothing times again
-    chosen = model.mars_settings(batch_size=2, mars_verify=True)  # a session's size: --max-batch-size
-    assert model.mars_settings(batch_size=2, measure=False, mars_verify=True) == chosen
+    monkeypatch.setattr(passes, "measure_pass_costs", None)  # the sessions' batch size is measured: none times again
+    chosen = model.mars_settings(batch_size=2, mars_verify=True)  # a session's size (--max-batch-size), read
+    assert passes.measure(model, [2], mars_verify=True)[2] == chosen

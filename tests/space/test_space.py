@@ -197,6 +197,7 @@ def test_python_app_py_serves_from_env_without_hf_mars(tmp_path):
             "hi", [], 0.5, 4, 12, False, 0.7, 0.95, 0.0, False, api_name="/respond"
         )
         assert out[4]["done"] and out[4]["new_tokens"] == 12
+        assert "timing pass costs needs hf_mars" in "".join(log)  # said, not failed: it decodes without them
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -265,7 +266,7 @@ def test_model_dtype_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_auto_dtype_is_measured_here_and_said(tmp_path, monkeypatch, capsys):
-    """MARS_DTYPE=auto: the checkpoint's code measures pass costs in float32 and bfloat16 on this machine (in a
+    """MARS_DTYPE=auto: hf_mars's timing tools measure pass costs in float32 and bfloat16 on this machine (in a
     fresh cache), loads the model in the dtype it chose, says why, and the page and the lossless control say so."""
     app = load_app()
     monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))

@@ -181,7 +181,7 @@ def test_compiled_benchmark_runs_static_and_compiled_without_recompiling(monkeyp
 def test_a_compiled_benchmark_sizes_its_cache_for_every_tree_auto_may_pick_without_timing(monkeypatch):
     """Lossless `"auto"` picks a tree of the checkpoint's `mars_acceptance` on the compiled path: the one static
     cache fits each, and sizing it times nothing (not the eager path, which a compiled run never takes)."""
-    from hf_mars.decoding import costs
+    from hf_mars.tools.measure import passes
     from hf_mars.tools.measure.decode import static_compiled
 
     model, _ = auto_lossless_model()
@@ -189,8 +189,8 @@ def test_a_compiled_benchmark_sizes_its_cache_for_every_tree_auto_may_pick_witho
     def untimed(*args, **kwargs):
         raise AssertionError("sizing a cache must time nothing")
 
-    monkeypatch.setattr(costs, "measure_pass_costs", untimed)
-    monkeypatch.setattr(costs, "measure_compiled_passes", untimed)
+    monkeypatch.setattr(passes, "measure_pass_costs", untimed)
+    monkeypatch.setattr(passes, "measure_compiled_passes", untimed)
     slots = static_compiled(model, 20, 16, [1, 2])["max_cache_len"]
     widest = model.mars_cache_length(
         20, 16, 2, mars_verify=True, mars_block_size=4, mars_draft_candidates=3, mars_lookup=8

@@ -275,7 +275,7 @@ def load_on_device(args):
     if args.device:
         model.to(args.device)
     if auto:
-        from ..decoding.costs import choose_dtype, in_dtype
+        from ..tools.measure.dtypes import choose_dtype, in_dtype
 
         batch = min(getattr(args, "batch_sizes", None) or [getattr(args, "batch_size", 1)])
         choice = choose_dtype(model, batch, new_tokens=args.max_new_tokens)
@@ -305,8 +305,8 @@ def _lossless_trees(model, batch_sizes, compiled: bool) -> str:
 def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
     """Plain `generate()` in the other dtypes this machine runs (after the main run, same prompts), and every cell
     against the fastest plain decoding by batch size: `{batch size: [dtype, tokens/s]}`."""
-    from ..decoding.costs import candidate_dtypes, in_dtype
     from ..tools.measure.bench import run_benchmark
+    from ..tools.measure.dtypes import candidate_dtypes, in_dtype
 
     fastest = {c.batch_size: [args.dtype, c.tokens_per_second] for c in cells if c.method == "ar"}
     for dtype in candidate_dtypes(model):

@@ -84,6 +84,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> None:
     from ..tools.checkpoints.loading import load_checkpoint
+    from ..tools.measure.passes import measure
 
     by_default = args.tau is None and not args.lossless
     args.lossless = args.lossless or by_default
@@ -96,7 +97,7 @@ def run(args) -> None:
     if args.dtype == "auto":
         model = _auto_dtype(model, inputs["input_ids"].shape[1], args.max_new_tokens)
     mars = _mars_arguments(args)
-    model.mars_measure([1], **mars)  # what "auto" settings read (once per machine; generate() never times)
+    measure(model, [1], **mars)  # what "auto" settings read (once per machine; generate() never times)
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         _warm_up(model, inputs, mars)
     _print_settings(model, mars, args.lossless)
@@ -108,7 +109,7 @@ def run(args) -> None:
 
 
 def _auto_dtype(model, prompt_tokens: int, new_tokens: int):
-    from ..decoding.costs import choose_dtype, in_dtype
+    from ..tools.measure.dtypes import choose_dtype, in_dtype
 
     choice = choose_dtype(model, 1, prompt_tokens, new_tokens)
     print(f"[{choice.reason()}]", file=sys.stderr)
@@ -200,7 +201,7 @@ def _compare_with_ar(model, inputs, out, mars_seconds: float, max_new_tokens: in
     import torch
     from transformers import GenerationMixin
 
-    from ..decoding.costs import candidate_dtypes, in_dtype
+    from ..tools.measure.dtypes import candidate_dtypes, in_dtype
 
     new = int(out.mars_stats.new_tokens[0])
     rates = {}

@@ -172,8 +172,9 @@ def _report_costs(model, args, cells, measured: dict[str, float]) -> None:
 
 def _costs(model, args, trees):
     """This machine's pass costs for `trees`, of the path tune timed them on: eager forwards, or compiled passes."""
-    from ..decoding.costs import compiled_pass_costs, pass_costs, pass_width
+    from ..decoding.costs import pass_width
     from ..decoding.settings import compiles
+    from ..tools.measure.passes import compiled_pass_costs, pass_costs
     from ..tools.measure.tuning import compiled_call
 
     if not args.compile:

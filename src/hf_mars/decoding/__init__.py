@@ -14,7 +14,7 @@ REMOTE_FILES = (
     "session.py",  # Session: the rows decoded together and the pass (step), rows joining and leaving (admit, release)
     "graph.py",  # the pass as one fixed-shape function: a CUDA graph on a GPU (static cache)
     "settings.py",  # MARSSettings: the validated mars_* arguments of one call
-    "costs.py",  # mars_lossless="auto": pass costs measured on this machine, the tree that pays most
+    "costs.py",  # mars_lossless="auto": this machine's pass costs, read (hf_mars's tools time them); the best tree
     "scoring.py",  # logits processors, token choice, confidence
     "schedule.py",  # MaskSchedule: how many masks each row is offered
     "cache.py",  # MARSCache: a DynamicCache that keeps real tokens only

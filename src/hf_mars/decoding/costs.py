@@ -4,17 +4,17 @@ Two measurements meet here. What a tree earns, tokens per pass, belongs to the c
 once, on any machine, and stores it in the generation config as `mars_acceptance` (`{"BxN+L": tokens per forward}`,
 N an int or per-depth counts, "4x3,2+4": `parse_tree`).
 What a pass costs belongs to the machine: the time of a forward over w tokens for this device, dtype, thread count,
-batch size and architecture, measured here when asked (`model.mars_measure`, the tools, a server's start: seconds,
-or minutes where compiled passes compile; resolving settings never times) and cached per machine in
-`$HF_MARS_CACHE/pass_costs.json` (default `~/.cache/hf_mars`). A tree runs only if it beats plain decoding, one
-token per one-token pass, by `MARGIN`; otherwise the call is plain `generate()`, which lossless mode's output equals.
-So lossless mode is never meaningfully slower than plain decoding in the same dtype, and wide trees run where a wide
-pass is nearly free (a GPU at small batch, a CPU with native bfloat16 matrix units).
+batch size and architecture, cached per machine in `$HF_MARS_CACHE/pass_costs.json` (default `~/.cache/hf_mars`).
+This file reads that table and chooses from it; it never times. Timing is hf_mars's tooling
+(`hf_mars.measure(model, ...)`, `hf-mars tune`, a server's start), run when a user asks: seconds, or minutes where
+compiled passes compile. A tree runs only if it beats plain decoding, one token per one-token pass, by `MARGIN`;
+otherwise the call is plain `generate()`, which lossless mode's output equals. So lossless mode is never meaningfully
+slower than plain decoding in the same dtype, and wide trees run where a wide pass is nearly free (a GPU at small
+batch, a CPU with native bfloat16 matrix units).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import json
@@ -22,15 +22,11 @@ import logging
 import os
 import platform
 import re
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, GenerationMixin
 
-from .compat import CACHE_ARG, supports_logits_to_keep
 from .tree import canonical_candidates, runner_ups
 
 logger = logging.getLogger(__name__)
@@ -38,14 +34,9 @@ logger = logging.getLogger(__name__)
 # A tree must promise this much more than plain decoding: a bare forward's time leaves out the loop's host work per
 # pass (choosing, verifying, cache bookkeeping), which plain decoding pays less of
 MARGIN = 1.1
-OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, which `measure_overheads` times
-PREFILL_TOKENS = 256  # the prompt `measure_prefill` times; a prompt's cost is taken as proportional to its length
+OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, whose step overheads the table holds
 # How the costs are measured: a cached entry measured another way is measured again
 MEASUREMENT = 2
-# Timed with less than this share of its threads' CPU time, a process was not alone on the CPU: its figures can be
-# off by tens of times (OpenMP threads of two processes spin against each other), so they are measured again.
-BUSY_SHARE = 0.75
-_RETIMED: set[str] = set()  # keys whose busy figures this process has measured again (once is enough)
 _TREE = re.compile(r"^(\d+)x(\d+(?:,\d+)*)(?:\+(\d+))?$")
 # What a pass's cost depends on in a model's config: its shape, not its weights
 _SHAPE_KEYS = (
@@ -107,15 +98,15 @@ class Costs:
 
 
 class NotMeasured(LookupError):
-    """Pass costs that may not be timed now (`measure=False`) are not in the table yet."""
+    """Pass costs that are not in the table yet, where no timer was given to time them."""
 
 
-def mask_costs(model, batch_size: int, block_size: int, measure: bool = False) -> list[float]:
+def mask_costs(model, batch_size: int, block_size: int, timer=None) -> list[float]:
     """`mars_mask_cost="auto"`: what 1 .. B-1 masks add to a one-token pass here, from the cached pass costs (0
-    while they are not measured, unless `measure`)."""
+    while they are not measured, unless a `timer` times them: `pass_costs`)."""
     try:
         widths = range(1, block_size + 1)
-        return mask_shares(pass_costs(model, batch_size, widths, measure=measure).forward, block_size)
+        return mask_shares(pass_costs(model, batch_size, widths, timer=timer).forward, block_size)
     except NotMeasured:
         warn_not_measured('mars_mask_cost="auto"', batch_size, "feeds every mask")
         return [0.0] * (block_size - 1)
@@ -128,9 +119,9 @@ def warn_not_measured(setting: str, batch_size: int, meanwhile: str) -> None:
         return
     _WARNED.add((setting, batch_size))
     logger.warning(
-        "MARS: %s needs this machine's pass costs at batch %d, not measured yet: until they are, it %s. "
-        "`model.mars_measure(batch_sizes=[%d])` times them once (with the call's cache_implementation and "
-        "compile_config, for a compiled path), cached per machine; `hf-mars tune` too.",
+        "MARS: %s needs this machine's pass costs at batch %d, not measured yet: until they are, it %s. With hf_mars "
+        "installed, `hf_mars.measure(model, batch_sizes=[%d])` times them once (give it the call's "
+        "cache_implementation and compile_config, for a compiled path), cached per machine; `hf-mars tune` too.",
         setting,
         batch_size,
         meanwhile,
@@ -223,90 +214,70 @@ def cost_batch(batch_size: int) -> int:
     return 1 << (max(batch_size, 1) - 1).bit_length()
 
 
-def pass_costs(
-    model,
-    batch_size: int,
-    widths,
-    refresh: bool = False,
-    limit: float | None = None,
-    prefill: bool = False,
-    measure: bool = True,
-) -> Costs:
-    """This machine's `Costs` for `widths` (and 1), measured once and cached per `machine_key` at `cost_batch`
-    (`refresh`: again); with `prefill`, also the prompt's forward (`measure_prefill`).
+def pass_costs(model, batch_size: int, widths, limit: float | None = None, prefill: bool = False, timer=None) -> Costs:
+    """This machine's `Costs` for `widths` (and 1), as the table holds them at `cost_batch(batch_size)`; with
+    `prefill`, also the prompt's forward per token.
 
     `limit`: what a pass may cost, in one-token passes, and still pay (the best tree's tokens per forward over the
-    margin). A width past it is never timed once a narrower one is measured past it: it counts as costing what that
-    one did, a floor, since a wider pass costs no less. Where wide passes are dear (an emulated dtype, a big batch)
-    the first use then times a few narrow passes instead of every width. `measure=False`: costs missing from the
-    table raise `NotMeasured` instead of being timed (a server's requests, which must not wait for a measurement).
+    margin). A width past it need not be timed once a narrower one is measured past it: it counts as costing what that
+    one did, a floor, since a wider pass costs no less. Costs missing from the table raise `NotMeasured`, or, given a
+    `timer` (hf_mars's tooling, `tools/measure/passes.py`), are timed now and saved.
     """
     batch = cost_batch(batch_size)
-    path, key = costs_path(), machine_key(model, batch)
-    table = _read_table(path)
-    entry = table.get(key, {})
-    if refresh or ("busy" in entry and key not in _RETIMED):  # timed beside other work: once more, in this process
-        entry = {}
-    forward = {int(w): s for w, s in entry.get("forward", {}).items()}
-    untimed = entry.get("untimed")  # [width, limit]: from that width on, left out by a run with that limit
-    wanted = sorted({1, OVERHEAD_TREE_WIDTH, *widths})
-    missing = [w for w in wanted if w not in forward and not _past(forward, w, limit, untimed)]
-    overhead, per_token = entry.get("overhead"), entry.get("prefill")
-    hopeless = _past(forward, OVERHEAD_TREE_WIDTH + 1, limit)  # a pass of the narrowest tree cannot pay
-    if missing or (overhead is None and not hopeless) or (prefill and per_token is None):
-        if not measure:
+    key, wanted = machine_key(model, batch), sorted({1, OVERHEAD_TREE_WIDTH, *widths})
+    entry = trusted(read_table(costs_path()).get(key, {}))
+    if any(missing_costs(entry, wanted, limit, prefill)):
+        if timer is None:
             raise NotMeasured(f"pass costs of {key} are not measured yet")
-        logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", path)
-        _RETIMED.add(key)
-        started = _clocks()
-        if missing:
-            forward.update(measure_pass_costs(model, batch, missing, limit=limit, one=forward.get(1)))
-            left_out = [w for w in missing if w not in forward]
-            untimed = [min(left_out), limit] if left_out else untimed
-        if overhead is None and not _past(forward, OVERHEAD_TREE_WIDTH + 1, limit):
-            overhead = measure_overheads(model, batch, forward)
-        if prefill and per_token is None:
-            per_token = measure_prefill(model, batch) / PREFILL_TOKENS
-        table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}, "overhead": overhead}
-        table[key].update({"untimed": untimed} if untimed else {})
-        table[key].update({"prefill": per_token} if per_token is not None else {})
-        _mark_busy(table[key], _cpu_share(started) if model.device.type == "cpu" else 1.0, entry.get("busy"))
-        _write_table(path, table)
+        entry = timer.time_passes(model, batch, key, entry, wanted, limit, prefill)
+    forward = forward_costs(entry)
     known = {w: forward[w] if w in forward else _floor(forward, w, limit) for w in wanted}
-    return Costs(known, **(overhead or dict(plain_overhead=0.0, mars_overhead=0.0)), prefill=per_token)
+    overhead = entry.get("overhead") or dict(plain_overhead=0.0, mars_overhead=0.0)
+    return Costs(known, **overhead, prefill=entry.get("prefill"))
 
 
-def compiled_pass_costs(
-    model, batch_size: int, trees, compile_config=None, refresh: bool = False, measure: bool = True, acceptance=None
-) -> Costs:
+def missing_costs(entry: dict, wanted: list[int], limit: float | None, prefill: bool) -> tuple[list[int], bool, bool]:
+    """What a table entry lacks for `pass_costs`: the forward widths (those `limit` rules out aside), whether the
+    steps' overheads (not where even the narrowest tree cannot pay), whether the prompt's forward."""
+    forward, untimed = forward_costs(entry), entry.get("untimed")  # untimed: [width, limit] that a run left out
+    widths = [w for w in wanted if w not in forward and not past_limit(forward, w, limit, untimed)]
+    overhead = entry.get("overhead") is None and not past_limit(forward, OVERHEAD_TREE_WIDTH + 1, limit)
+    return widths, overhead, prefill and entry.get("prefill") is None
+
+
+def forward_costs(entry: dict) -> dict[int, float]:
+    """A table entry's forward seconds by width."""
+    return {int(w): s for w, s in entry.get("forward", {}).items()}
+
+
+def trusted(entry: dict) -> dict:
+    """The entry, or {} where another process timed it while other work held part of the CPU (`busy`): its figures
+    can be off by tens of times, and the next measurement times them again. The process that timed it uses it."""
+    return {} if "busy" in entry and entry.get("timed_by") != os.getpid() else entry
+
+
+def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, acceptance=None, timer=None) -> Costs:
     """`Costs` of the path a compiled call runs (a static cache and `generate()`'s compile path): a plain compiled
     step for width 1, and for each lossless tree its whole graph pass (`graph.py`: forward and bookkeeping in one),
-    by the tree's width, with no overheads beside them. Measured on the compiled passes themselves (each compiles
-    once, which takes a while), cached per `machine_key(..., compiled=True)` at `cost_batch`.
+    by the tree's width, with no overheads beside them; cached per `machine_key(..., compiled=True)` at `cost_batch`.
 
-    With `acceptance` (tree name -> tokens per forward) only the trees that could still win are timed
+    With `acceptance` (tree name -> tokens per forward) only the trees that could still win need timing
     (`_worth_timing`); the others count at a floor, the cost of the widest narrower pass timed, which a wider pass
     never undercuts, and lose at it. On a GPU, where a graph pass costs about the same at any width, that saves
-    most of the compiles."""
+    most of the compiles (each timed width compiles once). Missing costs: as in `pass_costs`."""
     batch = cost_batch(batch_size)
-    path, key = costs_path(), machine_key(model, batch, compiled=True)
-    table = _read_table(path)
-    forward = {} if refresh else {int(w): s for w, s in table.get(key, {}).get("forward", {}).items()}
+    key = machine_key(model, batch, compiled=True)
+    forward = forward_costs(read_table(costs_path()).get(key, {}))
     widths = sorted({pass_width(*tree) for tree in trees})
     earns = {}  # width -> the most tokens per forward a tree of that width makes
     for name, tokens in (acceptance or {}).items():
         width = pass_width(*parse_tree(name))
         earns[width] = max(tokens, earns.get(width, 0.0))
     while (missing := _worth_timing(forward, widths, earns)) is not None:
-        if not measure:
+        if timer is None:
             raise NotMeasured(f"compiled pass costs of {key} are not measured yet")
-        if not forward:
-            logger.warning("MARS: measuring compiled pass costs on this machine (once; cached in %s)", path)
         tree = None if missing == 1 else next(t for t in trees if pass_width(*t) == missing)
-        forward.update(measure_compiled_passes(model, batch, [tree], compile_config))
-        table = _read_table(path)
-        table[key] = {"forward": {str(w): s for w, s in sorted(forward.items())}}
-        _write_table(path, table)
+        forward = timer.time_compiled(model, batch, key, forward, tree, compile_config)
     return Costs({w: forward[w] if w in forward else _below(forward, w) for w in {1, *widths}})
 
 
@@ -328,71 +299,11 @@ def _below(forward: dict[int, float], width: int) -> float:
     return forward[max(w for w in forward if 1 < w < width)]
 
 
-@torch.no_grad()
-def measure_compiled_passes(model, batch_size: int, trees, compile_config=None, new_tokens: int = 24) -> dict:
-    """Seconds per step of plain compiled `generate()` (tree `None`, width 1) and per pass of lossless mode with each
-    tree (by its width), on a static cache through `generate()`'s compile path, on a random prompt with no
-    end-of-sequence token; each call runs once to compile before it is timed."""
-    ids, real = _random_batch(model, batch_size, 64, 64)
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.do_sample, config.max_new_tokens = None, False, new_tokens
-    config.cache_implementation, config.return_dict_in_generate = "static", True
-    if compile_config is not None:
-        config.compile_config = compile_config
-    seconds = {}
-    for tree in trees:
-        if tree is None:
-            call = functools.partial(GenerationMixin.generate, model, ids, generation_config=config)
-        else:
-            lossless = dict(mars_verify=True, mars_tau=0.0, mars_mask_cost=0.0)
-            lossless.update(zip(("mars_block_size", "mars_draft_candidates", "mars_lookup"), tree))
-            call = functools.partial(model.generate, ids, generation_config=config, **lossless)
-        call(attention_mask=real)  # compiles
-        sync(model)
-        start = time.perf_counter()
-        out = call(attention_mask=real)
-        sync(model)
-        passes = out.mars_stats.forward_passes if tree is not None else new_tokens
-        seconds[1 if tree is None else pass_width(*tree)] = (time.perf_counter() - start) / passes
-    return seconds
-
-
-def _read_table(path: Path) -> dict:
+def read_table(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _write_table(path: Path, table: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1, sort_keys=True))
-
-
-def _mark_busy(entry: dict, share: float, before: float | None) -> None:
-    """Mark a cache entry timed with `share` of the CPU as busy, below `BUSY_SHARE` (an entry timed busy before stays
-    marked as it grows), and say so: the next process times it again."""
-    busy = min(share, 1.0 if before is None else before)
-    if busy < BUSY_SHARE:
-        entry["busy"] = round(busy, 2)
-    if share < BUSY_SHARE:
-        logger.warning(
-            "MARS: other work was running while the pass costs were timed (this process had %.0f%% of its threads' "
-            "CPU time), so they may be far off. The next process times them again; or run `hf-mars tune "
-            "--refresh-costs` when the machine is idle.",
-            100 * share,
-        )
-
-
-def _clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
-def _cpu_share(started: tuple[float, float]) -> float:
-    """CPU time this process got since `started` (`_clocks`), as a share of the wall time its threads span: near 1
-    alone on the CPU (waiting OpenMP threads spin, which counts), about 1/2 or less beside another busy process."""
-    wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
-    return cpu / max(wall * torch.get_num_threads(), 1e-9)
-
-
-def _past(forward: dict[int, float], width: int, limit: float | None, untimed: list | None = None) -> bool:
+def past_limit(forward: dict[int, float], width: int, limit: float | None, untimed: list | None = None) -> bool:
     """Whether `width` cannot pay under `limit` (one-token passes) without timing it: a narrower pass is measured
     past the limit, or a run with this limit or a larger one left it out."""
     if limit is None:
@@ -405,209 +316,3 @@ def _floor(forward: dict[int, float], width: int, limit: float) -> float:
     """The cost an untimed `width` counts as: the widest narrower pass's, and at least `limit` one-token passes (a
     wider pass costs no less; past the limit, it loses)."""
     return max(forward[max(w for w in forward if w < width)], limit * forward[1])
-
-
-@torch.no_grad()
-def measure_pass_costs(
-    model, batch_size: int, widths, context: int = 256, repeats: int = 7, limit: float | None = None, one=None
-) -> dict[int, float]:
-    """Median seconds of a forward over each of `widths` new tokens after `context` cached ones, at `batch_size`.
-
-    Widths are taken in turn, `repeats` times after one warm-up round, so that drift (clock, other load) falls on all
-    of them alike; `torch.utils.benchmark` times one statement at a time, which would not. At batch > 1 the passes
-    carry an attention mask with holes, as batched decoding's do (left-padded prompts): attention without a mask
-    takes another path at another speed. `limit` (see `pass_costs`; `one`: a one-token pass's seconds where width 1
-    is not among `widths`): the warm-up goes from narrow to wide and stops at the first width clearly past it; the
-    wider ones are left out.
-    """
-    ids, real = _random_batch(model, batch_size, context + max(widths), context)
-    keep = supports_logits_to_keep(model)
-    cache = DynamicCache(config=model.config)
-
-    def timed(width: int) -> float:
-        mask = real[:, : context + width] if batch_size > 1 else None
-        extra = {"logits_to_keep": width} if keep else {}
-        sync(model)
-        start = time.perf_counter()
-        model(
-            input_ids=ids[:, context : context + width],
-            attention_mask=mask,
-            **{CACHE_ARG: cache},
-            use_cache=True,
-            **extra,
-        )
-        sync(model)
-        seconds = time.perf_counter() - start
-        cache.crop(-width)
-        return seconds
-
-    prefill_mask = real[:, :context] if batch_size > 1 else None
-    model(input_ids=ids[:, :context], attention_mask=prefill_mask, **{CACHE_ARG: cache}, use_cache=True)
-    kept = []
-    for width in sorted(widths):  # the warm-up round
-        seconds = timed(width)
-        one = seconds if width == 1 else one
-        kept.append(width)
-        # 1.25: a margin for a cold first run
-        if limit is not None and width > 1 and one is not None and seconds > 1.25 * limit * one:
-            break
-    times = {w: [] for w in kept}
-    for _ in range(repeats):
-        for width in kept:
-            times[width].append(timed(width))
-    return {w: statistics.median(t) for w, t in times.items()}
-
-
-@torch.no_grad()
-def measure_prefill(model, batch_size: int, context: int = PREFILL_TOKENS, repeats: int = 2) -> float:
-    """Seconds of the forward over a `context`-token prompt at `batch_size` (padded as `_random_batch`), the fastest of
-    `repeats`. Where wide passes are dear (an emulated dtype, a big batch), reading the prompt can cost as much as
-    generating a hundred tokens, and a dtype that steps faster may still finish later."""
-    ids, real = _random_batch(model, batch_size, context, context)
-    mask = real if batch_size > 1 else None
-    keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
-    best = float("inf")
-    for _ in range(repeats):
-        sync(model)
-        start = time.perf_counter()
-        model(
-            input_ids=ids,
-            attention_mask=mask,
-            use_cache=True,
-            **{CACHE_ARG: DynamicCache(config=model.config)},
-            **keep,
-        )
-        sync(model)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-@torch.no_grad()
-def measure_overheads(model, batch_size: int, forward: dict[int, float], context: int = 256, repeats: int = 2) -> dict:
-    """What a step adds to its bare forward (`forward`, by width): plain `generate()` per token, and a lossless pass
-    with the narrowest tree (2x1) per pass, each timed at two lengths so that the prompt's prefill cancels out, on a
-    random prompt with no end-of-sequence token."""
-    ids, real = _random_batch(model, batch_size, context, context)
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.do_sample = None, False
-    tree = dict(mars_verify=True, mars_tau=0.0, mars_block_size=2, mars_draft_candidates=1, mars_lookup=0)
-
-    def steps(plain: bool, new_tokens: int) -> tuple[float, int]:
-        config.max_new_tokens, config.return_dict_in_generate = new_tokens, not plain
-        sync(model)
-        start = time.perf_counter()
-        if plain:
-            count = GenerationMixin.generate(model, ids, generation_config=config, attention_mask=real).shape[1]
-            count -= context
-        else:
-            out = model.generate(ids, generation_config=config, attention_mask=real, mars_mask_cost=0.0, **tree)
-            count = out.mars_stats.forward_passes
-        sync(model)
-        return time.perf_counter() - start, count
-
-    # The fastest of the rounds at each length: a pause of the machine lengthens a run, never shortens it
-    fastest, counts = {}, {}
-    for round_ in range(repeats + 1):  # the first round warms up
-        for plain in (True, False):
-            for length in (4, 20):
-                seconds, counts[plain, length] = steps(plain, length)
-                if round_:
-                    fastest[plain, length] = min(seconds, fastest.get((plain, length), seconds))
-    per_step = {
-        plain: (fastest[plain, 20] - fastest[plain, 4]) / max(counts[plain, 20] - counts[plain, 4], 1)
-        for plain in (True, False)
-    }
-    return {
-        "plain_overhead": max(0.0, per_step[True] - forward[1]),
-        "mars_overhead": max(0.0, per_step[False] - forward[OVERHEAD_TREE_WIDTH]),
-    }
-
-
-def _random_batch(model, batch_size: int, length: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`length` random token ids per row, and the attention mask of a batch of unequal prompts: every other row
-    left-padded by an eighth of `context`. A mask with holes takes attention's masked path, as batched decoding of
-    real prompts does; at batch 1 there are none."""
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (batch_size, length), device=model.device)
-    real = torch.ones_like(ids)
-    real[1::2, : max(1, context // 8)] = 0
-    return ids, real
-
-
-def sync(model) -> None:
-    """Wait for the model's device to finish its work (a GPU runs ahead of the host), before a clock is read."""
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-
-
-# Which dtype to decode in. Plain bfloat16 decoding is faster than float32 on most CPUs (half the bytes to read), but
-# a wide bfloat16 pass is cheap only where the CPU computes bfloat16 natively (AVX512-BF16, AMX) or on a GPU;
-# elsewhere it is emulated, and a draft tree can lose what the dtype gained, as can the prompt's forward, the widest
-# pass of all. So the choice is made from the same pass costs, per dtype, the prompt's cost and the checkpoint's
-# `mars_acceptance`, for a call of a given prompt length and number of new tokens.
-PROMPT_TOKENS, NEW_TOKENS = 256, 256  # the call `choose_dtype` plans for when it is not told
-
-
-@dataclass
-class DtypeChoice:
-    dtype: torch.dtype
-    plain: dict[torch.dtype, float]  # expected tokens/s per row of plain decoding, prompt included, by dtype
-    lossless: dict[torch.dtype, tuple[tuple | None, float]]  # ((B, N, L) or None, tokens/s per row), by dtype
-    prefill: dict[torch.dtype, float]  # expected seconds of the prompt's forward, by dtype
-    prompt_tokens: int = PROMPT_TOKENS
-    new_tokens: int = NEW_TOKENS
-
-    @property
-    def fastest_plain(self) -> torch.dtype:
-        return max(self.plain, key=self.plain.get)
-
-    def reason(self) -> str:
-        """One line: what was chosen, and the expected rates that chose it."""
-
-        def rate(dtype):
-            tree, tokens = self.lossless[dtype]
-            how = f"tree {tree_key(*tree)}" if tree else "plain, no tree pays"
-            plain, prompt = self.plain[dtype], self.prefill[dtype]
-            return f"{_name(dtype)} {tokens:.1f} tokens/s ({how}; plain {plain:.1f}; prompt {prompt:.1f} s)"
-
-        call = f"{self.prompt_tokens}-token prompt, {self.new_tokens} new tokens"
-        return f"dtype {_name(self.dtype)}: expected lossless for a {call}: " + ", ".join(map(rate, self.lossless))
-
-
-def candidate_dtypes(model) -> list[torch.dtype]:
-    """float32, and bfloat16 where the device runs it at all: every CPU torch runs on, a GPU that supports it."""
-    if model.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return [torch.float32]
-    return [torch.float32, torch.bfloat16]
-
-
-def choose_dtype(
-    model, batch_size: int = 1, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS
-) -> DtypeChoice:
-    """The dtype of the highest expected lossless tokens per second at `batch_size` for a call that reads a
-    `prompt_tokens`-long prompt and writes `new_tokens` (a plain one-token pass where the checkpoint has no
-    `mars_acceptance`): the prompt's forward, then the steps. Costs seconds per dtype the first time on a machine."""
-    acceptance = getattr(model.generation_config, "mars_acceptance", None)
-    acceptance = check_acceptance(acceptance) if acceptance else {}
-    widths = [pass_width(*parse_tree(name)) for name in acceptance]
-    limit = pay_limit(acceptance) if acceptance else None
-    plain, lossless, prefill = {}, {}, {}
-    for dtype in candidate_dtypes(model):
-        copied = in_dtype(model, dtype)
-        costs = pass_costs(copied, batch_size, widths, limit=limit, prefill=True)
-        prefill[dtype] = seconds = costs.prefill * prompt_tokens
-        tree, rate = best_rate(acceptance, costs)
-        plain[dtype] = new_tokens / (seconds + new_tokens / costs.plain_rate())
-        lossless[dtype] = (tree, new_tokens / (seconds + new_tokens / rate))
-        del copied
-    best = max(lossless, key=lambda d: lossless[d][1])
-    return DtypeChoice(best, plain, lossless, prefill, prompt_tokens, new_tokens)
-
-
-def in_dtype(model, dtype: torch.dtype):
-    """`model` in `dtype`: itself if it is, else a converted copy (the original stays as it is)."""
-    return model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -47,7 +47,6 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .costs import NEW_TOKENS, PROMPT_TOKENS, choose_dtype
 from .graph import GraphShape, enabled, graph_pass_for
 from .schedule import MaskSchedule
 from .scoring import check_stateless, history_free
@@ -142,7 +141,6 @@ class MARSGenerationMixin(GenerationMixin):
         labels=None,
         budgets=None,
         max_rows: int | None = None,
-        measure: bool = False,
         **kwargs,
     ) -> Session:
         """A MARS decoding session over these rows, prepared exactly as `generate()` prepares its batch (the same
@@ -159,7 +157,6 @@ class MARSGenerationMixin(GenerationMixin):
                 at most that).
             max_rows: the most rows the session will hold, rows that join it later included (default: these):
                 settings that depend on the batch size (`"auto"` trees and mask costs) are chosen for it.
-            measure: time now the pass costs that `"auto"` settings need and miss (see `mars_measure`).
 
         Stopping beyond EOS and each row's budget (stop strings, criteria, a client that leaves) is the caller's: it
         reads the rows after each pass and releases those it stops. Streamers and outputs of `generate()`'s dict
@@ -172,9 +169,9 @@ class MARSGenerationMixin(GenerationMixin):
         mars_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("mars_")}
         call = {name: kwargs[name] for name in CALL_KEYS if name in kwargs}
         rows = max(max_rows or 0, input_ids.shape[0])
-        settings = resolve_settings(self, generation_config, rows, call, measure, **mars_kwargs)
+        settings = resolve_settings(self, generation_config, rows, call, **mars_kwargs)
         if settings is None:
-            settings = resolve_settings(self, generation_config, 1, call, measure, mars_tau=1.0)
+            settings = resolve_settings(self, generation_config, 1, call, mars_tau=1.0)
         elif settings.plain:
             settings = replace(settings, tau=1.0, verify=False, draft_candidates=1, lookup=0, accept="exact")
         _refuse_unsupported(base, kwargs, "mars_session")
@@ -183,23 +180,10 @@ class MARSGenerationMixin(GenerationMixin):
         opened = functools.partial(open_session, settings=settings, labels=labels, budgets=budgets)
         return super().generate(input_ids, config, custom_generate=opened, **kwargs)
 
-    def mars_settings(self, generation_config=None, batch_size: int = 1, measure=False, **mars_kwargs) -> dict | None:
-        """What `generate(**mars_kwargs)` runs with at this batch size, defaults resolved (see `mars_settings`)."""
-        return mars_settings(self, generation_config, batch_size, measure, **mars_kwargs)
-
-    def mars_measure(self, batch_sizes=(1,), generation_config=None, **kwargs) -> dict:
-        """Time on this machine what `"auto"` settings read (lossless mode's tree, `mars_mask_cost`), for calls of
-        these batch sizes made with `kwargs` (with `cache_implementation="static"` and, off a GPU, a
-        `compile_config`, the compiled passes those calls run), and cache it per machine. `generate()` never times:
-        until this runs (or `hf-mars tune`), `"auto"` settings decode as if nothing paid. Takes seconds to minutes
-        (each compiled tree width compiles once). `{batch size: the settings calls of that size now run with}`."""
-        return {b: mars_settings(self, generation_config, b, True, **kwargs) for b in batch_sizes}
-
-    def mars_dtype(self, batch_size: int = 1, prompt_tokens: int = PROMPT_TOKENS, new_tokens: int = NEW_TOKENS):
-        """The dtype in which lossless decoding of such calls is expected fastest on this machine, and why: a
-        `costs.DtypeChoice` (`.dtype`, `.reason()`), from pass costs measured here (float32 and bfloat16 where the
-        device runs it), the prompt's forward included."""
-        return choose_dtype(self, batch_size, prompt_tokens, new_tokens)
+    def mars_settings(self, generation_config=None, batch_size: int = 1, **mars_kwargs) -> dict | None:
+        """What `generate(**mars_kwargs)` runs with at this batch size, defaults resolved (see `mars_settings`). Times
+        nothing: `"auto"` settings read the pass costs cached here (`hf_mars.measure` times them)."""
+        return mars_settings(self, generation_config, batch_size, **mars_kwargs)
 
     def mars_cache_length(self, prompt_length: int, max_new_tokens: int, batch_size: int = 1, **mars_kwargs) -> int:
         """The static cache slots `generate(cache_implementation="static", **mars_kwargs)` needs for this prompt length

@@ -151,7 +151,7 @@ class MARSSettings:
 
 
 def resolve_settings(
-    model, generation_config=None, batch_size: int = 1, call: dict | None = None, measure: bool = False, **kwargs
+    model, generation_config=None, batch_size: int = 1, call: dict | None = None, timer=None, **kwargs
 ) -> MARSSettings | None:
     """`MARSSettings` for these `mars_*` kwargs at this batch size; `None` means plain `generate()` (no τ anywhere).
 
@@ -160,8 +160,8 @@ def resolve_settings(
     does not depend on τ, so it runs without one (τ = 0: every draft is proposed, the tree's shape bounds the pass).
     `call`: the call's other `generate()` kwargs, which say whether its passes are compiled (see `compiles`).
     Resolving times nothing: pass costs not measured yet count as paying for nothing (`mars_lossless="auto"` decodes
-    plainly, `mars_mask_cost="auto"` is 0, with a warning that says how to measure them). `measure=True` times what
-    is missing first: `model.mars_measure`, the explicit call, does that.
+    plainly, `mars_mask_cost="auto"` is 0, with a warning that says how to measure them). A `timer` (hf_mars's
+    tooling: `hf_mars.measure`, the explicit call) times what is missing first.
     """
     own = model.generation_config
     configs = [own] if generation_config is None or generation_config is own else [generation_config, own]
@@ -170,7 +170,7 @@ def resolve_settings(
     verify = check_verify(
         _first_set(kwargs.get("mars_verify"), *(getattr(c, "mars_verify", None) for c in configs), False)
     )
-    layers = _layers(model, configs, verify, batch_size, call or {}, measure, kwargs)
+    layers = _layers(model, configs, verify, batch_size, call or {}, timer, kwargs)
 
     def setting(name, default=None):
         return _first_set(kwargs.get(name), *(layer.get(name) for layer in layers), default)
@@ -196,7 +196,7 @@ def resolve_settings(
         )
     cost = setting("mars_mask_cost", 0.0)
     if cost == "auto" and isinstance(block_size, int) and block_size >= 1:
-        cost = mask_costs(model, batch_size, block_size, measure)
+        cost = mask_costs(model, batch_size, block_size, timer)
     return MARSSettings(
         tau=tau,
         block_size=block_size,
@@ -212,23 +212,23 @@ def resolve_settings(
     )
 
 
-def _layers(model, configs, verify: bool, batch_size: int, call: dict, measure: bool, kwargs: dict) -> list[dict]:
+def _layers(model, configs, verify: bool, batch_size: int, call: dict, timer, kwargs: dict) -> list[dict]:
     """Where each setting is looked up after its keyword, in order: lossless mode's tree chosen on this machine
     (where the configs ask for "auto" and no keyword shapes the tree), then each config's preset and own keys."""
     layers = []
     for config in configs:
         layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]
     if verify and all(kwargs.get(key) is None for key in TREE_KEYS) and wants_auto(configs):
-        layers.insert(0, auto_tree(model, configs, batch_size, compiles(model, configs, call), measure))
+        layers.insert(0, auto_tree(model, configs, batch_size, compiles(model, configs, call), timer))
     return layers
 
 
-def mars_settings(model, generation_config=None, batch_size: int = 1, measure: bool = False, **kwargs) -> dict | None:
+def mars_settings(model, generation_config=None, batch_size: int = 1, timer=None, **kwargs) -> dict | None:
     """What `generate(**kwargs)` runs with at this batch size, as `generate()` kwargs with every default resolved;
-    `None`: plain `generate()`. See `resolve_settings` (and its `measure`); `cache_implementation` and
+    `None`: plain `generate()`. See `resolve_settings` (and its `timer`); `cache_implementation` and
     `compile_config` count as in `generate()`."""
     call = {name: kwargs.pop(name) for name in CALL_KEYS if name in kwargs}
-    settings = resolve_settings(model, generation_config, batch_size, call, measure, **kwargs)
+    settings = resolve_settings(model, generation_config, batch_size, call, timer, **kwargs)
     return None if settings is None else settings.as_kwargs()
 
 
@@ -259,7 +259,7 @@ def compiles(model, configs, call: dict):
     return config if getattr(config, "_compile_all_devices", False) else None
 
 
-def auto_tree(model, configs, batch_size: int, compile_config=None, measure: bool = False) -> dict:
+def auto_tree(model, configs, batch_size: int, compile_config=None, timer=None) -> dict:
     """The tree of the checkpoint's `mars_acceptance` with the most tokens per second at this batch size on this
     machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding. With the
     `compile_config` of a call whose passes are compiled, the costs are those of compiled passes
@@ -274,12 +274,10 @@ def auto_tree(model, configs, batch_size: int, compile_config=None, measure: boo
     widths, limit = [pass_width(*tree) for tree in trees], pay_limit(acceptance)
     try:
         if compile_config is not None:
-            costs = compiled_pass_costs(
-                model, batch_size, trees, compile_config, measure=measure, acceptance=acceptance
-            )
+            costs = compiled_pass_costs(model, batch_size, trees, compile_config, acceptance, timer)
         else:
-            costs = pass_costs(model, batch_size, widths, limit=limit, measure=measure)
-    except NotMeasured:  # not measured yet, and not to be now: plain decoding until it is
+            costs = pass_costs(model, batch_size, widths, limit=limit, timer=timer)
+    except NotMeasured:  # not measured yet, and no timer: plain decoding until it is
         warn_not_measured('mars_lossless="auto"', batch_size, "decodes plainly")
         costs = None
     tree = (choose_tree(acceptance, costs) if costs is not None else None) or (1, 1, 0)

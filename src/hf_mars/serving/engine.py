@@ -29,6 +29,7 @@ from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, 
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..decoding.session import Session
+from ..tools.measure.passes import measure
 from .graph_session import GraphSession
 
 logger = logging.getLogger("hf_mars.serve")
@@ -296,7 +297,6 @@ class MARSEngine(BaseGenerateManager):
             labels=group,
             budgets=[r.max_new_tokens for r in group],
             max_rows=self.max_batch_size,  # rows join it up to that: its tree must pay there
-            measure=False,
             **settings,
         )
 
@@ -350,12 +350,12 @@ def measure_in_background(model, max_batch_size: int) -> threading.Thread:
     a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
     them, while the server already answers (its lossless requests decode plainly until then)."""
 
-    def measure() -> None:
+    def run() -> None:
         started = time.monotonic()
         logger.info("pass costs at batch %d: measuring in the background (plain decoding until then)", max_batch_size)
-        model.mars_measure([max_batch_size], mars_verify=True)
+        measure(model, [max_batch_size], mars_verify=True)
         logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 
-    thread = threading.Thread(target=measure, name="mars-costs", daemon=True)
+    thread = threading.Thread(target=run, name="mars-costs", daemon=True)
     thread.start()
     return thread

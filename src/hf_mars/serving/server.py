@@ -114,7 +114,7 @@ class MARSRequests:
         budget = config.max_new_tokens
         if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= self.max_tokens:
             raise ValueError(f"max_tokens must be an integer in [1, {self.max_tokens}], got {budget!r}")
-        self.model.mars_settings(config, measure=False, **fields)  # a handler never times passes
+        self.model.mars_settings(config, **fields)  # reads the cost table: a handler never times passes
 
     def _build_chunk_sse(self, request_id: str, *args, usage=None, **kwargs):
         if usage is not None:  # the stream's last chunk

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ...decoding.costs import sync
 from ..checkpoints.loading import chat_text
 from ..data.decontamination import eval_texts, overlap
 from ..measure.decode import count_new_tokens, eos_token_ids, generate_ar
+from ..measure.passes import sync
 from ..measure.plots import save_figure, tau_figure
 from ..measure.tables import markdown_table
 from .eval_sets import TUNING_GSM8K_FROM, coding_stubs, gsm8k_test, humaneval

@@ -25,9 +25,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import GenerationMixin
 
-from ...decoding.costs import sync, tree_key
+from ...decoding.costs import tree_key
 from .calibrate import auto_mask_cost, measure_mask_cost
 from .decode import compiled_path, count_new_tokens, eos_token_ids, generate_ar, generate_mars, static_compiled
+from .passes import measure, sync
 from .plots import save_figure, tau_figure
 
 
@@ -205,7 +206,7 @@ def run_benchmark(
                 known = (measured_costs or {}).get(batch_size)
                 measured["auto"] = known if known is not None else measure_mask_cost(model, batch_size)
             if verify:  # lossless "auto" picks its tree from this machine's pass costs, on the path the runs take
-                model.mars_measure([batch_size], mars_verify=True, **(compiled_path(model) if compiled else {}))
+                measure(model, [batch_size], mars_verify=True, **(compiled_path(model) if compiled else {}))
             batches = _batches(prompts, batch_size)
             tally = _repeat_batches(model, tokenizer, table, counter, batches, repeats, max_new_tokens, bar, compiled)
             cells += _cells(table, batch_size, batches, tally)

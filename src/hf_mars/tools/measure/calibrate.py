@@ -3,8 +3,9 @@ call (`mars_mask_cost="auto"`)."""
 
 from __future__ import annotations
 
-from ...decoding.costs import mask_shares, measure_pass_costs
+from ...decoding.costs import mask_shares
 from ...decoding.generate import mars_settings
+from .passes import measure_pass_costs
 
 
 def auto_mask_cost(model, batch_size: int = 1, measured: list[float] | None = None, **mars_kwargs) -> list[float]:
@@ -20,7 +21,7 @@ def measure_mask_cost(model, batch_size: int = 1, context: int = 256, repeats: i
     """What masks add to the time of a decoding pass on this model and machine: `mars_mask_cost` as a list.
 
     For k = 1 .. B-1 masks (B = the model's block size), `t(k+1) / t(1) - 1`, where t(w) is the time of a pass over
-    w tokens (`costs.measure_pass_costs`, the measurement `mars_lossless="auto"` chooses trees by). Measured, not
+    w tokens (`passes.measure_pass_costs`, the measurement `mars_lossless="auto"` chooses trees by). Measured, not
     assumed: it depends on the dtype's matrix kernels (a pass over a few rows may cost as much as over eight, or a pass
     over 2 tokens more than over 4) and so differs between machines.
     """
