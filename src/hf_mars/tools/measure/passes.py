@@ -22,24 +22,8 @@ import time
 import torch
 from transformers import DynamicCache, GenerationMixin
 
+from ...decoding import costs
 from ...decoding.compat import CACHE_ARG, supports_logits_to_keep
-from ...decoding.costs import (
-    OVERHEAD_TREE_WIDTH,
-    cost_batch,
-    costs_path,
-    forward_costs,
-    machine_key,
-    missing_costs,
-    pass_width,
-    past_limit,
-    read_table,
-)
-from ...decoding.costs import (
-    compiled_pass_costs as read_compiled_pass_costs,
-)
-from ...decoding.costs import (
-    pass_costs as read_pass_costs,
-)
 from ...decoding.settings import CALL_KEYS, resolve_settings
 
 logger = logging.getLogger(__name__)
@@ -65,15 +49,15 @@ def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit=None
     """`costs.pass_costs`, timing what the table misses (`refresh`: everything again, `hf-mars tune
     --refresh-costs`)."""
     if refresh:
-        save(machine_key(model, cost_batch(batch_size)), None)
-    return read_pass_costs(model, batch_size, widths, limit, prefill, timer=PassTimer())
+        save(costs.machine_key(model, costs.cost_batch(batch_size)), None)
+    return costs.pass_costs(model, batch_size, widths, limit, prefill, timer=PassTimer())
 
 
 def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refresh: bool = False, acceptance=None):
     """`costs.compiled_pass_costs`, timing what the table misses (`refresh`: everything again)."""
     if refresh:
-        save(machine_key(model, cost_batch(batch_size), compiled=True), None)
-    return read_compiled_pass_costs(model, batch_size, trees, compile_config, acceptance, timer=PassTimer())
+        save(costs.machine_key(model, costs.cost_batch(batch_size), compiled=True), None)
+    return costs.compiled_pass_costs(model, batch_size, trees, compile_config, acceptance, timer=PassTimer())
 
 
 class PassTimer:
@@ -82,15 +66,15 @@ class PassTimer:
     def time_passes(self, model, batch: int, key: str, entry: dict, wanted, limit, prefill: bool) -> dict:
         """`entry` (the table's, as far as it is trusted) completed with what `wanted` widths, the step overheads and
         (with `prefill`) the prompt's forward miss; saved under `key`."""
-        logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", costs_path())
-        started, forward, untimed = _clocks(), forward_costs(entry), entry.get("untimed")
-        widths, _, _ = missing_costs(entry, wanted, limit, prefill)
+        logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", costs.costs_path())
+        started, forward, untimed = _clocks(), costs.forward_costs(entry), entry.get("untimed")
+        widths, _, _ = costs.missing_costs(entry, wanted, limit, prefill)
         if widths:
             forward.update(measure_pass_costs(model, batch, widths, limit=limit, one=forward.get(1)))
             left_out = [w for w in widths if w not in forward]
             untimed = [min(left_out), limit] if left_out else untimed
         overhead, per_token = entry.get("overhead"), entry.get("prefill")
-        if overhead is None and not past_limit(forward, OVERHEAD_TREE_WIDTH + 1, limit):
+        if overhead is None and not costs.past_limit(forward, costs.OVERHEAD_TREE_WIDTH + 1, limit):
             overhead = measure_overheads(model, batch, forward)
         if prefill and per_token is None:
             per_token = measure_prefill(model, batch) / PREFILL_TOKENS
@@ -104,7 +88,9 @@ class PassTimer:
     def time_compiled(self, model, batch: int, key: str, forward: dict, tree, compile_config) -> dict:
         """`forward` with the compiled pass of `tree` (None: the plain compiled step) timed; saved under `key`."""
         if not forward:
-            logger.warning("MARS: measuring compiled pass costs on this machine (once; cached in %s)", costs_path())
+            logger.warning(
+                "MARS: measuring compiled pass costs on this machine (once; cached in %s)", costs.costs_path()
+            )
         forward = {**forward, **measure_compiled_passes(model, batch, [tree], compile_config)}
         save(key, {"forward": {str(w): s for w, s in sorted(forward.items())}})
         return forward
@@ -113,8 +99,8 @@ class PassTimer:
 def save(key: str, entry: dict | None) -> None:
     """Write one entry of the cost table, or drop it (`None`: timed again next), into the table as it is on disk now
     (another process may have added others)."""
-    path = costs_path()
-    table = read_table(path)
+    path = costs.costs_path()
+    table = costs.read_table(path)
     if entry is None:
         table.pop(key, None)
     else:
@@ -174,7 +160,7 @@ def measure_compiled_passes(model, batch_size: int, trees, compile_config=None, 
         out = call(attention_mask=real)
         sync(model)
         passes = out.mars_stats.forward_passes if tree is not None else new_tokens
-        seconds[1 if tree is None else pass_width(*tree)] = (time.perf_counter() - start) / passes
+        seconds[1 if tree is None else costs.pass_width(*tree)] = (time.perf_counter() - start) / passes
     return seconds
 
 
@@ -290,7 +276,7 @@ def measure_overheads(model, batch_size: int, forward: dict[int, float], context
     }
     return {
         "plain_overhead": max(0.0, per_step[True] - forward[1]),
-        "mars_overhead": max(0.0, per_step[False] - forward[OVERHEAD_TREE_WIDTH]),
+        "mars_overhead": max(0.0, per_step[False] - forward[costs.OVERHEAD_TREE_WIDTH]),
     }
 
 
