@@ -365,13 +365,20 @@ def _compile_config(generation_config) -> CompileConfig:
 def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> None:
     """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph pass's buffers,
     then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass,
-    then the state comes back. One generation at a time uses a model's graph pass of a shape.
+    then the state comes back. The pass is this call's alone while it decodes (`graph_pass_for`).
 
     What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
     length limit are called as the loop calls them (on the graph's text; the rows they stop take nothing more), and
     a streamer gets each pass's tokens. Each reads the device once or twice a pass."""
-    g = graph_pass_for(model, run.cache.kv, shape, compile_config)
-    _load_graph(g, run)
+    with graph_pass_for(model, run.cache.kv, shape, compile_config) as g:
+        _load_graph(g, run)
+        passes, slot = _replay(g, run, shape)
+        _unload_graph(g, run, passes, slot)
+
+
+def _replay(g, run: Session, shape: GraphShape) -> tuple[int, int]:
+    """Graph passes until every row is done, the host serving τ, compaction, stopping criteria and the streamer
+    between them: `(passes, the slot the next pass would write)`."""
     passes, last_tau, stopping, streamer = 0, None, run.stopping, run.plan.streamer
     slot = run.cache.length  # where the next pass writes: each pass moves it `shape.kept` on, compaction back
     judging = not stopping.per_row
@@ -397,8 +404,7 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
             kept = stopping.new_tokens[0] if judging else g.state.decoded[0]
             streamed = _stream(g, streamer, run.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
-            break
-    _unload_graph(g, run, passes, slot)
+            return passes, slot
 
 
 def _stream(g, streamer, start: int, streamed: int, kept: int) -> int:
@@ -436,7 +442,7 @@ def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
     text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
     text.decoded.copy_(state.decoded)
     text.passes.add_((taken > 0).sum(dim=1))
-    cache.kv = g.kv  # where this run's K/V now are (the output's cache is copied from them)
+    g.store_cache(cache.kv)  # the output's cache is copied from the run's own
     cache.real.copy_(state.real)
     cache.real[:, slot:] = False  # the last pass's masks
     cache.next_position = state.last_position - g.pending_real.sum(dim=1) + 1

@@ -22,6 +22,8 @@ This file is copied into MARS checkpoints (trust_remote_code).
 from __future__ import annotations
 
 import copy
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +151,7 @@ class GraphPass:
         elif compile_config is not None:  # the whole pass compiled as one function
             self.step = _compiled(graph_pass, compile_config)
         self.lengths = [layer.cumulative_length for layer in self.kv.layers]
-        self.tensors = [t for layer in self.kv.layers for t in (layer.keys, layer.values)] + self.lengths
+        self.tensors = _cache_tensors(self.kv)
         # A pass moves these on: the slot by what it keeps, the step by one, each layer's write count back over masks
         masks = shape.width - shape.kept
         self.counters = [state.slot, state.step] + (self.lengths if masks else [])
@@ -160,12 +162,16 @@ class GraphPass:
             setattr(self, name, table.to(device))
         self.tree = shape.tree.on(device)
         self.graph, self.eager_runs = None, 0
+        self.leased = False  # lent to one caller (`graph_pass_for`)
 
     def _views(self, shape: GraphShape, state: GraphState) -> None:
         """Views of the state's buffers that a pass reads or writes, made once (a view made in a pass is an op)."""
         pending, drafts = slice(0, shape.pending), slice(shape.pending, shape.kept)
         self.pending, self.drafts = state.fed[:, pending], state.fed[:, drafts]
         self.pending_real, self.drafts_real = state.fed_real[:, pending], state.fed_real[:, drafts]
+        self.kept_real = state.fed_real[:, : shape.kept]
+        self.live = torch.zeros_like(state.done)  # rows not done, after a pass
+        self.live_column = self.live[:, None]
         self.slots = torch.zeros(shape.width, dtype=torch.long, device=state.fed.device)  # this pass's cache slots
         self.kept_slots = self.slots[: shape.kept]
         self.real_keys = state.real[:, None, None, :]
@@ -175,11 +181,12 @@ class GraphPass:
 
     def load_cache(self, kv) -> None:
         """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
-        torch._foreach_copy_(
-            self.tensors,
-            [t for layer in kv.layers for t in (layer.keys, layer.values)]
-            + [layer.cumulative_length for layer in kv.layers],
-        )
+        torch._foreach_copy_(self.tensors, _cache_tensors(kv))
+
+    def store_cache(self, kv) -> None:
+        """Copy this pass's K/V and write positions back into a run's cache (`load_cache`'s inverse), so that the
+        run's output reads its own cache once the pass is lent to another caller."""
+        torch._foreach_copy_(_cache_tensors(kv), self.tensors)
 
     def compact(self, slot: int) -> int:
         """Squeeze the holes out of this pass's cache between two passes (`compact_static`): the slot the next pass
@@ -207,6 +214,11 @@ class GraphPass:
             self.eager_runs += 1
         else:
             self.step(self)
+
+
+def _cache_tensors(kv) -> list:
+    """A static cache's keys and values, layer by layer, then each layer's write count."""
+    return [t for layer in kv.layers for t in (layer.keys, layer.values)] + [l.cumulative_length for l in kv.layers]
 
 
 def _stack_layers(kv):
@@ -368,8 +380,8 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     """The pending tokens and kept drafts stay cached, the rejected drafts as holes; the cache steps back over the
     masks, which the next pass overwrites. The accepted tokens go into the text."""
     state = g.state
-    if path is not None:  # lossless: the drafts off the kept path become holes
-        state.real.index_copy_(1, g.kept_slots, g.kept_by_end.index_select(0, path[0]))
+    if path is not None:  # lossless: the drafts off the kept path become holes (an idle row fed nothing real)
+        state.real.index_copy_(1, g.kept_slots, g.kept_by_end.index_select(0, path[0]).logical_and_(g.kept_real))
     where = g.decoded_column + state.write_offsets
     state.sequences.scatter_(1, where, tokens.masked_fill(g.offsets >= accepted[:, None], g.shape.pad_token_id))
     torch._foreach_add_(g.counters, g.counter_steps)
@@ -378,7 +390,9 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
 
 def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     """τ-mode: the accepted tokens, right-aligned. Lossless mode: the last token, and the drafts that the group of
-    masks after the last kept draft proposes (the full tree, unfilled slots not real)."""
+    masks after the last kept draft proposes (the full tree, unfilled slots not real). A row that is done feeds
+    no drafts, and once its last tokens are cached (the pass after it stopped) nothing real, so that its idle passes
+    fill no more slots of the cache."""
     shape = g.shape
     if not shape.verify:  # the holes on the left hold any token: nothing sees them
         g.pending.copy_(tokens.gather(1, g.align.index_select(0, accepted)))
@@ -386,10 +400,12 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
         return
     end, depth = path
     g.pending.copy_(tokens.gather(1, depth))  # the bonus token (a row that took fewer is done)
+    torch.gt(accepted.unsqueeze(1), 0, out=g.pending_real)  # real unless the row was done before this pass
     if len(shape.tree):
         tokens, real = _propose(g, logits, end)
         g.drafts.copy_(tokens)
-        g.drafts_real.copy_(real)
+        torch.logical_not(g.state.done, out=g.live)
+        torch.logical_and(real, g.live_column, out=g.drafts_real)
 
 
 def _propose(g: GraphPass, logits, end):
@@ -445,15 +461,35 @@ class _Graphs(dict):
         return _Graphs()
 
 
-def graph_pass_for(model, kv, shape: GraphShape, compile_config=None) -> GraphPass:
-    """The `GraphPass` of this shape, built once and kept on the model (a server's calls, each with a static cache of
-    its own, share it), with `kv`'s K/V loaded."""
+_LEASES = threading.Lock()  # guards every model's `_mars_graphs` and each pass's `leased` flag
+
+
+@contextmanager
+def graph_pass_for(model, kv, shape: GraphShape, compile_config=None):
+    """The `GraphPass` of this shape with `kv`'s K/V loaded, held by this caller alone until the block ends. The one
+    kept on the model is lent where it is free (a server's calls, each with a static cache of its own, reuse its
+    buffers and its captured graph); a caller that finds it lent to another thread builds one of its own, so that
+    concurrent generations on one model never share a pass's state."""
     graphs = model.__dict__.setdefault("_mars_graphs", _Graphs())
     compiling = None if compile_config is None else (compile_config.backend, compile_config.mode)
     key = (shape, compiling, model.dtype, str(kv.layers[0].keys.device))
-    if key not in graphs:
-        if len(graphs) >= GRAPHS_KEPT:
-            graphs.clear()
-        graphs[key] = GraphPass(model, kv, shape, compile_config)
-    graphs[key].load_cache(kv)
-    return graphs[key]
+    with _LEASES:
+        g = graphs.get(key)
+        if g is not None and not g.leased:
+            g.leased = True
+        else:
+            g = None
+    if g is None:
+        g = GraphPass(model, kv, shape, compile_config)
+        g.leased = True
+        with _LEASES:
+            if key not in graphs:
+                if len(graphs) >= GRAPHS_KEPT:
+                    graphs.clear()
+                graphs[key] = g
+    try:
+        g.load_cache(kv)
+        yield g
+    finally:
+        with _LEASES:
+            g.leased = False

@@ -237,14 +237,7 @@ class Session:
         gone[[self.labels.index(label) for label in labels]] = True
         text.active &= ~gone
         text.ended |= gone
-        alive, self.live = self.cache.retire(~text.active[feed.rows])
-        if alive is not None:
-            feed.rows, feed.pending, feed.pending_real = (
-                feed.rows[alive],
-                feed.pending[alive],
-                feed.pending_real[alive],
-            )
-            feed.drafts = feed.drafts.select(alive)
+        _stop_rows(self, ~text.active[feed.rows], ~text.active[feed.rows])
         if self.cache.fixed_shapes:
             return
         keep = ~gone
@@ -407,13 +400,25 @@ def _retire(run: Session) -> None:
     batch (a dynamic one drops them, so they stop costing compute) or stay, idle (a static one, so that shapes stay,
     as `generate()` keeps finished rows)."""
     text, feed = run.text, run.feed
+    idle = ~text.active[feed.rows]  # rows that had stopped before this pass
     stopped = text.ended[feed.rows] | run.stopping.settled[feed.rows]
     text.active[feed.rows] = ~stopped
+    _stop_rows(run, stopped, idle)
+    run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)
+
+
+def _stop_rows(run: Session, stopped: torch.Tensor, idle: torch.Tensor) -> None:
+    """The feed's rows that `stopped` leave the cache's batch (a dynamic cache drops them), or stay in it idle (a
+    static one): they feed no drafts, and once their last tokens are cached (`idle`: by the pass before) nothing
+    real, so that their passes fill no more slots of the cache."""
+    feed = run.feed
     alive, run.live = run.cache.retire(stopped)
     if alive is not None:
         feed.rows, feed.pending, feed.pending_real = feed.rows[alive], feed.pending[alive], feed.pending_real[alive]
         feed.drafts = feed.drafts.select(alive)
-    run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)
+    elif run.cache.fixed_shapes:
+        feed.pending_real = feed.pending_real & ~idle[:, None]
+        feed.drafts.real = feed.drafts.real & ~stopped[:, None]
 
 
 class TauMode:
