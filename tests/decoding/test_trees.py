@@ -37,7 +37,7 @@ def test_runner_ups_of_each_depth_are_siblings_of_that_depth_s_chain_draft(full_
     )
     settings = MARSSettings(tau=0.3, block_size=4, mask_token_id=0, verify=True, draft_candidates=(3, 2))
     within = torch.ones(2, 3, dtype=torch.bool)
-    drafts = propose(followed, None, 0.3, within, settings, False, (3, 2), -1, full_tree)
+    drafts = propose(followed, None, 0.3, within, settings.confidence, False, (3, 2), -1, full_tree)
     # The chain, mask 1's two runner-ups after the root, mask 2's runner-up after the chain's first draft
     assert drafts.tree.parents == (-1, 0, 1, -1, -1, 0)
     assert drafts.tree.depths.tolist() == [1, 2, 3, 1, 1, 2]
@@ -45,9 +45,9 @@ def test_runner_ups_of_each_depth_are_siblings_of_that_depth_s_chain_draft(full_
     assert drafts.real[0].tolist() == [True, True, True, True, False, True]
     assert drafts.real[1].tolist() == [True, False, False, False, False, False]  # nothing past the chain's end
     # An int N is [N]: runner-ups for the first draft only, today's trees
-    drafts = propose(followed, None, 0.0, within, settings, False, 3, -1, full_tree)
+    drafts = propose(followed, None, 0.0, within, settings.confidence, False, 3, -1, full_tree)
     assert drafts.tree.parents == (-1, 0, 1, -1, -1)
-    assert propose(followed, None, 0.0, within, settings, False, (3, 1, 1), -1, full_tree).tree == drafts.tree
+    assert propose(followed, None, 0.0, within, settings.confidence, False, (3, 1, 1), -1, full_tree).tree == drafts.tree
 
 
 def test_per_depth_candidates_are_validated_with_the_argument_named():

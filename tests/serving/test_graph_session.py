@@ -16,8 +16,12 @@ from hf_mars.serving.graph_session import GraphSession
 MODES = {
     "tau=1": dict(mars_tau=1.0),
     "lossless tree": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3),
+    # Sampling from the top token alone is greedy decoding, drawn: the graph pass's sampling, held to exact tokens
+    "sampled top-1, tau=1": dict(mars_tau=1.0, do_sample=True, top_k=1),
+    "sampled top-1, lossless": dict(mars_verify=True, do_sample=True, top_k=1),
 }
-SLOTS = {"tau=1": 96, "lossless tree": 160}  # a few passes more than the longest prompt and budget need
+# A few passes more than the longest prompt and budget need
+SLOTS = {"tau=1": 96, "lossless tree": 160, "sampled top-1, tau=1": 96, "sampled top-1, lossless": 160}
 
 
 def _opened(model, prompt, label, budget, mode):
@@ -63,7 +67,7 @@ def test_rows_joining_between_passes_get_the_greedy_text_of_each_request_alone(t
         assert tokens == alone[0, prompt.numel() :].tolist(), i
         assert 1 <= passes <= len(tokens)
         took_several |= passes < len(tokens)
-    assert took_several or mode == "tau=1", "the test must exercise passes that take several tokens"
+    assert took_several or mode.endswith("tau=1"), "the test must exercise passes that take several tokens"
 
 
 def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(trained_toy):

@@ -105,6 +105,7 @@ def run_host_bound(args) -> None:
     import torch
 
     from ..tools.measure.hostbound import (
+        DECODINGS,
         format_host_ops,
         format_pass_costs,
         forward_costs,
@@ -121,7 +122,7 @@ def run_host_bound(args) -> None:
     print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
     print("\naten ops dispatched outside the model's forward (static cache, eager; the prompt's pass included):\n")
-    print(format_host_ops(host_ops(model, tokenizer, args.batch_sizes, args.max_new_tokens)))
+    print(format_host_ops(host_ops(model, tokenizer, args.batch_sizes, args.max_new_tokens, tuple(DECODINGS))))
     if not args.compile:
         print("\nThe model's forward alone (ms), after 24 cached tokens, as a pass of that width feeds it:")
         for batch in args.batch_sizes:

@@ -47,13 +47,13 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .graph import GraphShape, enabled, graph_pass_for
+from .graph import GraphShape, enabled, graph_pass_for, processors_signature
 from .schedule import MaskSchedule
-from .scoring import check_stateless, history_free
+from .scoring import check_stateless, history_free, order_free
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
-from .tree import DraftTree
+from .tree import DraftTree, full_tree
 from .verify import Drafts
 
 # Passes' width of slots a static cache keeps past the text: it compacts at most once in that many passes
@@ -321,21 +321,22 @@ def _graph_shape(model, run: Session) -> GraphShape | None:
     """The `GraphShape` that continues this run as one graph per pass, or None where the loop here must run: it needs
     a static cache that counts its writes and, in lossless mode, a full draft tree (the first pass proposed one), then
     what `graph_shape` needs."""
-    cache, tree, settings = run.cache, run.feed.drafts.tree, run.plan.settings
+    cache, tree, plan = run.cache, run.feed.drafts.tree, run.plan
     if not (isinstance(cache, StaticMARSCache) and cache.counts_writes):
         return None
-    if settings.verify and len(tree) != settings.drafts_per_pass:
+    if plan.settings.verify and tree != full_tree(plan.settings.block_size - 1, plan.candidates, plan.lookup):
         return None
     return graph_shape(model, run, run.text.sequences.shape[0], cache.size, tree)
 
 
 def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where only the loop can: greedy decoding with no logits processors, masks in every pass (no
-    mask cost), exact verification. Stopping criteria other than EOS and the length limit, and a streamer, are served
+    full `tree`, or None where only the loop can: logits processors that read more of the text than the set of its
+    tokens (`min_new_tokens`, n-gram and bad-word bans; sampling's warpers and repetition penalties run in the pass),
+    a mask cost, a sliding window. Stopping criteria other than EOS and the length limit, and a streamer, are served
     from the host after each pass."""
     plan, settings = run.plan, run.plan.settings
-    if not (enabled() and plan.logits_to_keep) or plan.do_sample or plan.processors or plan.typical or plan.window:
+    if not (enabled() and plan.logits_to_keep and order_free(plan.processors)) or plan.window:
         return None
     if not run.schedule.constant or model.config._attn_implementation not in BRANCHING:
         return None
@@ -354,6 +355,10 @@ def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) ->
         mask_token_id=settings.mask_token_id,
         pad_token_id=plan.pad_token_id,
         eos=plan.eos.numel(),
+        sampled=plan.do_sample,
+        typical=plan.typical,
+        processors=processors_signature(plan.processors),
+        reads_text=not history_free(plan.processors),
     )
 
 
@@ -370,7 +375,7 @@ def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> 
     What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
     length limit are called as the loop calls them (on the graph's text; the rows they stop take nothing more), and
     a streamer gets each pass's tokens. Each reads the device once or twice a pass."""
-    with graph_pass_for(model, run.cache.kv, shape, compile_config) as g:
+    with graph_pass_for(model, run.cache.kv, shape, compile_config, run.plan.processors) as g:
         _load_graph(g, run)
         passes, slot = _replay(g, run, shape)
         _unload_graph(g, run, passes, slot)
@@ -424,6 +429,7 @@ def _load_graph(g, run: Session) -> None:
     state.budget.copy_(text.budget)
     state.decoded.copy_(text.decoded)
     state.done.copy_(~text.active)
+    g.live.copy_(text.active)
     state.real.copy_(cache.real)
     state.last_position.copy_(cache.next_position + feed.pending_real.sum(dim=1) - 1)
     pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a first pass without masks: holes on the left
@@ -431,6 +437,8 @@ def _load_graph(g, run: Session) -> None:
     g.pending_real.copy_(torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
     g.drafts.copy_(feed.drafts.tokens)
     g.drafts_real.copy_(feed.drafts.real)
+    if g.proposals is not None:
+        g.proposals.copy_(feed.drafts.proposals)
     state.step.zero_()
     g.eos.copy_(plan.eos)
 

@@ -30,9 +30,9 @@ import torch
 
 from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
-from .scoring import confidence
+from .scoring import Histories, choose, confidence
 from .tree import DraftTree, depth_candidates, lookup, runner_ups
-from .verify import _runner_ups, deepest_kept
+from .verify import Drafts, _runner_ups, add_lookup, deepest_kept, propose, verify
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
@@ -60,6 +60,16 @@ class GraphShape:
     mask_token_id: int
     pad_token_id: int
     eos: int  # how many EOS ids (their values are copied in with each run's state)
+    sampled: bool = False  # tokens drawn from the (processed) distribution, as `do_sample=True` draws them
+    typical: tuple[float, float] | None = None  # lossless mode: typical acceptance's `(ε, δ)`; None: exact
+    processors: tuple = ()  # what the logits processors applied to every slot are (`processors_signature`)
+    reads_text: bool = False  # some processor reads each slot's history (a repetition penalty)
+
+    @property
+    def by_rule(self) -> bool:
+        """Lossless mode verifying by `verify.verify` (speculative sampling, typical acceptance, or processed scores),
+        not by the greedy match of raw logits."""
+        return self.verify and (self.sampled or self.typical is not None or bool(self.processors))
 
     @property
     def groups(self) -> int:
@@ -134,11 +144,12 @@ class GraphPass:
     `_foreach_add_`, tables instead of arithmetic.
     """
 
-    def __init__(self, model, kv, shape: GraphShape, compile_config=None):
+    def __init__(self, model, kv, shape: GraphShape, compile_config=None, processors=None):
         """`compile_config`: `generate()`'s, where it compiles, else None (eager). On CUDA the pass is then captured
         whole as a CUDA graph around a forward compiled without CUDA graphs of its own; elsewhere the whole pass is
         compiled as one function. (Compiled whole on CUDA, the tree's host-side constants are traced into the graph as
-        host-to-device copies, which CUDA graph capture refuses.)"""
+        host-to-device copies, which CUDA graph capture refuses.) `processors`: the run's logits processors, warpers
+        and repetition penalties (`scoring.order_free`; `shape.processors` names them)."""
         self.model, self.shape = model, shape
         self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
         self.stacked = _stack_layers(self.kv)
@@ -161,6 +172,12 @@ class GraphPass:
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
         self.tree = shape.tree.on(device)
+        self.processors = processors
+        self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # every mask offered
+        self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
+        if shape.verify and shape.sampled and shape.typical is None:
+            vocab = model.get_output_embeddings().weight.shape[0]
+            self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, vocab, device=device)
         self.graph, self.eager_runs = None, 0
         self.leased = False  # lent to one caller (`graph_pass_for`)
 
@@ -169,11 +186,10 @@ class GraphPass:
         pending, drafts = slice(0, shape.pending), slice(shape.pending, shape.kept)
         self.pending, self.drafts = state.fed[:, pending], state.fed[:, drafts]
         self.pending_real, self.drafts_real = state.fed_real[:, pending], state.fed_real[:, drafts]
-        self.kept_real = state.fed_real[:, : shape.kept]
-        self.live = torch.zeros_like(state.done)  # rows not done, after a pass
+        self.live = torch.zeros_like(state.done)  # rows not done when the last pass ended
         self.live_column = self.live[:, None]
         self.slots = torch.zeros(shape.width, dtype=torch.long, device=state.fed.device)  # this pass's cache slots
-        self.kept_slots = self.slots[: shape.kept]
+        self.draft_slots = self.slots[shape.pending : shape.kept]
         self.real_keys = state.real[:, None, None, :]
         self.decoded_column, self.last_column = state.decoded[:, None], state.last_position[:, None]
         self.text_start = state.write_offsets[:, 0]
@@ -265,8 +281,8 @@ def _tables(shape: GraphShape, dtype) -> dict:
 
 def _tree_tables(shape: GraphShape) -> dict:
     """Lossless mode's tables over the tree's nodes `[root, drafts]`, as a pass's logits are laid out, besides the
-    tree's own (`DraftTree.on`): the logits of each node's path (root first, then one a depth), whether each fed slot
-    is on each node's path, and the logits of the masks that follow each node."""
+    tree's own (`DraftTree.on`, whose `lineage` says which drafts are on each node's path): the logits of each node's
+    path (root first, then one a depth), and the logits of the masks that follow each node."""
     tree, masks = shape.tree, shape.masks
     nodes = len(tree) + 1
     path = torch.zeros(nodes, shape.tokens, dtype=torch.long)
@@ -277,7 +293,6 @@ def _tree_tables(shape: GraphShape) -> dict:
         path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
     return dict(
         path=path,
-        kept_by_end=torch.cat([torch.ones(nodes, 1, dtype=torch.bool), tree.lineage], 1),
         group=nodes + torch.arange(nodes)[:, None] * masks + torch.arange(masks),
     )
 
@@ -334,17 +349,27 @@ def _accept(g: GraphPass, logits: torch.Tensor):
     shape, state = g.shape, g.state
     path = None
     if shape.verify:
-        tokens, accepted, path = _verify(g, logits)
-    elif shape.masks:
-        tokens, confs = logits.argmax(dim=-1), _confidence(torch.softmax(logits, dim=-1), shape.confidence)
-        accepted = (confs[:, 1:] >= state.tau).cumprod(dim=1).sum(dim=1).add_(1)
-    else:  # τ >= 1 throughout: one token a pass, no masks
-        tokens = logits.argmax(dim=-1)
-        accepted = torch.ones_like(state.decoded)
+        tokens, accepted, path = (_verify_by_rule if shape.by_rule else _verify)(g, logits)
+    else:
+        tokens, confs = _choose(g, logits)
+        if shape.masks:
+            accepted = (confs[:, 1:] >= state.tau).cumprod(dim=1).sum(dim=1).add_(1)
+        else:  # τ >= 1 throughout: one token a pass, no masks
+            accepted = torch.ones_like(state.decoded)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
     state.accepted_log.index_copy_(1, state.step, accepted[:, None])
     state.done.logical_or_(ended)
     return tokens, accepted, path
+
+
+def _choose(g: GraphPass, logits: torch.Tensor):
+    """τ-mode's token and confidence at every slot: `scoring.choose`, as the loop draws them, where the run samples
+    or processes its scores; else the raw logits' argmax (the confidence only where masks need it)."""
+    shape = g.shape
+    if shape.sampled or shape.processors:
+        return choose(logits, _histories(g), shape.sampled, shape.confidence)
+    tokens = logits.argmax(dim=-1)
+    return tokens, _confidence(torch.softmax(logits, dim=-1), shape.confidence) if shape.masks else None
 
 
 def _confidence(probs, measure: str):
@@ -360,6 +385,16 @@ def _verify(g: GraphPass, logits: torch.Tensor):
     match = (g.drafts == target.index_select(1, g.tree.parent_slots)) & g.drafts_real
     depth, end = deepest_kept(match, g.tree)
     return target.gather(1, g.path.index_select(0, end)), depth + 1, (end, depth[:, None])
+
+
+def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
+    """Speculative sampling or typical acceptance of the tree, by `verify.verify` itself (the loop's): `_verify`'s
+    `(tokens, accepted, (end, depth))`."""
+    shape = g.shape
+    drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
+    nodes = logits[:, : len(shape.tree) + 1]
+    tokens, accepted, _, end = verify(nodes, drafts, _histories(g), shape.sampled, shape.typical)
+    return tokens, accepted, (end, (accepted - 1).unsqueeze(1))
 
 
 def cut(tokens, accepted, left, idle, eos):
@@ -380,8 +415,8 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     """The pending tokens and kept drafts stay cached, the rejected drafts as holes; the cache steps back over the
     masks, which the next pass overwrites. The accepted tokens go into the text."""
     state = g.state
-    if path is not None:  # lossless: the drafts off the kept path become holes (an idle row fed nothing real)
-        state.real.index_copy_(1, g.kept_slots, g.kept_by_end.index_select(0, path[0]).logical_and_(g.kept_real))
+    if path is not None:  # lossless: the drafts off the kept path become holes
+        state.real.index_copy_(1, g.draft_slots, g.tree.lineage.index_select(0, path[0]))
     where = g.decoded_column + state.write_offsets
     state.sequences.scatter_(1, where, tokens.masked_fill(g.offsets >= accepted[:, None], g.shape.pad_token_id))
     torch._foreach_add_(g.counters, g.counter_steps)
@@ -400,11 +435,11 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
         return
     end, depth = path
     g.pending.copy_(tokens.gather(1, depth))  # the bonus token (a row that took fewer is done)
-    torch.gt(accepted.unsqueeze(1), 0, out=g.pending_real)  # real unless the row was done before this pass
+    g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
+    torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
-        tokens, real = _propose(g, logits, end)
+        tokens, real = (_propose_by_rule if shape.by_rule else _propose)(g, logits, end)
         g.drafts.copy_(tokens)
-        torch.logical_not(g.state.done, out=g.live)
         torch.logical_and(real, g.live_column, out=g.drafts_real)
 
 
@@ -430,12 +465,43 @@ def _propose(g: GraphPass, logits, end):
     return torch.cat([t for t, _ in parts], dim=1), torch.cat([r for _, r in parts], dim=1)
 
 
+def _propose_by_rule(g: GraphPass, logits, end):
+    """The next drafts as the loop proposes them (`verify.propose` and `add_lookup`, full tree), for speculative
+    sampling (drafts drawn, with the distributions they were drawn from) and typical acceptance (the greedy tree of
+    the warped scores). `(tokens, real)`."""
+    shape, state = g.shape, g.state
+    followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
+    sampled = shape.sampled and shape.typical is None
+    drafts = propose(followed, _histories(g), state.tau, g.within, shape.confidence, sampled, shape.candidates,
+                     shape.pad_token_id, full_tree=True)
+    if shape.lookup:
+        lengths = g.text_start + state.decoded
+        drafts = add_lookup(drafts, state.sequences, lengths, shape.lookup, shape.pad_token_id, True)
+    if g.proposals is not None:
+        g.proposals.copy_(drafts.proposals)
+    return drafts.tokens, drafts.real
+
+
 def right_align(tokens, counts, width: int, pad_token_id):
     """The first `counts[i]` tokens of each row, right-aligned (left-padded) to `width`: `(tokens, real)`, as a
     left-padded prompt is."""
     index = torch.arange(width, device=tokens.device) + (counts - width)[:, None]
     real = index >= 0
     return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
+
+
+def _histories(g: GraphPass) -> Histories | None:
+    """What the pass's processors read (`scoring.Histories`): every row's text as it stands, to its end."""
+    if not g.processors:
+        return None
+    lengths = g.text_start + g.state.decoded if g.shape.reads_text else None
+    return Histories(g.processors, g.state.sequences, None, lengths)
+
+
+def processors_signature(processors) -> tuple:
+    """What a run's logits processors are, as a `GraphShape` field: their classes and settings (a pass applies them
+    as they were when it was built, so runs share a pass only where these are equal)."""
+    return tuple((type(p).__name__, repr(sorted(vars(p).items()))) for p in processors)
 
 
 def _compiled(function, config, mode=None):
@@ -465,7 +531,7 @@ _LEASES = threading.Lock()  # guards every model's `_mars_graphs` and each pass'
 
 
 @contextmanager
-def graph_pass_for(model, kv, shape: GraphShape, compile_config=None):
+def graph_pass_for(model, kv, shape: GraphShape, compile_config=None, processors=None):
     """The `GraphPass` of this shape with `kv`'s K/V loaded, held by this caller alone until the block ends. The one
     kept on the model is lent where it is free (a server's calls, each with a static cache of its own, reuse its
     buffers and its captured graph); a caller that finds it lent to another thread builds one of its own, so that
@@ -480,7 +546,7 @@ def graph_pass_for(model, kv, shape: GraphShape, compile_config=None):
         else:
             g = None
     if g is None:
-        g = GraphPass(model, kv, shape, compile_config)
+        g = GraphPass(model, kv, shape, compile_config, processors)
         g.leased = True
         with _LEASES:
             if key not in graphs:

@@ -54,6 +54,11 @@ STATELESS = HISTORY_FREE + _processors(
     "SuppressTokensLogitsProcessor",
     "WatermarkLogitsProcessor",
 )
+# Processors whose scores depend only on which tokens a row's history holds (past the columns `prompt_ignore_length`
+# skips: `generate()`'s left padding), not on their order, count or length: a history padded with copies of its own
+# tokens scores the same, so rows of any length are scored in one call of fixed shape (`Histories`), with no read of
+# the device, which the graph pass can run.
+SET_BASED = _processors("RepetitionPenaltyLogitsProcessor")
 # The `generate()` argument behind a processor, named in errors
 PROCESSOR_OPTIONS = {
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
@@ -90,10 +95,14 @@ class Histories:
     """
 
     def __init__(self, processors, sequences, rows, lengths):
+        """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
+        `lengths`: `(active rows,)` how far each one's history reaches."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix`."""
+        if order_free(self.processors):
+            return self._in_one_call(prefix, scores)
         batch, out = self.sequences.shape[0], torch.empty_like(scores)
         for length in self.lengths.unique().tolist():
             group = (self.lengths == length).nonzero().view(-1)
@@ -103,6 +112,29 @@ class Histories:
             full = scores.new_zeros((batch, scores.shape[1])).index_copy(0, rows, scores[group])
             out[group] = self.processors(ids, full)[rows]
         return out
+
+
+    def _in_one_call(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """`__call__` for `order_free` processors: one call over the whole batch (as `generate()` calls them, for
+        processors that keep a value per row), each row's history plus `prefix` followed by copies of its last token
+        (the same set of tokens). Rows not active show their first token and their scores are dropped."""
+        text, lengths, rows = self.sequences, self.lengths, self.rows
+        if rows is not None:
+            batch = text.shape[0]
+            lengths = lengths.new_ones(batch).index_copy(0, rows, lengths)
+            prefix = prefix.new_zeros(batch, prefix.shape[1]).index_copy(0, rows, prefix)
+            scores = scores.new_zeros(batch, scores.shape[1]).index_copy(0, rows, scores)
+        end = lengths[:, None] + prefix.shape[1]
+        if prefix.shape[1]:
+            text = text.scatter(1, end - prefix.shape[1] + torch.arange(prefix.shape[1], device=text.device), prefix)
+        columns = torch.arange(text.shape[1], device=text.device)
+        out = self.processors(torch.where(columns < end, text, text.gather(1, end - 1)), scores)
+        return out if rows is None else out[rows]
+
+
+def order_free(processors) -> bool:
+    """Whether every processor reads at most the set of tokens in a row's history (`SET_BASED`, or none at all)."""
+    return all(isinstance(p, HISTORY_FREE + SET_BASED) for p in processors)
 
 
 def history_free(processors) -> bool:

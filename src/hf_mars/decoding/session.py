@@ -237,7 +237,8 @@ class Session:
         gone[[self.labels.index(label) for label in labels]] = True
         text.active &= ~gone
         text.ended |= gone
-        _stop_rows(self, ~text.active[feed.rows], ~text.active[feed.rows])
+        stopped = ~text.active[feed.rows]
+        _stop_rows(self, stopped, stopped)  # a row let go is never read again: nothing more of it is cached
         if self.cache.fixed_shapes:
             return
         keep = ~gone
@@ -400,14 +401,14 @@ def _retire(run: Session) -> None:
     batch (a dynamic one drops them, so they stop costing compute) or stay, idle (a static one, so that shapes stay,
     as `generate()` keeps finished rows)."""
     text, feed = run.text, run.feed
-    idle = ~text.active[feed.rows]  # rows that had stopped before this pass
+    idle = ~text.active[feed.rows] if run.cache.fixed_shapes else None  # rows that had stopped before this pass
     stopped = text.ended[feed.rows] | run.stopping.settled[feed.rows]
     text.active[feed.rows] = ~stopped
     _stop_rows(run, stopped, idle)
     run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)
 
 
-def _stop_rows(run: Session, stopped: torch.Tensor, idle: torch.Tensor) -> None:
+def _stop_rows(run: Session, stopped: torch.Tensor, idle: torch.Tensor | None) -> None:
     """The feed's rows that `stopped` leave the cache's batch (a dynamic cache drops them), or stay in it idle (a
     static one): they feed no drafts, and once their last tokens are cached (`idle`: by the pass before) nothing
     real, so that their passes fill no more slots of the cache."""
@@ -494,7 +495,7 @@ class LosslessMode:
             followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
             followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
             sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
-            proposal = (step.histories, step.tau, step.within, plan.settings, sampled, plan.candidates)
+            proposal = (step.histories, step.tau, step.within, plan.settings.confidence, sampled, plan.candidates)
             drafts = propose(followed, *proposal, plan.pad_token_id, full)
         if plan.lookup:
             drafts = add_lookup(drafts, run.text.sequences[rows], lengths, plan.lookup, plan.pad_token_id, full)

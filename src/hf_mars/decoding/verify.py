@@ -145,7 +145,7 @@ def propose(
     histories,
     tau: float,
     within,
-    settings,
+    measure: str,
     do_sample: bool,
     candidates,
     pad_token_id: int,
@@ -160,7 +160,7 @@ def propose(
     tree always has its whole shape, so every pass has one.
     """
     device = followed.device
-    guesses, confs, q = choose(followed, histories, do_sample, settings.confidence, True)
+    guesses, confs, q = choose(followed, histories, do_sample, measure, True)
     confident = (confs >= tau) & within
     prefix = confident.cumprod(dim=1, dtype=torch.long)  # 1 up to the first unconfident mask
     count = prefix.sum(dim=1)
@@ -179,7 +179,7 @@ def propose(
             parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
     proposals = None
     if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
-        by_probability = settings.confidence == "probability"
+        by_probability = measure == "probability"
         proposed = (q >= tau) & within[..., None] if by_probability else confident[..., None]
         reached = torch.arange(q.shape[1], device=device) <= count[:, None]
         q = q * proposed * reached[..., None]

@@ -19,7 +19,7 @@ from torch.nn.functional import pad
 from transformers import StaticCache
 
 from ..decoding.generate import graph_shape
-from ..decoding.graph import GraphPass
+from ..decoding.graph import GraphPass, processors_signature
 from ..decoding.settings import read_tau
 from ..decoding.tree import NO_DRAFTS, full_tree
 
@@ -33,13 +33,14 @@ class GraphSession:
         settings, plan = first.plan.settings, first.plan
         tree = full_tree(settings.block_size - 1, plan.candidates, plan.lookup) if settings.verify else NO_DRAFTS
         shape = graph_shape(model, first, max_rows, slots, tree)
-        if shape is None:
+        if shape is None or shape.reads_text:  # a row's text starts at column 0 here, not where its batch's did
             raise ValueError(
-                "these settings decode in the loop, not as one graph (sampling, logits processors, a mask schedule, "
-                "typical acceptance or a sliding window): serve them without --compile"
+                "these settings decode in the loop, not as one graph (logits processors that read the text, such as "
+                "repetition_penalty or min_new_tokens, a mask schedule or a sliding window): serve them without "
+                "--compile"
             )
         self.plan, self.shape = plan, shape
-        self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config)
+        self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config, plan.processors)
         self.graph.state.done.fill_(True)  # every row free
         self.graph.state.sequences.fill_(plan.pad_token_id)
         self.graph.eos.copy_(plan.eos)
@@ -56,8 +57,11 @@ class GraphSession:
         return bool(self.labels)
 
     def decodes_like(self, other) -> bool:
-        """Whether `other`'s rows decode with these settings (and stop at the same EOS tokens)."""
-        return other.plan.settings == self.plan.settings and torch.equal(other.plan.eos, self.plan.eos)
+        """Whether `other`'s rows decode with these settings, sampling and processors (and stop at the same EOS tokens)."""
+        mine, theirs = self.plan, other.plan
+        same = (theirs.settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
+        processed = processors_signature(theirs.processors) == self.shape.processors
+        return same and processed and torch.equal(theirs.eos, mine.eos)
 
     def refusal(self, other) -> str | None:
         """Why `other`'s rows cannot join (None: they can)."""
@@ -105,14 +109,19 @@ class GraphSession:
         state.sequences[free, : tokens.numel()] = tokens
         state.write_offsets[free] = g.offsets + prompt.numel()
         state.budget[free], state.decoded[free], state.done[free] = text.budget[row], text.decoded[row], False
+        g.live[free] = True
         state.last_position[free] = other.cache.next_position[index] + feed.pending_real[index].sum() - 1
         width = g.pending.shape[1] - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
         g.pending[free] = pad(feed.pending[index], (width, 0), value=self.plan.pad_token_id)
         g.pending_real[free] = pad(feed.pending_real[index], (width, 0))
         if feed.drafts.tree == self.shape.tree:
             g.drafts[free], g.drafts_real[free] = feed.drafts.tokens[index], feed.drafts.real[index]
+            if g.proposals is not None:
+                g.proposals[free] = feed.drafts.proposals[index]
         else:  # drafts of another shape: the next pass verifies none (and proposes the whole tree)
             g.drafts_real[free] = False
+            if g.proposals is not None:  # nothing proposed: the next token is drawn from the model alone
+                g.proposals[free] = 0
 
     def step(self, model=None) -> None:
         """One pass for every row (free rows decode nothing): one launch, or one graph replay."""

@@ -134,30 +134,38 @@ def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24,
     return {width: 1000 * statistics.median(t[1:]) for width, t in times.items()}
 
 
-def host_ops(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48) -> list[dict]:
+# How `host_ops` decodes, plain and MARS alike: each mode's pass against the plain step of the same decoding
+DECODINGS = {
+    "greedy": dict(do_sample=False),
+    "sampled (T = 0.7, top-k 50)": dict(do_sample=True, temperature=0.7, top_k=50, top_p=1.0),
+    "greedy, repetition penalty 1.2": dict(do_sample=False, repetition_penalty=1.2),
+    "sampled, repetition penalty 1.2": dict(do_sample=True, temperature=0.7, top_k=50, top_p=1.0, repetition_penalty=1.2),
+}
+
+
+def host_ops(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, decodings=("greedy",)) -> list[dict]:
     """aten ops dispatched outside the model's forward, per plain `generate()` step and per MARS pass, with a static
     cache, eager: what a GPU's host launches around the forward. Each MARS mode runs through the graph pass and
-    through the loop of `generate.py` alone (`graph.ENABLED = False`); the prompt's pass counts with the rest."""
-
+    through the loop of `generate.py` alone (`graph.ENABLED = False`), in each of `decodings` (`DECODINGS`' names),
+    against the plain step of the same decoding; the prompt's pass counts with the rest."""
     rows = []
-    for batch in batch_sizes:
-        inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
-        static = dict(max_new_tokens=max_new_tokens, eos_token_id=None, cache_implementation="static", do_sample=False)
-        kwargs = dict(**inputs, **static)
-        plain_call = functools.partial(GenerationMixin.generate, model, **kwargs)
-        plain, plain_kernels = _ops_outside_forward(model, plain_call)
-        step, step_kernels = plain / max_new_tokens, plain_kernels / max_new_tokens
-        rows.append(
-            dict(batch=batch, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)
-        )
-        for name, mars in MODES.items():
-            if mars.get("mars_mask_cost"):
-                continue
-            call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
-            for path, run in (("one graph", call), ("loop", functools.partial(_loop_only, call))):
-                ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
-                row = dict(batch=batch, method=f"{name}, {path}", ops=ops / passes, kernels=kernels / passes)
-                rows.append(dict(**row, ratio=row["ops"] / step, kernel_ratio=row["kernels"] / step_kernels))
+    for decoding in decodings:
+        for batch in batch_sizes:
+            inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
+            static = dict(max_new_tokens=max_new_tokens, eos_token_id=None, cache_implementation="static")
+            kwargs = dict(**inputs, **static, **DECODINGS[decoding])
+            plain, plain_kernels = _ops_outside_forward(model, functools.partial(GenerationMixin.generate, model, **kwargs))
+            step, step_kernels = plain / max_new_tokens, plain_kernels / max_new_tokens
+            common = dict(batch=batch, decoding=decoding)
+            rows.append(dict(**common, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0))
+            for name, mars in MODES.items():
+                if mars.get("mars_mask_cost"):
+                    continue
+                call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+                for path, run in (("one graph", call), ("loop", functools.partial(_loop_only, call))):
+                    ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
+                    row = dict(**common, method=f"{name}, {path}", ops=ops / passes, kernels=kernels / passes)
+                    rows.append(dict(**row, ratio=row["ops"] / step, kernel_ratio=row["kernels"] / step_kernels))
     return rows
 
 
@@ -200,9 +208,9 @@ def _ops_outside_forward(model, call, passes: bool = False):
 
 
 def format_host_ops(rows: list[dict]) -> str:
-    head = ["batch", "method", "aten ops per pass", "/ plain step", "of them not views", "/ plain step"]
+    head = ["decoding", "batch", "method", "aten ops per pass", "/ plain step", "of them not views", "/ plain step"]
     cells = [
-        [str(r["batch"]), r["method"], f"{r['ops']:.0f}", f"{r['ratio']:.2f}x"]
+        [r["decoding"], str(r["batch"]), r["method"], f"{r['ops']:.0f}", f"{r['ratio']:.2f}x"]
         + [f"{r['kernels']:.0f}", f"{r['kernel_ratio']:.2f}x"]
         for r in rows
     ]

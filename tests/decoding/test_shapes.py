@@ -1,0 +1,172 @@
+"""Shape fuzz of the static-cache pass (the graph pass and the loop): batch sizes 1 to 8, ragged left-padded prompts,
+every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, caches of exactly the slots a
+run needs, and two threads on one model. Greedy lossless and τ = 1 give plain greedy `generate()`'s tokens (float32: exact); every
+greedy mode gives a row batched what it gives alone; the graph pass gives what the loop gives, sampling included."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GenerationMixin, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import hf_mars
+from hf_mars.decoding import graph
+
+PAD, EOS = 500, 501
+MODES = {
+    "tau=0.9": dict(mars_tau=0.9),
+    "tau=1": dict(mars_tau=1.0),
+    "lossless chain": dict(mars_verify=True),
+    "lossless runner-ups": dict(mars_verify=True, mars_draft_candidates=3),
+    "lossless per-depth": dict(mars_verify=True, mars_draft_candidates=[2, 3, 2]),
+    "lossless lookup": dict(mars_verify=True, mars_block_size=2, mars_lookup=4),
+    "lossless tree and lookup": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3),
+    "typical tree": dict(mars_verify=True, mars_accept="typical", mars_draft_candidates=2, mars_lookup=3),
+}
+EXACT = ("tau=1", "lossless chain", "lossless runner-ups", "lossless per-depth", "lossless lookup",
+         "lossless tree and lookup")  # fmt: skip
+# The rows of the batch-4 case that once overflowed the static cache (rows done early kept filling slots)
+RAGGED = ["w5 w17 w200 w33 w8 w9", "w9 w9 w1 w300 w301 w302 w77 w12", "w450 w3", "w7 w70 w170 w270"]
+
+
+@pytest.fixture(scope="module")
+def thin():
+    """A thin, deep random Llama (30 layers of width 64) whose peaked `lm_head` spreads confidences over (0, 1), and
+    a word-level tokenizer: rows end at EOS at different passes."""
+    vocab = {f"w{i}": i for i in range(500)} | {"<pad>": PAD, "<eos>": EOS}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=PAD,
+        eos_token_id=EOS, bos_token_id=None,
+    )  # fmt: skip
+    base = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        base.lm_head.weight.mul_(25.0)
+    return hf_mars.to_mars(base, tok, block_size=4), tok
+
+
+def prompts(batch: int, seed: int) -> list[str]:
+    """`batch` prompts of 1 to 9 words (the batch-4 case's rows first)."""
+    rng = random.Random(seed)
+    extra = [" ".join(f"w{rng.randrange(500)}" for _ in range(rng.randint(1, 9))) for _ in range(batch)]
+    return (RAGGED + extra)[:batch] if seed == 0 else extra
+
+
+def decode(model, enc, mode: str, *, in_graph=True, edge=True, sample_seed=None, max_new_tokens=48, **processing):
+    """`generate()` on a static cache of exactly the slots the run needs (`edge`), through the graph pass or the
+    loop alone; seeded sampling (T = 0.7, top-k 50) where `sample_seed` is given; `processing`: more of
+    `generate()`'s keywords (a repetition penalty)."""
+    settings = dict(MODES[mode])
+    sampling = dict(do_sample=False, **processing)
+    if sample_seed is not None:
+        sampling = dict(do_sample=True, temperature=0.7, top_k=50, top_p=1.0, **processing)
+        torch.manual_seed(sample_seed)
+    batch, length = enc["input_ids"].shape
+    size = model.mars_cache_length(length, max_new_tokens, batch, **settings) if edge else None
+    model.__dict__.pop("_previous_max_cache_length", None)  # else generate() keeps the largest cache it made
+    graph.ENABLED = in_graph
+    try:
+        return model.generate(
+            **enc, max_new_tokens=max_new_tokens, cache_implementation="static", pad_token_id=PAD,
+            **({"max_cache_len": size} if size else {}), **sampling, **settings,
+        )  # fmt: skip
+    finally:
+        graph.ENABLED = True
+
+
+def new_tokens(out, enc) -> list[list[int]]:
+    """Each row's new tokens, up to and with its EOS (padding after it dropped)."""
+    rows = []
+    for row in out[:, enc["input_ids"].shape[1] :].tolist():
+        rows.append(row[: row.index(EOS) + 1] if EOS in row else [t for t in row if t != PAD])
+    return rows
+
+
+CASES = [(batch, mode) for batch in range(1, 9) for mode in MODES]
+FUZZ = random.Random(7).sample(CASES, 14) + [(4, "lossless chain"), (4, "lossless tree and lookup"), (8, "tau=0.9")]
+
+
+@pytest.mark.parametrize("batch, mode", sorted(set(FUZZ)), ids=lambda v: str(v).replace(" ", "-"))
+def test_ragged_batches_on_a_cache_at_the_edge(thin, batch, mode):
+    model, tok = thin
+    seed = 0 if batch <= len(RAGGED) else batch
+    enc = tok(prompts(batch, seed), return_tensors="pt", padding=True)
+    model.__dict__.pop("_mars_graphs", None)
+    graphed = decode(model, enc, mode)
+    assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
+    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False)), "the graph pass must give the loop's tokens"
+    if mode in EXACT:
+        greedy = GenerationMixin.generate(model, **enc, max_new_tokens=48, do_sample=False, pad_token_id=PAD)
+        assert new_tokens(graphed, enc) == new_tokens(greedy, enc)
+    rows = new_tokens(graphed, enc)
+    for row in range(batch):
+        alone = {k: v[row : row + 1, enc["attention_mask"][row].bool()] for k, v in enc.items()}
+        assert new_tokens(decode(model, alone, mode), alone)[0] == rows[row], f"row {row} alone"
+
+
+@pytest.mark.parametrize("mode", ["tau=0.9", "tau=1", "lossless chain", "lossless tree and lookup", "typical tree"])
+def test_seeded_sampling_in_the_graph_pass_draws_the_loops_tokens(thin, mode):
+    """The same seed gives the graph pass and the loop the same random numbers, in the same order: the same tokens.
+    (Speculative sampling keeps its drafts a chain; typical acceptance verifies the greedy tree of warped scores.)"""
+    model, tok = thin
+    enc = tok(prompts(5, 3), return_tensors="pt", padding=True)
+    for seed in (1, 2):
+        model.__dict__.pop("_mars_graphs", None)
+        graphed = decode(model, enc, mode, sample_seed=seed)
+        assert model.__dict__.get("_mars_graphs"), "sampling must continue as graph passes"
+        assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, sample_seed=seed))
+
+
+@pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless chain", "lossless tree and lookup"])
+def test_a_repetition_penalty_runs_in_the_graph_pass_as_generate_applies_it(thin, mode):
+    """A repetition penalty scores each slot on its own history (the text and the slots before it), in one call of
+    fixed shape: the graph pass gives the loop's tokens, and τ = 1 and lossless mode give `generate()`'s with the same
+    penalty; sampled with it, the loop's draws."""
+    model, tok = thin
+    enc = tok(prompts(5, 11), return_tensors="pt", padding=True)
+    model.__dict__.pop("_mars_graphs", None)
+    graphed = decode(model, enc, mode, repetition_penalty=1.3)
+    assert model.__dict__.get("_mars_graphs"), "a penalised run must continue as graph passes"
+    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, repetition_penalty=1.3))
+    if mode in EXACT:
+        plain = dict(max_new_tokens=48, do_sample=False, pad_token_id=PAD, repetition_penalty=1.3)
+        penalised = GenerationMixin.generate(model, **enc, **plain)
+        assert new_tokens(graphed, enc) == new_tokens(penalised, enc)
+        unpenalised = GenerationMixin.generate(model, **enc, **{**plain, "repetition_penalty": 1.0})
+        assert new_tokens(penalised, enc) != new_tokens(unpenalised, enc), "the penalty must change the text"
+    sampled = decode(model, enc, mode, sample_seed=3, repetition_penalty=1.3)
+    assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, repetition_penalty=1.3))
+
+
+@pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree and lookup"])
+def test_two_threads_decode_on_one_model(thin, mode):
+    """Two threads, one model, static caches of one shape (prompts of one length): each gets its own tokens, which a
+    graph pass lent to one thread at a time guarantees."""
+    model, tok = thin
+    encs = [tok([text], return_tensors="pt") for text in ("w5 w17 w200 w33 w8 w9", "w9 w9 w1 w300 w301 w302")]
+    wants = [decode(model, enc, mode, edge=False) for enc in encs]
+    errors = []
+
+    def work(i):
+        for _ in range(3):
+            try:
+                if not torch.equal(decode(model, encs[i], mode, edge=False), wants[i]):
+                    errors.append(f"thread {i}: other tokens")
+            except Exception as error:  # noqa: BLE001 - reported below, with the thread
+                errors.append(f"thread {i}: {type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert model._mars_graphs, "the runs must continue as graph passes"
