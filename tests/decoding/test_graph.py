@@ -206,6 +206,21 @@ def test_the_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():
     assert rows["plain generate()"]["ratio"] == 1.0
 
 
+def test_a_sampled_graph_pass_dispatches_at_most_one_and_a_half_plain_sampled_steps_of_ops():
+    """The same count for sampling (T = 0.7, top-k 50), against a plain sampled step: τ-mode's pass draws every slot
+    in one call of the warpers, and every mode's graph pass dispatches fewer ops than the loop's."""
+    from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
+
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    decoding = "sampled (T = 0.7, top-k 50)"
+    counts = host_ops(model, tokenizer, batch_sizes=(2,), max_new_tokens=24, decodings=(decoding,))
+    rows = {row["method"]: row for row in counts}
+    for mode in ("MARS τ = 1", "MARS τ = 0.9", "lossless"):
+        assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"], mode
+    for mode in ("MARS τ = 1", "MARS τ = 0.9"):
+        assert rows[f"{mode}, one graph"]["ratio"] <= 1.5, rows[f"{mode}, one graph"]
+
+
 def test_an_untrained_qwen2_runs_every_mode_through_the_graph_as_the_loop_does():
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)

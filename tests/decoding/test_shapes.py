@@ -1,7 +1,8 @@
-"""Shape fuzz of the static-cache pass (the graph pass and the loop): batch sizes 1 to 8, ragged left-padded prompts,
-every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, caches of exactly the slots a
-run needs, and two threads on one model. Greedy lossless and τ = 1 give plain greedy `generate()`'s tokens (float32: exact); every
-greedy mode gives a row batched what it gives alone; the graph pass gives what the loop gives, sampling included."""
+"""Shape fuzz of the static-cache pass (the graph pass and the loop): batch sizes 1 to 8, ragged left-padded
+prompts, every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, caches of exactly
+the slots a run needs, and two threads on one model. Greedy lossless and τ = 1 give plain greedy `generate()`'s
+tokens (float32: exact); every greedy mode gives a row batched what it gives alone; the graph pass gives what the
+loop gives, sampling included."""
 
 from __future__ import annotations
 

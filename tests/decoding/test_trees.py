@@ -47,7 +47,8 @@ def test_runner_ups_of_each_depth_are_siblings_of_that_depth_s_chain_draft(full_
     # An int N is [N]: runner-ups for the first draft only, today's trees
     drafts = propose(followed, None, 0.0, within, settings.confidence, False, 3, -1, full_tree)
     assert drafts.tree.parents == (-1, 0, 1, -1, -1)
-    assert propose(followed, None, 0.0, within, settings.confidence, False, (3, 1, 1), -1, full_tree).tree == drafts.tree
+    per_depth = propose(followed, None, 0.0, within, settings.confidence, False, (3, 1, 1), -1, full_tree)
+    assert per_depth.tree == drafts.tree
 
 
 def test_per_depth_candidates_are_validated_with_the_argument_named():

@@ -57,7 +57,8 @@ class GraphSession:
         return bool(self.labels)
 
     def decodes_like(self, other) -> bool:
-        """Whether `other`'s rows decode with these settings, sampling and processors (and stop at the same EOS tokens)."""
+        """Whether `other`'s rows decode with these settings, sampling and processors (and stop at the same EOS
+        tokens)."""
         mine, theirs = self.plan, other.plan
         same = (theirs.settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
         processed = processors_signature(theirs.processors) == self.shape.processors

@@ -139,7 +139,9 @@ DECODINGS = {
     "greedy": dict(do_sample=False),
     "sampled (T = 0.7, top-k 50)": dict(do_sample=True, temperature=0.7, top_k=50, top_p=1.0),
     "greedy, repetition penalty 1.2": dict(do_sample=False, repetition_penalty=1.2),
-    "sampled, repetition penalty 1.2": dict(do_sample=True, temperature=0.7, top_k=50, top_p=1.0, repetition_penalty=1.2),
+    "sampled, repetition penalty 1.2": dict(
+        do_sample=True, temperature=0.7, top_k=50, top_p=1.0, repetition_penalty=1.2
+    ),
 }
 
 
@@ -154,10 +156,12 @@ def host_ops(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, dec
             inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
             static = dict(max_new_tokens=max_new_tokens, eos_token_id=None, cache_implementation="static")
             kwargs = dict(**inputs, **static, **DECODINGS[decoding])
-            plain, plain_kernels = _ops_outside_forward(model, functools.partial(GenerationMixin.generate, model, **kwargs))
+            plain_call = functools.partial(GenerationMixin.generate, model, **kwargs)
+            plain, plain_kernels = _ops_outside_forward(model, plain_call)
             step, step_kernels = plain / max_new_tokens, plain_kernels / max_new_tokens
             common = dict(batch=batch, decoding=decoding)
-            rows.append(dict(**common, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0))
+            plain_row = dict(method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)
+            rows.append(dict(**common, **plain_row))
             for name, mars in MODES.items():
                 if mars.get("mars_mask_cost"):
                     continue
