@@ -155,9 +155,12 @@ class GraphPass:
         self.stacked = _stack_layers(self.kv)
         device = kv.layers[0].keys.device
         self.state = state = GraphState.empty(shape, device)
-        self.capture = compile_config is not None and device.type == "cuda"
+        on_cuda = compile_config is not None and device.type == "cuda"
+        # Sampling draws with `torch.multinomial`, which CUDA graph capture refuses (inductor keeps it out of its own
+        # graphs too): a sampled pass on CUDA launches its bookkeeping op by op around the compiled forward
+        self.capture = on_cuda and not shape.sampled
         self.forward, self.step = model, graph_pass
-        if self.capture:  # the forward compiled without CUDA graphs of its own; the pass around it is captured
+        if on_cuda:  # the forward compiled without CUDA graphs of its own; the pass around it is captured
             self.forward = _compiled(model.__call__, compile_config, "default")
         elif compile_config is not None:  # the whole pass compiled as one function
             self.step = _compiled(graph_pass, compile_config)
