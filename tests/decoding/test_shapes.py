@@ -12,7 +12,8 @@ import threading
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GenerationMixin, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from torch._dynamo.utils import counters
+from transformers import CompileConfig, GenerationMixin, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_mars
 from hf_mars.decoding import graph
@@ -145,6 +146,26 @@ def test_a_repetition_penalty_runs_in_the_graph_pass_as_generate_applies_it(thin
         assert new_tokens(penalised, enc) != new_tokens(unpenalised, enc), "the penalty must change the text"
     sampled = decode(model, enc, mode, sample_seed=3, repetition_penalty=1.3)
     assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, repetition_penalty=1.3))
+
+
+@pytest.mark.parametrize(
+    "mode, processing",
+    [("tau=0.9", dict(do_sample=True, temperature=0.7, top_k=50)), ("lossless chain", dict(repetition_penalty=1.3))],
+)
+def test_sampled_and_penalised_graph_passes_run_compiled_as_they_run_eagerly(thin, mode, processing):
+    """Under `generate()`'s compile path the whole pass, processors and sampling included, is one compiled function
+    (the eager backend here: it guards and traces as inductor does): the same draws, the same tokens."""
+    model, tok = thin
+    enc = tok(prompts(3, 4), return_tensors="pt", padding=True)
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # generate() compiles on GPUs only unless told
+    torch._dynamo.reset()
+    common = dict(max_new_tokens=24, cache_implementation="static", pad_token_id=PAD, **MODES[mode], **processing)
+    torch.manual_seed(1)
+    compiled = model.generate(**enc, compile_config=config, **common)
+    assert counters["stats"]["unique_graphs"] >= 1, "the passes must run compiled"
+    torch.manual_seed(1)
+    assert torch.equal(compiled, model.generate(**enc, **common))
 
 
 @pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree and lookup"])
