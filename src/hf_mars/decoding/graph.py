@@ -36,6 +36,7 @@ from .verify import Drafts, _runner_ups, add_lookup, deepest_kept, propose, veri
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
+SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
 ENABLED = True
 
@@ -524,7 +525,31 @@ _COMPILED: dict = {}
 
 
 class _Graphs(dict):
-    """A model's graph passes, by shape: a copy of the model (`copy.deepcopy`) starts with none and builds its own."""
+    """A model's graph passes, by shape, and `spares`: more of a shape, built for calls that found it lent (threads
+    decoding at once). A copy of the model (`copy.deepcopy`) starts with none and builds its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.spares: dict = {}
+
+    def lend(self, key) -> GraphPass | None:
+        """A pass of this shape that no call holds, now held; None where every one is."""
+        for g in ([self[key]] if key in self else []) + self.spares.get(key, []):
+            if not g.leased:
+                g.leased = True
+                return g
+        return None
+
+    def keep(self, key, g: GraphPass) -> None:
+        """Keep a pass built for `key`: as the shape's first (past `GRAPHS_KEPT` shapes, every pass kept goes first),
+        or as a spare."""
+        if key not in self:
+            if len(self) >= GRAPHS_KEPT:
+                self.clear()
+                self.spares.clear()
+            self[key] = g
+        elif len(self.spares.setdefault(key, [])) < SPARES_KEPT:
+            self.spares[key].append(g)
 
     def __deepcopy__(self, memo):
         return _Graphs()
@@ -535,27 +560,20 @@ _LEASES = threading.Lock()  # guards every model's `_mars_graphs` and each pass'
 
 @contextmanager
 def graph_pass_for(model, kv, shape: GraphShape, compile_config=None, processors=None):
-    """The `GraphPass` of this shape with `kv`'s K/V loaded, held by this caller alone until the block ends. The one
-    kept on the model is lent where it is free (a server's calls, each with a static cache of its own, reuse its
-    buffers and its captured graph); a caller that finds it lent to another thread builds one of its own, so that
-    concurrent generations on one model never share a pass's state."""
+    """The `GraphPass` of this shape with `kv`'s K/V loaded, held by this caller alone until the block ends. A pass
+    kept on the model is lent where one is free (a server's calls, each with a static cache of its own, reuse its
+    buffers and its captured graph); a caller that finds every one lent (threads decoding the same shape at once)
+    builds another, kept as a spare, so that concurrent generations on one model never share a pass's state."""
     graphs = model.__dict__.setdefault("_mars_graphs", _Graphs())
     compiling = None if compile_config is None else (compile_config.backend, compile_config.mode)
     key = (shape, compiling, model.dtype, str(kv.layers[0].keys.device))
     with _LEASES:
-        g = graphs.get(key)
-        if g is not None and not g.leased:
-            g.leased = True
-        else:
-            g = None
+        g = graphs.lend(key)
     if g is None:
         g = GraphPass(model, kv, shape, compile_config, processors)
         g.leased = True
         with _LEASES:
-            if key not in graphs:
-                if len(graphs) >= GRAPHS_KEPT:
-                    graphs.clear()
-                graphs[key] = g
+            graphs.keep(key, g)
     try:
         g.load_cache(kv)
         yield g
