@@ -76,6 +76,23 @@ def test_rows_admitted_mid_batch_equal_each_row_alone(model_and_tok, mode):
         assert results[label] == alone(model, tok, prompt, budget, **reference), (mode, label)
 
 
+@pytest.mark.parametrize("mode", ["tau=1", "lossless"])
+def test_rows_with_a_repetition_penalty_join_and_leave_exactly(model_and_tok, mode):
+    """`generate()` tells a repetition penalty each row's left padding; rows that join (padded anew) and leave keep
+    theirs: every row gets `generate()`'s penalised tokens for its prompt alone."""
+    model, tok = model_and_tok
+    settings = dict(MODES[mode], repetition_penalty=1.3)
+    results = {}
+    session = open_rows(model, tok, PROMPTS[:2], labels=["a", "b"], **settings)
+    session.step(model)
+    late = open_rows(model, tok, PROMPTS[2:], labels=["c", "d"], max_new_tokens=12, **settings)
+    session.admit(late)
+    drain(model, session, results)
+    for label, prompt, budget in zip("abcd", PROMPTS, (20, 20, 12, 12)):
+        assert results[label] == alone(model, tok, prompt, budget, repetition_penalty=1.3), label
+    assert alone(model, tok, PROMPTS[0], 20, repetition_penalty=1.3) != alone(model, tok, PROMPTS[0], 20)
+
+
 def test_a_released_row_leaves_and_the_others_go_on_exactly(model_and_tok):
     model, tok = model_and_tok
     session = open_rows(model, tok, PROMPTS[:3], labels=[0, 1, 2], max_new_tokens=16, mars_tau=0.6)

@@ -132,6 +132,14 @@ class Histories:
         return out if rows is None else out[rows]
 
 
+def follow_padding(processors, prompt_real: torch.Tensor) -> None:
+    """`generate()` gives a repetition penalty each row's left padding to skip (`prompt_ignore_length`, one value per
+    row): as rows join and leave a session, and its prompts are padded anew, it follows them."""
+    for p in processors:
+        if isinstance(getattr(p, "prompt_ignore_length", None), torch.Tensor):
+            p.prompt_ignore_length = prompt_real.int().argmax(dim=1)
+
+
 def order_free(processors) -> bool:
     """Whether every processor reads at most the set of tokens in a row's history (`SET_BASED`, or none at all)."""
     return all(isinstance(p, HISTORY_FREE + SET_BASED) for p in processors)

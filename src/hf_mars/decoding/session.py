@@ -41,7 +41,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .cache import KVBook
 from .graph import cut, right_align
 from .schedule import MaskSchedule
-from .scoring import Histories, choose
+from .scoring import Histories, choose, follow_padding
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping
 from .tree import tree_attention
@@ -222,6 +222,7 @@ class Session:
             raise ValueError(f"These rows cannot join the session: {reason}.")
         pad_token_id, offset = self.plan.pad_token_id, self.text.sequences.shape[0]
         self.text = _join_text(self.text, other.text, pad_token_id)
+        follow_padding(self.plan.processors, self.text.prompt_real)
         self.feed = _join_feed(self.feed, other.feed, offset, pad_token_id)
         self.cache.join(other.cache, offset)
         self.schedule.join(other.schedule)
@@ -246,6 +247,7 @@ class Session:
         feed.rows = renumber[feed.rows]
         self.cache.rows = renumber[self.cache.rows]
         self.text = text.select(keep)
+        follow_padding(self.plan.processors, self.text.prompt_real)
         self.schedule.select(keep)
         self.stopping.select(keep, self.text.sequences)
         self.labels = [label for label, kept in zip(self.labels, keep.tolist()) if kept]
