@@ -100,7 +100,7 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
 
 def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     """Logits processors that read the order of the text and a mask cost run in the loop, which knows them; a dynamic
-    cache never leaves it. Sampling with its warpers, and repetition penalties, run in the graph pass
+    cache never leaves it. Sampling with its warpers, repetition penalties and minimum lengths run in the graph pass
     (tests/decoding/test_shapes.py)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
@@ -108,7 +108,7 @@ def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     generate(model, enc, mars_tau=0.9, do_sample=True, temperature=0.7, top_k=20)
     assert model.__dict__.get("_mars_graphs"), "sampling with history-free warpers runs in the graph pass"
     cases = [
-        (enc, dict(mars_tau=0.9, min_new_tokens=5)),
+        (enc, dict(mars_tau=0.9, no_repeat_ngram_size=2)),
         (enc, dict(mars_tau=0.9, do_sample=True, no_repeat_ngram_size=2)),
         (enc, dict(mars_tau=0.9, mars_mask_cost=0.2)),
     ]

@@ -1,8 +1,8 @@
 """Shape fuzz of the static-cache pass (the graph pass and the loop): batch sizes 1 to 8, ragged left-padded
-prompts, every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, caches of exactly
-the slots a run needs, and two threads on one model. Greedy lossless and τ = 1 give plain greedy `generate()`'s
-tokens (float32: exact); every greedy mode gives a row batched what it gives alone; the graph pass gives what the
-loop gives, sampling included."""
+prompts, every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, minimum lengths,
+caches of exactly the slots a run needs, and two threads on one model. Greedy lossless and τ = 1 give plain greedy
+`generate()`'s tokens (float32: exact); every greedy mode gives a row batched what it gives alone; the graph pass
+gives what the loop gives, sampling included."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from helpers import toy_prompts
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, GenerationMixin, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -146,6 +147,32 @@ def test_a_repetition_penalty_runs_in_the_graph_pass_as_generate_applies_it(thin
         assert new_tokens(penalised, enc) != new_tokens(unpenalised, enc), "the penalty must change the text"
     sampled = decode(model, enc, mode, sample_seed=3, repetition_penalty=1.3)
     assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, repetition_penalty=1.3))
+
+
+@pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
+def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies_them(trained_toy, mode):
+    """EOS barred while a row is short, each row by its own length (the trained toy's rows end at EOS at different
+    passes): the graph pass gives the loop's tokens, τ = 1 and lossless mode `generate()`'s."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=5, seed=7)
+    width = enc["input_ids"].shape[1]
+    toy = dict(max_new_tokens=40, cache_implementation="static", do_sample=False, **MODES[mode])
+    ends = (model.generate(**enc, **toy)[:, width:] == tok.eos_token_id).long().argmax(dim=1) + 1
+    minimum_new = int(ends.min()) + 4
+    assert int(ends.min()) < minimum_new <= 40, "some row must end before the minimum without it"
+    for minimum in (dict(min_new_tokens=minimum_new), dict(min_length=width + minimum_new)):
+        model.__dict__.pop("_mars_graphs", None)
+        graphed = model.generate(**enc, **toy, **minimum)
+        assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
+        graph.ENABLED = False
+        try:
+            assert torch.equal(graphed, model.generate(**enc, **toy, **minimum))
+        finally:
+            graph.ENABLED = True
+        assert not (graphed[:, width : width + minimum_new - 1] == tok.eos_token_id).any(), minimum
+        if mode in EXACT:
+            plain = GenerationMixin.generate(model, **enc, max_new_tokens=40, do_sample=False, **minimum)
+            assert torch.equal(graphed, plain)
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,9 @@ STATELESS = HISTORY_FREE + _processors(
 # tokens scores the same, so rows of any length are scored in one call of fixed shape (`Histories`), with no read of
 # the device, which the graph pass can run.
 SET_BASED = _processors("RepetitionPenaltyLogitsProcessor")
+# Processors that read only the history's length (EOS barred while it is short): one call of fixed shape gives each
+# row its own length (`Histories`), as `generate()` gives every row the batch's.
+BY_LENGTH = _processors("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
 # The `generate()` argument behind a processor, named in errors
 PROCESSOR_OPTIONS = {
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
@@ -117,7 +120,8 @@ class Histories:
     def _in_one_call(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """`__call__` for `order_free` processors: one call over the whole batch (as `generate()` calls them, for
         processors that keep a value per row), each row's history plus `prefix` followed by copies of its last token
-        (the same set of tokens). Rows not active show their first token and their scores are dropped."""
+        (the same set of tokens), and its own length for `BY_LENGTH` processors. Rows not active show their first
+        token and their scores are dropped."""
         text, lengths, rows = self.sequences, self.lengths, self.rows
         if rows is not None:
             batch = text.shape[0]
@@ -128,8 +132,10 @@ class Histories:
         if prefix.shape[1]:
             text = text.scatter(1, end - prefix.shape[1] + torch.arange(prefix.shape[1], device=text.device), prefix)
         columns = torch.arange(text.shape[1], device=text.device)
-        out = self.processors(torch.where(columns < end, text, text.gather(1, end - 1)), scores)
-        return out if rows is None else out[rows]
+        ids = torch.where(columns < end, text, text.gather(1, end - 1))
+        for processor in self.processors:
+            scores = _by_length(processor, end, scores) if isinstance(processor, BY_LENGTH) else processor(ids, scores)
+        return scores if rows is None else scores[rows]
 
 
 def follow_padding(processors, prompt_real: torch.Tensor) -> None:
@@ -140,9 +146,21 @@ def follow_padding(processors, prompt_real: torch.Tensor) -> None:
             p.prompt_ignore_length = prompt_real.int().argmax(dim=1)
 
 
+def _by_length(processor, end: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """A `BY_LENGTH` processor's rule with each row's own history length (`end`, `(rows, 1)`) where `generate()`
+    reads the batch's from `input_ids.shape[-1]`: EOS barred while the row is short of the minimum."""
+    if hasattr(processor, "min_new_tokens"):  # MinNewTokensLengthLogitsProcessor
+        short = end - processor.prompt_length_to_skip < processor.min_new_tokens
+    else:  # MinLengthLogitsProcessor
+        short = end < processor.min_length
+    eos = torch.isin(torch.arange(scores.shape[-1], device=scores.device), processor.eos_token_id)
+    return torch.where(short & eos, -math.inf, scores)
+
+
 def order_free(processors) -> bool:
-    """Whether every processor reads at most the set of tokens in a row's history (`SET_BASED`, or none at all)."""
-    return all(isinstance(p, HISTORY_FREE + SET_BASED) for p in processors)
+    """Whether every processor reads at most the set of tokens in a row's history and its length (`SET_BASED`,
+    `BY_LENGTH`, or nothing of it)."""
+    return all(isinstance(p, HISTORY_FREE + SET_BASED + BY_LENGTH) for p in processors)
 
 
 def history_free(processors) -> bool:
