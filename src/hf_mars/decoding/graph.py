@@ -10,10 +10,14 @@ inductor inside it) and replayed: one launch and one read of `finished` per pass
 the whole pass is one compiled function; without it the same function runs eagerly, which is what the tests check
 against the loop of `generate.py`.
 
-What it runs: a static cache, greedy decoding without logits processors, τ-mode with all B-1 masks in every pass
-(τ >= 1 then accepts slot 0 alone: exactly greedy) and lossless mode's exact verification over a whole draft tree
-(chain, runner-ups, prompt lookup). User stopping criteria, stop strings and a streamer are served by the host loop
-between passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds one,
+What it runs: a static cache; greedy decoding and sampling, with the logits processors that read no more of the text
+than which tokens it holds and how many (`scoring.order_free`: the warpers, a repetition penalty, minimum lengths);
+τ-mode with all B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy, or sampled) and lossless
+mode's exact verification over a whole draft tree (chain, runner-ups, prompt lookup), speculative sampling of a
+chain, or typical acceptance. Where the loop has a function for a step (`scoring.choose`, `verify.verify`,
+`verify.propose`), the pass calls it; greedy verification and proposal of raw logits have table-driven versions here
+that dispatch fewer ops. User stopping criteria, stop strings and a streamer are served by the host loop between
+passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds one,
 and runs everything else itself.
 
 This file is copied into MARS checkpoints (trust_remote_code).
@@ -64,7 +68,7 @@ class GraphShape:
     sampled: bool = False  # tokens drawn from the (processed) distribution, as `do_sample=True` draws them
     typical: tuple[float, float] | None = None  # lossless mode: typical acceptance's `(ε, δ)`; None: exact
     processors: tuple = ()  # what the logits processors applied to every slot are (`processors_signature`)
-    reads_text: bool = False  # some processor reads each slot's history (a repetition penalty)
+    reads_text: bool = False  # some processor reads each slot's history (a repetition penalty, a minimum length)
 
     @property
     def by_rule(self) -> bool:
@@ -149,8 +153,8 @@ class GraphPass:
         """`compile_config`: `generate()`'s, where it compiles, else None (eager). On CUDA the pass is then captured
         whole as a CUDA graph around a forward compiled without CUDA graphs of its own; elsewhere the whole pass is
         compiled as one function. (Compiled whole on CUDA, the tree's host-side constants are traced into the graph as
-        host-to-device copies, which CUDA graph capture refuses.) `processors`: the run's logits processors, warpers
-        and repetition penalties (`scoring.order_free`; `shape.processors` names them)."""
+        host-to-device copies, which CUDA graph capture refuses.) `processors`: the run's logits processors
+        (`scoring.order_free`; `shape.processors` names them)."""
         self.model, self.shape = model, shape
         self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
         self.stacked = _stack_layers(self.kv)
@@ -392,8 +396,8 @@ def _verify(g: GraphPass, logits: torch.Tensor):
 
 
 def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
-    """Speculative sampling or typical acceptance of the tree, by `verify.verify` itself (the loop's): `_verify`'s
-    `(tokens, accepted, (end, depth))`."""
+    """Speculative sampling, typical acceptance, or greedy verification of processed scores, by `verify.verify`
+    itself (the loop's): `_verify`'s `(tokens, accepted, (end, depth))`."""
     shape = g.shape
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
@@ -470,9 +474,9 @@ def _propose(g: GraphPass, logits, end):
 
 
 def _propose_by_rule(g: GraphPass, logits, end):
-    """The next drafts as the loop proposes them (`verify.propose` and `add_lookup`, full tree), for speculative
-    sampling (drafts drawn, with the distributions they were drawn from) and typical acceptance (the greedy tree of
-    the warped scores). `(tokens, real)`."""
+    """The next drafts as the loop proposes them (`verify.propose` and `add_lookup`, full tree), from processed
+    scores: drawn for speculative sampling (with the distributions they were drawn from), else the greedy tree (typical
+    acceptance, a penalty). `(tokens, real)`."""
     shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
@@ -503,9 +507,13 @@ def _histories(g: GraphPass) -> Histories | None:
 
 
 def processors_signature(processors) -> tuple:
-    """What a run's logits processors are, as a `GraphShape` field: their classes and settings (a pass applies them
-    as they were when it was built, so runs share a pass only where these are equal)."""
-    return tuple((type(p).__name__, repr(sorted(vars(p).items()))) for p in processors)
+    """What a run's logits processors are, as a `GraphShape` field: their classes and settings, tensors by value (a
+    pass applies them as they were when it was built, so runs share a pass only where these are equal)."""
+
+    def value(v):
+        return ("tensor", tuple(v.flatten().tolist())) if isinstance(v, torch.Tensor) else v
+
+    return tuple((type(p).__name__, repr(sorted((k, value(v)) for k, v in vars(p).items()))) for p in processors)
 
 
 def _compiled(function, config, mode=None):
