@@ -331,9 +331,9 @@ def _graph_shape(model, run: Session) -> GraphShape | None:
 
 def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where only the loop can: logits processors that read more of the text than the set of its
-    tokens (`min_new_tokens`, n-gram and bad-word bans; sampling's warpers and repetition penalties run in the pass),
-    a mask cost, a sliding window. Stopping criteria other than EOS and the length limit, and a streamer, are served
+    full `tree`, or None where only the loop can: logits processors that read the order of the text (n-gram and
+    bad-word bans; sampling's warpers, repetition penalties and minimum lengths run in the pass: `order_free`), a mask
+    cost, a sliding window. Stopping criteria other than EOS and the length limit, and a streamer, are served
     from the host after each pass."""
     plan, settings = run.plan, run.plan.settings
     if not (enabled() and plan.logits_to_keep and order_free(plan.processors)) or plan.window:

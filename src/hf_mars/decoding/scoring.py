@@ -116,7 +116,6 @@ class Histories:
             out[group] = self.processors(ids, full)[rows]
         return out
 
-
     def _in_one_call(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """`__call__` for `order_free` processors: one call over the whole batch (as `generate()` calls them, for
         processors that keep a value per row), each row's history plus `prefix` followed by copies of its last token
