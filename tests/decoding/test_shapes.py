@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, GenerationMixin, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_mars
-from hf_mars.decoding import graph
+from hf_mars.decoding import graph, scoring
 
 PAD, EOS = 500, 501
 MODES = {
@@ -188,11 +188,31 @@ def test_sampled_and_penalised_graph_passes_run_compiled_as_they_run_eagerly(thi
     config._compile_all_devices = True  # generate() compiles on GPUs only unless told
     torch._dynamo.reset()
     common = dict(max_new_tokens=24, cache_implementation="static", pad_token_id=PAD, **MODES[mode], **processing)
+    counters.clear()
     torch.manual_seed(1)
     compiled = model.generate(**enc, compile_config=config, **common)
     assert counters["stats"]["unique_graphs"] >= 1, "the passes must run compiled"
+    assert not counters["graph_break"], "a pass must read nothing back from the device (CUDA graphs capture it whole)"
     torch.manual_seed(1)
     assert torch.equal(compiled, model.generate(**enc, **common))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draw_is_torch_multinomials_seed_for_seed(dtype):
+    """`scoring.draw`, which reads nothing back from the device, draws what `torch.multinomial(probs, 1)` draws
+    (`generate()`'s sampler) from the same seed: the premise of every seeded test against `generate()`."""
+    logits = torch.randn(6, 5, 3000, generator=torch.Generator().manual_seed(0)) * 4
+    logits[:, :, 100:] = -float("inf")  # most of the vocabulary at probability 0, as after top-k
+    probs = torch.softmax(logits, dim=-1).to(dtype)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        expected = torch.multinomial(probs.reshape(-1, probs.shape[-1]), num_samples=1).view(probs.shape[:-1])
+        torch.manual_seed(seed)
+        drawn = scoring.draw(probs)
+        assert torch.equal(drawn, expected)
+        assert (drawn < 100).all()
+    torch.manual_seed(0)
+    assert not torch.equal(scoring.draw(probs), drawn), "another seed must draw other tokens"
 
 
 @pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree and lookup"])

@@ -161,9 +161,7 @@ class GraphPass:
         device = kv.layers[0].keys.device
         self.state = state = GraphState.empty(shape, device)
         on_cuda = compile_config is not None and device.type == "cuda"
-        # Sampling draws with `torch.multinomial`, which CUDA graph capture refuses (inductor keeps it out of its own
-        # graphs too): a sampled pass on CUDA launches its bookkeeping op by op around the compiled forward
-        self.capture = on_cuda and not shape.sampled
+        self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
         self.forward, self.step = model, graph_pass
         if on_cuda:  # the forward compiled without CUDA graphs of its own; the pass around it is captured
             self.forward = _compiled(model.__call__, compile_config, "default")
@@ -448,7 +446,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     if len(shape.tree):
         tokens, real = (_propose_by_rule if shape.by_rule else _propose)(g, logits, end)
         g.drafts.copy_(tokens)
-        torch.logical_and(real, g.live_column, out=g.drafts_real)
+        g.drafts_real.copy_(real & g.live_column)  # (`out=` a view would break a compiled pass)
 
 
 def _propose(g: GraphPass, logits, end):

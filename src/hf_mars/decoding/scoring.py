@@ -190,6 +190,14 @@ def processed(logits, histories: Histories | None, prefix):
     return torch.stack([histories(prefix[:, :j], logits[:, j]) for j in range(slots)], dim=1)
 
 
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One token from each distribution of `probs` (`(..., vocab)`): what `torch.multinomial(probs, 1)` computes
+    (ATen draws one sample as the argmax of p / q, q ~ Exp(1), from the same generator), without the validity check
+    with which `multinomial` reads the device. So a seed draws `generate()`'s tokens, and a pass that draws has no
+    host sync: it is captured as a CUDA graph, which `multinomial` refuses."""
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+
 def choose(logits, histories: Histories | None, do_sample: bool, measure: str, with_probs: bool = False):
     """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`,
     plus the `(batch, slots, vocab)` distributions they were drawn from when `with_probs`.
@@ -197,14 +205,13 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
     Processors that read the token history see, for slot i, the history plus the tokens chosen for slots < i: exactly
     what they would see if those slots are accepted (and slot i matters only if they are).
     """
-    vocab = logits.shape[-1]
 
     def pick(scores):
         if not do_sample and not with_probs and logits.shape[1] == 1:  # one slot, always accepted: plain greedy cost
             return scores.argmax(dim=-1), None, None
         probs = torch.softmax(scores, dim=-1)
         if do_sample:
-            tokens = torch.multinomial(probs.reshape(-1, vocab), num_samples=1).view(probs.shape[:-1])
+            tokens = draw(probs)
         else:
             tokens = scores.argmax(dim=-1)
         return tokens, confidence(probs, tokens, measure), probs

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scoring import choose, processed
+from .scoring import choose, draw, processed
 from .tree import NO_DRAFTS, DraftTree, depth_candidates, lookup
 
 
@@ -90,7 +90,7 @@ def _verify_typical(scores, drafts: Drafts, do_sample: bool, epsilon: float, del
 
     def after(end):
         at_end = p[rows, end]
-        return torch.multinomial(at_end, num_samples=1) if do_sample else at_end.argmax(dim=-1, keepdim=True)
+        return draw(at_end)[:, None] if do_sample else at_end.argmax(dim=-1, keepdim=True)
 
     return _keep_deepest(match, drafts, after)
 
@@ -134,7 +134,7 @@ def _verify_sampled(scores, drafts: Drafts):
     p_next, q_next = p.gather(1, at).squeeze(1), proposals.gather(1, at).squeeze(1)
     residual = (p_next - q_next).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-    target = torch.multinomial(residual, num_samples=1)
+    target = draw(residual)[:, None]
     out = torch.cat([tokens, target], dim=1).scatter(1, count[:, None], target)
     kept = drafts.real & (torch.arange(tokens.shape[1], device=tokens.device) < count[:, None])
     return out, count + 1, kept, count
