@@ -11,6 +11,7 @@ import hf_mars
 from hf_mars.tools.evaluate.evals import load_prompts
 from hf_mars.tools.measure.bench import format_table, run_benchmark, save
 from hf_mars.tools.measure.calibrate import measure_mask_cost
+from hf_mars.tools.measure.decode import generate_ar
 
 
 def test_benchmark_cells_and_files(tmp_path):
@@ -66,6 +67,35 @@ def test_benchmark_cells_and_files(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["meta"]["device"] == "cpu" and len(data["cells"]) == len(cells)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_sampled_benchmark_draws_every_method_from_one_seed(monkeypatch):
+    """`sampling` (`hf-mars bench --temperature`): plain decoding and MARS sample, each run from the same seed, so MARS
+    at τ = 1 draws plain sampling's very tokens (agreement 1.0) while τ-mode draws others; prompt lookup (greedy) is
+    refused with it."""
+    from hf_mars.tools.measure import bench
+
+    tok = make_tokenizer()
+    model = make_model("qwen2", dtype=torch.float64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # confident enough for τ-mode to accept masks
+    hf_mars.to_mars(model, tok, block_size=4)
+    prompts = load_prompts(None, tok, limit=4)
+    sampling = dict(do_sample=True, temperature=0.8)
+    calls = []
+    monkeypatch.setattr(bench, "generate_ar", lambda model, **kw: calls.append(kw) or generate_ar(model, **kw))
+    common = dict(batch_sizes=(2,), max_new_tokens=16, repeats=1, mask_costs=(0.0,), progress=False)
+    cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.3), prompt_lookup=0, sampling=sampling, **common)
+    assert calls and all(kw["do_sample"] and kw["temperature"] == 0.8 for kw in calls)
+    by = {c.method: c for c in cells}
+    assert by["mars tau=1.0"].agreement == by["lossless tau=1.0"].agreement == 1.0  # the same seed, the same draws
+    assert by["mars tau=0.3"].agreement < 1.0 and by["mars tau=0.3"].tokens_per_forward > 1.0
+    try:
+        run_benchmark(model, tok, prompts, taus=(1.0,), prompt_lookup=4, sampling=sampling, **common)
+    except ValueError as err:
+        assert "prompt_lookup=0" in str(err)
+    else:
+        raise AssertionError("prompt lookup is greedy: it must be refused with sampling")
 
 
 def test_prompts_from_jsonl(tmp_path):

@@ -48,6 +48,13 @@ def add_parser(subparsers) -> None:
         help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
         "mars_lookup=L, e.g. 2x3 or 2x3+4",
     )
+    bench.add_argument(
+        "--temperature",
+        type=float,
+        help="sample plain decoding and MARS at this temperature (the model's other sampling settings, e.g. top-k, "
+        "as its generation config has them), every run from the same seed; default: greedy. Prompt lookup is "
+        "then left out",
+    )
     _add_other_benches(bench)
     add_machine(bench)
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
@@ -224,6 +231,7 @@ def run(args) -> None:
         return run_serve(args)
     if args.vllm:
         return run_vllm(args)
+    sampling = _sampling(args)
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.skip + args.limit)[args.skip :]
     costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`
@@ -236,15 +244,17 @@ def run(args) -> None:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         verify=not args.no_lossless,
-        prompt_lookup=args.prompt_lookup,
+        prompt_lookup=0 if sampling else args.prompt_lookup,
         mask_costs=args.mask_costs,
         measured_costs=costs,
         trees=args.lossless_trees,
         compiled=args.compile,
+        sampling=sampling,
     )
     device = device_name(model)
     name, attention = args.model or "the shipped checkpoint", model.config._attn_implementation
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
+    how += f", sampled at T = {args.temperature} (agreement: equal draws)" if sampling else ""
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
     print(_lossless_trees(model, args.batch_sizes, args.compile))
@@ -261,9 +271,19 @@ def run(args) -> None:
         max_new_tokens=args.max_new_tokens,
         mask_cost=costs,
         compiled=args.compile,
+        temperature=args.temperature,
         fastest_plain=plain,
     )
     _save(cells, Path(args.output), meta)
+
+
+def _sampling(args) -> dict | None:
+    """`generate()` kwargs of `--temperature` (None: greedy)."""
+    if args.temperature is None:
+        return None
+    if args.temperature <= 0:
+        raise SystemExit(f"--temperature must be above 0 (sampling), got {args.temperature}; leave it out for greedy.")
+    return dict(do_sample=True, temperature=args.temperature)
 
 
 def load_on_device(args):
@@ -325,6 +345,7 @@ def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
             prompt_lookup=0,
             mask_costs=(),
             tau_mode=False,
+            sampling=_sampling(args),
         )
         for cell in other:
             if cell.tokens_per_second > fastest[cell.batch_size][1]:

@@ -11,6 +11,9 @@ prompts carry answers.
 `compiled=True` runs plain `generate()` and MARS the way a GPU server runs a small model: a static cache and
 `generate()`'s own `torch.compile` path (`static_compiled`), warmed up on the longest batch first, so compilation
 stays out of the timings. Prompt lookup stays on its dynamic cache (transformers' assisted decoding).
+
+`sampling` (e.g. `dict(do_sample=True, temperature=0.7)`) runs plain decoding and MARS sampled, each run from the
+same seed; agreement then compares draws, not greedy texts.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 from transformers import GenerationMixin
 
@@ -180,6 +184,7 @@ def run_benchmark(
     trees=(),
     tau_mode: bool = True,
     compiled: bool = False,
+    sampling: dict | None = None,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
@@ -187,13 +192,16 @@ def run_benchmark(
     from `measured_costs` (batch size -> `measure_mask_cost`) or measured here); each adds MARS and lossless cells.
     `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`); `tau_mode=False`: no
     τ-mode cells. `compiled`: a static cache and `torch.compile` for plain decoding and MARS (`static_compiled`).
+    `sampling`: `generate()` kwargs that make plain decoding and MARS sample (no prompt lookup then: it is greedy).
     """
+    if sampling and prompt_lookup:
+        raise ValueError("Prompt lookup is measured greedy: pass prompt_lookup=0 with `sampling`.")
 
     measured = {}  # "auto": the mask cost at the batch size being run, read by the "cost=auto" methods
-    extra = None
+    extra = dict(sampling or {})
     if compiled:
         longest = max(len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in prompts)
-        extra = static_compiled(model, longest, max_new_tokens, batch_sizes, trees)
+        extra |= static_compiled(model, longest, max_new_tokens, batch_sizes, trees)
     table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode, extra)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model, always=not compiled)
@@ -286,6 +294,7 @@ def _run_batch(
             run(model, counter, **inputs, max_new_tokens=warm_up_tokens)
         sync(model)
         counter.reset()
+        torch.manual_seed(repeat)  # every method draws from the same seed (sampling)
         start = time.perf_counter()
         sequences, row_passes = run(model, counter, **inputs, max_new_tokens=max_new_tokens)
         sync(model)

@@ -11,8 +11,9 @@ from ...decoding.costs import parse_tree
 
 
 def generate_ar(model, **inputs):
-    """Plain greedy `generate()` of transformers (the reference): `(sequences, None)`."""
-    return GenerationMixin.generate(model, do_sample=False, **inputs), None
+    """Plain `generate()` of transformers (the reference), greedy unless `inputs` say `do_sample`: `(sequences,
+    None)`."""
+    return GenerationMixin.generate(model, **{"do_sample": False, **inputs}), None
 
 
 def static_compiled(model, longest_prompt: int, max_new_tokens: int, batch_sizes, trees=()) -> dict:
@@ -49,7 +50,9 @@ def compiled_path(model) -> dict:
 
 
 def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, candidates=None, lookup=None, **inputs):
-    """Greedy MARS decoding: `(sequences, row_passes)`. `None`: the model's default (lossless: its `mars_lossless`)."""
+    """MARS decoding, greedy unless `inputs` say `do_sample`: `(sequences, row_passes)`. `None`: the model's default
+    (lossless: its `mars_lossless`)."""
+    inputs = {"do_sample": False, **inputs}
     out = model.generate(
         mars_tau=tau,
         mars_verify=verify,
@@ -57,7 +60,6 @@ def generate_mars(model, tau, verify=False, mask_cost=0.0, block_size=None, cand
         mars_block_size=block_size,
         mars_draft_candidates=candidates,
         mars_lookup=lookup,
-        do_sample=False,
         return_dict_in_generate=True,
         **inputs,
     )
