@@ -6,7 +6,8 @@ the real checkpoint's business (docs/benchmarks.md); a method's speed-up over pl
 forward times `plain step / pass` printed here.
 
 Every generation decodes `--new-tokens` tokens with no EOS, so each method does a known number of passes; each method
-runs once to compile and capture before it is timed, and the methods take turns in each repeat (medians).
+runs once to compile and capture before it is timed, and the methods take turns in each repeat (medians). A sampled
+method (T = 0.7, top-k 50) is compared with sampled plain decoding, a greedy one with greedy plain decoding.
 `--profile N` then runs each method once more under `torch.profiler` and prints where the device's time goes: its
 busy time per pass (the kernels, inside CUDA graphs too) against the wall time, and the N kernels that take most.
 
@@ -41,13 +42,21 @@ SMOLLM2_135M = dict(  # with `toy_model`'s token ids
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+SAMPLED = dict(do_sample=True, temperature=0.7, top_k=50)
+PLAIN = {"plain generate()": dict(do_sample=False), "plain generate(), sampled": SAMPLED}
 METHODS = {  # τ = 0 in lossless mode: every pass feeds its whole draft tree (its cost is the same either way)
+    "τ = 1": dict(mars_tau=1.0),
     "τ = 0.9": dict(mars_tau=0.9),
     "lossless chain, B = 4": dict(mars_verify=True, mars_tau=0.0),
     "lossless 4x3+8": dict(mars_verify=True, mars_tau=0.0, mars_block_size=4, mars_draft_candidates=3, mars_lookup=8),
     "lossless 3x3+5": dict(mars_verify=True, mars_tau=0.0, mars_block_size=3, mars_draft_candidates=3, mars_lookup=5),
+    "lossless 3x2,2": dict(mars_verify=True, mars_tau=0.0, mars_block_size=3, mars_draft_candidates=(2, 2)),
+    "sampled τ = 0.9": dict(mars_tau=0.9, **SAMPLED),
+    "sampled lossless 3x2,2": dict(
+        mars_verify=True, mars_tau=0.0, mars_block_size=3, mars_draft_candidates=(2, 2), **SAMPLED
+    ),
 }
-TREES = [(4, 3, 8), (3, 3, 5)]
+TREES = [(4, 3, 8), (3, 3, 5), (3, (2, 2), 0)]
 VARIANTS = {
     "graph": "the whole pass as one graph (`graph.py`)",
     "loop": "the loop of generate.py alone, its forward compiled by generate()",
@@ -159,12 +168,17 @@ def main() -> None:
         extra = static_compiled(model, enc.input_ids.shape[1], args.new_tokens, args.batch_sizes, TREES)
         if args.eager:
             extra.pop("compile_config", None)
-        common = dict(**enc, max_new_tokens=args.new_tokens, eos_token_id=None, do_sample=False, **extra)
-        plain = functools.partial(GenerationMixin.generate, model, **common)
-        plain_name = "plain generate()" + ("" if args.eager else ", compiled")
-        calls = {plain_name: (functools.partial(variant, "graph"), plain)}
+        common = dict(**enc, max_new_tokens=args.new_tokens, eos_token_id=None, **extra)
+        sampled = any(METHODS[m].get("do_sample") for m in args.methods)
+        calls = {
+            name: (functools.partial(variant, "graph"), functools.partial(GenerationMixin.generate, model, **common, **kw))
+            for name, kw in PLAIN.items()
+            if sampled or not kw["do_sample"]
+        }
         for method in args.methods:
-            call = functools.partial(model.generate, **common, return_dict_in_generate=True, **METHODS[method])
+            call = functools.partial(
+                model.generate, **common, return_dict_in_generate=True, **{"do_sample": False, **METHODS[method]}
+            )
             for name in args.variants:
                 calls[f"{method}, {name}"] = (functools.partial(variant, name), call)
         with torch.no_grad():
@@ -175,11 +189,12 @@ def main() -> None:
                 sync(args.device)
                 print(f"  warm-up batch {batch}: {label} {time.perf_counter() - start:.1f} s", flush=True)
             timed = time_calls(calls, args.repeats, args.device)
-        step = timed[plain_name][0] / args.new_tokens
-        print(f"\nbatch {batch}: plain step {1000 * step:.2f} ms")
-        print("| method | ms per pass | pass / plain step |\n| --- | --- | --- |")
+        steps = {name: timed[name][0] / args.new_tokens for name in calls if name in PLAIN}
+        print(f"\nbatch {batch}: plain step " + ", ".join(f"{n} {1000 * s:.2f} ms" for n, s in steps.items()))
+        print("| method | ms per pass | pass / plain step of the same decoding |\n| --- | --- | --- |")
         for label, (seconds, passes) in timed.items():
             per_pass = seconds / (passes or args.new_tokens)
+            step = steps[list(PLAIN)[int("sampled" in label)]]
             print(f"| {label} | {1000 * per_pass:.2f} | {per_pass / step:.2f}x |", flush=True)
         if args.profile:
             with torch.no_grad():

@@ -79,3 +79,24 @@ def test_bench_graph_pass_times_the_graph_and_the_loop_against_a_plain_step():
         f"{m}, {v}" for m in ("τ = 0.9", "lossless 4x3+8") for v in ("graph", "loop")
     ]
     assert rows[0].endswith("| 1.00x |") and all(float(row.split(" | ")[1]) > 0 for row in rows)
+
+
+def test_bench_graph_pass_sets_a_sampled_method_against_a_sampled_plain_step():
+    quick = ["--device", "cpu", "--dtype", "float32", "--layers", "1", "--batch-sizes", "2", "--eager"]
+    out = run("bench_graph_pass.py", *quick, "--new-tokens", "6", "--repeats", "1", "--methods", "sampled τ = 0.9")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [
+        "plain generate()",
+        "plain generate(), sampled",
+        "sampled τ = 0.9, graph",
+        "sampled τ = 0.9, loop",
+    ]
+    assert all(row.endswith("| 1.00x |") for row in rows[:2])
+
+
+def test_check_sampled_capture_finds_the_graph_pass_drawing_the_loops_tokens():
+    """Off CUDA nothing is captured: the graph pass runs eagerly, and must draw what the loop draws, seed for seed."""
+    out = run("check_sampled_capture.py", "--device", "cpu", "--layers", "2")
+    lines = [line for line in out.splitlines() if line.startswith("sampled")]
+    assert len(lines) == 3 and all("captured = loop on 100.0% of tokens" in line for line in lines), out
+    assert all("repeats it: True" in line and "another seed differs: True" in line for line in lines), out
