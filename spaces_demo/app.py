@@ -34,8 +34,12 @@ DEMO_OUTPUT = "outputs/mars-demo"
 MAX_INPUT_TOKENS = int(os.environ.get("MARS_MAX_INPUT_TOKENS", 1024))  # longer conversations lose their oldest turns
 MAX_NEW_TOKENS = int(os.environ.get("MARS_MAX_NEW_TOKENS", 512))
 CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once; the model is shared, read-only
-# MARS_DTYPE: bfloat16 makes masks nearly free on CPUs that compute it; auto: where lossless decoding is fastest
+# MARS_DTYPE: auto (default): where lossless decoding is expected fastest here; float32: lossless text always AR's
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+NEAR_TIE = (
+    "rounds a pass over several tokens differently from a one-token step, so where two tokens nearly tie the texts "
+    "can part; MARS_DTYPE=float32 keeps them identical"
+)
 COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
 DECODERS = ["MARS", "AR generate()"]
 UPDATE_EVERY = 0.05  # seconds between UI updates at most 20 a second; each carries every pass since the last one
@@ -370,6 +374,7 @@ def finish_mars(tokenizer, turn: Turn, job: dict, session: Session) -> tuple:
         settings=turn.settings,
         ids=out.sequences[0].tolist(),
         tokens_per_second=stats["tokens_per_second"],
+        exact=turn.lossless and not turn.settings.get("do_sample"),  # greedy verification: plain AR's text
     )
     return (
         "",
@@ -412,12 +417,15 @@ def stream_ar(model, tokenizer, last: dict):
     return job
 
 
-def finish_ar(tokenizer, job: dict, last: dict, session: Session) -> tuple:
-    """AR's final outputs: its answer, its figures against MARS's (speed-up, same text or not), a plot point."""
+def finish_ar(tokenizer, job: dict, last: dict, session: Session, dtype=torch.float32) -> tuple:
+    """AR's final outputs: its answer, its figures against MARS's (speed-up, same text or not, and why not where
+    lossless mode parted from AR outside float32), a plot point."""
     seconds, ids = job["seconds"], job["out"][0].tolist()
     new = len(ids) - last["inputs"]["input_ids"].shape[1]
     rate = new / seconds
     same = "identical to" if ids == last["ids"] else "differs from"
+    if ids != last["ids"] and last.get("exact") and dtype != torch.float32:
+        same += f" ({str(dtype).removeprefix('torch.')} {NEAR_TIE})"
     record_run(session, "AR generate()", 1.0, 1.0, rate)
     extra = f" · MARS speed-up **{last['tokens_per_second'] / rate:.2f}x** · output {same} MARS"
     return (
@@ -574,7 +582,7 @@ def handlers(model, tokenizer):
             return
         last = session.last
         job = yield from stream_ar(model, tokenizer, last)
-        yield finish_ar(tokenizer, job, last, session)
+        yield finish_ar(tokenizer, job, last, session, model.dtype)
 
     return respond, compare_ar
 
@@ -644,7 +652,7 @@ def load_model(path: str | None = None, revision: str | None = None):
             )
         path = str(local[0])
     revision = revision or os.environ.get("MARS_REVISION") or None
-    dtype = os.environ.get("MARS_DTYPE", "float32")
+    dtype = os.environ.get("MARS_DTYPE", "auto")
     if dtype not in DTYPES:
         raise SystemExit(f"MARS_DTYPE must be one of {', '.join(DTYPES)}, not {dtype!r}.")
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)

@@ -49,12 +49,14 @@ def running_app(tmp_dir: Path, pass_seconds: float = PASS_SECONDS):
     """The app as `main()` builds it, loaded through MARS_MODEL, served on a free local port; yields (app, url, calls)
     where `calls` counts forward passes of the shared model."""
     app = load_app()
-    old = os.environ.get("MARS_MODEL")
-    os.environ["MARS_MODEL"] = str(save_checkpoint(tmp_dir / "ckpt"))
+    env = dict(MARS_MODEL=str(save_checkpoint(tmp_dir / "ckpt")), MARS_DTYPE="float32")  # lossless: AR's very text
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         model, tokenizer = app.load_model()
     finally:
-        os.environ.pop("MARS_MODEL") if old is None else os.environ.__setitem__("MARS_MODEL", old)
+        for name, value in old.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
     calls = [0]
 
     def slow(*_):

@@ -251,15 +251,21 @@ def test_mask_cost_slider(served):
     assert dear["accepted_per_pass"] == [1] * dear["forward_passes"]
 
 
-def test_model_dtype_from_the_environment(tmp_path, monkeypatch):
-    """MARS_DTYPE picks the dtype the checkpoint loads in; a value that is not a dtype stops with the list."""
+def test_model_dtype_from_the_environment(tmp_path, monkeypatch, capsys):
+    """MARS_DTYPE picks the dtype the checkpoint loads in, `auto` (the fastest here, said) when unset; a value that is
+    not a dtype stops with the list."""
     app = load_app()
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MARS_MODEL", str(save_checkpoint(tmp_path / "ckpt")))
     monkeypatch.setenv("MARS_DTYPE", "bfloat16")
     model, _ = app.load_model()
     assert model.dtype == torch.bfloat16
-    monkeypatch.delenv("MARS_DTYPE")
+    monkeypatch.setenv("MARS_DTYPE", "float32")
     assert app.load_model()[0].dtype == torch.float32
+    capsys.readouterr()
+    monkeypatch.delenv("MARS_DTYPE")
+    chosen = str(app.load_model()[0].dtype).removeprefix("torch.")
+    assert f"MARS_DTYPE=auto: dtype {chosen}: expected lossless" in capsys.readouterr().err
     monkeypatch.setenv("MARS_DTYPE", "bf16")
     with pytest.raises(SystemExit, match="MARS_DTYPE must be one of float32, bfloat16, float16"):
         app.load_model()
