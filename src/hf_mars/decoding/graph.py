@@ -446,7 +446,10 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     if len(shape.tree):
         tokens, real = (_propose_by_rule if shape.by_rule else _propose)(g, logits, end)
         g.drafts.copy_(tokens)
-        g.drafts_real.copy_(real & g.live_column)  # (`out=` a view would break a compiled pass)
+        if torch.compiler.is_compiling():  # dynamo refuses `out=` a view (a graph break); inductor fuses the two
+            g.drafts_real.copy_(real & g.live_column)
+        else:  # eager, or captured: one kernel
+            torch.logical_and(real, g.live_column, out=g.drafts_real)
 
 
 def _propose(g: GraphPass, logits, end):
