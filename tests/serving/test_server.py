@@ -171,6 +171,41 @@ def test_invalid_requests_get_a_400_with_the_reason_and_the_server_goes_on(serve
     )
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "fields"),
+    [
+        ("chat", {"n": 2}),
+        ("chat", {"logprobs": True, "top_logprobs": 2}),
+        ("chat", {"presence_penalty": 0.5}),
+        ("chat", {"response_format": {"type": "json_object"}}),
+        ("completions", {"n": 3}),
+        ("completions", {"logprobs": 2}),
+        ("completions", {"logprobs": 0}),  # the chosen tokens' log probabilities: asked for, though 0
+        ("completions", {"echo": True}),
+        ("completions", {"best_of": 2}),
+        ("completions", {"suffix": "x"}),
+    ],
+)
+def test_openai_fields_it_cannot_honour_are_refused_by_name(server, endpoint, fields):
+    """transformers serve ignores these (one choice for n = 2, `logprobs: null`, no prompt for `echo`, the suffix
+    appended to the answer): each is a 400 naming the field and why, and the server goes on."""
+    base = {"model": server["path"], "max_tokens": 2}
+    base |= {"messages": [{"role": "user", "content": "hi"}]} if endpoint == "chat" else {"prompt": "hi"}
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    response = httpx.post(server["url"] + path, json={**base, **fields}, timeout=60)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert all(f"{key}={value!r} is not supported" in message for key, value in fields.items()), message
+    harmless = {"n": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "user": "me"}
+    if endpoint == "completions":
+        harmless = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "user": "me"}
+    reply = httpx.post(server["url"] + path, json={**base, **harmless}, timeout=60)
+    assert reply.status_code == 200, reply.text  # the values that ask for nothing are served as before
+    if fields == {"n": 2}:  # what the openai client raises
+        with pytest.raises(BadRequestError, match="n=2 is not supported"):
+            _client(server).chat.completions.create(**base | {"n": 2})
+
+
 def test_malformed_json_and_unknown_fields_are_refused(server):
     url = server["url"] + "/v1/chat/completions"
     broken = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=60)
@@ -242,3 +277,36 @@ def test_serve_bench_measures_plain_and_mars_side_by_side(server):
     assert all(r["requests"] == r["clients"] and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
     table = serve_table(rows)
     assert table.count("\n") == 5 and "1.00x" in table  # a plain row against itself
+
+
+def test_with_an_api_key_only_its_bearers_are_served_and_health_stays_open(tmp_path, caplog):
+    """`hf-mars serve --api-key` (or HF_MARS_API_KEY): as `vllm serve --api-key`, every endpoint but /health answers
+    401 in OpenAI's error shape without the bearer token; the key appears in no log."""
+    import logging
+
+    from openai import AuthenticationError
+
+    from hf_mars.serving.server import build_app
+
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    key = "sk-test-4b1d2c"
+    caplog.set_level(logging.DEBUG)
+    app, _ = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=2, api_key=key)
+    with serving(app) as url:
+        assert httpx.get(url + "/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/reset")):
+                refused = httpx.request(method, url + path, headers=headers, json={}, timeout=60)
+                assert refused.status_code == 401, (path, headers)
+                assert refused.json()["error"]["code"] == "invalid_api_key"
+        client = OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=str(tmp_path), messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert reply.usage.completion_tokens == 3
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert key not in caplog.text

@@ -12,6 +12,7 @@ from .options import DTYPES, add_model
 
 HELP = "serve a MARS checkpoint over an OpenAI-compatible HTTP API"
 DEFAULT_CACHE_SLOTS = 2048  # static cache slots per row with --compile
+API_KEY_ENV = "HF_MARS_API_KEY"
 DESCRIPTION = (
     "Serve a MARS checkpoint with transformers serve's OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
     "/v1/models, /health). Requests choose MARS per call with mars_tau, mars_verify and the draft-tree fields (as "
@@ -47,6 +48,12 @@ def add_parser(subparsers) -> None:
         "--continuous-batching",
         action="store_true",
         help="accepted, as transformers serve takes it: hf-mars serve always admits requests between passes",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"answer only requests with `Authorization: Bearer KEY` (every endpoint but /health); default: the "
+        f"{API_KEY_ENV} environment variable, which keeps the key out of the process list",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     vllm = serve.add_argument_group("vLLM (--engine vllm)")
@@ -88,8 +95,11 @@ def run(args) -> None:
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
     slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
-    app, _ = build_app(model, args.dtype, args.device, args.compile, args.max_batch_size or 8, cache_slots=slots)
-    print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {model})", flush=True)
+    app, _ = build_app(
+        model, args.dtype, args.device, args.compile, args.max_batch_size or 8, cache_slots=slots, api_key=args.api_key
+    )
+    key = "API key required" if args.api_key else "no API key: open to anyone who reaches the port"
+    print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {model}; {key})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -119,5 +129,7 @@ def run_vllm(args, model: str) -> None:
         extra=shlex.split(args.vllm_args),
     )
     print("hf-mars serve: " + shlex.join(command), flush=True)
+    if args.api_key:  # vLLM reads it from its environment: the key stays out of the command line printed above
+        os.environ["VLLM_API_KEY"] = args.api_key
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *command[2:]]
     os.execv(sys.executable, server)

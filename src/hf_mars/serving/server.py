@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 
 from transformers import AutoModelForCausalLM, CompileConfig, PretrainedConfig
@@ -72,9 +73,53 @@ class MARSGenerationState(GenerationState):
         self.engine.stop()
 
 
+# OpenAI fields that transformers serve accepts and ignores (it logs a warning once), by the values that ask for
+# nothing (of that type: `logprobs=0` asks for the chosen tokens' log probabilities): any other value would change
+# what the client gets, so it is refused by name (HTTP 400), never dropped.
+# Fields that change no token (`user`, `metadata`, `store`, `service_tier`, `stream_options`) pass as they do there.
+ASKS_NOTHING = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "suffix": (None, ""),
+    "reasoning_effort": (None,),
+    "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "auto"),
+    "parallel_tool_calls": (None, True),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "audio": (None,),
+    "functions": (None,),
+    "function_call": (None,),
+    "web_search_options": (None,),
+}
+WHY_NOT = {
+    "n": "one choice per request; send n requests, which decode batched together",
+    "best_of": "one choice per request",
+    "echo": "the completion is returned without its prompt",
+    "logprobs": "log probabilities are not returned",
+    "top_logprobs": "log probabilities are not returned",
+    "presence_penalty": "use frequency_penalty (transformers' repetition penalty)",
+    "suffix": "no fill-in-the-middle: the model would never see the suffix",
+}
+
+
+def refused_fields(body: dict) -> str | None:
+    """Why the request is refused, naming each field whose value asks for what this server does not do, or None."""
+    said = [
+        f"{key}={body[key]!r} is not supported ({WHY_NOT.get(key, 'not implemented by hf-mars serve')})"
+        for key, nothing in ASKS_NOTHING.items()
+        if key in body and not any(body[key] == value and type(body[key]) is type(value) for value in nothing)
+    ]
+    return "; ".join(said) or None
+
+
 class MARSRequests:
-    """What MARS adds to a transformers serve handler: `mars_*` fields, checked as `generate()` checks them, and
-    MARS usage. Mixed in before the handler class."""
+    """What MARS adds to a transformers serve handler: `mars_*` fields, checked as `generate()` checks them, OpenAI
+    fields it would ignore refused by name, and MARS usage. Mixed in before the handler class."""
 
     def __init__(self, *args, model, engine: MARSEngine, **kwargs):
         super().__init__(*args, **kwargs)
@@ -83,6 +128,9 @@ class MARSRequests:
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request({key: value for key, value in body.items() if key not in SETTING_KEYS})
+        refused = refused_fields(body)
+        if refused:
+            raise HTTPException(status_code=400, detail=refused)
 
     async def handle_request(self, body: dict, request_id: str):
         response = await super().handle_request(body, request_id)
@@ -137,9 +185,11 @@ def build_app(
     compile: bool = False,
     max_batch_size: int = 8,
     cache_slots: int | None = None,
+    api_key: str | None = None,
 ):
     """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
-    one graph over a static cache of that many slots per row (`GraphSession`), compiled if `compile`."""
+    one graph over a static cache of that many slots per row (`GraphSession`), compiled if `compile`. `api_key`:
+    every endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`."""
     manager = MARSModelManager(device=device, dtype=dtype, force_model=model)
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
     compile_config = CompileConfig() if compile and cache_slots else None
@@ -158,7 +208,28 @@ def build_app(
         generation_state=state,
     )
     app.add_exception_handler(HTTPException, _openai_error)
+    if api_key:
+        require_key(app, api_key)
     return app, engine
+
+
+def require_key(app, api_key: str) -> None:
+    """Let in only requests that carry `api_key` as a bearer token (as `vllm serve --api-key` does), except `/health`
+    (a load balancer's probe) and CORS preflights (a browser sends those without credentials). A refusal is a 401 in
+    OpenAI's error shape, which its clients raise as `AuthenticationError`; the key is compared in constant time and
+    never written anywhere."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request, call_next):
+        if request.url.path == "/health" or request.method == "OPTIONS":
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(given, expected):
+            return await call_next(request)
+        message = "Incorrect or missing API key: send it as `Authorization: Bearer <key>`."
+        body = {"error": {"message": message, "type": "invalid_request_error", "code": "invalid_api_key"}}
+        return JSONResponse(body, status_code=401)
 
 
 async def _openai_error(request, error: HTTPException) -> JSONResponse:
