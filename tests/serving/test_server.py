@@ -6,6 +6,7 @@ another request's tokens, or lost its own, fails."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import httpx
@@ -298,7 +299,7 @@ def test_with_an_api_key_only_its_bearers_are_served_and_health_stays_open(tmp_p
     with serving(app) as url:
         assert httpx.get(url + "/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
-            for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/reset")):
+            for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/metrics")):
                 refused = httpx.request(method, url + path, headers=headers, json={}, timeout=60)
                 assert refused.status_code == 401, (path, headers)
                 assert refused.json()["error"]["code"] == "invalid_api_key"
@@ -310,3 +311,72 @@ def test_with_an_api_key_only_its_bearers_are_served_and_health_stays_open(tmp_p
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
     assert key not in caplog.text
+
+
+def _scrape(server) -> dict:
+    """`/metrics` parsed as Prometheus text: `{(name, labels): value}`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(server["url"] + "/metrics", timeout=60)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    families = text_string_to_metric_families(response.text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in families for s in family.samples}
+
+
+def test_metrics_parse_as_prometheus_text_and_count_what_was_sent(server):
+    """Three requests at τ = 1 (one token a pass): the finished requests, tokens, row passes, tokens accepted at
+    position 0 and none past it, and one first-token latency each, as deltas of two scrapes."""
+    before = _scrape(server)
+    client = _client(server)
+    replies = [
+        client.chat.completions.create(
+            model=server["path"], messages=[{"role": "user", "content": f"say {i}"}], max_tokens=5 + i,
+            extra_body={"mars_tau": 1.0},
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    after = _scrape(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    tokens = sum(r.usage.completion_tokens for r in replies)
+    assert delta("hf_mars_requests_total", outcome="stop") == 3
+    assert delta("hf_mars_generation_tokens_total") == tokens
+    assert delta("hf_mars_accepted_tokens_total", position="0") == tokens  # τ = 1: one token a pass
+    assert delta("hf_mars_accepted_tokens_total", position="1") == 0
+    assert delta("hf_mars_row_passes_total") == sum(r.usage.forward_passes for r in replies) == tokens
+    assert delta("hf_mars_time_to_first_token_seconds_count") == 3
+    assert delta("hf_mars_inter_token_latency_seconds_count") == tokens - 3
+    assert delta("hf_mars_e2e_request_latency_seconds_count") == 3
+    deadline = time.monotonic() + 30
+    while _scrape(server)[("hf_mars_requests_running", ())] != 0:  # the engine reports after the pass it answered in
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert _scrape(server)[("hf_mars_requests_waiting", ())] == 0
+
+
+def test_metrics_show_the_tau_and_tree_of_the_rows_decoding(server):
+    body = {
+        "model": server["path"],
+        "messages": [{"role": "user", "content": "count forever"}],
+        "max_tokens": 480,
+        "stream": True,
+        "mars_tau": 0.9,
+    }
+    cancelled = _scrape(server).get(("hf_mars_requests_total", (("outcome", "cancelled"),)), 0.0)
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", server["url"] + "/v1/chat/completions", json=body) as response:
+            data = (line for line in response.iter_lines() if line.startswith("data:"))
+            for _ in range(3):  # past the prompt's pass: the engine reports after each pass
+                next(data)
+            during = _scrape(server)
+    assert during[("hf_mars_tau", ())] == 0.9 and during[("hf_mars_requests_running", ())] == 1
+    trees = [labels for (name, labels), value in during.items() if name == "hf_mars_tree_info" and value == 1]
+    assert len(trees) == 1 and dict(trees[0])["mode"] == "tau" and dict(trees[0])["block_size"] == "4"
+    deadline = time.monotonic() + 60
+    while _scrape(server).get(("hf_mars_requests_total", (("outcome", "cancelled"),)), 0.0) != cancelled + 1:
+        assert time.monotonic() < deadline, "the client that left must count as cancelled"
+        time.sleep(0.05)
+    assert math.isnan(_scrape(server)[("hf_mars_tau", ())])  # nothing decoding

@@ -31,6 +31,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from ..decoding.session import Session
 from ..tools.measure.passes import measure
 from .graph_session import GraphSession
+from .metrics import ServerMetrics
 
 logger = logging.getLogger("hf_mars.serve")
 
@@ -51,6 +52,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     forward_passes: int = 0
     stop: StopStringCriteria | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    last_token_at: float | None = None  # when its last tokens were sent (metrics)
 
     @property
     def key(self) -> str:
@@ -133,6 +136,7 @@ class MARSEngine(BaseGenerateManager):
         self.session: Session | GraphSession | None = None
         self._key: str | None = None  # the running rows' `Request.key`
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
+        self.metrics = ServerMetrics()
         self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
         self._thread.start()
 
@@ -195,6 +199,13 @@ class MARSEngine(BaseGenerateManager):
                 logger.exception("admitting requests failed")
             if self.session is not None:
                 self._step()
+            self._report()
+
+    def _report(self) -> None:
+        """The queue and the running rows' settings, for `/metrics`."""
+        running = len(self.session.labels) if self.session is not None else 0
+        self.metrics.queue(running, len(self._waiting) + self._queue.qsize())
+        self.metrics.settings(self._settings if self.session is not None else None)
 
     def _arrivals(self, wait: bool) -> bool:
         """Move what has arrived into `_waiting` (blocking for the first one if `wait`); False once stopped."""
@@ -259,6 +270,7 @@ class MARSEngine(BaseGenerateManager):
         try:
             session = self._session(group)
             session.step(self.model)
+            self.metrics.passed(len(group))
         except Exception as error:  # noqa: BLE001 - one bad row must not take the others with it
             if len(group) > 1:  # each alone: the bad one is answered with its error, the others decode
                 opened = [s for s in (self._open([request]) for request in group) if s is not None and s.labels]
@@ -306,6 +318,7 @@ class MARSEngine(BaseGenerateManager):
         self.batch_sizes.append(decoding)
         try:
             session.step(self.model)
+            self.metrics.passed(decoding)
         except Exception as error:  # noqa: BLE001 - the rows are answered with it; the server goes on
             logger.exception("a pass failed; its %d rows are answered with the error", len(session.labels))
             for request in session.labels:
@@ -319,9 +332,11 @@ class MARSEngine(BaseGenerateManager):
     def _deliver(self, session: Session) -> None:
         """Every row's new tokens to its client; rows that stopped (or whose client left) are released and
         answered."""
-        stopped = []
+        stopped, now = [], time.monotonic()
         for request, tokens, done, passes in session.rows():
+            sent = len(request.generated)
             ended = request.take(tokens) or done or request.sink.cancelled.is_set()
+            self.metrics.delivered(request, len(request.generated) - sent, now)
             if ended:
                 request.forward_passes = passes
                 stopped.append(request)
@@ -337,6 +352,7 @@ class MARSEngine(BaseGenerateManager):
             "tokens_per_forward": round(len(request.generated) / passes, 4),
         }
         cancelled = request.sink.cancelled.is_set()
+        self.metrics.finished(request, "error" if error is not None else "cancelled" if cancelled else "stop")
         self.finished.append(
             {"request_id": request.request_id, "tokens": len(request.generated), "cancelled": cancelled}
         )

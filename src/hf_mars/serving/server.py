@@ -31,12 +31,13 @@ from transformers.cli.serving.utils import GenerationState, split_revision
 from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
-from .engine import MARSEngine, measure_in_background
 
-try:  # the serving extra: FastAPI and the OpenAI types
+try:  # the serving extra: FastAPI, the OpenAI types, prometheus_client (the engine's metrics)
     from fastapi import HTTPException
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from openai.types.completion_usage import CompletionUsage
+
+    from .engine import MARSEngine, measure_in_background
 except ImportError as err:  # pragma: no cover - said once, where the server starts
     raise ImportError("hf-mars serve needs the serving extra: pip install 'hf_mars[serve]'") from err
 
@@ -208,9 +209,15 @@ def build_app(
         generation_state=state,
     )
     app.add_exception_handler(HTTPException, _openai_error)
+    app.add_api_route("/metrics", lambda: _metrics(engine), methods=["GET"], include_in_schema=False)
     if api_key:
         require_key(app, api_key)
     return app, engine
+
+
+def _metrics(engine: MARSEngine) -> Response:
+    content, content_type = engine.metrics.render()
+    return Response(content, media_type=content_type)
 
 
 def require_key(app, api_key: str) -> None:
