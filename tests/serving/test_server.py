@@ -44,6 +44,12 @@ def server(tmp_path_factory, request):
         yield {"url": url, "engine": engine, "path": path, "offline": offline, "tok": tok}
 
 
+def _long_stream(server, max_tokens: int, **mars) -> dict:
+    """A streamed request that decodes until its budget (the random model rarely says EOS)."""
+    messages = [{"role": "user", "content": "count forever"}]
+    return {"model": server["path"], "messages": messages, "max_tokens": max_tokens, "stream": True, **mars}
+
+
 def _client(server) -> OpenAI:
     return OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -121,13 +127,7 @@ def test_completions_read_mars_settings_from_the_generation_config_string(server
 
 def test_a_client_that_disconnects_frees_its_row(server):
     engine = server["engine"]
-    body = {
-        "model": server["path"],
-        "messages": [{"role": "user", "content": "count forever"}],
-        "max_tokens": 480,
-        "stream": True,
-        "mars_verify": True,
-    }
+    body = _long_stream(server, 480, mars_verify=True)
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server["url"] + "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
@@ -221,13 +221,7 @@ def test_malformed_json_and_unknown_fields_are_refused(server):
 
 def test_a_short_request_sent_while_a_long_one_decodes_is_answered_before_it_ends(server):
     engine = server["engine"]
-    body = {
-        "model": server["path"],
-        "messages": [{"role": "user", "content": "count forever"}],
-        "max_tokens": 500,
-        "stream": True,
-        "mars_tau": 1.0,
-    }
+    body = _long_stream(server, 500, mars_tau=1.0)
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", server["url"] + "/v1/chat/completions", json=body) as response:
             long_id = response.headers["x-request-id"]
@@ -358,13 +352,7 @@ def test_metrics_parse_as_prometheus_text_and_count_what_was_sent(server):
 
 
 def test_metrics_show_the_tau_and_tree_of_the_rows_decoding(server):
-    body = {
-        "model": server["path"],
-        "messages": [{"role": "user", "content": "count forever"}],
-        "max_tokens": 480,
-        "stream": True,
-        "mars_tau": 0.9,
-    }
+    body = _long_stream(server, 480, mars_tau=0.9)
     cancelled = _scrape(server).get(("hf_mars_requests_total", (("outcome", "cancelled"),)), 0.0)
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", server["url"] + "/v1/chat/completions", json=body) as response:
