@@ -170,8 +170,9 @@ def main() -> None:
             extra.pop("compile_config", None)
         common = dict(**enc, max_new_tokens=args.new_tokens, eos_token_id=None, **extra)
         sampled = any(METHODS[m].get("do_sample") for m in args.methods)
+        plain = functools.partial(GenerationMixin.generate, model, **common)
         calls = {
-            name: (functools.partial(variant, "graph"), functools.partial(GenerationMixin.generate, model, **common, **kw))
+            name: (functools.partial(variant, "graph"), functools.partial(plain, **kw))
             for name, kw in PLAIN.items()
             if sampled or not kw["do_sample"]
         }

@@ -224,7 +224,8 @@ def _compare_with_ar(model, inputs, out, mars_seconds: float, max_new_tokens: in
         rates[dtype] = ar_new / (time.perf_counter() - start)
         if dtype == model.dtype:
             same = torch.equal(ar[0], out.sequences[0])
-            why = "" if same or not exact or dtype == torch.float32 else NEAR_TIE.format(str(dtype).removeprefix("torch."))
+            rounded = not same and exact and dtype != torch.float32
+            why = NEAR_TIE.format(str(dtype).removeprefix("torch.")) if rounded else ""
             print(
                 f"[plain AR generate(): {ar_new} tokens, {rates[dtype]:.1f} tokens/s; "
                 f"MARS speed-up {(new / mars_seconds) / rates[dtype]:.2f}x; output identical to AR: {same}{why}]",

@@ -30,7 +30,9 @@ class ServerMetrics:
             "hf_mars_requests", "Finished requests, by how they ended", ["outcome"], registry=registry
         )
         self.passes = Counter("hf_mars_passes", "Forward passes of the running batch", registry=registry)
-        self.row_passes = Counter("hf_mars_row_passes", "Forward passes summed over the rows in them", registry=registry)
+        self.row_passes = Counter(
+            "hf_mars_row_passes", "Forward passes summed over the rows in them", registry=registry
+        )
         self.tokens = Counter("hf_mars_generation_tokens", "Tokens sent to clients", registry=registry)
         self.accepted = Counter(
             "hf_mars_accepted_tokens",
