@@ -288,3 +288,20 @@ def test_bench_names_the_tree_a_compiled_run_chose_from_compiled_costs(tmp_path,
     monkeypatch.setattr(passes, "measure_compiled_passes", flat)
     passes.measure(model, [1], mars_verify=True, **compiled_path(model))  # what the bench's runs do first
     assert _lossless_trees(model, [1], compiled=True).endswith("batch 1: 4x3+8")
+
+
+def test_serve_takes_its_api_key_from_the_environment_unless_given(monkeypatch):
+    """HF_MARS_API_KEY keeps the key out of the process list; `--api-key` wins over it."""
+    import argparse
+
+    from hf_mars.cli import serve
+
+    def parse(*args):
+        parser = argparse.ArgumentParser()
+        serve.add_parser(parser.add_subparsers())
+        return parser.parse_args(["serve", *args]).api_key
+
+    monkeypatch.delenv("HF_MARS_API_KEY", raising=False)
+    assert parse() is None
+    monkeypatch.setenv("HF_MARS_API_KEY", "from-env")
+    assert parse() == "from-env" and parse("--api-key", "given") == "given"
