@@ -19,9 +19,13 @@ MODES = {
     # Sampling from the top token alone is greedy decoding, drawn: the graph pass's sampling, held to exact tokens
     "sampled top-1, tau=1": dict(mars_tau=1.0, do_sample=True, top_k=1),
     "sampled top-1, lossless": dict(mars_verify=True, do_sample=True, top_k=1),
+    # A processor that reads each row's tokens (from column 0 here, where `generate()`'s batch pads on the left)
+    "penalised, tau=1": dict(mars_tau=1.0, repetition_penalty=1.3),
+    "penalised, lossless": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3, repetition_penalty=1.3),
 }
+PROCESSING = ("repetition_penalty",)  # what the reference, plain greedy generate(), is given too
 # A few passes more than the longest prompt and budget need
-SLOTS = {"tau=1": 96, "lossless tree": 160, "sampled top-1, tau=1": 96, "sampled top-1, lossless": 160}
+SLOTS = {name: 160 if "lossless" in name else 96 for name in MODES}
 
 
 def _opened(model, prompt, label, budget, mode):
@@ -60,14 +64,18 @@ def test_rows_joining_between_passes_get_the_greedy_text_of_each_request_alone(t
             finished.update({label: (tokens, passes) for label, tokens, passes in stopped})
     assert sorted(finished) == list(range(6)) and max(held) == 3
     assert compactions, "the cache must have been compacted"
-    took_several = False
+    took_several, processed = False, False
+    processing = {key: value for key, value in MODES[mode].items() if key in PROCESSING}
     for i, prompt in enumerate(prompts):
-        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])
+        plain = dict(do_sample=False, max_new_tokens=budgets[i])
+        alone = GenerationMixin.generate(model, prompt[None], **plain, **processing)
         tokens, passes = finished[i]
         assert tokens == alone[0, prompt.numel() :].tolist(), i
         assert 1 <= passes <= len(tokens)
         took_several |= passes < len(tokens)
+        processed |= not torch.equal(alone, GenerationMixin.generate(model, prompt[None], **plain))
     assert took_several or mode.endswith("tau=1"), "the test must exercise passes that take several tokens"
+    assert processed or not processing, "the processors must change some request's text"
 
 
 def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(trained_toy):
@@ -83,6 +91,13 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
             rows.admit(other)
         with pytest.raises(ValueError, match="decode in the loop"):
             GraphSession(model, _opened(model, prompt, "c", 4, dict(mars_tau=0.9, mars_mask_cost=0.5)), 2, 200)
+        for loop_only in (dict(no_repeat_ngram_size=2), dict(min_new_tokens=3)):
+            with pytest.raises(ValueError, match="decode in the loop"):
+                GraphSession(model, _opened(model, prompt, "d", 4, dict(mars_tau=1.0, **loop_only)), 2, 200)
+        penalty = dict(mars_tau=1.0, repetition_penalty=1.3)
+        penalised = GraphSession(model, _opened(model, prompt, "e", 4, penalty), 2, 200)
+        with pytest.raises(ValueError, match="other settings"):
+            penalised.admit(_opened(model, prompt, "f", 4, dict(mars_tau=1.0, repetition_penalty=1.2)))
 
 
 @pytest.mark.parametrize("candidates, lookup", [(1, 0), (3, 0), ((2, 3, 2), 2), (1, 4)])

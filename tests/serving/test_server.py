@@ -110,6 +110,39 @@ def test_32_streams_arriving_staggered_with_mixed_settings_each_get_their_own_te
         assert usage.tokens_per_forward == pytest.approx(usage.completion_tokens / usage.forward_passes, abs=1e-3)
 
 
+def test_concurrent_requests_with_a_frequency_penalty_each_get_their_own_penalised_text(server):
+    """transformers serve maps `frequency_penalty` f to a repetition penalty of 1 + f; rows that join the running
+    batch (with `--cache-slots`, the graph pass's rows) each get greedy `generate()`'s text with that penalty."""
+
+    async def ask(content: str, delay: float):
+        await asyncio.sleep(delay)
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=120) as client:
+            chunks = await client.chat.completions.create(
+                model=server["path"], messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+                temperature=0, frequency_penalty=0.5, extra_body={"mars_verify": True}, stream=True,
+            )  # fmt: skip
+            parts, usage = [], None
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                usage = chunk.usage or usage
+        return "".join(parts), usage.completion_tokens
+
+    async def staggered():
+        return await asyncio.gather(*[ask(f"say {i} {i} {i} again", 0.02 * i) for i in range(8)])
+
+    engine = server["engine"]
+    before = len(engine.batch_sizes)
+    replies = asyncio.run(staggered())
+    assert max(engine.batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    changed = False
+    for i, reply in enumerate(replies):
+        content = f"say {i} {i} {i} again"
+        assert reply == _offline(server, content, {"repetition_penalty": 1.5}), i
+        changed |= reply != _offline(server, content, {})
+    assert changed, "the penalty must change some text"
+
+
 def test_completions_read_mars_settings_from_the_generation_config_string(server):
     prompt = "<|im_start|>user\ncount 3 to 9<|im_end|>\n<|im_start|>assistant\n"
     reply = _client(server).completions.create(

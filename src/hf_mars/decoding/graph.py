@@ -507,14 +507,23 @@ def _histories(g: GraphPass) -> Histories | None:
     return Histories(g.processors, g.state.sequences, None, lengths)
 
 
-def processors_signature(processors) -> tuple:
+# Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip),
+# not what the processor does: a server's graph rows bind them to their own layout (serving/graph_session.py)
+ROW_LAYOUT = ("prompt_ignore_length",)
+
+
+def processors_signature(processors, layout: bool = True) -> tuple:
     """What a run's logits processors are, as a `GraphShape` field: their classes and settings, tensors by value (a
-    pass applies them as they were when it was built, so runs share a pass only where these are equal)."""
+    pass applies them as they were when it was built, so runs share a pass only where these are equal). Without
+    `layout`, the `ROW_LAYOUT` attributes are left out."""
 
     def value(v):
         return ("tensor", tuple(v.flatten().tolist())) if isinstance(v, torch.Tensor) else v
 
-    return tuple((type(p).__name__, repr(sorted((k, value(v)) for k, v in vars(p).items()))) for p in processors)
+    def settings(p):
+        return sorted((k, value(v)) for k, v in vars(p).items() if layout or k not in ROW_LAYOUT)
+
+    return tuple((type(p).__name__, repr(settings(p))) for p in processors)
 
 
 def _compiled(function, config, mode=None):

@@ -20,6 +20,7 @@ from transformers import StaticCache
 
 from ..decoding.generate import graph_shape
 from ..decoding.graph import GraphPass, processors_signature
+from ..decoding.scoring import BY_LENGTH
 from ..decoding.settings import read_tau
 from ..decoding.tree import NO_DRAFTS, full_tree
 
@@ -33,16 +34,19 @@ class GraphSession:
         settings, plan = first.plan.settings, first.plan
         tree = full_tree(settings.block_size - 1, plan.candidates, plan.lookup) if settings.verify else NO_DRAFTS
         shape = graph_shape(model, first, max_rows, slots, tree)
-        if shape is None or shape.reads_text:  # a row's text starts at column 0 here, not where its batch's did
-            raise ValueError(
-                "these settings decode in the loop, not as one graph (logits processors that read the text, such as "
-                "repetition_penalty or min_new_tokens, a mask schedule or a sliding window): serve them without "
-                "--compile"
+        if shape is None or any(isinstance(p, BY_LENGTH) for p in plan.processors):
+            raise ValueError(  # a minimum length counts from where the batch's text starts, not each row's
+                "these settings decode in the loop, not as one graph (logits processors that read the order of the "
+                "text, such as no_repeat_ngram_size or bad words, or a minimum length; a mask schedule or a sliding "
+                "window): serve them without --compile"
             )
         self.plan, self.shape = plan, shape
+        self.processors = processors_signature(plan.processors, layout=False)
         self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config, plan.processors)
+        _rows_at_column_0(plan.processors, self.graph)
         self.graph.state.done.fill_(True)  # every row free
         self.graph.state.sequences.fill_(plan.pad_token_id)
+        self.graph.state.write_offsets.copy_(self.graph.offsets + 1)  # a free row's text: one pad, which processors read
         self.graph.eos.copy_(plan.eos)
         self.held: list = [None] * max_rows  # each row's label, None where free
         self.passes = [0] * max_rows
@@ -61,7 +65,7 @@ class GraphSession:
         tokens)."""
         mine, theirs = self.plan, other.plan
         same = (theirs.settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
-        processed = processors_signature(theirs.processors) == self.shape.processors
+        processed = processors_signature(theirs.processors, layout=False) == self.processors
         return same and processed and torch.equal(theirs.eos, mine.eos)
 
     def refusal(self, other) -> str | None:
@@ -160,6 +164,15 @@ class GraphSession:
             row = self.held.index(label)
             self.held[row] = None
             self.graph.state.done[row] = True
+
+
+def _rows_at_column_0(processors, g: GraphPass) -> None:
+    """Bind the processors' row layout (`graph.ROW_LAYOUT`) to the graph's rows, whose texts start at column 0: no
+    padding for a repetition penalty to skip, so that it sees each row's prompt and answer as `generate()` sees them
+    for that prompt alone."""
+    for p in processors:
+        if isinstance(getattr(p, "prompt_ignore_length", None), torch.Tensor):
+            p.prompt_ignore_length = torch.zeros_like(g.text_start)
 
 
 def _static_cache(model, rows: int, slots: int) -> StaticCache:
