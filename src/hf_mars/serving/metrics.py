@@ -61,6 +61,7 @@ class ServerMetrics:
             registry=registry,
         )
         self.tau.set(math.nan)
+        self._shown: dict | None = None
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -72,6 +73,9 @@ class ServerMetrics:
 
     def settings(self, settings: dict | None) -> None:
         """The running rows' resolved MARS settings (`MARSSettings.as_kwargs()`; None or {}: no rows, or plain)."""
+        if settings == self._shown:  # asked after every pass; they change when the running rows do
+            return
+        self._shown = settings
         self.tree.clear()
         tau = (settings or {}).get("mars_tau")
         self.tau.set(math.nan if tau is None else tau)
