@@ -508,7 +508,7 @@ def _histories(g: GraphPass) -> Histories | None:
 
 
 # Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip),
-# not what the processor does: a server's graph rows bind them to their own layout (serving/graph_session.py)
+# not what the processor does (`scoring.follow_padding` moves it): a server's graph rows set it to no padding
 ROW_LAYOUT = ("prompt_ignore_length",)
 
 

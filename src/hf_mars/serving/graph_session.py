@@ -20,7 +20,7 @@ from transformers import StaticCache
 
 from ..decoding.generate import graph_shape
 from ..decoding.graph import GraphPass, processors_signature
-from ..decoding.scoring import BY_LENGTH
+from ..decoding.scoring import BY_LENGTH, follow_padding
 from ..decoding.settings import read_tau
 from ..decoding.tree import NO_DRAFTS, full_tree
 
@@ -43,10 +43,11 @@ class GraphSession:
         self.plan, self.shape = plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
         self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config, plan.processors)
-        _rows_at_column_0(plan.processors, self.graph)
+        no_padding = torch.ones(max_rows, 1, dtype=torch.bool, device=self.graph.state.done.device)
+        follow_padding(plan.processors, no_padding)  # texts start at column 0: a penalty sees a prompt alone's text
         self.graph.state.done.fill_(True)  # every row free
         self.graph.state.sequences.fill_(plan.pad_token_id)
-        self.graph.state.write_offsets.copy_(self.graph.offsets + 1)  # a free row's text: one pad, which processors read
+        self.graph.state.write_offsets.copy_(self.graph.offsets + 1)  # a free row's text: one pad (processors read it)
         self.graph.eos.copy_(plan.eos)
         self.held: list = [None] * max_rows  # each row's label, None where free
         self.passes = [0] * max_rows
@@ -164,15 +165,6 @@ class GraphSession:
             row = self.held.index(label)
             self.held[row] = None
             self.graph.state.done[row] = True
-
-
-def _rows_at_column_0(processors, g: GraphPass) -> None:
-    """Bind the processors' row layout (`graph.ROW_LAYOUT`) to the graph's rows, whose texts start at column 0: no
-    padding for a repetition penalty to skip, so that it sees each row's prompt and answer as `generate()` sees them
-    for that prompt alone."""
-    for p in processors:
-        if isinstance(getattr(p, "prompt_ignore_length", None), torch.Tensor):
-            p.prompt_ignore_length = torch.zeros_like(g.text_start)
 
 
 def _static_cache(model, rows: int, slots: int) -> StaticCache:
