@@ -189,6 +189,9 @@ def test_a_client_that_disconnects_frees_its_row(server):
         ({"max_tokens": 10**9}, "max_tokens must be an integer in [1, 512]"),
         ({"model": "someone/else"}, "Server is pinned to"),
         ({"mars_draft_candidates": 3}, "mars_draft_candidates"),
+        ({"mars_tau": [1.0, 0.5]}, "or a range [lo, hi] with 0 <= lo <= hi <= 1"),
+        ({"mars_tau": [0.5]}, "or a range [lo, hi]"),
+        ({"mars_tau": [0.5, 1.0], "mars_verify": True}, "mars_tau as a range is for τ-mode"),
     ],
 )
 def test_invalid_requests_get_a_400_with_the_reason_and_the_server_goes_on(server, fields, reason):
@@ -338,6 +341,79 @@ def test_with_an_api_key_only_its_bearers_are_served_and_health_stays_open(tmp_p
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
     assert key not in caplog.text
+
+
+def _ask(url: str, model: str, content: str, delay: float = 0.0, **fields):
+    """One streamed chat request after `delay` seconds: `(text, usage)`."""
+
+    async def run():
+        await asyncio.sleep(delay)
+        async with AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120) as client:
+            chunks = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                extra_body=fields,
+            )
+            parts, usage = [], None
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                usage = chunk.usage or usage
+        return "".join(parts), usage
+
+    return run()
+
+
+def test_a_tau_range_alone_on_the_server_runs_at_its_highest_tau_and_keeps_greedys_text(server):
+    """Nothing waits and one row decodes: the policy gives up no quality, so [0.3, 1] runs at τ = 1, exactly."""
+    text, usage = asyncio.run(_ask(server["url"], server["path"], "count 5 to 14", mars_tau=[0.3, 1.0]))
+    assert (text, usage.completion_tokens) == _offline(server, "count 5 to 14", {"mars_tau": 1.0})
+    assert usage.mars_tau == {"mean": 1.0, "min": 1.0, "max": 1.0}
+
+
+def test_under_load_ranged_rows_stay_in_their_range_and_single_tau_rows_are_never_changed(server):
+    """Twelve rows allowing [0.5, 1] arrive with four at τ = 1: the ranged rows' τ moves with the load and never
+    leaves their range (on the graph pass, whose every pass is as wide at any τ, it falls below 1 under this load);
+    the τ = 1 rows keep greedy `generate()`'s text and report no τ range."""
+    url, model = server["url"], server["path"]
+    jobs = [(f"count {i} to {i + 9}", {"mars_tau": 1.0} if i % 4 == 3 else {"mars_tau": [0.5, 1.0]}) for i in range(16)]
+
+    async def all_of_them():
+        return await asyncio.gather(*[_ask(url, model, c, 0.01 * i, **f) for i, (c, f) in enumerate(jobs)])
+
+    results = asyncio.run(all_of_them())
+    ranged = [usage.mars_tau for (_, fields), (_, usage) in zip(jobs, results) if fields["mars_tau"] != 1.0]
+    assert all(0.5 <= tau["min"] <= tau["mean"] <= tau["max"] <= 1.0 for tau in ranged), ranged
+    if server["engine"].cache_slots is not None:
+        assert min(tau["min"] for tau in ranged) < 1.0, "twelve rows of sixteen are load: τ must fall"
+    for (content, fields), (text, usage) in zip(jobs, results):
+        if fields["mars_tau"] == 1.0:
+            assert (text, usage.completion_tokens) == _offline(server, content, fields), content
+            assert getattr(usage, "mars_tau", None) is None
+    assert 0.0 <= _scrape(server)[("hf_mars_load_pressure", ())] <= 1.0
+
+
+def test_the_servers_tau_range_is_for_requests_that_set_no_mars_field(tmp_path):
+    """`hf-mars serve --tau-range LO HI`: a request without MARS fields decodes in τ-mode within the range; one that
+    sets its own τ, or lossless mode, keeps it."""
+    from hf_mars.serving.server import build_app
+
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    app, engine = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=4, tau_range=(0.6, 0.8))
+    with serving(app) as url:
+        _, default = asyncio.run(_ask(url, str(tmp_path), "hi"))
+        _, own = asyncio.run(_ask(url, str(tmp_path), "hi", mars_tau=0.9))
+        _, lossless = asyncio.run(_ask(url, str(tmp_path), "hi", mars_verify=True))
+    assert default.mars_tau == {"mean": 0.8, "min": 0.8, "max": 0.8}  # alone: the range's highest τ
+    assert getattr(own, "mars_tau", None) is None and getattr(lossless, "mars_tau", None) is None
+    with pytest.raises(ValueError, match="or a range"):
+        build_app(str(tmp_path), dtype="float32", device="cpu", tau_range=(0.9, 0.1))
 
 
 def _scrape(server) -> dict:

@@ -55,6 +55,14 @@ def add_parser(subparsers) -> None:
         help=f"answer only requests with `Authorization: Bearer KEY` (every endpoint but /health); default: the "
         f"{API_KEY_ENV} environment variable, which keeps the key out of the process list",
     )
+    serve.add_argument(
+        "--tau-range",
+        type=float,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="requests that set no MARS field decode in τ-mode with τ chosen from the load within [LO, HI], before "
+        'every pass (HI while one request runs and none waits); a request opts in itself with "mars_tau": [lo, hi]',
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     vllm = serve.add_argument_group("vLLM (--engine vllm)")
     vllm.add_argument(
@@ -80,6 +88,10 @@ def run(args) -> None:
         raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
     if args.cache_slots is not None and args.cache_slots < 1:
         raise ValueError(f"--cache-slots must be at least 1, got {args.cache_slots}")
+    if args.tau_range is not None:
+        from ..serving.load import check_tau_range
+
+        check_tau_range(args.tau_range)
     from ..tools.checkpoints.loading import resolve_checkpoint
 
     model = args.model or resolve_checkpoint(None)
@@ -96,7 +108,14 @@ def run(args) -> None:
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
     slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
     app, _ = build_app(
-        model, args.dtype, args.device, args.compile, args.max_batch_size or 8, cache_slots=slots, api_key=args.api_key
+        model,
+        args.dtype,
+        args.device,
+        args.compile,
+        args.max_batch_size or 8,
+        cache_slots=slots,
+        api_key=args.api_key,
+        tau_range=args.tau_range,
     )
     key = "API key required" if args.api_key else "no API key: open to anyone who reaches the port"
     print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {model}; {key})", flush=True)
@@ -112,7 +131,12 @@ def run_vllm(args, model: str) -> None:
     """
     from ..serving.vllm import NO_VLLM, serve_command
 
-    ours = (("--compile", args.compile), ("--cache-slots", args.cache_slots), ("--device", args.device != "auto"))
+    ours = (
+        ("--compile", args.compile),
+        ("--cache-slots", args.cache_slots),
+        ("--device", args.device != "auto"),
+        ("--tau-range", args.tau_range is not None),
+    )
     for flag, given in ours:
         if given:
             raise ValueError(f"{flag} is an hf_mars engine option; vLLM compiles and picks its device itself")

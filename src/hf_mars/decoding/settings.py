@@ -145,6 +145,7 @@ class MARSSettings:
     def as_kwargs(self) -> dict:
         """The `generate()` keyword arguments these settings stand for (`mars_tau=...`, ...)."""
         kwargs = {f"mars_{name}": value for name, value in asdict(self).items()}
+        kwargs["mars_tau"] = self.tau  # a callable τ stays itself (asdict copies it): calls share it, live
         for name in ("mars_mask_cost", "mars_draft_candidates"):
             kwargs[name] = list(kwargs[name]) if isinstance(kwargs[name], tuple) else kwargs[name]
         return kwargs

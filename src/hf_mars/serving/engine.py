@@ -11,6 +11,9 @@ Requests decode together when they share a `Request.key`: sampling, MARS mode, �
 waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
 `--compile` (or `--cache-slots`) the running rows are a `GraphSession` instead (graph_session.py): fixed rows of one
 graph pass over a static cache, which requests join and leave the same way.
+
+Rows that allow a τ range (`"mars_tau": [lo, hi]`) decode with a `TauController` of that range, which the engine sets
+before every pass from `TauPolicy` (load.py): the load (rows, queue) and the measured pass costs.
 """
 
 from __future__ import annotations
@@ -28,9 +31,13 @@ import torch
 from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, _StreamError
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..decoding.costs import NotMeasured, cost_batch, pass_costs
 from ..decoding.session import Session
+from ..decoding.settings import TauController
 from ..tools.measure.passes import measure
+from ..tools.measure.passes import pass_costs as time_pass_costs
 from .graph_session import GraphSession
+from .load import TauPolicy, check_tau_range
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("hf_mars.serve")
@@ -54,6 +61,13 @@ class Request:
     stop: StopStringCriteria | None = None
     arrived: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None  # when its last tokens were sent (metrics)
+    taus: list[float] = field(default_factory=list)  # with a τ range: the τ of each pass it took part in
+
+    @property
+    def tau_range(self) -> tuple[float, float] | None:
+        """The `[lo, hi]` the request allows the server to choose τ in (server.py checked it), or None."""
+        tau = getattr(self.generation_config, "mars_tau", None)
+        return tuple(tau) if isinstance(tau, (list, tuple)) else None
 
     @property
     def key(self) -> str:
@@ -119,11 +133,16 @@ class MARSEngine(BaseGenerateManager):
     and `generate_non_streaming` as they call its sequential `GenerateManager`; this one queues the request and
     returns, and its inference thread decodes it in the running session."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 8, cache_slots: int | None = None, compile_config=None):
+    def __init__(
+        self, model, tokenizer, max_batch_size: int = 8, cache_slots: int | None = None, compile_config=None,
+        tau_range: tuple[float, float] | None = None,
+    ):
         """`cache_slots`: decode in one graph pass over a static cache of that many slots (`GraphSession`, compiled
-        with `compile_config` if given), as `serve --compile` does; else (None) in a `Session` of a dynamic cache."""
+        with `compile_config` if given), as `serve --compile` does; else (None) in a `Session` of a dynamic cache.
+        `tau_range`: the τ range of requests that set no MARS field (the handlers give it them)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        self.tau_range = check_tau_range(tau_range) if tau_range is not None else None
         self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
         self.cache_slots, self.compile_config = cache_slots, compile_config
         self._graph: GraphSession | None = None  # kept while idle: its graph is compiled (and captured) once
@@ -136,6 +155,8 @@ class MARSEngine(BaseGenerateManager):
         self.session: Session | GraphSession | None = None
         self._key: str | None = None  # the running rows' `Request.key`
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
+        self._controllers: dict[str, TauController] = {}  # per key with a τ range: the τ its rows decode with
+        self._policies: dict[str, TauPolicy] = {}  # per key with a τ range: what each τ took there, measured
         self.metrics = ServerMetrics()
         self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
         self._thread.start()
@@ -204,8 +225,11 @@ class MARSEngine(BaseGenerateManager):
     def _report(self) -> None:
         """The queue and the running rows' settings, for `/metrics`."""
         running = len(self.session.labels) if self.session is not None else 0
-        self.metrics.queue(running, len(self._waiting) + self._queue.qsize())
+        self.metrics.queue(running, self._queued())
         self.metrics.settings(self._settings if self.session is not None else None)
+
+    def _queued(self) -> int:
+        return len(self._waiting) + self._queue.qsize()
 
     def _arrivals(self, wait: bool) -> bool:
         """Move what has arrived into `_waiting` (blocking for the first one if `wait`); False once stopped."""
@@ -302,6 +326,9 @@ class MARSEngine(BaseGenerateManager):
             config.cache_implementation, config.compile_config = None, None
         device = self.model.device
         settings = self._settings if self.session is not None else {}
+        if group[0].tau_range is not None:  # its τ is the range's controller, set before every pass
+            config.mars_tau = None
+            settings = settings or {"mars_tau": self._controller(group[0], len(group))}
         return self.model.mars_session(
             ids.to(device),
             attention_mask=mask.to(device),
@@ -316,6 +343,7 @@ class MARSEngine(BaseGenerateManager):
         session = self.session
         decoding = len(session.labels) if isinstance(session, GraphSession) else int(session.text.active.sum())
         self.batch_sizes.append(decoding)
+        tau = self._choose_tau(session, decoding)
         try:
             session.step(self.model)
             self.metrics.passed(decoding)
@@ -325,18 +353,64 @@ class MARSEngine(BaseGenerateManager):
                 self._finish(request, error)
             self.session = None
             return
-        self._deliver(session)
+        tokens = self._deliver(session)
+        if tau is not None:
+            self._policies[self._key].observed(tau, decoding, tokens)
         if not session.live:
             self.session = None
 
-    def _deliver(self, session: Session) -> None:
+    def _controller(self, request: Request, rows: int) -> TauController:
+        """The τ of `request`'s key (one object, so that rows of the key that join later decode with it), set for a
+        first pass of `rows` rows: the policy's choice where the key has run before, else the highest τ allowed."""
+        lo, hi = request.tau_range
+        controller = self._controllers.setdefault(request.key, TauController(hi))
+        policy = self._policies.get(request.key)
+        controller.tau = policy.choose(lo, hi, rows, self._queued()).tau if policy else hi
+        return controller
+
+    def _choose_tau(self, session, rows: int) -> float | None:
+        """Set the running rows' τ for their next pass, where they allow a range (None where they do not)."""
+        request = session.labels[0] if session.labels else None
+        if request is None or request.tau_range is None:
+            return None
+        policy = self._policies.get(self._key)
+        if policy is None:
+            policy = self._policies[self._key] = self._policy(session.plan.settings.block_size)
+        lo, hi = request.tau_range
+        choice = policy.choose(lo, hi, rows, self._queued())
+        controller = self._controllers[self._key]
+        if choice.tau != controller.tau:
+            logger.info("τ %g -> %g in [%g, %g]: %s", controller.tau, choice.tau, lo, hi, choice.why)
+        controller.tau = choice.tau
+        for row in session.labels:
+            row.taus.append(choice.tau)
+        self.metrics.tau.set(choice.tau)
+        self.metrics.pressure.set(choice.pressure)
+        return choice.tau
+
+    def _policy(self, block_size: int) -> TauPolicy:
+        """A policy for rows of this block size: on a dynamic cache τ < 1 widens a pass, whose cost it reads from
+        the machine's table (never timing: `measure_in_background` does)."""
+
+        def costs(rows: int):
+            try:
+                forward = pass_costs(self.model, rows, [1, block_size]).forward
+            except NotMeasured:
+                return None
+            return forward[1], forward[block_size]
+
+        widens = self.cache_slots is None
+        return TauPolicy(block_size, self.max_batch_size, costs if widens else None, widens=widens)
+
+    def _deliver(self, session: Session) -> int:
         """Every row's new tokens to its client; rows that stopped (or whose client left) are released and
-        answered."""
-        stopped, now = [], time.monotonic()
+        answered. Returns how many tokens were sent."""
+        stopped, now, sent_in_all = [], time.monotonic(), 0
         for request, tokens, done, passes in session.rows():
             sent = len(request.generated)
             ended = request.take(tokens) or done or request.sink.cancelled.is_set()
             self.metrics.delivered(request, len(request.generated) - sent, now)
+            sent_in_all += len(request.generated) - sent
             if ended:
                 request.forward_passes = passes
                 stopped.append(request)
@@ -344,6 +418,7 @@ class MARSEngine(BaseGenerateManager):
             session.release(stopped)
             for request in stopped:
                 self._finish(request)
+        return sent_in_all
 
     def _finish(self, request: Request, error: Exception | None = None) -> None:
         passes = max(request.forward_passes, 1)
@@ -351,6 +426,10 @@ class MARSEngine(BaseGenerateManager):
             "forward_passes": request.forward_passes,
             "tokens_per_forward": round(len(request.generated) / passes, 4),
         }
+        if request.taus:  # a τ range: the τ its passes ran at (its prompt's pass aside)
+            taus = request.taus
+            summary = {"mean": sum(taus) / len(taus), "min": min(taus), "max": max(taus)}
+            self._usage[request.request_id]["mars_tau"] = {k: round(v, 4) for k, v in summary.items()}
         cancelled = request.sink.cancelled.is_set()
         self.metrics.finished(request, "error" if error is not None else "cancelled" if cancelled else "stop")
         self.finished.append(
@@ -361,15 +440,19 @@ class MARSEngine(BaseGenerateManager):
         request.sink.finish(request, error)
 
 
-def measure_in_background(model, max_batch_size: int) -> threading.Thread:
+def measure_in_background(model, max_batch_size: int, tau_ranges: bool = False) -> threading.Thread:
     """Resolve lossless mode's tree for `max_batch_size` rows, the size every session's settings are chosen for, in
     a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
-    them, while the server already answers (its lossless requests decode plainly until then)."""
+    them, while the server already answers (its lossless requests decode plainly until then). With `tau_ranges`,
+    then the one-token and B-token passes at every batch size the τ policy meets (powers of two up to the most)."""
 
     def run() -> None:
         started = time.monotonic()
         logger.info("pass costs at batch %d: measuring in the background (plain decoding until then)", max_batch_size)
         measure(model, [max_batch_size], mars_verify=True)
+        block = getattr(model.config, "mars_block_size", None)
+        for rows in [1 << k for k in range(cost_batch(max_batch_size).bit_length())] if tau_ranges and block else []:
+            time_pass_costs(model, rows, [1, block])
         logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 
     thread = threading.Thread(target=run, name="mars-costs", daemon=True)

@@ -60,6 +60,11 @@ class ServerMetrics:
             ["mode", "block_size", "draft_candidates", "lookup"],
             registry=registry,
         )
+        self.pressure = Gauge(
+            "hf_mars_load_pressure",
+            "The load the τ policy last saw, 0 (one row, nothing waiting) to 1 (a full batch, or requests waiting)",
+            registry=registry,
+        )
         self.tau.set(math.nan)
         self._shown: dict | None = None
 
@@ -78,7 +83,7 @@ class ServerMetrics:
         self._shown = settings
         self.tree.clear()
         tau = (settings or {}).get("mars_tau")
-        self.tau.set(math.nan if tau is None else tau)
+        self.tau.set(math.nan if tau is None else tau() if callable(tau) else tau)  # a range's: set every pass
         if settings:
             mode = "lossless" if settings.get("mars_verify") else "tau"
             candidates = settings.get("mars_draft_candidates")

@@ -31,6 +31,7 @@ from transformers.cli.serving.utils import GenerationState, split_revision
 from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
+from .load import check_tau_range
 
 try:  # the serving extra: FastAPI, the OpenAI types, prometheus_client (the engine's metrics)
     from fastapi import HTTPException
@@ -150,12 +151,27 @@ class MARSRequests:
             if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
                 config.max_new_tokens = min(config.max_new_tokens or self.max_tokens, self.max_tokens)  # a default
             fields = {key: body[key] for key in SETTING_KEYS if key in body}
-            self._check(config, fields)
+            self._check(config, self._tau_range(config, fields))
         except (ValueError, TypeError) as err:  # what generate() would refuse, said before anything runs
             raise HTTPException(status_code=400, detail=str(err)) from err
         for key, value in fields.items():  # the engine's session reads them from the config
             setattr(config, key, value)
         return config
+
+    def _tau_range(self, config, fields: dict) -> dict:
+        """A τ range (the request's `"mars_tau": [lo, hi]`, or the server's `--tau-range` for a request that sets no
+        MARS field) is checked and put in `fields`, where the engine finds it; the fields to check the request's
+        settings with are returned, the range's highest τ in its place."""
+        given = fields.get("mars_tau", getattr(config, "mars_tau", None))
+        if not fields and given is None and not getattr(config, "mars_verify", None) and self.engine.tau_range:
+            given = list(self.engine.tau_range)
+        if not isinstance(given, (list, tuple)):
+            return fields
+        lo, hi = check_tau_range(given)
+        if fields.get("mars_verify", getattr(config, "mars_verify", None)):
+            raise ValueError("mars_tau as a range is for τ-mode: lossless mode's text does not depend on τ")
+        config.mars_tau, fields["mars_tau"] = None, [lo, hi]
+        return {**fields, "mars_tau": hi}
 
     def _check(self, config, fields: dict) -> None:
         """Refuse what `generate(generation_config=config, **fields)` would refuse: the top-level fields are read as
@@ -187,16 +203,20 @@ def build_app(
     max_batch_size: int = 8,
     cache_slots: int | None = None,
     api_key: str | None = None,
+    tau_range: tuple[float, float] | None = None,
 ):
     """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
     one graph over a static cache of that many slots per row (`GraphSession`), compiled if `compile`. `api_key`:
-    every endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`."""
+    every endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
+    the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py)."""
     manager = MARSModelManager(device=device, dtype=dtype, force_model=model)
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
     compile_config = CompileConfig() if compile and cache_slots else None
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    engine = MARSEngine(loaded, tokenizer, max_batch_size, cache_slots=cache_slots, compile_config=compile_config)
-    engine.measuring = measure_in_background(loaded, max_batch_size)
+    engine = MARSEngine(
+        loaded, tokenizer, max_batch_size, cache_slots=cache_slots, compile_config=compile_config, tau_range=tau_range
+    )
+    engine.measuring = measure_in_background(loaded, max_batch_size, tau_ranges=True)
     state = MARSGenerationState(engine, compile=compile)
     shared = dict(model_manager=manager, generation_state=state)
     app = build_server(
