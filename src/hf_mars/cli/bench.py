@@ -82,6 +82,15 @@ def _add_other_benches(bench) -> None:
         "against plain decoding in interleaved rounds (uses --max-new-tokens, --repeats as rounds, --dtype, --device)",
     )
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="with --serve (default: 1 4 16)")
+    bench.add_argument(
+        "--tau-range",
+        type=float,
+        nargs=2,
+        metavar=("LO", "HI"),
+        help="with --serve: the τ policy's load ramp instead, plain against MARS at τ = 1 and MARS with τ chosen "
+        "from the load in [LO, HI], with the τ it chose and its answers' agreement with τ = 1's (e.g. --clients 1 4 "
+        "16 32)",
+    )
     bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
     bench.add_argument(
         "--cache-slots",
@@ -146,9 +155,15 @@ def run_serve(args) -> None:
     from openai import OpenAI
 
     from ..tools.checkpoints.loading import resolve_checkpoint
-    from ..tools.measure.serve_bench import run_serve_bench, serve_table, start_server
+    from ..tools.measure.serve_bench import MODES, ramp_modes, run_serve_bench, serve_plot, serve_table, start_server
     from .serve import DEFAULT_CACHE_SLOTS
 
+    if args.tau_range:
+        from ..serving.load import check_tau_range
+
+        check_tau_range(args.tau_range)
+        if args.url:
+            raise SystemExit("--tau-range ramps hf-mars serve's τ policy: it runs the server itself (no --url).")
     if args.url:  # another OpenAI-compatible server, already running: plain requests only
         model = args.model or OpenAI(base_url=args.url, api_key="-").models.list().data[0].id
         rows = run_serve_bench(
@@ -161,8 +176,11 @@ def run_serve(args) -> None:
         model = args.model or resolve_checkpoint(None)
         slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
         url, server = start_server(model, args.dtype, args.device or "auto", args.max_batch_size, args.compile, slots)
+        modes = ramp_modes(*args.tau_range) if args.tau_range else MODES
         try:
-            rows = run_serve_bench(url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats)
+            rows = run_serve_bench(
+                url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats, modes=modes
+            )
         finally:
             server.should_exit = True
         served = f"hf-mars serve on {device_name(args.device)}, {args.dtype}, max batch {args.max_batch_size}"
@@ -173,7 +191,8 @@ def run_serve(args) -> None:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve_bench.json").write_text(json.dumps({"model": model, "dtype": args.dtype, "rows": rows}, indent=1))
-    print(f"\nWrote {out / 'serve_bench.json'}")
+    serve_plot(rows, out / "serve_bench.png")
+    print(f"\nWrote {out / 'serve_bench.json'} and {out / 'serve_bench.png'}")
 
 
 def run_vllm(args) -> None:
