@@ -243,6 +243,43 @@ def test_openai_fields_it_cannot_honour_are_refused_by_name(server, endpoint, fi
             _client(server).chat.completions.create(**base | {"n": 2})
 
 
+def test_a_prompts_log_probabilities_are_the_models_own(server):
+    """`echo` with `logprobs` on /v1/completions (lm-eval's loglikelihood requests): one forward's log probabilities
+    for every prompt token after the first, the top k at each, and the greedy next token; text or token ids, a batch
+    of prompts one choice each. Decoding's log probabilities stay refused by name."""
+    tok, model, url = server["tok"], server["offline"], server["url"] + "/v1/completions"
+    ids = tok("count 1 to 5")["input_ids"]
+    base = {"model": server["path"], "echo": True, "logprobs": 2, "temperature": 0}
+    reply = httpx.post(url, json={**base, "prompt": [ids, "count 1 to 5"], "max_tokens": 1}, timeout=60).json()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    following = int(expected[-1].argmax())
+    for choice in reply["choices"]:
+        scored = choice["logprobs"]
+        assert scored["token_logprobs"][0] is None and len(scored["token_logprobs"]) == len(ids) + 1
+        wanted = expected[torch.arange(len(ids)), torch.tensor(ids[1:] + [following])]
+        assert scored["token_logprobs"][1:] == pytest.approx(wanted.tolist(), abs=1e-4)
+        tops = scored["top_logprobs"][1:]  # two tokens of one text (a byte-level piece) count once, the likelier
+        assert all(1 <= len(top) <= 2 and max(top.values()) >= lp - 1e-4 for top, lp in zip(tops, wanted.tolist()))
+        assert choice["text"] == tok.decode(ids + [following])
+    assert [c["index"] for c in reply["choices"]] == [0, 1] and reply["usage"]["completion_tokens"] == 2
+    none_new = httpx.post(url, json={**base, "prompt": ids, "max_tokens": 0}, timeout=60).json()["choices"][0]
+    assert none_new["text"] == tok.decode(ids) and len(none_new["logprobs"]["tokens"]) == len(ids)
+    decoding = httpx.post(url, json={**base, "prompt": ids, "max_tokens": 4}, timeout=60)
+    assert decoding.status_code == 400 and "echo=True is not supported" in decoding.json()["error"]["message"]
+
+
+def test_completions_take_their_prompt_as_token_ids(server):
+    tok, url = server["tok"], server["url"] + "/v1/completions"
+    ask = {"model": server["path"], "max_tokens": 8, "temperature": 0}
+    as_text = httpx.post(url, json={**ask, "prompt": "count 2 to 9"}, timeout=60).json()
+    as_ids = httpx.post(url, json={**ask, "prompt": tok("count 2 to 9")["input_ids"]}, timeout=60).json()
+    assert as_ids["choices"][0]["text"] == as_text["choices"][0]["text"]
+    assert as_ids["usage"]["prompt_tokens"] == as_text["usage"]["prompt_tokens"]
+    two = httpx.post(url, json={**ask, "prompt": [[1, 2], [3, 4]]}, timeout=60)
+    assert two.status_code == 400 and "one prompt per request" in two.json()["error"]["message"]
+
+
 def test_malformed_json_and_unknown_fields_are_refused(server):
     url = server["url"] + "/v1/chat/completions"
     broken = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=60)
@@ -310,6 +347,26 @@ def test_serve_bench_measures_plain_and_mars_side_by_side(server):
     assert table.count("\n") == 5 and "1.00x" in table  # a plain row against itself
 
 
+def test_serve_bench_ramps_the_tau_policy_against_tau_1_and_plain(server, tmp_path):
+    """`hf-mars bench --serve --tau-range`: three modes per client count, the τ the policy chose (one client: its
+    highest), and the share of answers equal to τ = 1's (plain's are: greedy), and the plot."""
+    from hf_mars.tools.measure.serve_bench import ramp_modes, run_serve_bench, serve_plot, serve_table
+
+    modes = ramp_modes(0.5)
+    rows = run_serve_bench(
+        server["url"] + "/v1", server["path"], clients=(1, 3), per_client=1, max_tokens=6, rounds=1, modes=modes
+    )
+    assert [(r["clients"], r["mode"]) for r in rows] == [(c, m) for c in (1, 3) for m in modes]
+    ranged = [r for r in rows if r["mode"] == "MARS τ in [0.5, 1]"]
+    assert ranged[0]["tau_mean"] == 1.0 and all(0.5 <= r["tau_min"] <= r["tau_mean"] <= 1.0 for r in ranged)
+    assert all(r["tau_mean"] is None for r in rows if r not in ranged)
+    assert all(r["same_as_tau_1"] == 1.0 for r in rows if r["mode"] in ("plain", "MARS τ = 1"))
+    table = serve_table(rows)
+    assert "vs τ = 1" in table and table.count("\n") == 7
+    serve_plot(rows, tmp_path / "ramp.png")
+    assert (tmp_path / "ramp.png").stat().st_size > 10_000
+
+
 def test_with_an_api_key_only_its_bearers_are_served_and_health_stays_open(tmp_path, caplog):
     """`hf-mars serve --api-key` (or HF_MARS_API_KEY): as `vllm serve --api-key`, every endpoint but /health answers
     401 in OpenAI's error shape without the bearer token; the key appears in no log."""
@@ -367,6 +424,30 @@ def _ask(url: str, model: str, content: str, delay: float = 0.0, **fields):
     return run()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_sequence_ends_the_text_before_it_as_openais_api_does(server, stream):
+    """The stop sequence is taken from the text greedy decoding writes for this prompt, past its start: the answer is
+    that text up to the sequence, without it, streamed or not (text that might begin it is held back, then sent)."""
+    content = "count 3 to 12"
+    full, _ = _offline(server, content, {})
+    fresh = (i for i in range(3, len(full) - 2) if full[i : i + 2].isprintable() and full[i : i + 2] not in full[: i + 1])
+    start = next(fresh)
+    stop = full[start : start + 2]
+    reply = _client(server).chat.completions.create(
+        model=server["path"],
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stop=[stop, "never-written-\u2603"],
+        stream=stream,
+    )
+    if stream:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+    else:
+        text = reply.choices[0].message.content
+    assert text == full[:start] and stop not in text
+
+
 def test_a_tau_range_alone_on_the_server_runs_at_its_highest_tau_and_keeps_greedys_text(server):
     """Nothing waits and one row decodes: the policy gives up no quality, so [0.3, 1] runs at τ = 1, exactly."""
     text, usage = asyncio.run(_ask(server["url"], server["path"], "count 5 to 14", mars_tau=[0.3, 1.0]))
@@ -379,7 +460,8 @@ def test_under_load_ranged_rows_stay_in_their_range_and_single_tau_rows_are_neve
     leaves their range (on the graph pass, whose every pass is as wide at any τ, it falls below 1 under this load);
     the τ = 1 rows keep greedy `generate()`'s text and report no τ range."""
     url, model = server["url"], server["path"]
-    jobs = [(f"count {i} to {i + 9}", {"mars_tau": 1.0} if i % 4 == 3 else {"mars_tau": [0.5, 1.0]}) for i in range(16)]
+    fields = [{"mars_tau": 1.0} if i % 4 == 3 else {"mars_tau": [0.5, 1.0]} for i in range(16)]
+    jobs = [(f"count {i} to {i + 9}", mode) for i, mode in enumerate(fields)]
 
     async def all_of_them():
         return await asyncio.gather(*[_ask(url, model, c, 0.01 * i, **f) for i, (c, f) in enumerate(jobs)])

@@ -39,6 +39,7 @@ from ..tools.measure.passes import pass_costs as time_pass_costs
 from .graph_session import GraphSession
 from .load import TauPolicy, check_tau_range
 from .metrics import ServerMetrics
+from .stops import StopQueue, cut_at_stop
 
 logger = logging.getLogger("hf_mars.serve")
 
@@ -88,6 +89,11 @@ class Request:
         return False
 
 
+def stop_strings_of(gen_config) -> list[str]:
+    stop = gen_config.stop_strings
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 class RowSink:
     """Where one row's tokens go: a `DirectStreamer` (transformers serve's incremental detokenizer feeding the SSE
     queue) for a streaming client, or a future resolved with all tokens for a non-streaming one. `cancel()` is what
@@ -134,7 +140,12 @@ class MARSEngine(BaseGenerateManager):
     returns, and its inference thread decodes it in the running session."""
 
     def __init__(
-        self, model, tokenizer, max_batch_size: int = 8, cache_slots: int | None = None, compile_config=None,
+        self,
+        model,
+        tokenizer,
+        max_batch_size: int = 8,
+        cache_slots: int | None = None,
+        compile_config=None,
         tau_range: tuple[float, float] | None = None,
     ):
         """`cache_slots`: decode in one graph pass over a static cache of that many slots (`GraphSession`, compiled
@@ -167,7 +178,9 @@ class MARSEngine(BaseGenerateManager):
         loop = asyncio.get_running_loop()
         text_queue: asyncio.Queue = asyncio.Queue()
         rust_tokenizer = getattr(processor, "tokenizer", processor)._tokenizer
-        streamer = DirectStreamer(rust_tokenizer, loop, text_queue, response_parser=response_parser)
+        stops = stop_strings_of(gen_config)
+        into = StopQueue(text_queue, stops) if stops else text_queue  # the client's text ends before a stop sequence
+        streamer = DirectStreamer(rust_tokenizer, loop, into, response_parser=response_parser)
         streamer.put(inputs["input_ids"][0])  # the streamer's first put is the prompt, which it skips
         sink = RowSink(loop, streamer=streamer, queue=text_queue)
         self.submit(request_id, inputs, gen_config, sink)
@@ -182,7 +195,7 @@ class MARSEngine(BaseGenerateManager):
         except asyncio.CancelledError:
             sink.cancel()
             raise
-        text = processor.decode(generated, skip_special_tokens=True)
+        text = cut_at_stop(processor.decode(generated, skip_special_tokens=True), stop_strings_of(gen_config))
         return text, inputs["input_ids"].shape[-1], generated
 
     def usage(self, request_id: str) -> dict | None:
@@ -193,8 +206,7 @@ class MARSEngine(BaseGenerateManager):
         input_ids = inputs["input_ids"]
         if input_ids.shape[0] != 1:
             raise ValueError("one prompt per request")
-        stop = gen_config.stop_strings
-        stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
+        stop_strings = stop_strings_of(gen_config)
         request = Request(
             request_id=request_id,
             input_ids=input_ids[0].tolist(),
@@ -363,6 +375,9 @@ class MARSEngine(BaseGenerateManager):
         """The τ of `request`'s key (one object, so that rows of the key that join later decode with it), set for a
         first pass of `rows` rows: the policy's choice where the key has run before, else the highest τ allowed."""
         lo, hi = request.tau_range
+        for old in [key for key in self._controllers if key != self._key][: max(0, len(self._controllers) - 63)]:
+            del self._controllers[old]  # keys clients sent once: the oldest go, never the running rows'
+            self._policies.pop(old, None)
         controller = self._controllers.setdefault(request.key, TauController(hi))
         policy = self._policies.get(request.key)
         controller.tau = policy.choose(lo, hi, rows, self._queued()).tau if policy else hi

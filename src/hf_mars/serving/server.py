@@ -15,8 +15,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+
+import torch
 
 from transformers import AutoModelForCausalLM, CompileConfig, PretrainedConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
@@ -32,6 +35,7 @@ from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
 from .load import check_tau_range
+from .logprobs import score, scores_prompt
 
 try:  # the serving extra: FastAPI, the OpenAI types, prometheus_client (the engine's metrics)
     from fastapi import HTTPException
@@ -101,9 +105,10 @@ ASKS_NOTHING = {
 WHY_NOT = {
     "n": "one choice per request; send n requests, which decode batched together",
     "best_of": "one choice per request",
-    "echo": "the completion is returned without its prompt",
-    "logprobs": "log probabilities are not returned",
-    "top_logprobs": "log probabilities are not returned",
+    "echo": "only to score a prompt: echo=true with logprobs=k, max_tokens 0 or 1, temperature 0, not streamed",
+    "logprobs": "log probabilities of decoded tokens are not returned; a prompt's are, with echo=true and max_tokens "
+    "0 or 1 (/v1/completions)",
+    "top_logprobs": "log probabilities of decoded tokens are not returned",
     "presence_penalty": "use frequency_penalty (transformers' repetition penalty)",
     "suffix": "no fill-in-the-middle: the model would never see the suffix",
 }
@@ -191,8 +196,53 @@ class MARSChatCompletionHandler(MARSRequests, ChatCompletionHandler):
     """`/v1/chat/completions` with MARS settings."""
 
 
-class MARSCompletionHandler(MARSRequests, CompletionHandler):
-    """`/v1/completions` with MARS settings."""
+class TokenPrompts:
+    """`/v1/completions` with its prompt as token ids (OpenAI's API takes them; lm-eval's `local-completions` sends
+    them), decoded from those ids exactly, where transformers serve takes text only. One prompt per request."""
+
+    async def handle_request(self, body: dict, request_id: str):
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = body["prompt"] = prompt[0]  # a batch of one
+        if not isinstance(prompt, list):
+            return await super().handle_request(body, request_id)
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            detail = "prompt must be text or token ids, one prompt per request (send one request per prompt: they "
+            raise HTTPException(status_code=400, detail=detail + "decode batched together)")
+        self._validate_request(body)
+        model_id, model, processor = self._resolve_model(body)
+        tokenizer = getattr(processor, "tokenizer", processor)
+        if max(prompt) >= len(tokenizer) or min(prompt) < 0:
+            raise HTTPException(status_code=400, detail=f"prompt token ids must be in [0, {len(tokenizer)})")
+        ids = torch.tensor([prompt], device=model.device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        config = self._build_generation_config(body, model.generation_config)
+        manager = self.generation_state.get_manager(model_id)
+        call = (model, processor, model_id, inputs, config, manager, body.get("suffix"))
+        if body.get("stream"):
+            return self._streaming(request_id, *call)
+        return await self._non_streaming(request_id, *call)
+
+
+class MARSCompletionHandler(MARSRequests, TokenPrompts, CompletionHandler):
+    """`/v1/completions` with MARS settings, prompts as text or token ids, and a prompt's log probabilities (`echo`
+    with `logprobs`: logprobs.py)."""
+
+    async def handle_request(self, body: dict, request_id: str):
+        if not scores_prompt(body):
+            return await super().handle_request(body, request_id)
+        asked = {key: value for key, value in body.items() if key not in ("echo", "logprobs")}
+        self._validate_request(asked)
+        if any(key in body for key in SETTING_KEYS):
+            detail = "a prompt's log probabilities take no mars_* field: nothing is decoded"
+            raise HTTPException(status_code=400, detail=detail)
+        model_id, model, processor = self._resolve_model(body)
+        tokenizer = getattr(processor, "tokenizer", processor)
+        try:
+            answer = await asyncio.to_thread(score, model, tokenizer, body, request_id, model_id)
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        return JSONResponse(answer)
 
 
 def build_app(

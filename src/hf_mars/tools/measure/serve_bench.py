@@ -209,7 +209,11 @@ def serve_plot(rows: list[dict], path) -> None:
             clients = [r["clients"] for r in mine]
             axes[1].plot(clients, [r["tau_mean"] for r in mine], "o-", label=f"{mode}: τ")
             axes[1].plot(clients, [r.get("same_as_tau_1", 1.0) for r in mine], "s--", label=f"{mode}: = τ 1 text")
+    clients = sorted({r["clients"] for r in rows})
     for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(clients, [str(c) for c in clients])
         ax.legend(fontsize=7)
+    if ramp:
+        axes[1].set_ylim(0, 1.05)
     save_figure(plt, fig, path)
