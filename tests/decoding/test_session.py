@@ -140,3 +140,38 @@ def test_what_a_session_cannot_do_is_refused_by_name(model_and_tok):
     static.step(model)
     with pytest.raises(ValueError, match="static cache"):
         running.admit(static)
+
+
+def test_a_lossless_session_changes_its_draft_tree_between_passes_and_stays_exact(model_and_tok):
+    """As a server re-chooses the tree for the rows it runs: a chain, a wide tree with runner-ups and lookup (more
+    room than the session was opened with), plain decoding (no tree), a chain again, with rows joining on the way:
+    every row keeps greedy `generate()`'s tokens."""
+    from hf_mars.decoding.generate import session_settings
+
+    model, tok = model_and_tok
+    trees = [
+        dict(mars_verify=True, mars_block_size=4, mars_draft_candidates=[3, 2], mars_lookup=3),
+        dict(mars_verify=True, mars_block_size=2),
+        dict(mars_tau=1.0),  # what lossless "auto" runs where no tree pays
+        dict(mars_verify=True, mars_block_size=3),
+    ]
+    session = open_rows(model, tok, PROMPTS[:2], labels=["a", "b"], mars_verify=True, mars_block_size=2)
+    results = {}
+    for number, tree in enumerate(trees):
+        settings = session_settings(model, None, 4, **tree)
+        session.retree(settings)
+        assert session.plan.settings == settings and session.plan.mode.__name__ == (
+            "LosslessMode" if settings.verify else "TauMode"
+        )
+        for _ in range(2):
+            session.step(model)
+        if number == 1:
+            late = open_rows(model, tok, PROMPTS[2:], labels=["c", "d"], max_new_tokens=12, **settings.as_kwargs())
+            session.admit(late)
+    drain(model, session, results)
+    for label, prompt, budget in zip("abcd", PROMPTS, (20, 20, 12, 12)):
+        assert results[label] == alone(model, tok, prompt, budget), label
+    ids = tok(PROMPTS[:1], return_tensors="pt").input_ids
+    static = model.mars_session(ids, mars_verify=True, cache_implementation="static", max_new_tokens=8)
+    with pytest.raises(ValueError, match="keeps its draft tree"):
+        static.retree(session_settings(model, None, 1, mars_verify=True, mars_block_size=3))

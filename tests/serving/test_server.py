@@ -54,7 +54,7 @@ def _client(server) -> OpenAI:
     return OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _offline(server, content: str, mode: dict) -> tuple[str, int]:
+def _offline(server, content: str, mode: dict, max_tokens: int = MAX_TOKENS) -> tuple[str, int]:
     """What `generate()` gives this prompt alone, as the server's chat handler tokenizes it, detokenized as a stream
     is (token by token: a character whose bytes the budget cuts is not sent)."""
     tok, model = server["tok"], server["offline"]
@@ -62,7 +62,7 @@ def _offline(server, content: str, mode: dict) -> tuple[str, int]:
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     if mode.get("mars_tau") == 1.0 or mode.get("mars_verify"):
         mode = {}  # τ = 1 and lossless mode must give plain greedy generate()'s text
-    out = model.generate(**ids, do_sample=False, max_new_tokens=MAX_TOKENS, **mode)
+    out = model.generate(**ids, do_sample=False, max_new_tokens=max_tokens, **mode)
     stream = DecodeStream([], skip_special_tokens=True)
     tokens = out[0, ids["input_ids"].shape[1] :].tolist()
     pieces = [stream.step(tok._tokenizer, token) for token in tokens]
@@ -400,7 +400,7 @@ def test_with_an_api_key_only_its_bearers_are_served_and_health_stays_open(tmp_p
     assert key not in caplog.text
 
 
-def _ask(url: str, model: str, content: str, delay: float = 0.0, **fields):
+def _ask(url: str, model: str, content: str, delay: float = 0.0, max_tokens: int = MAX_TOKENS, **fields):
     """One streamed chat request after `delay` seconds: `(text, usage)`."""
 
     async def run():
@@ -409,7 +409,7 @@ def _ask(url: str, model: str, content: str, delay: float = 0.0, **fields):
             chunks = await client.chat.completions.create(
                 model=model,
                 messages=[{"role": "user", "content": content}],
-                max_tokens=MAX_TOKENS,
+                max_tokens=max_tokens,
                 temperature=0,
                 stream=True,
                 extra_body=fields,
@@ -496,6 +496,31 @@ def test_the_servers_tau_range_is_for_requests_that_set_no_mars_field(tmp_path):
     assert getattr(own, "mars_tau", None) is None and getattr(lossless, "mars_tau", None) is None
     with pytest.raises(ValueError, match="or a range"):
         build_app(str(tmp_path), dtype="float32", device="cpu", tau_range=(0.9, 0.1))
+
+
+def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_text(server, caplog):
+    """A lossless preset by batch size (as `hf-mars tune` saves one, and as `"auto"` chooses from the pass costs):
+    one row decodes with its 4-token tree, four rows with the 2-token chain, and the first row's tree changes as the
+    others join and leave; every text is greedy `generate()`'s. The graph pass keeps the tree it was built for."""
+    import logging
+
+    if server["engine"].cache_slots is not None:
+        pytest.skip("a graph pass has its tree's shape: it keeps the tree (test_graph_session.py)")
+    preset = {"1": {"mars_block_size": 4, "mars_draft_candidates": 2}, "4": {"mars_block_size": 2}}
+    mode = {"mars_verify": True, "mars_lossless": preset}
+    caplog.set_level(logging.INFO, logger="hf_mars.serve")
+    url, model = server["url"], server["path"]
+    jobs = [("count 1 to 40", 0.0, 480)] + [(f"count {i} to {i + 9}", 0.1 + 0.02 * i, MAX_TOKENS) for i in range(3)]
+
+    async def all_of_them():
+        return await asyncio.gather(*[_ask(url, model, c, delay, budget, **mode) for c, delay, budget in jobs])
+
+    results = asyncio.run(all_of_them())
+    for (content, _, budget), (text, usage) in zip(jobs, results):
+        assert (text, usage.completion_tokens) == _offline(server, content, {}, budget), content
+    trees = [r.getMessage() for r in caplog.records if r.getMessage().startswith("draft tree at")]
+    assert any(message.endswith(": 2x1") for message in trees), trees  # the batch of four
+    assert any(message.endswith(": 4x2") for message in trees[1:]), trees  # back to one row
 
 
 def _scrape(server) -> dict:

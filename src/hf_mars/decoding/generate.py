@@ -49,7 +49,7 @@ from .compat import (
 )
 from .graph import GraphShape, enabled, graph_pass_for, processors_signature
 from .schedule import MaskSchedule
-from .scoring import check_stateless, history_free, order_free
+from .scoring import branching, check_stateless, history_free, order_free
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
@@ -169,11 +169,7 @@ class MARSGenerationMixin(GenerationMixin):
         mars_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("mars_")}
         call = {name: kwargs[name] for name in CALL_KEYS if name in kwargs}
         rows = max(max_rows or 0, input_ids.shape[0])
-        settings = resolve_settings(self, generation_config, rows, call, **mars_kwargs)
-        if settings is None:
-            settings = resolve_settings(self, generation_config, 1, call, mars_tau=1.0)
-        elif settings.plain:
-            settings = replace(settings, tau=1.0, verify=False, draft_candidates=1, lookup=0, accept="exact")
+        settings = session_settings(self, generation_config, rows, call, **mars_kwargs)
         _refuse_unsupported(base, kwargs, "mars_session")
         config = copy.deepcopy(base)
         config.return_dict_in_generate = False  # a session keeps no rows that left, and no per-pass log
@@ -194,6 +190,17 @@ class MARSGenerationMixin(GenerationMixin):
         if settings is None:
             return prompt_length + max_new_tokens
         return static_cache_length(settings, prompt_length, max_new_tokens)
+
+
+def session_settings(model, generation_config, rows: int, call: dict | None = None, **mars_kwargs) -> MARSSettings:
+    """The settings a session of `rows` rows decodes with: `resolve_settings`', where plain decoding (no MARS setting,
+    or lossless mode whose tree is none) is τ = 1, whose passes are plain decoding's."""
+    settings = resolve_settings(model, generation_config, rows, call, **mars_kwargs)
+    if settings is None:
+        return resolve_settings(model, generation_config, 1, call, mars_tau=1.0)
+    if settings.plain:
+        return replace(settings, tau=1.0, verify=False, draft_candidates=1, lookup=0, accept="exact")
+    return settings
 
 
 def static_cache_length(settings: MARSSettings, prompt_length: int, max_new_tokens: int, candidates=None, lookup=None):
@@ -475,12 +482,10 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     sequences[:, :prompt_length] = input_ids
     attention_mask = model_kwargs.get("attention_mask")
     prompt_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    # Sibling drafts (candidates, a lookup branch) need greedy verification or typical acceptance, whose processors
-    # (if any) read no history: with speculative sampling, or a history-reading processor, drafts stay a chain
     do_sample, typical = generation_config.do_sample, settings.typical
-    branching = (not do_sample or typical is not None) and (not processors or history_free(processors))
-    candidates = settings.draft_candidates if branching else 1
-    lookup = settings.lookup if settings.verify and branching else 0
+    branches = branching(do_sample, typical, processors)
+    candidates = settings.draft_candidates if branches else 1
+    lookup = settings.lookup if settings.verify and branches else 0
     cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window)
     cached = cache.length  # a cache passed in holds the first tokens of every row already
     plan = Plan(

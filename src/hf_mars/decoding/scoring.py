@@ -166,6 +166,13 @@ def history_free(processors) -> bool:
     return all(isinstance(p, HISTORY_FREE) for p in processors)
 
 
+def branching(do_sample: bool, typical, processors) -> bool:
+    """Whether lossless drafts may branch (sibling candidates, a lookup branch): they need greedy verification or
+    typical acceptance, whose processors (if any) read no history. With speculative sampling, or a history-reading
+    processor, drafts stay a chain."""
+    return (not do_sample or typical is not None) and (not processors or history_free(processors))
+
+
 def check_stateless(processors, mode: str) -> None:
     """Refuse, by name, a processor that MARS would call other than once per token (see `STATELESS`); `mode`: the
     setting that makes it do so, named in the error."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.nn.functional import pad
@@ -41,7 +41,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .cache import KVBook
 from .graph import cut, right_align
 from .schedule import MaskSchedule
-from .scoring import Histories, choose, follow_padding
+from .scoring import Histories, branching, choose, follow_padding
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping
 from .tree import tree_attention
@@ -229,6 +229,28 @@ class Session:
         self.stopping.join(other.stopping, self.text.sequences, self.text.prompt_length)
         self.labels = self.labels + other.labels
         self.live = bool(self.text.active.any())
+
+    def retree(self, settings: MARSSettings) -> None:
+        """Decode on with `settings`, another lossless draft tree (or none: τ = 1, as `model.mars_session` makes
+        plain settings), from the next pass: a server re-chooses the tree that pays at the rows it runs now. The next
+        pass proposes its drafts afresh, and lossless mode's text does not depend on the tree. Sampling, processors
+        and everything else stay; a dynamic cache only (a static cache's passes have the tree's shape)."""
+        plan = self.plan
+        if self.cache.fixed_shapes or plan.compiled is not None:
+            raise ValueError("A session on a static cache keeps its draft tree: its passes have the tree's shape.")
+        if not (plan.settings.verify or plan.settings.tau == 1.0) or not (settings.verify or settings.tau == 1.0):
+            raise ValueError("Only lossless mode (or τ = 1, its plain form) changes its draft tree between passes.")
+        branches = branching(plan.do_sample, plan.typical, plan.processors)  # as `generate._prepare` decides
+        candidates = settings.draft_candidates if branches else 1
+        lookup = settings.lookup if settings.verify and branches else 0
+        self.plan = replace(plan, settings=settings, candidates=candidates, lookup=lookup)
+        text, rows = self.text, self.feed.rows
+        room = text.sequences.shape[1] - text.prompt_length - int(text.budget.max())
+        if 1 + settings.drafts_per_pass > room:  # a pass writes that many slots past a row's tokens
+            text.sequences = pad(text.sequences, (0, 1 + settings.drafts_per_pass - room), value=plan.pad_token_id)
+            self.stopping.sequences = text.sequences
+        self.feed.drafts = Drafts.none(rows.numel(), rows.device)
+        self.schedule = MaskSchedule(settings.mask_cost, text.sequences.shape[0], settings.block_size - 1, rows.device)
 
     def release(self, labels) -> None:
         """The rows of these labels stop decoding, at once, and leave the session where its cache can drop rows (a

@@ -31,7 +31,8 @@ import torch
 from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, _StreamError
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..decoding.costs import NotMeasured, cost_batch, pass_costs
+from ..decoding.costs import NotMeasured, cost_batch, pass_costs, tree_key
+from ..decoding.generate import session_settings
 from ..decoding.session import Session
 from ..decoding.settings import TauController
 from ..tools.measure.passes import measure
@@ -168,6 +169,7 @@ class MARSEngine(BaseGenerateManager):
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
         self._controllers: dict[str, TauController] = {}  # per key with a τ range: the τ its rows decode with
         self._policies: dict[str, TauPolicy] = {}  # per key with a τ range: what each τ took there, measured
+        self._banded: tuple | None = None  # (running session's id, the cost batch its tree was chosen for)
         self.metrics = ServerMetrics()
         self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
         self._thread.start()
@@ -321,10 +323,11 @@ class MARSEngine(BaseGenerateManager):
         return session
 
     def _session(self, group: list[Request]) -> Session:
-        """`model.mars_session` over the group, left-padded, each row with its own budget. Its settings are those of
-        `max_batch_size` rows, since rows join it up to that (a tree that pays for a few rows can cost far more than
-        it brings for many), resolved from cached pass costs only (a cost not measured yet means plain decoding:
-        `serve` measures in the background)."""
+        """`model.mars_session` over the group, left-padded, each row with its own budget, with the running rows'
+        settings where it joins them. Otherwise its settings are resolved for its own rows (`_choose_tree` re-chooses
+        the tree as rows join), or, for a graph pass, whose tree is fixed, for `max_batch_size` rows (a tree that
+        pays for a few rows can cost far more than it brings for many); from cached pass costs only (a cost not
+        measured yet means plain decoding: `serve` measures in the background)."""
         width = max(len(r.input_ids) for r in group)
         ids = torch.full((len(group), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -347,7 +350,7 @@ class MARSEngine(BaseGenerateManager):
             generation_config=config,
             labels=group,
             budgets=[r.max_new_tokens for r in group],
-            max_rows=self.max_batch_size,  # rows join it up to that: its tree must pay there
+            max_rows=self.max_batch_size if self.cache_slots is not None else None,
             **settings,
         )
 
@@ -355,6 +358,7 @@ class MARSEngine(BaseGenerateManager):
         session = self.session
         decoding = len(session.labels) if isinstance(session, GraphSession) else int(session.text.active.sum())
         self.batch_sizes.append(decoding)
+        self._choose_tree(session, decoding)
         tau = self._choose_tau(session, decoding)
         try:
             session.step(self.model)
@@ -370,6 +374,26 @@ class MARSEngine(BaseGenerateManager):
             self._policies[self._key].observed(tau, decoding, tokens)
         if not session.live:
             self.session = None
+
+    def _choose_tree(self, session, rows: int) -> None:
+        """Lossless rows decode with the draft tree the measured pass costs favour at the rows running now, re-chosen
+        as the batch crosses a power of two (where the cost table's entries change): `mars_lossless="auto"` may pay
+        at 1 row with a tree it must drop at 16. A static cache's graph keeps the tree it was built for."""
+        band = cost_batch(rows)
+        if not isinstance(session, Session) or session.cache.fixed_shapes or self._banded == (id(session), band):
+            return
+        self._banded = (id(session), band)
+        request, running = session.labels[0], session.plan.settings
+        if request.tau_range is not None or not (running.verify or running.tau == 1.0):
+            return  # τ-mode: no tree
+        try:
+            settings = session_settings(self.model, request.generation_config, rows)
+        except ValueError:
+            return
+        if settings != running and (settings.verify or settings.tau == 1.0):
+            logger.info("draft tree at %d rows: %s", rows, _tree_name(settings))
+            session.retree(settings)
+            self._settings = settings.as_kwargs()
 
     def _controller(self, request: Request, rows: int) -> TauController:
         """The τ of `request`'s key (one object, so that rows of the key that join later decode with it), set for a
@@ -455,18 +479,27 @@ class MARSEngine(BaseGenerateManager):
         request.sink.finish(request, error)
 
 
+def _tree_name(settings) -> str:
+    if not settings.verify:
+        return "none (plain decoding)"
+    return tree_key(settings.block_size, settings.draft_candidates, settings.lookup)
+
+
 def measure_in_background(model, max_batch_size: int, tau_ranges: bool = False) -> threading.Thread:
     """Resolve lossless mode's tree for `max_batch_size` rows, the size every session's settings are chosen for, in
     a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
-    them, while the server already answers (its lossless requests decode plainly until then). With `tau_ranges`,
-    then the one-token and B-token passes at every batch size the τ policy meets (powers of two up to the most)."""
+    them, while the server already answers (its lossless requests decode plainly until then), then at every smaller
+    batch size the running rows meet (powers of two: the engine re-chooses the tree as rows join and leave). With
+    `tau_ranges`, also the one-token and B-token passes the τ policy reads there."""
 
     def run() -> None:
         started = time.monotonic()
         logger.info("pass costs at batch %d: measuring in the background (plain decoding until then)", max_batch_size)
         measure(model, [max_batch_size], mars_verify=True)
+        bands = [1 << k for k in range(cost_batch(max_batch_size).bit_length())][::-1]
+        measure(model, bands, mars_verify=True)
         block = getattr(model.config, "mars_block_size", None)
-        for rows in [1 << k for k in range(cost_batch(max_batch_size).bit_length())] if tau_ranges and block else []:
+        for rows in bands if tau_ranges and block else []:
             time_pass_costs(model, rows, [1, block])
         logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 
