@@ -100,3 +100,25 @@ def test_check_sampled_capture_finds_the_graph_pass_drawing_the_loops_tokens():
     lines = [line for line in out.splitlines() if line.startswith("sampled")]
     assert len(lines) == 3 and all("captured = loop on 100.0% of tokens" in line for line in lines), out
     assert all("repeats it: True" in line and "another seed differs: True" in line for line in lines), out
+
+
+def test_simulate_tau_policy_lowers_tau_only_where_the_recorded_costs_say_it_pays(tmp_path):
+    """On a pass as wide at any τ (a graph pass) the load alone lowers τ; where the wide pass costs twice a one-token
+    pass, τ = 0.8's tokens do not pay and τ stays 1; with one row and nothing waiting, τ is the range's highest."""
+    import json
+
+    data = {
+        "tokens_per_forward": {"by_tau": {"1.0": 1.0, "0.8": 1.5}},
+        "machines": {
+            "wide": {"widens": False, "costs": {n: {"one": 0.002, "wide": 0.002, "plain": 0.003} for n in "14"}},
+            "dear": {"widens": True, "costs": {n: {"one": 0.01, "wide": 0.02, "plain": 0.01} for n in "14"}},
+        },
+    }
+    (tmp_path / "costs.json").write_text(json.dumps(data))
+    out = run("simulate_tau_policy.py", "--data", str(tmp_path / "costs.json"), "--capacity", "4")
+    rows = {}
+    for name, table in zip(("wide", "dear"), out.split("\n\n")[1::2]):
+        rows[name] = [line.split(" | ")[:5] for line in table.splitlines()[2:]]
+    # (rows, waiting): (1, 0) is idle; (1, 1), (4, 0) and (4, 4) are load 1 in a batch of 4
+    assert [r[2] for r in rows["wide"]] == ["1", "0.8", "0.8", "0.8"] and rows["wide"][2][4] == "1.50x"
+    assert [r[2] for r in rows["dear"]] == ["1", "1", "1", "1"] and rows["dear"][2][4] == "1.00x"

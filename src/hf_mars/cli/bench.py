@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .options import add_machine, add_model, draft_tree, mask_cost
+from .options import add_machine, add_model, add_tau_range, draft_tree, mask_cost
 
 HELP = "MARS vs plain AR and prompt lookup: tokens/forward, speed"
 DESCRIPTION = "MARS vs plain AR and prompt-lookup decoding: tokens/forward, speed, agreement."
@@ -82,14 +82,10 @@ def _add_other_benches(bench) -> None:
         "against plain decoding in interleaved rounds (uses --max-new-tokens, --repeats as rounds, --dtype, --device)",
     )
     bench.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16], help="with --serve (default: 1 4 16)")
-    bench.add_argument(
-        "--tau-range",
-        type=float,
-        nargs=2,
-        metavar=("LO", "HI"),
-        help="with --serve: the τ policy's load ramp instead, plain against MARS at τ = 1 and MARS with τ chosen "
-        "from the load in [LO, HI], with the τ it chose and its answers' agreement with τ = 1's (e.g. --clients 1 4 "
-        "16 32)",
+    add_tau_range(
+        bench,
+        "with --serve: the τ policy's load ramp instead, plain against MARS at τ = 1 and MARS with τ chosen from the "
+        "load in [LO, HI], with the τ it chose and its answers' agreement with τ = 1's (e.g. --clients 1 4 16 32)",
     )
     bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
     bench.add_argument(

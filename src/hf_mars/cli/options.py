@@ -46,3 +46,8 @@ def add_machine(parser: argparse.ArgumentParser, dtype_help: str | None = None) 
         help=dtype_help or "default float32; `auto`: where lossless decoding is expected fastest here (says why)",
     )
     parser.add_argument("--device", help="e.g. cuda (default: where the model loads)")
+
+
+def add_tau_range(parser, help: str) -> None:
+    """`--tau-range LO HI`: a τ range the server chooses τ in from its load (checked where the command runs)."""
+    parser.add_argument("--tau-range", type=float, nargs=2, metavar=("LO", "HI"), help=help)

@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 
-from .options import DTYPES, add_model
+from .options import DTYPES, add_model, add_tau_range
 
 HELP = "serve a MARS checkpoint over an OpenAI-compatible HTTP API"
 DEFAULT_CACHE_SLOTS = 2048  # static cache slots per row with --compile
@@ -55,13 +55,10 @@ def add_parser(subparsers) -> None:
         help=f"answer only requests with `Authorization: Bearer KEY` (every endpoint but /health); default: the "
         f"{API_KEY_ENV} environment variable, which keeps the key out of the process list",
     )
-    serve.add_argument(
-        "--tau-range",
-        type=float,
-        nargs=2,
-        metavar=("LO", "HI"),
-        help="requests that set no MARS field decode in τ-mode with τ chosen from the load within [LO, HI], before "
-        'every pass (HI while one request runs and none waits); a request opts in itself with "mars_tau": [lo, hi]',
+    add_tau_range(
+        serve,
+        "requests that set no MARS field decode in τ-mode with τ chosen from the load within [LO, HI], before every "
+        'pass (HI while one request runs and none waits); a request opts in itself with "mars_tau": [lo, hi]',
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     vllm = serve.add_argument_group("vLLM (--engine vllm)")
