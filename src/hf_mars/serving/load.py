@@ -10,8 +10,9 @@ quality for speed while it is busy, without reloading anything (the paper's serv
 - the measured pass costs: where τ = 1 feeds no masks (the dynamic cache), τ < 1 makes every pass B tokens wide. That
   pays only where the tokens a row takes per pass at that τ beat what the wide pass costs over a one-token pass at the
   batch size running (the machine's cost table, `decoding/costs.py`, with its margin); where they do not, τ stays at
-  `hi`. Tokens per pass are measured per τ as the rows decode; a τ not run yet is assumed to keep each mask with
-  probability 1 - τ, optimistically, so that it is tried and then judged by what it did.
+  `hi`. Tokens per pass are measured per τ as the rows decode (recent passes count most); a τ not run yet, or not
+  for a long while, is assumed to keep each mask with probability 1 - τ, optimistically, so that it is tried and then
+  judged by what it did.
 
 A range never widens: the chosen τ is always in [lo, hi], and a request that sends one τ is never changed.
 """
