@@ -482,29 +482,39 @@ def test_the_servers_tau_range_is_for_requests_that_set_no_mars_field(tmp_path):
         build_app(str(tmp_path), dtype="float32", device="cpu", tau_range=(0.9, 0.1))
 
 
-def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_text(server, caplog):
+def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_text(tmp_path):
     """A lossless preset by batch size (as `hf-mars tune` saves one, and as `"auto"` chooses from the pass costs):
-    one row decodes with its 4-token tree, four rows with the 2-token chain, and the first row's tree changes as the
-    others join and leave; every text is greedy `generate()`'s. The graph pass keeps the tree it was built for."""
-    import logging
+    one row decodes with its 4-token tree, four rows with the 2-token chain: the long row's tree changes as three
+    others join it and again when they leave; every text is greedy `generate()`'s. (A graph pass has its tree's shape
+    and keeps it: test_graph_session.py.)"""
+    from hf_mars.serving.server import build_app
 
-    if server["engine"].cache_slots is not None:
-        pytest.skip("a graph pass has its tree's shape: it keeps the tree (test_graph_session.py)")
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    path = str(tmp_path)
+    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=4)
+    offline = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
     preset = {"1": {"mars_block_size": 4, "mars_draft_candidates": 2}, "4": {"mars_block_size": 2}}
     mode = {"mars_verify": True, "mars_lossless": preset}
-    caplog.set_level(logging.INFO, logger="hf_mars.serve")
-    url, model = server["url"], server["path"]
-    jobs = [("count 1 to 40", 0.0, 480)] + [(f"count {i} to {i + 9}", 0.1 + 0.02 * i, MAX_TOKENS) for i in range(3)]
+    prompts = ["count 1 to 40"] + [f"count {i} to {i + 9}" for i in range(3)]
 
-    async def all_of_them():
-        return await asyncio.gather(*[_ask(url, model, c, delay, budget, **mode) for c, delay, budget in jobs])
+    async def joining(url):
+        long = asyncio.create_task(_ask(url, path, prompts[0], 0.0, 480, **mode))
+        while not engine.batch_sizes:  # the long row is past its prompt's pass
+            await asyncio.sleep(0.005)
+        short = await asyncio.gather(*[_ask(url, path, prompt, **mode) for prompt in prompts[1:]])
+        return [await long, *short]
 
-    results = asyncio.run(all_of_them())
-    for (content, _, budget), (text, usage) in zip(jobs, results):
-        assert (text, usage.completion_tokens) == _offline(server, content, {}, budget), content
-    trees = [r.getMessage() for r in caplog.records if r.getMessage().startswith("draft tree at")]
-    assert any(message.endswith(": 2x1") for message in trees), trees  # the batch of four
-    assert any(message.endswith(": 4x2") for message in trees[1:]), trees  # back to one row
+    with serving(app) as url:
+        results = asyncio.run(joining(url))
+    assert max(engine.batch_sizes) == 4, "premise: the three short rows joined the long one"
+    served = {"tok": tok, "offline": offline}
+    for prompt, budget, (text, usage) in zip(prompts, [480] + [MAX_TOKENS] * 3, results):
+        assert (text, usage.completion_tokens) == _offline(served, prompt, {}, budget), prompt
+    changes = [tree for _, tree in engine.tree_changes]
+    assert "2x1" in changes and "4x2" in changes[changes.index("2x1") :], engine.tree_changes
 
 
 def _scrape(server) -> dict:

@@ -170,6 +170,7 @@ class MARSEngine(BaseGenerateManager):
         self._controllers: dict[str, TauController] = {}  # per key with a τ range: the τ its rows decode with
         self._policies: dict[str, TauPolicy] = {}  # per key with a τ range: what each τ took there, measured
         self._banded: tuple | None = None  # (running session's id, the cost batch its tree was chosen for)
+        self.tree_changes: deque[tuple[int, str]] = deque(maxlen=256)  # (rows, tree) at each change, for tests
         self.metrics = ServerMetrics()
         self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
         self._thread.start()
@@ -391,6 +392,7 @@ class MARSEngine(BaseGenerateManager):
         except ValueError:
             return
         if settings != running and (settings.verify or settings.tau == 1.0):
+            self.tree_changes.append((rows, _tree_name(settings)))
             logger.info("draft tree at %d rows: %s", rows, _tree_name(settings))
             session.retree(settings)
             self._settings = settings.as_kwargs()
