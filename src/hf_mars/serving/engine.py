@@ -487,12 +487,12 @@ def _tree_name(settings) -> str:
     return tree_key(settings.block_size, settings.draft_candidates, settings.lookup)
 
 
-def measure_in_background(model, max_batch_size: int, tau_ranges: bool = False) -> threading.Thread:
+def measure_in_background(model, max_batch_size: int) -> threading.Thread:
     """Resolve lossless mode's tree for `max_batch_size` rows, the size every session's settings are chosen for, in
     a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
     them, while the server already answers (its lossless requests decode plainly until then), then at every smaller
-    batch size the running rows meet (powers of two: the engine re-chooses the tree as rows join and leave). With
-    `tau_ranges`, also the one-token and B-token passes the τ policy reads there."""
+    batch size the running rows meet (powers of two: the engine re-chooses the tree as rows join and leave), and
+    there the one-token and B-token passes that the τ policy of requests with a τ range reads."""
 
     def run() -> None:
         started = time.monotonic()
@@ -501,7 +501,7 @@ def measure_in_background(model, max_batch_size: int, tau_ranges: bool = False) 
         bands = [1 << k for k in range(cost_batch(max_batch_size).bit_length())][::-1]
         measure(model, bands, mars_verify=True)
         block = getattr(model.config, "mars_block_size", None)
-        for rows in bands if tau_ranges and block else []:
+        for rows in bands if block else []:
             time_pass_costs(model, rows, [1, block])
         logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 

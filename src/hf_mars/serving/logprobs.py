@@ -64,7 +64,7 @@ def score(model, tokenizer, body: dict, request_id: str, model_id: str) -> dict:
             logits = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False).logits[0]
         logprobs = logits.float().log_softmax(-1)
         tokens = ids + ([int(logprobs[-1].argmax())] if new else [])
-        choices.append(_choice(tokenizer, index, tokens, logprobs, top, new))
+        choices.append(_choice(tokenizer, index, tokens, logprobs, top))
     prompt_tokens = sum(len(ids) for ids in prompts)
     return {
         "id": request_id,
@@ -80,7 +80,7 @@ def score(model, tokenizer, body: dict, request_id: str, model_id: str) -> dict:
     }
 
 
-def _choice(tokenizer, index: int, tokens: list[int], logprobs: torch.Tensor, top: int, new: int) -> dict:
+def _choice(tokenizer, index: int, tokens: list[int], logprobs: torch.Tensor, top: int) -> dict:
     """One choice: each token's log probability given the tokens before it (the first has none), and the `top` most
     likely tokens at each position (by their text; of two tokens with one text, the likelier)."""
     chosen = logprobs[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].tolist()

@@ -35,7 +35,7 @@ from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
 from .load import check_tau_range
-from .logprobs import score, scores_prompt
+from .logprobs import prompts_of, score, scores_prompt
 
 try:  # the serving extra: FastAPI, the OpenAI types, prometheus_client (the engine's metrics)
     from fastapi import HTTPException
@@ -206,15 +206,17 @@ class TokenPrompts:
             prompt = body["prompt"] = prompt[0]  # a batch of one
         if not isinstance(prompt, list):
             return await super().handle_request(body, request_id)
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            detail = "prompt must be text or token ids, one prompt per request (send one request per prompt: they "
-            raise HTTPException(status_code=400, detail=detail + "decode batched together)")
         self._validate_request(body)
         model_id, model, processor = self._resolve_model(body)
         tokenizer = getattr(processor, "tokenizer", processor)
-        if max(prompt) >= len(tokenizer) or min(prompt) < 0:
-            raise HTTPException(status_code=400, detail=f"prompt token ids must be in [0, {len(tokenizer)})")
-        ids = torch.tensor([prompt], device=model.device)
+        try:
+            prompts = prompts_of(prompt, tokenizer)
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        if len(prompts) != 1:
+            detail = "one prompt per request (send one request per prompt: they decode batched together)"
+            raise HTTPException(status_code=400, detail=detail)
+        ids = torch.tensor(prompts, device=model.device)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         config = self._build_generation_config(body, model.generation_config)
         manager = self.generation_state.get_manager(model_id)
@@ -266,7 +268,7 @@ def build_app(
     engine = MARSEngine(
         loaded, tokenizer, max_batch_size, cache_slots=cache_slots, compile_config=compile_config, tau_range=tau_range
     )
-    engine.measuring = measure_in_background(loaded, max_batch_size, tau_ranges=True)
+    engine.measuring = measure_in_background(loaded, max_batch_size)
     state = MARSGenerationState(engine, compile=compile)
     shared = dict(model_manager=manager, generation_state=state)
     app = build_server(
