@@ -49,8 +49,8 @@ from .compat import (
 )
 from .graph import GraphShape, enabled, graph_pass_for, processors_signature
 from .schedule import MaskSchedule
-from .scoring import branching, check_stateless, history_free, order_free
-from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text
+from .scoring import check_stateless, history_free, order_free
+from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
 from .tree import DraftTree, full_tree
@@ -483,9 +483,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     attention_mask = model_kwargs.get("attention_mask")
     prompt_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     do_sample, typical = generation_config.do_sample, settings.typical
-    branches = branching(do_sample, typical, processors)
-    candidates = settings.draft_candidates if branches else 1
-    lookup = settings.lookup if settings.verify and branches else 0
+    candidates, lookup = draft_shape(settings, do_sample, typical, processors)
     cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window)
     cached = cache.length  # a cache passed in holds the first tokens of every row already
     plan = Plan(

@@ -94,6 +94,13 @@ class SlidingWindow:
     everywhere: bool
 
 
+def draft_shape(settings: MARSSettings, do_sample: bool, typical, processors) -> tuple:
+    """`(candidates, lookup)` a lossless pass's drafts take: the settings', where drafts may branch
+    (`scoring.branching`), else a chain (1, 0)."""
+    branches = branching(do_sample, typical, processors)
+    return settings.draft_candidates if branches else 1, settings.lookup if settings.verify and branches else 0
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one generation runs with, fixed before its first pass."""
@@ -240,9 +247,7 @@ class Session:
             raise ValueError("A session on a static cache keeps its draft tree: its passes have the tree's shape.")
         if not (plan.settings.verify or plan.settings.tau == 1.0) or not (settings.verify or settings.tau == 1.0):
             raise ValueError("Only lossless mode (or τ = 1, its plain form) changes its draft tree between passes.")
-        branches = branching(plan.do_sample, plan.typical, plan.processors)  # as `generate._prepare` decides
-        candidates = settings.draft_candidates if branches else 1
-        lookup = settings.lookup if settings.verify and branches else 0
+        candidates, lookup = draft_shape(settings, plan.do_sample, plan.typical, plan.processors)
         self.plan = replace(plan, settings=settings, candidates=candidates, lookup=lookup)
         text, rows = self.text, self.feed.rows
         room = text.sequences.shape[1] - text.prompt_length - int(text.budget.max())
