@@ -34,7 +34,7 @@ import torch
 
 from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
-from .scoring import Histories, choose, confidence
+from .scoring import Histories, choose, confidence, processed
 from .tree import DraftTree, depth_candidates, lookup, runner_ups
 from .verify import Drafts, _runner_ups, add_lookup, deepest_kept, propose, verify
 
@@ -315,6 +315,8 @@ def _relative_positions(shape: GraphShape) -> torch.Tensor:
 def graph_pass(g: GraphPass) -> None:
     """One MARS pass over `[pending | drafts | groups of masks]`, everything it decides written into `g.state`."""
     logits = _forward(g)
+    if g.processors and not g.shape.reads_text:  # warpers alone: every slot's scores in one call, here
+        logits = processed(logits, Histories(g.processors, g.state.sequences, None, None), None)
     tokens, accepted, path = _accept(g, logits)
     _commit(g, tokens, accepted, path)
     _next_inputs(g, logits, tokens, accepted, path)
@@ -500,11 +502,11 @@ def right_align(tokens, counts, width: int, pad_token_id):
 
 
 def _histories(g: GraphPass) -> Histories | None:
-    """What the pass's processors read (`scoring.Histories`): every row's text as it stands, to its end."""
-    if not g.processors:
+    """What the pass's processors read (`scoring.Histories`): every row's text as it stands, to its end. None where
+    no processor reads it (`graph_pass` has applied them to every slot)."""
+    if not g.shape.reads_text:
         return None
-    lengths = g.text_start + g.state.decoded if g.shape.reads_text else None
-    return Histories(g.processors, g.state.sequences, None, lengths)
+    return Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded)
 
 
 # Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip),

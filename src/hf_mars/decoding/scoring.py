@@ -101,11 +101,15 @@ class Histories:
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
         `lengths`: `(active rows,)` how far each one's history reaches."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
+        self._filled = None
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix`."""
+        """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:
+        nothing after the history)."""
         if order_free(self.processors):
             return self._in_one_call(prefix, scores)
+        if prefix is None:
+            prefix = self.sequences.new_zeros(scores.shape[0], 0)
         batch, out = self.sequences.shape[0], torch.empty_like(scores)
         for length in self.lengths.unique().tolist():
             group = (self.lengths == length).nonzero().view(-1)
@@ -118,23 +122,37 @@ class Histories:
 
     def _in_one_call(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """`__call__` for `order_free` processors: one call over the whole batch (as `generate()` calls them, for
-        processors that keep a value per row), each row's history plus `prefix` followed by copies of its last token
-        (the same set of tokens), and its own length for `BY_LENGTH` processors. Rows not active show their first
-        token and their scores are dropped."""
-        text, lengths, rows = self.sequences, self.lengths, self.rows
+        processors that keep a value per row), each row's history followed by copies of its last token (the same set
+        of tokens, `filled`), then `prefix`, and its own length for `BY_LENGTH` processors. Rows not active show
+        their first token and their scores are dropped."""
+        ids, rows, after = self.filled(), self.rows, 0 if prefix is None else prefix.shape[1]
         if rows is not None:
-            batch = text.shape[0]
-            lengths = lengths.new_ones(batch).index_copy(0, rows, lengths)
-            prefix = prefix.new_zeros(batch, prefix.shape[1]).index_copy(0, rows, prefix)
-            scores = scores.new_zeros(batch, scores.shape[1]).index_copy(0, rows, scores)
-        end = lengths[:, None] + prefix.shape[1]
-        if prefix.shape[1]:
-            text = text.scatter(1, end - prefix.shape[1] + torch.arange(prefix.shape[1], device=text.device), prefix)
-        columns = torch.arange(text.shape[1], device=text.device)
-        ids = torch.where(columns < end, text, text.gather(1, end - 1))
+            scores = scores.new_zeros(ids.shape[0], scores.shape[1]).index_copy(0, rows, scores)
+        if after:
+            if rows is not None:
+                prefix = prefix.new_zeros(ids.shape[0], after).index_copy(0, rows, prefix)
+            ids = torch.cat([ids, prefix], dim=1)
         for processor in self.processors:
-            scores = _by_length(processor, end, scores) if isinstance(processor, BY_LENGTH) else processor(ids, scores)
+            if isinstance(processor, BY_LENGTH):
+                scores = _by_length(processor, self.row_lengths()[:, None] + after, scores)
+            else:
+                scores = processor(ids, scores)
         return scores if rows is None else scores[rows]
+
+    def row_lengths(self) -> torch.Tensor:
+        """Every row's history length, the whole batch's (a row not active: 1)."""
+        if self.rows is None:
+            return self.lengths
+        return self.lengths.new_ones(self.sequences.shape[0]).index_copy(0, self.rows, self.lengths)
+
+    def filled(self) -> torch.Tensor:
+        """Every row's text to its history's end, then copies of its last token, as wide as the batch's text (rows
+        not active: their first token throughout): built once, whatever prefixes follow it (a pass scores several)."""
+        if self._filled is None:
+            text, lengths = self.sequences, self.row_lengths()
+            columns = torch.arange(text.shape[1], device=text.device)
+            self._filled = torch.where(columns < lengths[:, None], text, text.gather(1, lengths[:, None] - 1))
+        return self._filled
 
 
 def follow_padding(processors, prompt_real: torch.Tensor) -> None:
@@ -213,23 +231,31 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
     what they would see if those slots are accepted (and slot i matters only if they are).
     """
 
-    def pick(scores):
-        if not do_sample and not with_probs and logits.shape[1] == 1:  # one slot, always accepted: plain greedy cost
-            return scores.argmax(dim=-1), None, None
-        probs = torch.softmax(scores, dim=-1)
-        if do_sample:
-            tokens = draw(probs)
-        else:
-            tokens = scores.argmax(dim=-1)
-        return tokens, confidence(probs, tokens, measure), probs
-
+    confident = with_probs or logits.shape[1] > 1  # one slot alone is always accepted: no confidence, plain's cost
     if histories is None or history_free(histories.processors):
-        tokens, confs, probs = pick(processed(logits, histories, None))
-    else:
-        tokens = logits.new_zeros(logits.shape[:2], dtype=torch.long)
-        confs, probs = logits.new_zeros(logits.shape[:2]), torch.zeros_like(logits)
-        for i in range(logits.shape[1]):
-            tokens[:, i], conf, prob = pick(histories(tokens[:, :i], logits[:, i]))
-            if conf is not None:
-                confs[:, i], probs[:, i] = conf, prob
+        scores = processed(logits, histories, None)
+        if not do_sample and not confident:
+            return scores.argmax(dim=-1), None
+        probs = torch.softmax(scores, dim=-1)
+        tokens = draw(probs) if do_sample else scores.argmax(dim=-1)
+    else:  # one slot after another, each seeing the tokens chosen before it
+        tokens, probs = _in_order(logits, histories, do_sample, confident)
+    if not confident:
+        return tokens, None
+    confs = confidence(probs, tokens, measure)
     return (tokens, confs, probs) if with_probs else (tokens, confs)
+
+
+def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
+    """`choose`'s tokens for processors that read the history, slot by slot: `(tokens, probs)`, probs only
+    `with_probs`. Each slot's processed scores are what `generate()`'s next step would see after the tokens chosen
+    before it."""
+    chosen, distributions = [], []
+    for i in range(logits.shape[1]):
+        prefix = torch.stack(chosen, dim=1) if chosen else None
+        scores = histories(prefix, logits[:, i])
+        probs = torch.softmax(scores, dim=-1) if do_sample or with_probs else None
+        chosen.append(draw(probs) if do_sample else scores.argmax(dim=-1))
+        distributions.append(probs)
+    tokens = torch.stack(chosen, dim=1)
+    return tokens, torch.stack(distributions, dim=1) if with_probs else None

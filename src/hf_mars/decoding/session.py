@@ -518,8 +518,8 @@ class LosslessMode:
         drafts = Drafts.none(rows.numel(), rows.device)
         lengths = run.text.prompt_length + run.text.decoded[rows]
         if step.masks:
-            if step.histories is not None:
-                step.histories.lengths = lengths  # now including this pass's tokens
+            if step.histories is not None:  # the text now holds this pass's tokens
+                step.histories = Histories(plan.processors, run.text.sequences, rows, lengths)
             groups = len(feed.drafts.tree) + 1
             followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
             followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]

@@ -126,17 +126,17 @@ def _verify_sampled(scores, drafts: Drafts):
     if proposals is None or proposals.shape[1] != tokens.shape[1] + 1:  # no drafts: sample p
         proposals = scores.new_zeros(tokens.shape[0], tokens.shape[1] + 1, scores.shape[-1])
     p = torch.softmax(scores, dim=-1)
-    p_draft = p[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
-    q_draft = proposals[:, :-1].gather(-1, tokens[..., None]).squeeze(-1)
+    drafted = tokens[..., None]
+    p_draft, q_draft = p[:, :-1].gather(-1, drafted)[..., 0], proposals[:, :-1].gather(-1, drafted)[..., 0]
     match = (torch.rand_like(p_draft) * q_draft < p_draft) & drafts.real
-    count = match.long().cumprod(dim=1).sum(dim=1)
-    at = count[:, None, None].expand(-1, 1, p.shape[-1])
-    p_next, q_next = p.gather(1, at).squeeze(1), proposals.gather(1, at).squeeze(1)
-    residual = (p_next - q_next).clamp(min=0)
+    count = torch.cummin(match, dim=1).values.sum(dim=1)
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_next = p[rows, count]
+    residual = (p_next - proposals[rows, count]).clamp_(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
     target = draw(residual)[:, None]
-    out = torch.cat([tokens, target], dim=1).scatter(1, count[:, None], target)
-    kept = drafts.real & (torch.arange(tokens.shape[1], device=tokens.device) < count[:, None])
+    out = torch.cat([tokens, target], dim=1).scatter_(1, count[:, None], target)
+    kept = drafts.real & (torch.arange(tokens.shape[1], device=p.device) < count[:, None])
     return out, count + 1, kept, count
 
 
@@ -162,28 +162,29 @@ def propose(
     device = followed.device
     guesses, confs, q = choose(followed, histories, do_sample, measure, True)
     confident = (confs >= tau) & within
-    prefix = confident.cumprod(dim=1, dtype=torch.long)  # 1 up to the first unconfident mask
+    prefix = torch.cummin(confident, dim=1).values  # up to the first unconfident mask
     count = prefix.sum(dim=1)
     others = _runner_ups(q, guesses, count, tau, depth_candidates(candidates, followed.shape[1]))
     if full_tree:
         chain, fed = followed.shape[1], [True] * len(others)
     else:  # drafts that no row proposes are not fed: one read from the device says how many there are
         chain, *fed = torch.stack([count.max(), *(real.any().long() for _, _, real in others)]).tolist()
-    real = prefix[:, :chain].bool()
-    tokens = guesses[:, :chain].masked_fill(~real, pad_token_id)
+    real = prefix[:, :chain]
+    tokens = torch.where(real, guesses[:, :chain], pad_token_id)
     parents = tuple(range(-1, chain - 1))
     for (depth, siblings, sibling_real), feed in zip(others, fed):
         if feed and chain >= depth:
-            tokens = torch.cat([tokens, siblings.masked_fill(~sibling_real, pad_token_id)], dim=1)
+            tokens = torch.cat([tokens, torch.where(sibling_real, siblings, pad_token_id)], dim=1)
             real = torch.cat([real, sibling_real], dim=1)
             parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
     proposals = None
     if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
         by_probability = measure == "probability"
-        proposed = (q >= tau) & within[..., None] if by_probability else confident[..., None]
-        reached = torch.arange(q.shape[1], device=device) <= count[:, None]
-        q = q * proposed * reached[..., None]
-        proposals = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[:, : chain + 1]
+        proposed = (q >= tau) if by_probability else confident[..., None]
+        reached = (torch.arange(q.shape[1], device=device) <= count[:, None]) & within
+        proposals = torch.nn.functional.pad(q * (proposed & reached[..., None]), (0, 0, 0, 1))
+        if chain < q.shape[1]:
+            proposals = proposals[:, : chain + 1]
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
 
 
