@@ -27,7 +27,6 @@ import gradio as gr
 import pandas as pd
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, StoppingCriteria, TextIteratorStreamer
-from transformers.generation.streamers import BaseStreamer
 
 DEFAULT_MODEL = None  # the project's published checkpoint, once there is one; until then `hf-mars demo`'s output
 DEMO_OUTPUT = "outputs/mars-demo"
@@ -54,21 +53,6 @@ class Session:
         self.tau = tau
         self.runs: list[dict] = []  # one row per run, for the plot
         self.last: dict | None = None  # the last MARS run: its inputs and result, replayed by the AR comparison
-
-
-class ChunkStreamer(BaseStreamer):
-    """Hands each forward pass's accepted tokens (one `put()` per pass, after the prompt's) to a queue."""
-
-    def __init__(self):
-        self.queue, self.prompt_seen = queue.Queue(), False
-
-    def put(self, value):
-        if self.prompt_seen:
-            self.queue.put(value.view(-1).tolist())
-        self.prompt_seen = True
-
-    def end(self):
-        self.queue.put(None)
 
 
 class StopOn(StoppingCriteria):
@@ -269,38 +253,32 @@ def prepare(model, tokenizer, message, history, settings: dict, block_size, mask
 
 
 def stream_mars(model, tokenizer, turn: Turn, session: Session):
-    """Run MARS in a thread and yield the outputs as its passes come, reading the session's τ before every pass;
-    returns the finished job. Closed early (Stop, a closed tab), it stops the generation at its next pass."""
-    stop, streamer = threading.Event(), ChunkStreamer()
+    """Step a MARS session (`model.mars_session`, the checkpoint's own decoding) pass by pass, yielding the outputs at
+    most every UPDATE_EVERY seconds, with every pass since the last; the browser session's τ is read before every
+    pass. Closed early (Stop, a closed tab), it stops between two passes. Returns the session and the seconds its
+    passes took (the UI's work between them is not the decoder's)."""
 
-    def tau_now():  # read by the decoder once before every forward pass
+    def tau_now():  # read by the session once before every forward pass
         turn.taus.append(session.tau)
         return turn.taus[-1]
 
-    job = in_thread(
-        model.generate,
-        streamer.queue,
-        **turn.inputs,
-        **turn.settings,
-        mars_tau=tau_now,
-        **turn.mars,
-        streamer=streamer,
-        stopping_criteria=[StopOn(stop)],
-        return_dict_in_generate=True,
-    )
-    start = time.perf_counter()
     try:
-        for batch in batches(streamer.queue):
-            for chunk in batch:
-                add_pass(tokenizer, turn, chunk)
-            if batch:
-                yield live_outputs(turn, session, time.perf_counter() - start)
-    finally:
-        stop.set()  # cancelled or disconnected: the generation thread stops at its next pass
-    job["thread"].join()
-    if "error" in job:
-        raise gr.Error(f"Generation failed: {job['error']}")
-    return job
+        with torch.inference_mode():
+            run = model.mars_session(**turn.inputs, **turn.settings, mars_tau=tau_now, **turn.mars, log=True)
+        seconds, shown = 0.0, time.perf_counter()
+        while run.live:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                run.step(model)
+            ((_, ids, _, _),) = run.rows()
+            seconds += time.perf_counter() - start
+            add_pass(tokenizer, turn, ids[len(turn.ids) :])
+            if run.live and time.perf_counter() - shown >= UPDATE_EVERY:
+                yield live_outputs(turn, session, seconds)
+                shown = time.perf_counter()
+    except (ValueError, RuntimeError) as error:
+        raise gr.Error(f"Generation failed: {error}") from error
+    return run, seconds
 
 
 def add_pass(tokenizer, turn: Turn, chunk: list[int]) -> None:
@@ -339,8 +317,8 @@ def live_outputs(turn: Turn, session: Session, elapsed: float) -> tuple:
 
 
 def final_stats(turn: Turn, mars, seconds: float) -> dict:
-    """The finished run's stats as generate() counted them (its `mars_stats`), shown under "Per-pass details"."""
-    new = int(mars.new_tokens[0])
+    """The finished run's stats as its session counted them (`MARSStats`), shown under "Per-pass details"."""
+    new = len(turn.ids)
     return dict(
         decoder="MARS",
         done=True,
@@ -359,20 +337,19 @@ def final_stats(turn: Turn, mars, seconds: float) -> dict:
     )
 
 
-def finish_mars(tokenizer, turn: Turn, job: dict, session: Session) -> tuple:
+def finish_mars(tokenizer, turn: Turn, run, seconds: float, session: Session) -> tuple:
     """The final outputs: the whole answer, its figures, a point on the plots, and what the AR comparison replays."""
-    seconds, out = job["seconds"], job["out"]
-    mars = out.mars_stats
+    mars = run.stats
     stats = final_stats(turn, mars, seconds)
     mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
     record_run(session, "MARS", round(mean_tau, 3), stats["tokens_per_forward"], stats["tokens_per_second"])
-    answer = tokenizer.decode(out.sequences[0, turn.prompt_tokens :], skip_special_tokens=True)
+    answer = tokenizer.decode(turn.ids, skip_special_tokens=True)
     if turn.spans and answer.startswith(turn.shown) and answer != turn.shown:  # a held-back incomplete character
         turn.spans[-1] = (turn.spans[-1][0] + answer[len(turn.shown) :], turn.spans[-1][1])
     session.last = dict(
         inputs=turn.inputs,
         settings=turn.settings,
-        ids=out.sequences[0].tolist(),
+        ids=turn.inputs["input_ids"][0].tolist() + turn.ids,
         tokens_per_second=stats["tokens_per_second"],
         exact=turn.lossless and not turn.settings.get("do_sample"),  # greedy verification: plain AR's text
     )
@@ -572,8 +549,8 @@ def handlers(model, tokenizer):
         settings = sampling_settings(max_new_tokens, do_sample, temperature, top_p)
         turn = prepare(model, tokenizer, message, history, settings, block_size, mask_cost, lossless)
         session.tau = float(tau)
-        job = yield from stream_mars(model, tokenizer, turn, session)
-        yield finish_mars(tokenizer, turn, job, session)
+        run, seconds = yield from stream_mars(model, tokenizer, turn, session)
+        yield finish_mars(tokenizer, turn, run, seconds, session)
 
     def compare_ar(compare, session: Session):
         """The same inputs through transformers' own `GenerationMixin.generate` (plain AR, its own KV cache)."""

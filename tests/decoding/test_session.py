@@ -175,3 +175,24 @@ def test_a_lossless_session_changes_its_draft_tree_between_passes_and_stays_exac
     static = model.mars_session(ids, mars_verify=True, cache_implementation="static", max_new_tokens=8)
     with pytest.raises(ValueError, match="keeps its draft tree"):
         static.retree(session_settings(model, None, 1, mars_verify=True, mars_block_size=3))
+
+
+def test_a_logged_session_records_every_pass_as_generate_does(model_and_tok):
+    """`log=True` (the Space's): the session's stats hold what `generate()`'s `mars_stats` holds, pass for pass; a
+    session without it keeps none."""
+    model, tok = model_and_tok
+    ids = tok(PROMPTS[0], return_tensors="pt")
+    out = model.generate(**ids, do_sample=False, max_new_tokens=16, mars_tau=0.6, return_dict_in_generate=True)
+    session = model.mars_session(ids.input_ids, do_sample=False, max_new_tokens=16, mars_tau=0.6, log=True)
+    quiet = model.mars_session(ids.input_ids, do_sample=False, max_new_tokens=16, mars_tau=0.6)
+    with torch.no_grad():
+        while session.live:
+            session.step(model)
+            quiet.step(model)
+    (_, tokens, _, _), expected = session.rows()[0], out.mars_stats
+    assert tokens == out.sequences[0, ids.input_ids.shape[1] :].tolist()
+    assert session.stats.forward_passes == expected.forward_passes > 1
+    assert [int(a[0]) for a in session.stats.accepted_per_step] == [int(a[0]) for a in expected.accepted_per_step]
+    stats = session.stats
+    assert stats.tau_per_step == expected.tau_per_step and stats.masks_per_step == expected.masks_per_step
+    assert quiet.stats.forward_passes == expected.forward_passes and not quiet.stats.accepted_per_step

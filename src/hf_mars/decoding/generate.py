@@ -141,6 +141,7 @@ class MARSGenerationMixin(GenerationMixin):
         labels=None,
         budgets=None,
         max_rows: int | None = None,
+        log: bool = False,
         **kwargs,
     ) -> Session:
         """A MARS decoding session over these rows, prepared exactly as `generate()` prepares its batch (the same
@@ -157,6 +158,8 @@ class MARSGenerationMixin(GenerationMixin):
                 at most that).
             max_rows: the most rows the session will hold, rows that join it later included (default: these):
                 settings that depend on the batch size (`"auto"` trees and mask costs) are chosen for it.
+            log: record every pass in `session.stats` (its τ, masks and each row's accepted tokens), as `generate()`
+                records them; off by default, since a session that lives as long as a server would keep them all.
 
         Stopping beyond EOS and each row's budget (stop strings, criteria, a client that leaves) is the caller's: it
         reads the rows after each pass and releases those it stops. Streamers and outputs of `generate()`'s dict
@@ -173,7 +176,7 @@ class MARSGenerationMixin(GenerationMixin):
         _refuse_unsupported(base, kwargs, "mars_session")
         config = copy.deepcopy(base)
         config.return_dict_in_generate = False  # a session keeps no rows that left, and no per-pass log
-        opened = functools.partial(open_session, settings=settings, labels=labels, budgets=budgets)
+        opened = functools.partial(open_session, settings=settings, labels=labels, budgets=budgets, log=log)
         return super().generate(input_ids, config, custom_generate=opened, **kwargs)
 
     def mars_settings(self, generation_config=None, batch_size: int = 1, **mars_kwargs) -> dict | None:
@@ -305,6 +308,7 @@ def open_session(
     settings: MARSSettings,
     labels=None,
     budgets=None,
+    log: bool = False,
     **model_kwargs,
 ) -> Session:
     """`model.mars_session`'s decoding method: what `generate()` prepared, as a session, before its first pass."""
@@ -320,7 +324,7 @@ def open_session(
         if asked.shape != (rows,) or bool((asked < 1).any()):
             raise ValueError(f"budgets must be one positive number per row, got {budgets!r}.")
         session.text.budget = torch.minimum(asked, session.text.budget)
-    session.log = False
+    session.log = log
     return session
 
 
