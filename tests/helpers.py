@@ -13,6 +13,7 @@ import torch
 from transformers import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
+import hf_mars
 from hf_mars.tools.checkpoints.toy import counting_dataset, toy_model, toy_tokenizer
 
 
@@ -112,10 +113,36 @@ def venv_python(variable: str, what: str, install: str) -> str:
 
 def auto_lossless_model(acceptance: dict | None = None):
     """A tiny Llama made MARS (B = 4) whose lossless mode is `"auto"`, with these trees' tokens per forward."""
-    import hf_mars
-
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
     model.generation_config.mars_acceptance = acceptance or {"2x3": 1.6, "4x3+8": 2.9}
     model.generation_config.mars_lossless = "auto"
     return model, tok
+
+
+def _slides(window, *kinds):
+    return [kind if window or kind == "full_attention" else "full_attention" for kind in kinds]
+
+
+SLIDING = {  # a window of 8 (None: the same model without one); hybrid Gemma 3 and Qwen2, all-sliding Mistral
+    "mistral": lambda window: dict(sliding_window=window),
+    "gemma3": lambda window: dict(
+        sliding_window=8, layer_types=_slides(window, "sliding_attention", "full_attention"), head_dim=16
+    ),
+    "qwen2": lambda window: dict(
+        use_sliding_window=bool(window),
+        sliding_window=window,
+        max_window_layers=1,
+        layer_types=_slides(window, "full_attention", "sliding_attention"),
+    ),
+}
+
+
+def sliding_mars_model(family, attention="sdpa", window=8):
+    """A MARS model (B = 4) of `family` whose sliding layers see `window` positions, and its tokenizer."""
+    tok = make_tokenizer()
+    model = make_model(family, eos_token_id=None, **SLIDING[family](window))
+    model.set_attn_implementation(attention)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return hf_mars.to_mars(model, tok, block_size=4), tok

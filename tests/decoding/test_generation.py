@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Recorder, make_model, make_tokenizer, toy_prompts
+from helpers import SLIDING, Recorder, make_model, make_tokenizer, sliding_mars_model, toy_prompts
 from transformers import (
     GenerationMixin,
     StoppingCriteria,
@@ -469,39 +469,13 @@ def test_clear_errors():
         hf_mars.to_mars(make_model("qwen2"), tok, block_size=0)
 
 
-def _slides(window, *kinds):
-    return [kind if window or kind == "full_attention" else "full_attention" for kind in kinds]
-
-
-SLIDING = {  # a window of 8 (None: the same model without one); hybrid Gemma 3 and Qwen2, all-sliding Mistral
-    "mistral": lambda window: dict(sliding_window=window),
-    "gemma3": lambda window: dict(
-        sliding_window=8, layer_types=_slides(window, "sliding_attention", "full_attention"), head_dim=16
-    ),
-    "qwen2": lambda window: dict(
-        use_sliding_window=bool(window),
-        sliding_window=window,
-        max_window_layers=1,
-        layer_types=_slides(window, "full_attention", "sliding_attention"),
-    ),
-}
-
-
-def sliding_mars_model(family, attention="sdpa", window=8):
-    tok = make_tokenizer()
-    model = make_model(family, eos_token_id=None, **SLIDING[family](window))
-    model.set_attn_implementation(attention)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)
-    return hf_mars.to_mars(model, tok, block_size=4), tok
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", sorted(SLIDING))
 def test_sliding_window_models_are_exact_past_the_window(family, attention):
     """Holes push cache slots apart, so MARS counts a sliding window in positions: every mode equals greedy
     `generate()` long past the window, on hybrid (Gemma 3, Qwen2) and all-sliding (Mistral) models, and τ-mode equals
-    the naive decoder, whose passes hold no cache and so no holes."""
+    the naive decoder, whose passes hold no cache and so no holes. Static caches run in the graph pass, which builds
+    the windows itself."""
     model, tok = sliding_mars_model(family, attention)
     enc = encode(tok)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=24)
@@ -512,12 +486,17 @@ def test_sliding_window_models_are_exact_past_the_window(family, attention):
         dict(mars_verify=True),
         dict(mars_verify=True, mars_draft_candidates=3, mars_lookup=3),
         dict(mars_verify=True, cache_implementation="static"),
+        dict(mars_verify=True, mars_draft_candidates=3, mars_lookup=3, cache_implementation="static"),
         dict(mars_tau=1.0, cache_implementation="static"),
     ):
+        model.__dict__.pop("_mars_graphs", None)
         assert torch.equal(model.generate(**enc, max_new_tokens=24, **mode), reference), mode
+        assert bool(model.__dict__.get("_mars_graphs")) == ("cache_implementation" in mode), mode  # the graph pass
     mask_id = model.config.mars_mask_token_id
     for extra in ({}, dict(cache_implementation="static")):
+        model.__dict__.pop("_mars_graphs", None)
         out = model.generate(**enc, mars_tau=0.6, max_new_tokens=24, return_dict_in_generate=True, **extra)
+        assert bool(model.__dict__.get("_mars_graphs")) == bool(extra)
         assert max(int(a.max()) for a in out.mars_stats.accepted_per_step) > 1  # multi-token passes: holes
         for i in range(len(PROMPTS)):
             ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_model, make_tokenizer, toy_prompts
+from helpers import make_model, make_tokenizer, sliding_mars_model, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
@@ -111,3 +111,33 @@ def test_the_full_tree_is_the_one_static_passes_propose(candidates, lookup):
     model.generate(**enc, max_new_tokens=8, cache_implementation="static", **mode)
     (shape,) = [key[0] for key in model._mars_graphs]
     assert shape.tree == full_tree(3, candidates, lookup)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_window_rows_decode_past_the_window_as_each_request_alone(family):
+    """A hybrid (Gemma 3) and an all-sliding (Mistral) model, window 8: rows that join while others decode, and
+    outlive the window many times over, each get greedy `generate()`'s tokens for their prompt alone."""
+    model, tok = sliding_mars_model(family)
+    prompts = [tok(text, return_tensors="pt").input_ids[0] for text in ("hello world, how are", "a", "count to")]
+    mode = MODES["lossless tree"]
+    finished = {}
+    with torch.inference_mode():
+        first = _opened(model, prompts[0], 0, 30, mode)
+        rows = GraphSession(model, first, max_rows=2, slots=SLOTS["lossless tree"])
+        rows.admit(first)
+        waiting = [1, 2]
+        while rows.live or waiting:
+            if waiting and len(rows.labels) < 2:
+                i = waiting.pop(0)
+                rows.admit(_opened(model, prompts[i], i, 30, mode))
+            rows.step(model)
+            stopped = [(label, tokens) for label, tokens, done, _ in rows.rows() if done]
+            rows.release([label for label, _ in stopped])
+            finished.update(stopped)
+    unwindowed, _ = sliding_mars_model(family, window=None)  # the same weights, every layer full
+    windows_matter = False
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=30)
+        assert finished[i] == alone[0, prompt.numel() :].tolist(), i
+        windows_matter |= not torch.equal(alone, GenerationMixin.generate(unwindowed, prompt[None], max_new_tokens=30))
+    assert windows_matter, "the window must change some request's text"

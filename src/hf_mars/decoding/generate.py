@@ -343,11 +343,11 @@ def _graph_shape(model, run: Session) -> GraphShape | None:
 def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
     full `tree`, or None where only the loop can: logits processors that read the order of the text (n-gram and
-    bad-word bans; sampling's warpers, repetition penalties and minimum lengths run in the pass: `order_free`), a mask
-    cost, a sliding window. Stopping criteria other than EOS and the length limit, and a streamer, are served
+    bad-word bans; sampling's warpers, repetition penalties and minimum lengths run in the pass: `order_free`), or a
+    mask cost. Stopping criteria other than EOS and the length limit, and a streamer, are served
     from the host after each pass."""
     plan, settings = run.plan, run.plan.settings
-    if not (enabled() and plan.logits_to_keep and order_free(plan.processors)) or plan.window:
+    if not (enabled() and plan.logits_to_keep and order_free(plan.processors)):
         return None
     if not run.schedule.constant or model.config._attn_implementation not in BRANCHING:
         return None
@@ -370,6 +370,8 @@ def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) ->
         typical=plan.typical,
         processors=processors_signature(plan.processors),
         reads_text=not history_free(plan.processors),
+        window=plan.window.size if plan.window else 0,
+        sliding_only=bool(plan.window and plan.window.everywhere),
     )
 
 

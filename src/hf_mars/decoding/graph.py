@@ -14,7 +14,7 @@ What it runs: a static cache; greedy decoding and sampling, with the logits proc
 than which tokens it holds and how many (`scoring.order_free`: the warpers, a repetition penalty, minimum lengths);
 τ-mode with all B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy, or sampled) and lossless
 mode's exact verification over a whole draft tree (chain, runner-ups, prompt lookup), speculative sampling of a
-chain, or typical acceptance. Where the loop has a function for a step (`scoring.choose`, `verify.verify`,
+chain, or typical acceptance; sliding-window layers, whose windows the pass's masks hold. Where the loop has a function for a step (`scoring.choose`, `verify.verify`,
 `verify.propose`), the pass calls it; greedy verification and proposal of raw logits have table-driven versions here
 that dispatch fewer ops. User stopping criteria, stop strings and a streamer are served by the host loop between
 passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds one,
@@ -69,6 +69,8 @@ class GraphShape:
     typical: tuple[float, float] | None = None  # lossless mode: typical acceptance's `(ε, δ)`; None: exact
     processors: tuple = ()  # what the logits processors applied to every slot are (`processors_signature`)
     reads_text: bool = False  # some processor reads each slot's history (a repetition penalty, a minimum length)
+    window: int = 0  # positions a sliding-window layer sees (0: no such layers)
+    sliding_only: bool = False  # every layer slides: one mask for all (else masks by layer type)
 
     @property
     def by_rule(self) -> bool:
@@ -334,7 +336,7 @@ def _forward(g: GraphPass) -> torch.Tensor:
         positions.clamp_(min=0)
     out = g.forward(
         input_ids=state.fed,
-        attention_mask=_slot_attention(g, state.slot),
+        attention_mask=_slot_attention(g, state.slot, positions),
         position_ids=positions,
         use_cache=True,
         return_dict=True,
@@ -344,11 +346,19 @@ def _forward(g: GraphPass) -> torch.Tensor:
     return out.logits.float()
 
 
-def _slot_attention(g: GraphPass, slot: torch.Tensor) -> torch.Tensor:
+def _slot_attention(g: GraphPass, slot: torch.Tensor, positions: torch.Tensor):
     """`(batch, 1, width, slots)` additive mask of a pass written from `slot` on: a query sees the real slots before
-    the pass and, within it, the real ones the tree's visibility allows."""
+    the pass and, within it, the real ones the tree's visibility allows. With sliding-window layers, theirs also
+    hides the keys `window` positions or more behind a query, counted in positions, not slots (holes push slots
+    apart): a real slot before the pass holds the row's token of its rank, the pass's own slots their fed positions."""
     allowed = g.sees.index_select(3, g.key_columns - slot) & g.real_keys
-    return torch.where(allowed, g.open, g.shut)
+    full = torch.where(allowed, g.open, g.shut)
+    if not g.shape.window:
+        return full
+    keys = (g.state.real.cumsum(dim=1) - 1).index_copy_(1, g.slots, positions)
+    near = keys[:, None, None, :] > (positions - g.shape.window)[:, None, :, None]
+    sliding = torch.where(allowed & near, g.open, g.shut)
+    return sliding if g.shape.sliding_only else {"full_attention": full, "sliding_attention": sliding}
 
 
 def _accept(g: GraphPass, logits: torch.Tensor):

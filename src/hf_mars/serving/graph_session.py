@@ -18,6 +18,7 @@ import torch
 from torch.nn.functional import pad
 from transformers import StaticCache
 
+from ..decoding.compat import full_attention_config
 from ..decoding.generate import graph_shape
 from ..decoding.graph import GraphPass, processors_signature
 from ..decoding.scoring import BY_LENGTH, follow_padding
@@ -37,8 +38,8 @@ class GraphSession:
         if shape is None or any(isinstance(p, BY_LENGTH) for p in plan.processors):
             raise ValueError(  # a minimum length counts from where the batch's text starts, not each row's
                 "these settings decode in the loop, not as one graph (logits processors that read the order of the "
-                "text, such as no_repeat_ngram_size or bad words, or a minimum length; a mask schedule or a sliding "
-                "window): serve them without --compile"
+                "text, such as no_repeat_ngram_size or bad words, or a minimum length; or a mask schedule): serve "
+                "them without --compile"
             )
         self.plan, self.shape = plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
@@ -172,6 +173,6 @@ def _static_cache(model, rows: int, slots: int) -> StaticCache:
     config = model.config.get_text_config()
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = StaticCache(config=model.config, max_cache_len=slots)
+    kv = StaticCache(config=full_attention_config(model.config), max_cache_len=slots)  # the pass builds the windows
     kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
     return kv
