@@ -185,6 +185,22 @@ class Session:
         _next_inputs(self, step, tokens, accepted)
         _retire(self)
 
+    @property
+    def decoding(self) -> int:
+        """Rows still decoding (one read from the device)."""
+        return int(self.text.active.sum())
+
+    @property
+    def joins(self) -> bool:
+        """Whether rows may join between passes (`admit`): not on a static cache, whose passes keep their batch."""
+        return not self.cache.fixed_shapes
+
+    @property
+    def retrees(self) -> bool:
+        """Whether the draft tree may change between passes (`retree`): not where passes have the tree's shape (a
+        static cache, a compiled forward)."""
+        return not self.cache.fixed_shapes and self.plan.compiled is None
+
     def rows(self) -> list[tuple[object, list[int], bool, int]]:
         """Every row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: two reads
         from the device for the whole batch (the counts, then the tokens they reach)."""
@@ -197,7 +213,7 @@ class Session:
         """Why `other`'s rows cannot join this session (None: they can)."""
         if not other.stats.forward_passes:
             return "rows join after their prompt's pass (`step` the new session once)"
-        if self.cache.fixed_shapes or other.cache.fixed_shapes:
+        if not (self.joins and other.joins):
             return "a static cache keeps its batch: rows join between generations"
         if getattr(self.cache, "keep_retired", False) or getattr(other.cache, "keep_retired", False):
             return "a session that returns its cache keeps the rows that leave it"
@@ -243,7 +259,7 @@ class Session:
         pass proposes its drafts afresh, and lossless mode's text does not depend on the tree. Sampling, processors
         and everything else stay; a dynamic cache only (a static cache's passes have the tree's shape)."""
         plan = self.plan
-        if self.cache.fixed_shapes or plan.compiled is not None:
+        if not self.retrees:
             raise ValueError("A session on a static cache keeps its draft tree: its passes have the tree's shape.")
         if not (plan.settings.verify or plan.settings.tau == 1.0) or not (settings.verify or settings.tau == 1.0):
             raise ValueError("Only lossless mode (or τ = 1, its plain form) changes its draft tree between passes.")

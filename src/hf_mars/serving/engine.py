@@ -267,8 +267,7 @@ class MARSEngine(BaseGenerateManager):
         if not self._waiting:
             return
         session = self.session
-        keeps_batch = isinstance(session, Session) and session.cache.fixed_shapes
-        if session is not None and (self._waiting[0].key != self._key or keeps_batch):
+        if session is not None and (self._waiting[0].key != self._key or not session.joins):
             return  # the running rows finish first
         key = self._waiting[0].key
         room = self.max_batch_size - (len(session.labels) if session is not None else 0)
@@ -357,7 +356,7 @@ class MARSEngine(BaseGenerateManager):
 
     def _step(self) -> None:
         session = self.session
-        decoding = len(session.labels) if isinstance(session, GraphSession) else int(session.text.active.sum())
+        decoding = session.decoding
         self.batch_sizes.append(decoding)
         self._choose_tree(session, decoding)
         tau = self._choose_tau(session, decoding)
@@ -381,7 +380,7 @@ class MARSEngine(BaseGenerateManager):
         as the batch crosses a power of two (where the cost table's entries change): `mars_lossless="auto"` may pay
         at 1 row with a tree it must drop at 16. A static cache's graph keeps the tree it was built for."""
         band = cost_batch(rows)
-        if not isinstance(session, Session) or session.cache.fixed_shapes or self._banded == (id(session), band):
+        if not session.retrees or self._banded == (id(session), band):
             return
         self._banded = (id(session), band)
         request, running = session.labels[0], session.plan.settings

@@ -62,6 +62,13 @@ class GraphSession:
     def live(self) -> bool:
         return bool(self.labels)
 
+    @property
+    def decoding(self) -> int:
+        """Rows held (a row is freed the moment it stops)."""
+        return len(self.labels)
+
+    joins, retrees = True, False  # rows join free rows between passes; the tree keeps the graph's shape
+
     def decodes_like(self, other) -> bool:
         """Whether `other`'s rows decode with these settings, sampling and processors (and stop at the same EOS
         tokens)."""
