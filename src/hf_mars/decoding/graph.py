@@ -36,7 +36,7 @@ from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
 from .scoring import Histories, choose, confidence, processed
 from .tree import DraftTree, depth_candidates, lookup, runner_ups
-from .verify import Drafts, _runner_ups, add_lookup, deepest_kept, propose, verify
+from .verify import Drafts, _runner_ups, add_lookup, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
@@ -288,21 +288,10 @@ def _tables(shape: GraphShape, dtype) -> dict:
 
 
 def _tree_tables(shape: GraphShape) -> dict:
-    """Lossless mode's tables over the tree's nodes `[root, drafts]`, as a pass's logits are laid out, besides the
-    tree's own (`DraftTree.on`, whose `lineage` says which drafts are on each node's path): the logits of each node's
-    path (root first, then one a depth), and the logits of the masks that follow each node."""
-    tree, masks = shape.tree, shape.masks
-    nodes = len(tree) + 1
-    path = torch.zeros(nodes, shape.tokens, dtype=torch.long)
-    for draft in range(len(tree)):
-        ancestors, parent = [draft + 1], tree.parents[draft]
-        while parent >= 0:
-            ancestors, parent = [parent + 1] + ancestors, tree.parents[parent]
-        path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
-    return dict(
-        path=path,
-        group=nodes + torch.arange(nodes)[:, None] * masks + torch.arange(masks),
-    )
+    """Lossless mode's table over the tree's nodes `[root, drafts]`, as a pass's logits are laid out, besides the
+    tree's own (`DraftTree.on`: each node's lineage and path): the logits of the masks that follow each node."""
+    nodes = len(shape.tree) + 1
+    return dict(group=nodes + torch.arange(nodes)[:, None] * shape.masks + torch.arange(shape.masks))
 
 
 def _relative_positions(shape: GraphShape) -> torch.Tensor:
@@ -396,13 +385,10 @@ def _confidence(probs, measure: str):
 
 
 def _verify(g: GraphPass, logits: torch.Tensor):
-    """Exact verification of the tree (`verify.verify`'s, by table): a node is kept when every draft on its path
-    equals the model's token at its parent; the deepest kept node (of equal depths, the first) ends the path, whose
-    tokens are the model's own at the root and at each node on it. `(tokens, accepted, (end, depth))`."""
-    target = logits.argmax(dim=-1)  # (batch, nodes + masks)
-    match = (g.drafts == target.index_select(1, g.tree.parent_slots)) & g.drafts_real
-    depth, end = deepest_kept(match, g.tree)
-    return target.gather(1, g.path.index_select(0, end)), depth + 1, (end, depth[:, None])
+    """Exact verification of the tree from raw logits (`verify.verify_greedy`, the loop's own):
+    `(tokens, accepted, (end, depth))`."""
+    tokens, depth, end = verify_greedy(logits.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
+    return tokens, depth + 1, (end, depth[:, None])
 
 
 def _verify_by_rule(g: GraphPass, logits: torch.Tensor):

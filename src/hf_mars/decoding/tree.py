@@ -148,15 +148,20 @@ class TreeTensors(NamedTuple):
     depths: torch.LongTensor  # (len + 1,) each node's among `[root, drafts]`: the root 0, a draft its path's length
     parent_slots: torch.LongTensor  # (len,) each draft's parent's index among `[root, drafts]`
     outside: torch.BoolTensor  # (len + 1, len): the drafts off each node's path (for the root, every draft)
-    at_depth: torch.BoolTensor  # (depth, len): the drafts at each depth 1 .. `DraftTree.depth`
+    path: torch.LongTensor  # (len + 1, depth + 1): the nodes on each node's path, root first, one a depth (then 0)
 
 
 @functools.lru_cache(maxsize=SHAPES)
 def _on_device(tree: DraftTree, device: str) -> TreeTensors:
     parent_slots = torch.tensor(tree.parents, dtype=torch.long) + 1
-    at_depth = tree.depths[None, :] == torch.arange(1, tree.depth + 1)[:, None]
     depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
-    tensors = (tree.lineage, depths, parent_slots, ~tree.lineage, at_depth)
+    path = torch.zeros(len(tree) + 1, tree.depth + 1, dtype=torch.long)
+    for draft in range(len(tree)):
+        ancestors, parent = [draft + 1], tree.parents[draft]
+        while parent >= 0:
+            ancestors, parent = [parent + 1] + ancestors, tree.parents[parent]
+        path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
+    tensors = (tree.lineage, depths, parent_slots, ~tree.lineage, path)
     return TreeTensors(*(tensor.to(device) for tensor in tensors))
 
 

@@ -67,10 +67,20 @@ def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[fl
     if do_sample:
         return _verify_sampled(scores, drafts)
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
-    match = drafts.real
-    if len(drafts.tree):
-        match = (drafts.tokens == target[:, drafts.tree.on(target.device).parent_slots]) & drafts.real
-    return _keep_deepest(match, drafts, lambda end: target.gather(1, end[:, None]))
+    tree = drafts.tree.on(target.device)
+    tokens, depth, end = verify_greedy(target, drafts.tokens, drafts.real, tree)
+    return tokens, depth + 1, tree.lineage[end], end
+
+
+def verify_greedy(target, drafts, real, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact verification of greedy drafts: `(tokens, depth, end)`. `target` holds the model's token at each node
+    of `[root, drafts]` (first), `drafts`/`real` the drafts fed and which are real, `tree` their `TreeTensors`. A node
+    is kept when every draft on its path equals the model's token at its parent; the deepest kept node `end` (of
+    equal depths, the first in the tree) ends the path, at `depth`, and the row's new tokens are the model's own at
+    the root and at each node on that path (`tokens[:, : depth + 1]`: each kept draft, then the bonus token)."""
+    match = (drafts == target.index_select(1, tree.parent_slots)) & real
+    depth, end = deepest_kept(match, tree)
+    return target.gather(1, tree.path.index_select(0, end)), depth, end
 
 
 def _verify_typical(scores, drafts: Drafts, do_sample: bool, epsilon: float, delta: float):
@@ -105,10 +115,9 @@ def _keep_deepest(match, drafts: Drafts, after):
         return after(end), count + 1, drafts.real, end
     tree = drafts.tree.on(match.device)
     count, end = deepest_kept(match, tree)
-    kept = tree.lineage[end]
-    path = (drafts.tokens[:, None, :] * (kept[:, None, :] & tree.at_depth)).sum(dim=2)  # (rows, max depth)
+    path = drafts.tokens.gather(1, (tree.path[end, 1:] - 1).clamp(min=0))  # the drafts on the path, one a depth
     tokens = torch.nn.functional.pad(path, (0, 1)).scatter_(1, count[:, None], after(end))
-    return tokens, count + 1, kept, end
+    return tokens, count + 1, tree.lineage[end], end
 
 
 def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor]:
