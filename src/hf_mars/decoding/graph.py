@@ -35,8 +35,8 @@ import torch
 from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
 from .scoring import Histories, choose, confidence, processed
-from .tree import DraftTree, depth_candidates, lookup, runner_ups
-from .verify import Drafts, _runner_ups, add_lookup, propose, verify, verify_greedy
+from .tree import DraftTree
+from .verify import Drafts, add_lookup, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
@@ -442,7 +442,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
-        tokens, real = (_propose_by_rule if shape.by_rule else _propose)(g, logits, end)
+        tokens, real = _propose(g, logits, end)
         g.drafts.copy_(tokens)
         if torch.compiler.is_compiling():  # dynamo refuses `out=` a view (a graph break); inductor fuses the two
             g.drafts_real.copy_(real & g.live_column)
@@ -451,39 +451,17 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
 
 
 def _propose(g: GraphPass, logits, end):
-    """The next drafts (`verify.propose`'s, full tree): from the masks after each row's `end`, the chain of confident
-    tokens and their runner-ups, then prompt lookup's branch. `(tokens, real)`: a slot that is not real holds any
-    token, which nothing sees."""
-    shape, state = g.shape, g.state
-    parts = []
-    if shape.masks:
-        followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
-        probs = torch.softmax(followed, dim=-1)
-        guesses = followed.argmax(dim=-1)
-        real = torch.cummin(_confidence(probs, shape.confidence) >= state.tau, dim=1).values
-        parts.append((guesses, real))
-        if runner_ups(shape.candidates):
-            counts = depth_candidates(shape.candidates, shape.masks)
-            parts += [(t, r) for _, t, r in _runner_ups(probs, guesses, real.sum(dim=1), state.tau, counts)]
-    if shape.lookup:
-        parts.append(lookup(state.sequences, g.text_start + state.decoded, shape.lookup))
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([t for t, _ in parts], dim=1), torch.cat([r for _, r in parts], dim=1)
-
-
-def _propose_by_rule(g: GraphPass, logits, end):
-    """The next drafts as the loop proposes them (`verify.propose` and `add_lookup`, full tree), from processed
-    scores: drawn for speculative sampling (with the distributions they were drawn from), else the greedy tree (typical
-    acceptance, a penalty). `(tokens, real)`."""
+    """The next drafts, as the loop proposes them (`verify.propose` and `add_lookup`) in the full tree's shape: from
+    the masks after each row's `end`, the chain of confident tokens and their runner-ups (greedy or typical
+    acceptance), drawn with the distributions they were drawn from (speculative sampling), then prompt lookup's
+    branch. `(tokens, real)`: a slot that is not real holds any token, which nothing sees."""
     shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
-    drafts = propose(followed, _histories(g), state.tau, g.within, shape.confidence, sampled, shape.candidates,
-                     shape.pad_token_id, full_tree=True)
+    drafts = propose(followed, _histories(g), state.tau, None, shape.confidence, sampled, shape.candidates, None,
+                     full_tree=True)
     if shape.lookup:
-        lengths = g.text_start + state.decoded
-        drafts = add_lookup(drafts, state.sequences, lengths, shape.lookup, shape.pad_token_id, True)
+        drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)
     if g.proposals is not None:
         g.proposals.copy_(drafts.proposals)
     return drafts.tokens, drafts.real

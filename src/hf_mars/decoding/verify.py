@@ -166,35 +166,45 @@ def propose(
     counts, `mars_draft_candidates`) gives them, each where the chain reaches its depth (greedy only). With sampling,
     each draft keeps the distribution it was drawn from, zeroed where it would not have been proposed, which is what
     speculative sampling needs. Slots that no row fills are left out, unless `full_tree` (a static cache): then the
-    tree always has its whole shape, so every pass has one.
+    tree always has its whole shape, so every pass has one. `within`: the masks each row was offered (None: all);
+    `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees).
     """
     device = followed.device
     guesses, confs, q = choose(followed, histories, do_sample, measure, True)
-    confident = (confs >= tau) & within
+    confident = confs >= tau if within is None else (confs >= tau) & within
     prefix = torch.cummin(confident, dim=1).values  # up to the first unconfident mask
-    count = prefix.sum(dim=1)
-    others = _runner_ups(q, guesses, count, tau, depth_candidates(candidates, followed.shape[1]))
+    counts = depth_candidates(candidates, followed.shape[1])
+    counted = not full_tree or do_sample or max(counts, default=1) > 1
+    count = prefix.sum(dim=1) if counted else None  # each row's chain length, where something reads it
+    others = _runner_ups(q, guesses, count, tau, counts)
     if full_tree:
         chain, fed = followed.shape[1], [True] * len(others)
+        real = prefix
     else:  # drafts that no row proposes are not fed: one read from the device says how many there are
         chain, *fed = torch.stack([count.max(), *(real.any().long() for _, _, real in others)]).tolist()
-    real = prefix[:, :chain]
-    tokens = torch.where(real, guesses[:, :chain], pad_token_id)
+        real, guesses = prefix[:, :chain], guesses[:, :chain]
+    tokens = _padded(guesses, real, pad_token_id)
     parents = tuple(range(-1, chain - 1))
     for (depth, siblings, sibling_real), feed in zip(others, fed):
         if feed and chain >= depth:
-            tokens = torch.cat([tokens, torch.where(sibling_real, siblings, pad_token_id)], dim=1)
+            tokens = torch.cat([tokens, _padded(siblings, sibling_real, pad_token_id)], dim=1)
             real = torch.cat([real, sibling_real], dim=1)
             parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
     proposals = None
     if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
         by_probability = measure == "probability"
         proposed = (q >= tau) if by_probability else confident[..., None]
-        reached = (torch.arange(q.shape[1], device=device) <= count[:, None]) & within
+        reached = torch.arange(q.shape[1], device=device) <= count[:, None]
+        reached = reached if within is None else reached & within
         proposals = torch.nn.functional.pad(q * (proposed & reached[..., None]), (0, 0, 0, 1))
         if chain < q.shape[1]:
             proposals = proposals[:, : chain + 1]
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
+
+
+def _padded(tokens, real, pad_token_id):
+    """`tokens` with `pad_token_id` where not `real` (None: as they are)."""
+    return tokens if pad_token_id is None else torch.where(real, tokens, pad_token_id)
 
 
 def _runner_ups(q, guesses, count, tau: float, counts: tuple[int, ...]) -> list:
@@ -216,8 +226,10 @@ def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id
     reach = num_tokens if full_tree else int(found_real.sum(dim=1).max())
     if not reach:
         return drafts
+    if reach < num_tokens:
+        found, found_real = found[:, :reach], found_real[:, :reach]
     start = len(drafts.tree)
-    tokens = torch.cat([drafts.tokens, found[:, :reach].masked_fill(~found_real[:, :reach], pad_token_id)], dim=1)
-    real = torch.cat([drafts.real, found_real[:, :reach]], dim=1)
+    tokens = torch.cat([drafts.tokens, _padded(found, found_real, pad_token_id)], dim=1)
+    real = torch.cat([drafts.real, found_real], dim=1)
     parents = drafts.tree.parents + (-1,) + tuple(range(start, start + reach - 1))
     return Drafts(tokens, real, DraftTree.of(parents, start), drafts.proposals)
