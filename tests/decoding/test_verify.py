@@ -165,6 +165,37 @@ def test_prompt_lookup_finds_what_followed_the_latest_longest_match():
     assert not real[3].any()
 
 
+def _lookup_by_hand(row: list[int], length: int, num_tokens: int, longest: int = 3):
+    """Prompt lookup as its docstring says it, one row in Python: `(found, real)` where something matched."""
+    text = row[:length]
+    for n in range(min(longest, length), 0, -1):
+        starts = [s for s in range(length - n) if text[s : s + n] == text[length - n :]]  # ends before the last
+        if starts:
+            index = [starts[-1] + n + i for i in range(num_tokens)]
+            return [row[min(i, len(row) - 1)] for i in index], [i < length for i in index]
+    return None, [False] * num_tokens
+
+
+def test_prompt_lookup_of_every_ngram_length_at_once_is_the_rule_row_by_row():
+    """`tree.lookup` matches all n-gram lengths in one pass of fixed ops; on random texts of a small vocabulary (many
+    repeats, rows shorter than the longest n-gram too) it finds what the rule, applied row by row, finds."""
+    from hf_mars.decoding.tree import lookup as _lookup
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        draw = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=generator))  # noqa: E731
+        rows, width, vocab, num_tokens = draw(1, 5), draw(1, 12), draw(2, 5), draw(1, 6)
+        sequences = torch.randint(0, vocab, (rows, width), generator=generator)
+        lengths = torch.randint(1, width + 1, (rows,), generator=generator)
+        found, real = _lookup(sequences, lengths, num_tokens)
+        for row in range(rows):
+            tokens, expected = _lookup_by_hand(sequences[row].tolist(), int(lengths[row]), num_tokens)
+            assert real[row].tolist() == expected
+            if tokens is not None:
+                kept = [t for t, r in zip(tokens, expected) if r]
+                assert [t for t, r in zip(found[row].tolist(), expected) if r] == kept
+
+
 def test_lossless_with_prompt_lookup_accepts_repeated_text_exactly():
     """Text that repeats is what lookup drafts: at τ = 1 (no masks, no mask drafts) they alone give more than one
     token per pass, with the output still exactly greedy `generate()`'s. The model here repeats its last token: its

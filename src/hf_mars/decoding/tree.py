@@ -228,20 +228,19 @@ def tree_attention(
 def lookup(sequences, lengths, num_tokens: int, longest_ngram: int = LOOKUP_NGRAM):
     """Prompt lookup: for each row, the `num_tokens` tokens that followed the latest earlier occurrence of its last
     n tokens (n from `longest_ngram` down to 1, the longest that occurs), `(found, real)`; `real` is False past the
-    row's text and where nothing matched. Rows are `sequences[:, :lengths]`."""
+    row's text and where nothing matched. Rows are `sequences[:, :lengths]`. Every n at once, in a fixed number of
+    ops: each position's last `longest_ngram` tokens against the text's, agreeing over the last n of them."""
     batch, width = sequences.shape
-    device = sequences.device
-    found = sequences.new_zeros(batch, num_tokens)
-    real = torch.zeros(batch, num_tokens, dtype=torch.bool, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    for n in range(longest_ngram, 0, -1):
-        last = sequences.gather(1, (lengths[:, None] - n + torch.arange(n, device=device)).clamp(min=0))
-        starts = torch.arange(width - n + 1, device=device)
-        hit = (sequences.unfold(1, n, 1) == last[:, None]).all(dim=2) & (starts + n < lengths[:, None])
-        start = torch.where(hit, starts, -1).amax(dim=1)
-        new = (start >= 0) & ~done
-        index = start[:, None] + n + torch.arange(num_tokens, device=device)
-        found = torch.where(new[:, None], sequences.gather(1, index.clamp(0, width - 1)), found)
-        real = torch.where(new[:, None], index < lengths[:, None], real)
-        done |= new
-    return found, real
+    device, k = sequences.device, longest_ngram
+    ends = torch.arange(width, device=device)  # where an earlier n-gram ends
+    back = lengths[:, None] - k + torch.arange(k, device=device)  # the text's last k tokens, oldest first
+    last = torch.where(back >= 0, sequences.gather(1, back.clamp(min=0)), -1)  # -1: before the text's start
+    windows = torch.nn.functional.pad(sequences, (k - 1, 0), value=-2).unfold(1, k, 1)  # (batch, width, k)
+    agree = torch.cummin((windows == last[:, None, :]).flip(2), dim=2).values  # [..., n - 1]: the last n agree
+    agree &= (ends + 1 < lengths[:, None])[..., None]  # an occurrence ends before the text's last token
+    latest = torch.where(agree, ends[:, None], -1).amax(dim=1)  # (batch, k): the latest end, for each n
+    longest = (latest >= 0).long().mul_(torch.arange(1, k + 1, device=device)).argmax(dim=1, keepdim=True)
+    end = latest.gather(1, longest)  # (batch, 1): where the longest n that occurs last ended (-1: none did)
+    index = end + 1 + torch.arange(num_tokens, device=device)
+    found = sequences.gather(1, index.clamp(0, width - 1))
+    return found, (end >= 0) & (index < lengths[:, None])
