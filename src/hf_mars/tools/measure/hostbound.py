@@ -35,6 +35,7 @@ MODES = {
     "MARS τ = 0.9": dict(mars_tau=0.9),
     "MARS τ = 0.9, measured mask cost": dict(mars_tau=0.9, mars_mask_cost="auto"),  # masks fed only where they pay
     "lossless": dict(mars_verify=True, mars_tau=0.9),
+    "lossless, prompt lookup 4": dict(mars_verify=True, mars_tau=0.9, mars_lookup=4),  # the shipped trees' branch
 }
 
 
