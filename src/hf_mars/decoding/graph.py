@@ -14,11 +14,11 @@ What it runs: a static cache; greedy decoding and sampling, with the logits proc
 than which tokens it holds and how many (`scoring.order_free`: the warpers, a repetition penalty, minimum lengths);
 τ-mode with all B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy, or sampled) and lossless
 mode's exact verification over a whole draft tree (chain, runner-ups, prompt lookup), speculative sampling of a
-chain, or typical acceptance; sliding-window layers, whose windows the pass's masks hold. Where the loop has a function for a step (`scoring.choose`, `verify.verify`,
-`verify.propose`), the pass calls it; greedy verification and proposal of raw logits have table-driven versions here
-that dispatch fewer ops. User stopping criteria, stop strings and a streamer are served by the host loop between
-passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds one,
-and runs everything else itself.
+chain, or typical acceptance; sliding-window layers, whose windows the pass's masks hold. Choosing, verifying and
+proposing are the loop's own functions (`scoring.choose`, `verify.verify_greedy`, `verify.verify`, `verify.propose`,
+`verify.add_lookup`), written for few ops; this file adds what a pass of fixed shape needs around them. User
+stopping criteria, stop strings and a streamer are served by the host loop between passes. `generate.py` hands a run
+over after its first pass (the prompt's) where `_graph_shape` finds one, and runs everything else itself.
 
 This file is copied into MARS checkpoints (trust_remote_code).
 """
