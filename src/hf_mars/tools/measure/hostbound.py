@@ -67,13 +67,22 @@ def pass_costs(
     rows = []
     for batch in batch_sizes:
         inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
-        extra = static_compiled(model, inputs.input_ids.shape[1], max_new_tokens, batch_sizes) if compiled else {}
+        prompt = inputs.input_ids.shape[1]
+        extra = static_compiled(model, prompt, max_new_tokens, batch_sizes, _trees(model)) if compiled else {}
         seconds, passes = _time_modes(model, inputs, max_new_tokens, repeats, extra)
         step = seconds["plain generate()"] / max_new_tokens
         for name, total in seconds.items():
             per_pass = total / passes[name]
             rows.append(dict(batch=batch, method=name, ms=1000 * per_pass, ratio=per_pass / step))
     return rows
+
+
+def _trees(model) -> list[tuple]:
+    """The lossless trees of `MODES` that widen a pass beyond the default chain, as `static_compiled` takes them, so
+    that one static cache holds every mode's passes (a mode that outgrew it would make every later call recompile)."""
+    block = model.config.mars_block_size
+    return [(block, mode.get("mars_draft_candidates", 1), mode["mars_lookup"]) for mode in MODES.values()
+            if mode.get("mars_lookup")]
 
 
 def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -> tuple[dict, dict]:
