@@ -517,6 +517,32 @@ def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_tex
     assert "2x1" in changes and "4x2" in changes[changes.index("2x1") :], engine.tree_changes
 
 
+def test_a_preset_tree_is_rechosen_at_its_own_batch_size_whatever_order_rows_join_in(tmp_path):
+    """Rows that join one, then two at a time (1 -> 3 -> 4 rows) get the preset's 4-row tree at 4: 3 and 4 share a
+    power of two, and re-choosing only when that changed kept the 1-row tree (a race the served test above met when
+    its three requests arrived apart)."""
+    from types import SimpleNamespace
+
+    from hf_mars.serving.server import build_app
+
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.generation_config.mars_lossless = {"1": {"mars_block_size": 4, "mars_draft_candidates": 2},
+                                             "4": {"mars_block_size": 2}}
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    _, engine = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=4)
+    config = engine.model.generation_config.__class__.from_dict(engine.model.generation_config.to_dict())
+    config.mars_verify, config.max_new_tokens = True, 8  # as a request's config carries them
+    request = SimpleNamespace(tau_range=None, generation_config=config)
+    ids = tok(["count 1 to 40"], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        session = engine.model.mars_session(ids, generation_config=config, labels=[request])
+        for rows in (1, 3, 4, 3, 1):
+            engine._choose_tree(session, rows)
+    assert list(engine.tree_changes) == [(4, "2x1"), (3, "4x2")]
+
+
 def _scrape(server) -> dict:
     """`/metrics` parsed as Prometheus text: `{(name, labels): value}`."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -169,7 +169,7 @@ class MARSEngine(BaseGenerateManager):
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
         self._controllers: dict[str, TauController] = {}  # per key with a τ range: the τ its rows decode with
         self._policies: dict[str, TauPolicy] = {}  # per key with a τ range: what each τ took there, measured
-        self._banded: tuple | None = None  # (running session's id, the cost batch its tree was chosen for)
+        self._banded: tuple | None = None  # (running session's id, the rows its tree was chosen for)
         self.tree_changes: deque[tuple[int, str]] = deque(maxlen=256)  # (rows, tree) at each change, for tests
         self.metrics = ServerMetrics()
         self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
@@ -377,12 +377,12 @@ class MARSEngine(BaseGenerateManager):
 
     def _choose_tree(self, session, rows: int) -> None:
         """Lossless rows decode with the draft tree the measured pass costs favour at the rows running now, re-chosen
-        as the batch crosses a power of two (where the cost table's entries change): `mars_lossless="auto"` may pay
-        at 1 row with a tree it must drop at 16. A static cache's graph keeps the tree it was built for."""
-        band = cost_batch(rows)
-        if not session.retrees or self._banded == (id(session), band):
+        whenever their number changes (rows join and leave a few times a request, not every pass): `mars_lossless=
+        "auto"` may pay at 1 row with a tree it must drop at 16, and a preset by batch size changes at its own sizes,
+        which need not be the cost table's powers of two. A static cache's graph keeps the tree it was built for."""
+        if not session.retrees or self._banded == (id(session), rows):
             return
-        self._banded = (id(session), band)
+        self._banded = (id(session), rows)
         request, running = session.labels[0], session.plan.settings
         if request.tau_range is not None or not (running.verify or running.tau == 1.0):
             return  # τ-mode: no tree
