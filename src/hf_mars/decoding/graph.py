@@ -308,9 +308,10 @@ def graph_pass(g: GraphPass) -> None:
     logits = _forward(g)
     if g.processors and not g.shape.reads_text:  # warpers alone: every slot's scores in one call, here
         logits = processed(logits, Histories(g.processors, g.state.sequences, None, None), None)
-    tokens, accepted, path = _accept(g, logits)
+    histories = _histories(g)
+    tokens, accepted, path = _accept(g, logits, histories)
     _commit(g, tokens, accepted, path)
-    _next_inputs(g, logits, tokens, accepted, path)
+    _next_inputs(g, logits, tokens, accepted, path, histories)
     torch.all(g.state.done, out=g.state.finished)
 
 
@@ -350,15 +351,15 @@ def _slot_attention(g: GraphPass, slot: torch.Tensor, positions: torch.Tensor):
     return sliding if g.shape.sliding_only else {"full_attention": full, "sliding_attention": sliding}
 
 
-def _accept(g: GraphPass, logits: torch.Tensor):
+def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """`(tokens, accepted, path)`: τ's test or exact verification, then EOS and the length limit. `path`: lossless
     mode's `(end, depth)`, the deepest kept node and its depth (the bonus token's slot in `tokens`), else None."""
     shape, state = g.shape, g.state
     path = None
     if shape.verify:
-        tokens, accepted, path = (_verify_by_rule if shape.by_rule else _verify)(g, logits)
+        tokens, accepted, path = _verify_by_rule(g, logits, histories) if shape.by_rule else _verify(g, logits)
     else:
-        tokens, confs = _choose(g, logits)
+        tokens, confs = _choose(g, logits, histories)
         if shape.masks:
             accepted = (confs[:, 1:] >= state.tau).cumprod(dim=1).sum(dim=1).add_(1)
         else:  # τ >= 1 throughout: one token a pass, no masks
@@ -369,12 +370,12 @@ def _accept(g: GraphPass, logits: torch.Tensor):
     return tokens, accepted, path
 
 
-def _choose(g: GraphPass, logits: torch.Tensor):
+def _choose(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """τ-mode's token and confidence at every slot: `scoring.choose`, as the loop draws them, where the run samples
     or processes its scores; else the raw logits' argmax (the confidence only where masks need it)."""
     shape = g.shape
     if shape.sampled or shape.processors:
-        return choose(logits, _histories(g), shape.sampled, shape.confidence)
+        return choose(logits, histories, shape.sampled, shape.confidence)
     tokens = logits.argmax(dim=-1)
     return tokens, _confidence(torch.softmax(logits, dim=-1), shape.confidence) if shape.masks else None
 
@@ -391,13 +392,13 @@ def _verify(g: GraphPass, logits: torch.Tensor):
     return tokens, depth + 1, (end, depth[:, None])
 
 
-def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
+def _verify_by_rule(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """Speculative sampling, typical acceptance, or greedy verification of processed scores, by `verify.verify`
     itself (the loop's): `_verify`'s `(tokens, accepted, (end, depth))`."""
     shape = g.shape
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
-    tokens, accepted, _, end = verify(nodes, drafts, _histories(g), shape.sampled, shape.typical)
+    tokens, accepted, _, end = verify(nodes, drafts, histories, shape.sampled, shape.typical)
     return tokens, accepted, (end, (accepted - 1).unsqueeze(1))
 
 
@@ -427,7 +428,7 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
 
 
-def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
+def _next_inputs(g: GraphPass, logits, tokens, accepted, path, histories: Histories | None) -> None:
     """τ-mode: the accepted tokens, right-aligned. Lossless mode: the last token, and the drafts that the group of
     masks after the last kept draft proposes (the full tree, unfilled slots not real). A row that is done feeds
     no drafts, and once its last tokens are cached (the pass after it stopped) nothing real, so that its idle passes
@@ -442,7 +443,8 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
-        tokens, real = _propose(g, logits, end)
+        moved = None if histories is None else histories.after(g.state.sequences, tokens, accepted)
+        tokens, real = _propose(g, logits, end, moved)
         g.drafts.copy_(tokens)
         if torch.compiler.is_compiling():  # dynamo refuses `out=` a view (a graph break); inductor fuses the two
             g.drafts_real.copy_(real & g.live_column)
@@ -450,7 +452,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
             torch.logical_and(real, g.live_column, out=g.drafts_real)
 
 
-def _propose(g: GraphPass, logits, end):
+def _propose(g: GraphPass, logits, end, histories: Histories | None):
     """The next drafts, as the loop proposes them (`verify.propose` and `add_lookup`) in the full tree's shape: from
     the masks after each row's `end`, the chain of confident tokens and their runner-ups (greedy or typical
     acceptance), drawn with the distributions they were drawn from (speculative sampling), then prompt lookup's
@@ -458,7 +460,7 @@ def _propose(g: GraphPass, logits, end):
     shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
-    drafts = propose(followed, _histories(g), state.tau, None, shape.confidence, sampled, shape.candidates, None,
+    drafts = propose(followed, histories, state.tau, None, shape.confidence, sampled, shape.candidates, None,
                      full_tree=True)
     if shape.lookup:
         drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)

@@ -2,7 +2,9 @@
 
 A pass scores several slots at once. Logits processors that read the token history (repetition penalty, n-gram bans)
 must see, for each slot, the text that slot would continue if it is accepted; `Histories` lays it out exactly as
-`generate()` does. Processors that read only the scores score every slot in one call.
+`generate()` does. Processors that read only the scores score every slot in one call; a repetition penalty and
+minimum lengths, which read only which tokens a history holds and how long it is, are applied here by transformers'
+rules from those two facts, for every slot and row at once (`Histories.apply`): a pass of fixed shape, few ops.
 """
 
 from __future__ import annotations
@@ -55,12 +57,11 @@ STATELESS = HISTORY_FREE + _processors(
     "WatermarkLogitsProcessor",
 )
 # Processors whose scores depend only on which tokens a row's history holds (past the columns `prompt_ignore_length`
-# skips: `generate()`'s left padding), not on their order, count or length: a history padded with copies of its own
-# tokens scores the same, so rows of any length are scored in one call of fixed shape (`Histories`), with no read of
-# the device, which the graph pass can run.
+# skips: `generate()`'s left padding), not on their order, count or length: `Histories.apply` applies them from that
+# set, for rows of any length and every slot at once, with no read of the device, which the graph pass can run.
 SET_BASED = _processors("RepetitionPenaltyLogitsProcessor")
-# Processors that read only the history's length (EOS barred while it is short): one call of fixed shape gives each
-# row its own length (`Histories`), as `generate()` gives every row the batch's.
+# Processors that read only the history's length (EOS barred while it is short): `Histories.apply` gives each row
+# (and slot) its own length, as `generate()` gives every row the batch's.
 BY_LENGTH = _processors("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
 # The `generate()` argument behind a processor, named in errors
 PROCESSOR_OPTIONS = {
@@ -90,24 +91,23 @@ class Histories:
     """What logits processors read: each active row's tokens laid out exactly as `generate()` lays them out (its
     left-padded prompt, then its generated tokens), within a batch as wide as at the start.
 
-    Rows that accepted different numbers of tokens differ in length, so they are processed in groups of equal
-    length; rows that finished, or are in another group, show their own tokens (a finished row: its text, then
-    padding, as in `generate()`) and their scores are dropped. This keeps
-    position-aware processors (repetition penalty's `prompt_ignore_length`, n-gram bans) and those with per-row
-    state exact. In the common case (no finished row, equal lengths) it is one call on `generate()`'s own input.
+    `order_free` processors (warpers, a repetition penalty, minimum lengths) need no more than which tokens each
+    history holds (`seen`) and its length: MARS applies them itself (`apply`), every row at once. Others are called
+    as transformers' own on the text: rows that accepted different numbers of tokens differ in length, so they are
+    processed in groups of equal length; rows that finished, or are in another group, show their own tokens (a
+    finished row: its text, then padding, as in `generate()`) and their scores are dropped. This keeps
+    position-aware processors (n-gram bans) and those with per-row state exact.
     """
 
     def __init__(self, processors, sequences, rows, lengths):
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
         `lengths`: `(active rows,)` how far each one's history reaches."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
-        self._filled = None
+        self._seen, self._ids = None, {}
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:
-        nothing after the history)."""
-        if order_free(self.processors):
-            return self._in_one_call(prefix, scores)
+        nothing after the history), by transformers' processors themselves (`order_free` ones: `slots`)."""
         if prefix is None:
             prefix = self.sequences.new_zeros(scores.shape[0], 0)
         batch, out = self.sequences.shape[0], torch.empty_like(scores)
@@ -120,39 +120,116 @@ class Histories:
             out[group] = self.processors(ids, full)[rows]
         return out
 
-    def _in_one_call(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """`__call__` for `order_free` processors: one call over the whole batch (as `generate()` calls them, for
-        processors that keep a value per row), each row's history followed by copies of its last token (the same set
-        of tokens, `filled`), then `prefix`, and its own length for `BY_LENGTH` processors. Rows not active show
-        their first token and their scores are dropped."""
-        ids, rows, after = self.filled(), self.rows, 0 if prefix is None else prefix.shape[1]
-        if rows is not None:
-            scores = scores.new_zeros(ids.shape[0], scores.shape[1]).index_copy(0, rows, scores)
-        if after:
-            if rows is not None:
-                prefix = prefix.new_zeros(ids.shape[0], after).index_copy(0, rows, prefix)
-            ids = torch.cat([ids, prefix], dim=1)
-        for processor in self.processors:
-            if isinstance(processor, BY_LENGTH):
-                scores = _by_length(processor, self.row_lengths()[:, None] + after, scores)
-            else:
-                scores = processor(ids, scores)
-        return scores if rows is None else scores[rows]
+    def slots(self, logits: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
+        """`order_free` processors applied to every slot of a pass at once: `(rows, slots, vocab)` scores, slot j
+        after each row's history and `prefix[:, :j]` (None: the history alone, every slot)."""
+        rows, slots, vocab = logits.shape
+        if prefix is None or slots == 1:
+            seen = [s[:, None] for s in self.seen(vocab)]
+        else:
+            before = torch.ones(slots, slots - 1, dtype=torch.bool, device=logits.device).tril_(-1)
+            earlier = torch.where(before, prefix[:, None, : slots - 1], vocab)  # (rows, slots, slots - 1)
+            seen = [s[:, None].expand(rows, slots, vocab + 1).scatter(2, earlier, True) for s in self.seen(vocab)]
+        return self.apply(logits, seen, self._ends(slots, prefix is not None))
 
-    def row_lengths(self) -> torch.Tensor:
-        """Every row's history length, the whole batch's (a row not active: 1)."""
-        if self.rows is None:
-            return self.lengths
-        return self.lengths.new_ones(self.sequences.shape[0]).index_copy(0, self.rows, self.lengths)
+    def in_order(self, logits: torch.Tensor):
+        """`order_free` processors slot by slot, each slot after the history and the tokens chosen before it: a
+        generator that yields slot i's processed scores `(rows, vocab)` and is then sent the token chosen there.
+        What does not depend on those tokens is computed once for every slot: the processors before the first
+        repetition penalty, and that penalty's penalised scores (a slot picks them where its history holds the
+        token)."""
+        slots, vocab = logits.shape[1:]
+        first = next((i for i, p in enumerate(self.processors) if isinstance(p, SET_BASED)), len(self.processors))
+        head, tail = self.processors[:first], self.processors[first:]
+        ends = self._ends(slots, True)
+        seen = [s[:, :vocab] for s in self.seen(vocab)]  # no sink column: a chosen token is in the vocab
+        scores = self.apply(logits, [], ends, head)
+        penalised = _penalised(scores, tail[0].penalty).unbind(1) if tail else None
+        for i, slot in enumerate(scores.unbind(1)):
+            if tail:
+                slot = torch.where(seen[0], penalised[i], slot)
+            token = yield self.apply(slot, seen[1:], None if ends is None else ends[:, i], tail[1:])
+            seen = [s.scatter(1, token[:, None], True) for s in seen]
 
-    def filled(self) -> torch.Tensor:
-        """Every row's text to its history's end, then copies of its last token, as wide as the batch's text (rows
-        not active: their first token throughout): built once, whatever prefixes follow it (a pass scores several)."""
-        if self._filled is None:
-            text, lengths = self.sequences, self.row_lengths()
+    def seen(self, vocab: int) -> list[torch.Tensor]:
+        """For each `SET_BASED` processor, `(active rows, vocab + 1)`: whether each token is in the row's history
+        (past the columns it skips), found once. The last column gathers ids past the vocab and skipped ones."""
+        if self._seen is None:
+            penalties = [p for p in self.processors if isinstance(p, SET_BASED)]
+            text = self.sequences if self.rows is None or not penalties else self.sequences[self.rows]
             columns = torch.arange(text.shape[1], device=text.device)
-            self._filled = torch.where(columns < lengths[:, None], text, text.gather(1, lengths[:, None] - 1))
-        return self._filled
+            past = columns >= self.lengths[:, None] if penalties else None  # past each history's end
+            self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
+        return self._seen
+
+    def apply(self, scores: torch.Tensor, seen: list, ends: torch.Tensor | None, processors=None) -> torch.Tensor:
+        """`processors` (default: all), in order, on `scores` (`(..., vocab)`), by `generate()`'s rules: `seen`
+        (`seen()`'s, one per `SET_BASED` processor, broadcast) the tokens each history holds, `ends` (broadcast,
+        last dim 1; None without `BY_LENGTH` processors) how long each is. A repetition penalty is applied here
+        from `seen`, as transformers' processor applies it from the ids: one rule for any number of slots, each
+        with a history of its own."""
+        vocab, held = scores.shape[-1], iter(seen)
+        for processor in self.processors if processors is None else processors:
+            if isinstance(processor, SET_BASED):
+                scores = torch.where(next(held)[..., :vocab], _penalised(scores, processor.penalty), scores)
+            elif isinstance(processor, BY_LENGTH):
+                scores = _by_length(processor, ends, scores)
+            elif scores.dim() == 2:  # reads only the scores
+                scores = processor(self._no_ids(scores.shape[0]), scores)
+            else:  # every slot in one call
+                scores = processor(self._no_ids(scores.numel() // vocab), scores.reshape(-1, vocab)).view_as(scores)
+        return scores
+
+    def _ends(self, slots: int, in_turn: bool) -> torch.Tensor | None:
+        """`(rows, slots, 1)`: each row's history length at each slot, the history's own, or (`in_turn`) slot i past
+        i tokens more; None where no processor reads it (`BY_LENGTH`)."""
+        if not any(isinstance(p, BY_LENGTH) for p in self.processors):
+            return None
+        ends = self.lengths[:, None].expand(-1, slots)
+        if in_turn:
+            ends = ends + torch.arange(slots, device=ends.device)
+        return ends[..., None]
+
+    def _no_ids(self, rows: int) -> torch.Tensor:
+        """Token ids for a processor that reads none: one column of zeros, made once per number of rows."""
+        if rows not in self._ids:
+            self._ids[rows] = torch.zeros(rows, 1, dtype=torch.long, device=self.sequences.device)
+        return self._ids[rows]
+
+    def after(self, sequences: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor) -> Histories:
+        """These histories once each row has taken `tokens[:, :accepted]`, which `sequences` now holds: what the
+        proposals of the pass that took them read. The tokens already found held are kept, the new ones added."""
+        moved = Histories(self.processors, sequences, self.rows, self.lengths + accepted)
+        if self._seen:
+            vocab = self._seen[0].shape[1] - 1
+            late = torch.arange(tokens.shape[1], device=tokens.device) >= accepted[:, None]
+            taken = tokens.clamp(max=vocab).masked_fill_(late, vocab)
+            moved._seen = [s.scatter(1, taken, True) for s in self._seen]
+        return moved
+
+    def _skipped(self, penalty, columns: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        """`(rows, width)`: the columns of each row's text that `penalty` does not read: past the history, and the
+        left padding its `prompt_ignore_length` skips (an int, or one per row of the batch)."""
+        skip = penalty.prompt_ignore_length
+        if skip is None:
+            return past
+        if isinstance(skip, torch.Tensor):
+            skip = skip.to(columns.device)
+            skip = (skip if self.rows is None else skip[self.rows])[:, None]
+        return past | (columns < skip)
+
+
+def _penalised(scores: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Every score as a repetition penalty changes it (transformers' rule): divided by the penalty, multiplied where
+    negative."""
+    return torch.where(scores < 0, scores * penalty, scores / penalty)
+
+
+def _held(text: torch.Tensor, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`(rows, vocab + 1)`: the tokens of each row of `text` outside `hidden`; the last column gathers the hidden
+    ones and ids past the vocab (transformers' processor drops them the same way)."""
+    ids = text.clamp(max=vocab).masked_fill_(hidden, vocab)
+    return torch.zeros(text.shape[0], vocab + 1, dtype=torch.bool, device=text.device).scatter_(1, ids, True)
 
 
 def follow_padding(processors, prompt_real: torch.Tensor) -> None:
@@ -208,11 +285,9 @@ def processed(logits, histories: Histories | None, prefix):
     """Processed scores of every slot, slot j seeing the history plus `prefix[:, :j]` (tokens already fed)."""
     if histories is None:
         return logits
-    batch, slots, vocab = logits.shape
-    if history_free(histories.processors):  # one call for every slot of every row
-        dummy = torch.zeros(batch * slots, 1, dtype=torch.long, device=logits.device)
-        return histories.processors(dummy, logits.reshape(-1, vocab)).view(batch, slots, vocab)
-    return torch.stack([histories(prefix[:, :j], logits[:, j]) for j in range(slots)], dim=1)
+    if order_free(histories.processors):  # one application for every slot of every row
+        return histories.slots(logits, prefix)
+    return torch.stack([histories(prefix[:, :j], logits[:, j]) for j in range(logits.shape[1])], dim=1)
 
 
 def draw(probs: torch.Tensor) -> torch.Tensor:
@@ -250,13 +325,25 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
 def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
     """`choose`'s tokens for processors that read the history, slot by slot: `(tokens, probs)`, probs only
     `with_probs`. Each slot's processed scores are what `generate()`'s next step would see after the tokens chosen
-    before it."""
-    chosen, distributions = [], []
+    before it (`Histories.in_order`)."""
+    scored = histories.in_order(logits) if order_free(histories.processors) else _by_calls(logits, histories)
+    chosen, slots = [], []
     for i in range(logits.shape[1]):
-        prefix = torch.stack(chosen, dim=1) if chosen else None
-        scores = histories(prefix, logits[:, i])
-        probs = torch.softmax(scores, dim=-1) if do_sample or with_probs else None
+        scores = scored.send(chosen[-1] if chosen else None)
+        probs = torch.softmax(scores, dim=-1) if do_sample else None
         chosen.append(draw(probs) if do_sample else scores.argmax(dim=-1))
-        distributions.append(probs)
+        slots.append(probs if do_sample else scores)
     tokens = torch.stack(chosen, dim=1)
-    return tokens, torch.stack(distributions, dim=1) if with_probs else None
+    if not with_probs:
+        return tokens, None
+    stacked = torch.stack(slots, dim=1)  # greedy: every slot's distribution in one softmax
+    return tokens, stacked if do_sample else torch.softmax(stacked, dim=-1)
+
+
+def _by_calls(logits, histories: Histories):
+    """`Histories.in_order` for processors that read the text itself: the processors called on each slot's
+    history."""
+    chosen = []
+    for i in range(logits.shape[1]):
+        token = yield histories(torch.stack(chosen, dim=1) if chosen else None, logits[:, i])
+        chosen.append(token)

@@ -535,7 +535,7 @@ class LosslessMode:
         lengths = run.text.prompt_length + run.text.decoded[rows]
         if step.masks:
             if step.histories is not None:  # the text now holds this pass's tokens
-                step.histories = Histories(plan.processors, run.text.sequences, rows, lengths)
+                step.histories = step.histories.after(run.text.sequences, tokens, accepted)
             groups = len(feed.drafts.tree) + 1
             followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
             followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]

@@ -1,0 +1,112 @@
+"""Scoring a pass's slots: MARS's own application of the order-free processors (a repetition penalty from the set
+of tokens each history holds, minimum lengths from each history's length, warpers on every slot at once) against
+transformers' processors called on each slot's history, spelled out row by row."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+from hf_mars.decoding.scoring import Histories, choose, processed
+
+VOCAB, EOS, PROMPT = 12, 3, 4  # a small vocabulary, so that histories hold many of its tokens
+
+
+def _processors(skip, sampled: bool):
+    """What `generate()` builds for a penalty, `min_new_tokens` and (sampling) its warpers; `skip`: the repetition
+    penalty's `prompt_ignore_length`, one per row or an int."""
+    processors = [
+        RepetitionPenaltyLogitsProcessor(3.0, prompt_ignore_length=skip),
+        MinNewTokensLengthLogitsProcessor(PROMPT, min_new_tokens=3, eos_token_id=EOS),
+    ]
+    if sampled:
+        processors += [TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)]
+    return LogitsProcessorList(processors)
+
+
+def _by_hand(skip, sampled: bool, text, length: int, row: int, scores):
+    """transformers' processors called on one row's history `text[:length]`, as `generate()` calls them."""
+    own_skip = skip[row : row + 1].clone() if isinstance(skip, torch.Tensor) else skip
+    return _processors(own_skip, sampled)(text[None, :length], scores[None])[0]
+
+
+def _case(seed: int):
+    """A batch of 4 left-padded texts of different lengths, pad 0, and each row's skipped padding."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = torch.randint(4, VOCAB, (4, 10), generator=generator)
+    pads = torch.tensor([0, 2, 1, 3])
+    sequences[torch.arange(10) < pads[:, None]] = 0
+    lengths = torch.tensor([9, 6, 8, 5])
+    return generator, sequences, pads, lengths
+
+
+@pytest.mark.parametrize("skip_as", ["per row", "int", "none"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("active", [None, [0, 2, 3]], ids=["all rows", "some rows"])
+def test_every_slot_is_processed_at_once_as_generate_processes_its_history(skip_as, sampled, active):
+    generator, sequences, pads, lengths = _case(0)
+    skip = {"per row": pads, "int": 2, "none": None}[skip_as]
+    rows = None if active is None else torch.tensor(active)
+    picked = torch.arange(4) if rows is None else rows
+    logits = torch.randn(len(picked), 5, VOCAB, generator=generator)
+    prefix = torch.randint(4, VOCAB, (len(picked), 4), generator=generator)
+    histories = Histories(_processors(skip, sampled), sequences, rows, lengths[picked])
+    got = processed(logits, histories, prefix)
+    for i, row in enumerate(picked.tolist()):
+        for j in range(5):
+            text = torch.cat([sequences[row, : lengths[row]], prefix[i, :j]])
+            want = _by_hand(skip, sampled, text, len(text), row, logits[i, j])
+            torch.testing.assert_close(got[i, j], want, rtol=0, atol=0)
+    # The premise: the penalty changed some slot's top token, and the history told it which
+    assert (got.argmax(-1) != logits.argmax(-1)).any()
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_slots_chosen_in_order_see_the_tokens_chosen_before_them(sampled):
+    generator, sequences, pads, lengths = _case(1)
+    logits = torch.randn(4, 6, VOCAB, generator=generator) * 2
+    histories = Histories(_processors(pads, sampled), sequences, None, lengths)
+    torch.manual_seed(7)
+    tokens, confs, probs = choose(logits, histories, sampled, "probability", True)
+    torch.manual_seed(7)
+    for j in range(6):  # generate()'s next step after each slot's history, slot after slot, drawing in turn
+        scores = torch.stack(
+            [
+                _by_hand(pads, sampled, torch.cat([sequences[r, : lengths[r]], tokens[r, :j]]), lengths[r] + j, r, s)
+                for r, s in enumerate(logits[:, j])
+            ]
+        )
+        want_probs = torch.softmax(scores, dim=-1)
+        torch.testing.assert_close(probs[:, j], want_probs)
+        if sampled:
+            want = (want_probs / torch.empty_like(want_probs).exponential_(1)).argmax(dim=-1)
+        else:
+            want = scores.argmax(dim=-1)
+        assert tokens[:, j].tolist() == want.tolist()
+    torch.testing.assert_close(confs, probs.gather(-1, tokens[..., None])[..., 0])
+    # The premise: the tokens chosen before a slot changed what it saw, in this run
+    alone = processed(logits, Histories(histories.processors, sequences, None, lengths), None)
+    assert not torch.allclose(torch.softmax(alone, dim=-1), probs)
+
+
+def test_histories_after_a_pass_hold_what_the_text_then_holds():
+    generator, sequences, pads, lengths = _case(2)
+    tokens = torch.randint(4, VOCAB, (4, 3), generator=generator)
+    accepted = torch.tensor([0, 1, 3, 2])
+    processors = _processors(pads, False)
+    before = Histories(processors, sequences, None, lengths)
+    before.seen(VOCAB)  # found once, then carried over
+    text = torch.cat([sequences, torch.zeros(4, 3, dtype=torch.long)], dim=1)
+    for r in range(4):
+        text[r, lengths[r] : lengths[r] + accepted[r]] = tokens[r, : accepted[r]]
+    moved = before.after(text, tokens, accepted)
+    fresh = Histories(processors, text, None, lengths + accepted)
+    assert torch.equal(moved.lengths, fresh.lengths)
+    held = [[s[:, :VOCAB] for s in h.seen(VOCAB)] for h in (before, moved, fresh)]  # the last column: a sink
+    assert all(torch.equal(a, b) for a, b in zip(held[1], held[2]))
+    assert not torch.equal(held[0][0], held[1][0])  # the premise: a token not held before
