@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from hf_mars.decoding.scoring import Histories, choose, processed
+from hf_mars.decoding.tree import DraftTree
 
 VOCAB, EOS, PROMPT = 12, 3, 4  # a small vocabulary, so that histories hold many of its tokens
 
@@ -45,24 +46,34 @@ def _case(seed: int):
     return generator, sequences, pads, lengths
 
 
+def _path(parents: tuple, node: int) -> list[int]:
+    """The drafts on node `node`'s path (among `[root, drafts]`), root first: its ancestors' and its own."""
+    path, draft = [], node - 1
+    while draft >= 0:
+        path, draft = [draft] + path, parents[draft]
+    return path
+
+
 @pytest.mark.parametrize("skip_as", ["per row", "int", "none"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("active", [None, [0, 2, 3]], ids=["all rows", "some rows"])
-def test_every_slot_is_processed_at_once_as_generate_processes_its_history(skip_as, sampled, active):
+@pytest.mark.parametrize("parents", [(-1, 0, 1, 2), (-1, 0, 0, -1, 3)], ids=["chain", "tree"])
+def test_every_node_is_processed_at_once_as_generate_processes_its_history(skip_as, sampled, active, parents):
     generator, sequences, pads, lengths = _case(0)
     skip = {"per row": pads, "int": 2, "none": None}[skip_as]
     rows = None if active is None else torch.tensor(active)
     picked = torch.arange(4) if rows is None else rows
-    logits = torch.randn(len(picked), 5, VOCAB, generator=generator)
-    prefix = torch.randint(4, VOCAB, (len(picked), 4), generator=generator)
+    nodes = len(parents) + 1
+    logits = torch.randn(len(picked), nodes, VOCAB, generator=generator)
+    drafts = torch.randint(4, VOCAB, (len(picked), nodes - 1), generator=generator)
     histories = Histories(_processors(skip, sampled), sequences, rows, lengths[picked])
-    got = processed(logits, histories, prefix)
+    got = processed(logits, histories, drafts, DraftTree.of(parents).on("cpu").lineage)
     for i, row in enumerate(picked.tolist()):
-        for j in range(5):
-            text = torch.cat([sequences[row, : lengths[row]], prefix[i, :j]])
+        for j in range(nodes):
+            text = torch.cat([sequences[row, : lengths[row]], drafts[i, _path(parents, j)]])
             want = _by_hand(skip, sampled, text, len(text), row, logits[i, j])
             torch.testing.assert_close(got[i, j], want, rtol=0, atol=0)
-    # The premise: the penalty changed some slot's top token, and the history told it which
+    # The premise: the penalty changed some node's top token, and the history told it which
     assert (got.argmax(-1) != logits.argmax(-1)).any()
 
 

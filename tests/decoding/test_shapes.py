@@ -63,6 +63,11 @@ def prompts(batch: int, seed: int) -> list[str]:
     return (RAGGED + extra)[:batch] if seed == 0 else extra
 
 
+def branched(model) -> bool:
+    """Whether a graph pass built on `model` fed a draft tree with branches (more drafts than depths)."""
+    return any(len(shape.tree) > shape.tree.depth for shape, *_ in model.__dict__.get("_mars_graphs", {}))
+
+
 def decode(model, enc, mode: str, *, in_graph=True, edge=True, sample_seed=None, max_new_tokens=48, **processing):
     """`generate()` on a static cache of exactly the slots the run needs (`edge`), through the graph pass or the
     loop alone; seeded sampling (T = 0.7, top-k 50) where `sample_seed` is given; `processing`: more of
@@ -130,14 +135,15 @@ def test_seeded_sampling_in_the_graph_pass_draws_the_loops_tokens(thin, mode):
 
 @pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless chain", "lossless tree and lookup"])
 def test_a_repetition_penalty_runs_in_the_graph_pass_as_generate_applies_it(thin, mode):
-    """A repetition penalty scores each slot on its own history (the text and the slots before it), in one call of
-    fixed shape: the graph pass gives the loop's tokens, and τ = 1 and lossless mode give `generate()`'s with the same
-    penalty; sampled with it, the loop's draws."""
+    """A repetition penalty scores each slot on its own history (the text and the slots before it, or a tree node's
+    path), at fixed shape: the graph pass gives the loop's tokens, and τ = 1 and lossless mode give `generate()`'s
+    with the same penalty, its drafts a tree where asked; sampled with it, the loop's draws."""
     model, tok = thin
     enc = tok(prompts(5, 11), return_tensors="pt", padding=True)
     model.__dict__.pop("_mars_graphs", None)
     graphed = decode(model, enc, mode, repetition_penalty=1.3)
     assert model.__dict__.get("_mars_graphs"), "a penalised run must continue as graph passes"
+    assert branched(model) == ("tree" in mode), "a penalty keeps the tree it is given"
     assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, repetition_penalty=1.3))
     if mode in EXACT:
         plain = dict(max_new_tokens=48, do_sample=False, pad_token_id=PAD, repetition_penalty=1.3)
@@ -164,6 +170,7 @@ def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies
         model.__dict__.pop("_mars_graphs", None)
         graphed = model.generate(**enc, **toy, **minimum)
         assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
+        assert branched(model) == ("tree" in mode), "a minimum length keeps the tree it is given"
         graph.ENABLED = False
         try:
             assert torch.equal(graphed, model.generate(**enc, **toy, **minimum))

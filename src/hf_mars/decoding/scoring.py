@@ -120,17 +120,16 @@ class Histories:
             out[group] = self.processors(ids, full)[rows]
         return out
 
-    def slots(self, logits: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
+    def slots(self, logits: torch.Tensor, drafts: torch.Tensor | None, lineage=None) -> torch.Tensor:
         """`order_free` processors applied to every slot of a pass at once: `(rows, slots, vocab)` scores, slot j
-        after each row's history and `prefix[:, :j]` (None: the history alone, every slot)."""
+        after each row's history and the `drafts` that `lineage[j]` marks (`TreeTensors.lineage`: the drafts on
+        node j's path, j among `[root, drafts]`). Without `drafts`, every slot after the history alone."""
         rows, slots, vocab = logits.shape
-        if prefix is None or slots == 1:
-            seen = [s[:, None] for s in self.seen(vocab)]
-        else:
-            before = torch.ones(slots, slots - 1, dtype=torch.bool, device=logits.device).tril_(-1)
-            earlier = torch.where(before, prefix[:, None, : slots - 1], vocab)  # (rows, slots, slots - 1)
-            seen = [s[:, None].expand(rows, slots, vocab + 1).scatter(2, earlier, True) for s in self.seen(vocab)]
-        return self.apply(logits, seen, self._ends(slots, prefix is not None))
+        if drafts is None or slots == 1:
+            return self.apply(logits, [s[:, None] for s in self.seen(vocab)], self._ends(slots, None))
+        on_path = torch.where(lineage, drafts[:, None, :], vocab)  # (rows, slots, drafts)
+        seen = [s[:, None].expand(rows, slots, vocab + 1).scatter(2, on_path, True) for s in self.seen(vocab)]
+        return self.apply(logits, seen, self._ends(slots, lineage.sum(dim=1)))
 
     def in_order(self, logits: torch.Tensor):
         """`order_free` processors slot by slot, each slot after the history and the tokens chosen before it: a
@@ -141,7 +140,7 @@ class Histories:
         slots, vocab = logits.shape[1:]
         first = next((i for i, p in enumerate(self.processors) if isinstance(p, SET_BASED)), len(self.processors))
         head, tail = self.processors[:first], self.processors[first:]
-        ends = self._ends(slots, True)
+        ends = self._ends(slots, torch.arange(slots, device=logits.device))
         seen = [s[:, :vocab] for s in self.seen(vocab)]  # no sink column: a chosen token is in the vocab
         scores = self.apply(logits, [], ends, head)
         penalised = _penalised(scores, tail[0].penalty).unbind(1) if tail else None
@@ -180,15 +179,13 @@ class Histories:
                 scores = processor(self._no_ids(scores.numel() // vocab), scores.reshape(-1, vocab)).view_as(scores)
         return scores
 
-    def _ends(self, slots: int, in_turn: bool) -> torch.Tensor | None:
-        """`(rows, slots, 1)`: each row's history length at each slot, the history's own, or (`in_turn`) slot i past
-        i tokens more; None where no processor reads it (`BY_LENGTH`)."""
+    def _ends(self, slots: int, extra: torch.Tensor | None) -> torch.Tensor | None:
+        """`(rows, slots, 1)`: each row's history length at each slot, the history's own plus `extra[j]` tokens at
+        slot j (None: none); None where no processor reads it (`BY_LENGTH`)."""
         if not any(isinstance(p, BY_LENGTH) for p in self.processors):
             return None
         ends = self.lengths[:, None].expand(-1, slots)
-        if in_turn:
-            ends = ends + torch.arange(slots, device=ends.device)
-        return ends[..., None]
+        return (ends if extra is None else ends + extra)[..., None]
 
     def _no_ids(self, rows: int) -> torch.Tensor:
         """Token ids for a processor that reads none: one column of zeros, made once per number of rows."""
@@ -263,9 +260,10 @@ def history_free(processors) -> bool:
 
 def branching(do_sample: bool, typical, processors) -> bool:
     """Whether lossless drafts may branch (sibling candidates, a lookup branch): they need greedy verification or
-    typical acceptance, whose processors (if any) read no history. With speculative sampling, or a history-reading
-    processor, drafts stay a chain."""
-    return (not do_sample or typical is not None) and (not processors or history_free(processors))
+    typical acceptance, and processors that read at most which tokens a history holds and its length (`order_free`:
+    each node's own, from the drafts on its path). With speculative sampling, or a processor that reads the text
+    itself (n-gram bans), drafts stay a chain."""
+    return (not do_sample or typical is not None) and (not processors or order_free(processors))
 
 
 def check_stateless(processors, mode: str) -> None:
@@ -281,13 +279,15 @@ def check_stateless(processors, mode: str) -> None:
             )
 
 
-def processed(logits, histories: Histories | None, prefix):
-    """Processed scores of every slot, slot j seeing the history plus `prefix[:, :j]` (tokens already fed)."""
+def processed(logits, histories: Histories | None, drafts=None, lineage=None):
+    """Processed scores of every slot: slot j after the history and the `drafts` on its path (`lineage[j]`,
+    `Histories.slots`; None: no drafts). Processors that are not `order_free` come with chains only (`branching`),
+    where the drafts on slot j's path are those before it."""
     if histories is None:
         return logits
     if order_free(histories.processors):  # one application for every slot of every row
-        return histories.slots(logits, prefix)
-    return torch.stack([histories(prefix[:, :j], logits[:, j]) for j in range(logits.shape[1])], dim=1)
+        return histories.slots(logits, drafts, lineage)
+    return torch.stack([histories(drafts[:, :j], logits[:, j]) for j in range(logits.shape[1])], dim=1)
 
 
 def draw(probs: torch.Tensor) -> torch.Tensor:

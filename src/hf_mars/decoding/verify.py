@@ -61,7 +61,7 @@ def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[fl
     tokens; `kept` marks the kept drafts (whose K/V the cache keeps); `end` is where they end (0: the root).
     `typical`: `(ε, δ)` of typical acceptance (`_verify_typical`) instead of exact verification.
     """
-    scores = processed(logits, histories, drafts.tokens)  # histories that read prefixes only come with chains
+    scores = processed(logits, histories, drafts.tokens, drafts.tree.on(logits.device).lineage)
     if typical is not None:
         return _verify_typical(scores, drafts, do_sample, *typical)
     if do_sample:
