@@ -133,14 +133,14 @@ class Histories:
 
     def in_order(self, logits: torch.Tensor):
         """`order_free` processors slot by slot, each slot after the history and the tokens chosen before it: a
-        generator that yields slot i's processed scores `(rows, vocab)` and is then sent the token chosen there.
-        What does not depend on those tokens is computed once for every slot: the processors before the first
+        generator that yields slot i's processed scores `(rows, vocab)` and is then sent the token chosen there
+        (`(rows, 1)`). What does not depend on those tokens is computed once for every slot: the processors before the first
         repetition penalty, and that penalty's penalised scores (a slot picks them where its history holds the
         token)."""
         slots, vocab = logits.shape[1:]
         first = next((i for i, p in enumerate(self.processors) if isinstance(p, SET_BASED)), len(self.processors))
         head, tail = self.processors[:first], self.processors[first:]
-        ends = self._ends(slots, torch.arange(slots, device=logits.device))
+        ends = self._ends(slots, torch.arange(slots, device=logits.device)) if self._reads_lengths() else None
         seen = [s[:, :vocab] for s in self.seen(vocab)]  # no sink column: a chosen token is in the vocab
         scores = self.apply(logits, [], ends, head)
         penalised = _penalised(scores, tail[0].penalty).unbind(1) if tail else None
@@ -148,17 +148,19 @@ class Histories:
             if tail:
                 slot = torch.where(seen[0], penalised[i], slot)
             token = yield self.apply(slot, seen[1:], None if ends is None else ends[:, i], tail[1:])
-            seen = [s.scatter(1, token[:, None], True) for s in seen]
+            seen = [s.scatter(1, token, True) for s in seen]
 
     def seen(self, vocab: int) -> list[torch.Tensor]:
         """For each `SET_BASED` processor, `(active rows, vocab + 1)`: whether each token is in the row's history
         (past the columns it skips), found once. The last column gathers ids past the vocab and skipped ones."""
         if self._seen is None:
+            self._seen = []
             penalties = [p for p in self.processors if isinstance(p, SET_BASED)]
-            text = self.sequences if self.rows is None or not penalties else self.sequences[self.rows]
-            columns = torch.arange(text.shape[1], device=text.device)
-            past = columns >= self.lengths[:, None] if penalties else None  # past each history's end
-            self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
+            if penalties:
+                text = self.sequences if self.rows is None else self.sequences[self.rows]
+                columns = torch.arange(text.shape[1], device=text.device)
+                past = columns >= self.lengths[:, None]  # past each history's end
+                self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
         return self._seen
 
     def apply(self, scores: torch.Tensor, seen: list, ends: torch.Tensor | None, processors=None) -> torch.Tensor:
@@ -174,20 +176,23 @@ class Histories:
             elif isinstance(processor, BY_LENGTH):
                 scores = _by_length(processor, ends, scores)
             elif scores.dim() == 2:  # reads only the scores
-                scores = processor(self._no_ids(scores.shape[0]), scores)
+                scores = processor(self.no_ids(scores.shape[0]), scores)
             else:  # every slot in one call
-                scores = processor(self._no_ids(scores.numel() // vocab), scores.reshape(-1, vocab)).view_as(scores)
+                scores = processor(self.no_ids(scores.numel() // vocab), scores.reshape(-1, vocab)).view_as(scores)
         return scores
+
+    def _reads_lengths(self) -> bool:
+        return any(isinstance(p, BY_LENGTH) for p in self.processors)
 
     def _ends(self, slots: int, extra: torch.Tensor | None) -> torch.Tensor | None:
         """`(rows, slots, 1)`: each row's history length at each slot, the history's own plus `extra[j]` tokens at
         slot j (None: none); None where no processor reads it (`BY_LENGTH`)."""
-        if not any(isinstance(p, BY_LENGTH) for p in self.processors):
+        if not self._reads_lengths():
             return None
         ends = self.lengths[:, None].expand(-1, slots)
         return (ends if extra is None else ends + extra)[..., None]
 
-    def _no_ids(self, rows: int) -> torch.Tensor:
+    def no_ids(self, rows: int) -> torch.Tensor:
         """Token ids for a processor that reads none: one column of zeros, made once per number of rows."""
         if rows not in self._ids:
             self._ids[rows] = torch.zeros(rows, 1, dtype=torch.long, device=self.sequences.device)
@@ -285,6 +290,9 @@ def processed(logits, histories: Histories | None, drafts=None, lineage=None):
     where the drafts on slot j's path are those before it."""
     if histories is None:
         return logits
+    if history_free(histories.processors):  # one call for every slot of every row
+        batch, slots, vocab = logits.shape
+        return histories.processors(histories.no_ids(batch * slots), logits.reshape(-1, vocab)).view_as(logits)
     if order_free(histories.processors):  # one application for every slot of every row
         return histories.slots(logits, drafts, lineage)
     return torch.stack([histories(drafts[:, :j], logits[:, j]) for j in range(logits.shape[1])], dim=1)
@@ -331,9 +339,9 @@ def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
     for i in range(logits.shape[1]):
         scores = scored.send(chosen[-1] if chosen else None)
         probs = torch.softmax(scores, dim=-1) if do_sample else None
-        chosen.append(draw(probs) if do_sample else scores.argmax(dim=-1))
+        chosen.append(draw(probs)[:, None] if do_sample else scores.argmax(dim=-1, keepdim=True))
         slots.append(probs if do_sample else scores)
-    tokens = torch.stack(chosen, dim=1)
+    tokens = torch.cat(chosen, dim=1)
     if not with_probs:
         return tokens, None
     stacked = torch.stack(slots, dim=1)  # greedy: every slot's distribution in one softmax
@@ -345,5 +353,5 @@ def _by_calls(logits, histories: Histories):
     history."""
     chosen = []
     for i in range(logits.shape[1]):
-        token = yield histories(torch.stack(chosen, dim=1) if chosen else None, logits[:, i])
+        token = yield histories(torch.cat(chosen, dim=1) if chosen else None, logits[:, i])
         chosen.append(token)
