@@ -14,13 +14,19 @@ from hf_mars.tools.measure.calibrate import measure_mask_cost
 from hf_mars.tools.measure.decode import generate_ar
 
 
-def test_benchmark_cells_and_files(tmp_path):
+def _sharp_model():
+    """`(model, tokenizer, prompts)`: a tiny MARS model (B = 4) confident enough for τ-mode to accept masks, and 4
+    toy prompts."""
     tok = make_tokenizer()
     model = make_model("qwen2", dtype=torch.float64)
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     hf_mars.to_mars(model, tok, block_size=4)
-    prompts = load_prompts(None, tok, limit=4)
+    return model, tok, load_prompts(None, tok, limit=4)
+
+
+def test_benchmark_cells_and_files(tmp_path):
+    model, tok, prompts = _sharp_model()
     assert all(p["answer"] and p["text"].endswith("assistant\n") for p in prompts)
     cells = run_benchmark(
         model,
@@ -70,28 +76,23 @@ def test_benchmark_cells_and_files(tmp_path):
 
 
 def test_a_sampled_benchmark_draws_every_method_from_one_seed(monkeypatch):
-    """`sampling` (`hf-mars bench --temperature`): plain decoding and MARS sample, each run from the same seed, so MARS
-    at τ = 1 draws plain sampling's very tokens (agreement 1.0) while τ-mode draws others; prompt lookup (greedy) is
-    refused with it."""
+    """`decoding` sampled (`hf-mars bench --temperature`): plain decoding and MARS sample, each run from the same
+    seed, so MARS at τ = 1 draws plain sampling's very tokens (agreement 1.0) while τ-mode draws others; prompt lookup
+    (greedy) is refused with it."""
     from hf_mars.tools.measure import bench
 
-    tok = make_tokenizer()
-    model = make_model("qwen2", dtype=torch.float64)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # confident enough for τ-mode to accept masks
-    hf_mars.to_mars(model, tok, block_size=4)
-    prompts = load_prompts(None, tok, limit=4)
+    model, tok, prompts = _sharp_model()
     sampling = dict(do_sample=True, temperature=0.8)
     calls = []
     monkeypatch.setattr(bench, "generate_ar", lambda model, **kw: calls.append(kw) or generate_ar(model, **kw))
     common = dict(batch_sizes=(2,), max_new_tokens=16, repeats=1, mask_costs=(0.0,), progress=False)
-    cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.3), prompt_lookup=0, sampling=sampling, **common)
+    cells = run_benchmark(model, tok, prompts, taus=(1.0, 0.3), prompt_lookup=0, decoding=sampling, **common)
     assert calls and all(kw["do_sample"] and kw["temperature"] == 0.8 for kw in calls)
     by = {c.method: c for c in cells}
     assert by["mars tau=1.0"].agreement == by["lossless tau=1.0"].agreement == 1.0  # the same seed, the same draws
     assert by["mars tau=0.3"].agreement < 1.0 and by["mars tau=0.3"].tokens_per_forward > 1.0
     try:
-        run_benchmark(model, tok, prompts, taus=(1.0,), prompt_lookup=4, sampling=sampling, **common)
+        run_benchmark(model, tok, prompts, taus=(1.0,), prompt_lookup=4, decoding=sampling, **common)
     except ValueError as err:
         assert "prompt_lookup=0" in str(err)
     else:
@@ -226,3 +227,22 @@ def test_a_compiled_benchmark_sizes_its_cache_for_every_tree_auto_may_pick_witho
         20, 16, 2, mars_verify=True, mars_block_size=4, mars_draft_candidates=3, mars_lookup=8
     )
     assert slots == widest
+
+
+def test_a_penalised_benchmark_decodes_every_method_with_the_penalty(monkeypatch):
+    """`decoding` with a repetition penalty (`hf-mars bench --repetition-penalty`): plain decoding, prompt lookup and
+    MARS all decode with it, and lossless mode keeps plain's penalised text (agreement 1.0)."""
+    from hf_mars.tools.measure import bench
+
+    model, tok, prompts = _sharp_model()
+    calls = []
+    monkeypatch.setattr(bench, "generate_ar", lambda model, **kw: calls.append(kw) or generate_ar(model, **kw))
+    penalty = dict(repetition_penalty=1.5)
+    common = dict(batch_sizes=(1,), max_new_tokens=16, repeats=1, mask_costs=(0.0,), progress=False)  # lookup: 1
+    cells = run_benchmark(model, tok, prompts, taus=(0.5,), prompt_lookup=3, decoding=penalty, **common)
+    assert calls and all(kw["repetition_penalty"] == 1.5 for kw in calls)
+    by = {c.method: c for c in cells}
+    assert by["lossless tau=0.5"].agreement == 1.0 and by["prompt-lookup"].agreement == 1.0
+    enc = tok([p["text"] for p in prompts], return_tensors="pt", padding=True)
+    plain = [generate_ar(model, **enc, max_new_tokens=16, **extra)[0] for extra in ({}, penalty)]
+    assert not torch.equal(*plain), "the premise: the penalty changes the text"

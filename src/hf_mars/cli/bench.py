@@ -55,6 +55,11 @@ def add_parser(subparsers) -> None:
         "as its generation config has them), every run from the same seed; default: greedy. Prompt lookup is "
         "then left out",
     )
+    bench.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="every method decodes with this repetition penalty (MARS's lossless text stays plain's); default: none",
+    )
     _add_other_benches(bench)
     add_machine(bench)
     bench.add_argument("--output", default="outputs/bench", help="folder for bench.json and bench.png")
@@ -246,7 +251,8 @@ def run(args) -> None:
         return run_serve(args)
     if args.vllm:
         return run_vllm(args)
-    sampling = _sampling(args)
+    decoding = _decoding(args)
+    sampling = decoding.get("do_sample", False)
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.skip + args.limit)[args.skip :]
     costs = {b: measure_mask_cost(model, b) for b in args.batch_sizes}  # once: printed, saved, and used by `auto`
@@ -264,12 +270,13 @@ def run(args) -> None:
         measured_costs=costs,
         trees=args.lossless_trees,
         compiled=args.compile,
-        sampling=sampling,
+        decoding=decoding,
     )
     device = device_name(model)
     name, attention = args.model or "the shipped checkpoint", model.config._attn_implementation
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
     how += f", sampled at T = {args.temperature} (agreement: equal draws)" if sampling else ""
+    how += f", repetition penalty {args.repetition_penalty}" if args.repetition_penalty else ""
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
     print(_lossless_trees(model, args.batch_sizes, args.compile))
@@ -287,18 +294,26 @@ def run(args) -> None:
         mask_cost=costs,
         compiled=args.compile,
         temperature=args.temperature,
+        repetition_penalty=args.repetition_penalty,
         fastest_plain=plain,
     )
     _save(cells, Path(args.output), meta)
 
 
-def _sampling(args) -> dict | None:
-    """`generate()` kwargs of `--temperature` (None: greedy)."""
-    if args.temperature is None:
-        return None
-    if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be above 0 (sampling), got {args.temperature}; leave it out for greedy.")
-    return dict(do_sample=True, temperature=args.temperature)
+def _decoding(args) -> dict:
+    """`generate()` kwargs of `--temperature` (none: greedy) and `--repetition-penalty`."""
+    decoding = {}
+    if args.temperature is not None:
+        if args.temperature <= 0:
+            raise SystemExit(
+                f"--temperature must be above 0 (sampling), got {args.temperature}; leave it out for greedy."
+            )
+        decoding.update(do_sample=True, temperature=args.temperature)
+    if args.repetition_penalty is not None:
+        if args.repetition_penalty <= 0:
+            raise SystemExit(f"--repetition-penalty must be above 0, got {args.repetition_penalty}.")
+        decoding.update(repetition_penalty=args.repetition_penalty)
+    return decoding
 
 
 def load_on_device(args):
@@ -360,7 +375,7 @@ def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
             prompt_lookup=0,
             mask_costs=(),
             tau_mode=False,
-            sampling=_sampling(args),
+            decoding=_decoding(args),
         )
         for cell in other:
             if cell.tokens_per_second > fastest[cell.batch_size][1]:

@@ -134,9 +134,9 @@ class Histories:
     def in_order(self, logits: torch.Tensor):
         """`order_free` processors slot by slot, each slot after the history and the tokens chosen before it: a
         generator that yields slot i's processed scores `(rows, vocab)` and is then sent the token chosen there
-        (`(rows, 1)`). What does not depend on those tokens is computed once for every slot: the processors before the first
-        repetition penalty, and that penalty's penalised scores (a slot picks them where its history holds the
-        token)."""
+        (`(rows, 1)`). What does not depend on those tokens is computed once for every slot: the processors before
+        the first repetition penalty, and that penalty's penalised scores (a slot picks them where its history holds
+        the token)."""
         slots, vocab = logits.shape[1:]
         first = next((i for i, p in enumerate(self.processors) if isinstance(p, SET_BASED)), len(self.processors))
         head, tail = self.processors[:first], self.processors[first:]

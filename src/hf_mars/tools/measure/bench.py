@@ -12,8 +12,8 @@ prompts carry answers.
 `generate()`'s own `torch.compile` path (`static_compiled`), warmed up on the longest batch first, so compilation
 stays out of the timings. Prompt lookup stays on its dynamic cache (transformers' assisted decoding).
 
-`sampling` (e.g. `dict(do_sample=True, temperature=0.7)`) runs plain decoding and MARS sampled, each run from the
-same seed; agreement then compares draws, not greedy texts.
+`decoding`: `generate()` kwargs every method runs with: sampling (e.g. `dict(do_sample=True, temperature=0.7)`:
+each run from the same seed; agreement then compares draws, not greedy texts), a repetition penalty.
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def methods(
     trees=(),
     tau_mode: bool = True,
     extra: dict | None = None,
+    decoding: dict | None = None,
 ) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
@@ -119,16 +120,18 @@ def methods(
     definition, where it is None; MARS reports it in `mars_stats`). Each `(B, n, L)` of `trees` adds lossless methods
     named by `costs.tree_key`, "lossless 2x3+4 tau=0.0", with `mars_block_size=B, mars_draft_candidates=n,
     mars_lookup=L`. `tau_mode=False` leaves out the "mars" (τ-mode) methods. `extra`: more `generate()` kwargs for
-    plain decoding and MARS (e.g. `static_compiled`'s), not for prompt lookup.
+    plain decoding and MARS (e.g. `static_compiled`'s), not for prompt lookup; `decoding`: for every method (a
+    repetition penalty; see `run_benchmark`).
     """
-    extra = extra or {}
+    extra = (decoding or {}) | (extra or {})
 
     def ar(model, counter, **kw):
         return generate_ar(model, **extra, **kw)
 
     def lookup(model, counter, **kw):
         with counter.hooked():
-            out = GenerationMixin.generate(model, do_sample=False, prompt_lookup_num_tokens=prompt_lookup, **kw)
+            greedy = dict(do_sample=False, prompt_lookup_num_tokens=prompt_lookup)
+            out = GenerationMixin.generate(model, **(decoding or {}), **greedy, **kw)
         return out, counter.count * out.shape[0]
 
     def mars(model, counter, tau, verify=False, cost=0.0, block=None, candidates=None, lookup=None, **kw):
@@ -184,7 +187,7 @@ def run_benchmark(
     trees=(),
     tau_mode: bool = True,
     compiled: bool = False,
-    sampling: dict | None = None,
+    decoding: dict | None = None,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
@@ -192,17 +195,19 @@ def run_benchmark(
     from `measured_costs` (batch size -> `measure_mask_cost`) or measured here); each adds MARS and lossless cells.
     `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`); `tau_mode=False`: no
     τ-mode cells. `compiled`: a static cache and `torch.compile` for plain decoding and MARS (`static_compiled`).
-    `sampling`: `generate()` kwargs that make plain decoding and MARS sample (no prompt lookup then: it is greedy).
+    `decoding`: `generate()` kwargs of how every method decodes (sampling, a repetition penalty; no prompt lookup
+    with sampling: it is measured greedy).
     """
-    if sampling and prompt_lookup:
-        raise ValueError("Prompt lookup is measured greedy: pass prompt_lookup=0 with `sampling`.")
+    decoding = dict(decoding or {})
+    if decoding.get("do_sample") and prompt_lookup:
+        raise ValueError("Prompt lookup is measured greedy: pass prompt_lookup=0 when sampling.")
 
     measured = {}  # "auto": the mask cost at the batch size being run, read by the "cost=auto" methods
-    extra = dict(sampling or {})
+    extra = {}
     if compiled:
         longest = max(len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in prompts)
-        extra |= static_compiled(model, longest, max_new_tokens, batch_sizes, trees)
-    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode, extra)
+        extra = static_compiled(model, longest, max_new_tokens, batch_sizes, trees)
+    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode, extra, decoding)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model, always=not compiled)
     cells = []
