@@ -280,7 +280,7 @@ def run(args) -> None:
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
     print(_lossless_trees(model, args.batch_sizes, args.compile))
-    plain = _fastest_plain(model, tokenizer, prompts, args, cells)
+    plain = _fastest_plain(model, tokenizer, prompts, args, cells, decoding)
     print(
         "\nmars_mask_cost measured here (what 1, 2, ... masks add to a one-token pass), by batch size: "
         + "; ".join(f"{b}: {c}" for b, c in costs.items())
@@ -353,9 +353,9 @@ def _lossless_trees(model, batch_sizes, compiled: bool) -> str:
     return f"\nLossless mode's tree ({source or 'the model defaults'}): " + ", ".join(trees)
 
 
-def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
-    """Plain `generate()` in the other dtypes this machine runs (after the main run, same prompts), and every cell
-    against the fastest plain decoding by batch size: `{batch size: [dtype, tokens/s]}`."""
+def _fastest_plain(model, tokenizer, prompts, args, cells, decoding: dict) -> dict:
+    """Plain `generate()` in the other dtypes this machine runs (after the main run, same prompts, decoded as it was:
+    `decoding`), and every cell against the fastest plain decoding by batch size: `{batch size: [dtype, tokens/s]}`."""
     from ..tools.measure.bench import run_benchmark
     from ..tools.measure.dtypes import candidate_dtypes, in_dtype
 
@@ -375,7 +375,7 @@ def _fastest_plain(model, tokenizer, prompts, args, cells) -> dict:
             prompt_lookup=0,
             mask_costs=(),
             tau_mode=False,
-            decoding=_decoding(args),
+            decoding=decoding,
         )
         for cell in other:
             if cell.tokens_per_second > fastest[cell.batch_size][1]:

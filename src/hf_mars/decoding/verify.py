@@ -61,13 +61,13 @@ def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[fl
     tokens; `kept` marks the kept drafts (whose K/V the cache keeps); `end` is where they end (0: the root).
     `typical`: `(ε, δ)` of typical acceptance (`_verify_typical`) instead of exact verification.
     """
-    scores = processed(logits, histories, drafts.tokens, drafts.tree.on(logits.device).lineage)
+    tree = drafts.tree.on(logits.device)
+    scores = processed(logits, histories, drafts.tokens, tree.lineage)
     if typical is not None:
         return _verify_typical(scores, drafts, do_sample, *typical)
     if do_sample:
         return _verify_sampled(scores, drafts)
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
-    tree = drafts.tree.on(target.device)
     tokens, depth, end = verify_greedy(target, drafts.tokens, drafts.real, tree)
     return tokens, depth + 1, tree.lineage[end], end
 
