@@ -22,6 +22,8 @@ MODES = {
     "lossless tree": dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4),
     "lossless per-depth tree": dict(mars_verify=True, mars_draft_candidates=[2, 3, 2], mars_lookup=2),
     "lossless at tau=1": dict(mars_verify=True, mars_tau=1.0, mars_lookup=4),  # the masks propose nothing
+    "tau=0.5 mask cost": dict(mars_tau=0.5, mars_mask_cost=0.3),
+    "lossless mask cost": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=2, mars_mask_cost=[0.1, 0.5, 2]),
 }
 
 
@@ -56,6 +58,9 @@ def test_the_graph_pass_gives_the_loops_tokens_and_passes(trained_toy, mode):
         assert int(accepted.max()) > 1, "the test must exercise passes that take several tokens"
     if mode.startswith("lossless") or mode == "tau=1":
         assert torch.equal(graphed.sequences, GenerationMixin.generate(model, **enc, max_new_tokens=40))
+    if "mask cost" in mode:  # the schedule offered some row fewer masks than the paper's B-1, in the graph pass
+        every_mask = generate(model, enc, **{**MODES[mode], "mars_mask_cost": 0.0})
+        assert not torch.equal(accepted, torch.stack(every_mask.mars_stats.accepted_per_step)[: len(accepted)])
     for a, b in zip(graphed.past_key_values.layers, looped.past_key_values.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
@@ -99,9 +104,9 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
 
 
 def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
-    """Logits processors that read the order of the text and a mask cost run in the loop, which knows them; a dynamic
-    cache never leaves it. Sampling with its warpers, repetition penalties and minimum lengths run in the graph pass
-    (tests/decoding/test_shapes.py)."""
+    """Logits processors that read the order of the text run in the loop, which knows them; a dynamic cache never
+    leaves it. Sampling with its warpers, repetition penalties, minimum lengths and a mask schedule run in the graph
+    pass (here and tests/decoding/test_shapes.py)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
     model.__dict__.pop("_mars_graphs", None)
@@ -110,7 +115,6 @@ def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     cases = [
         (enc, dict(mars_tau=0.9, no_repeat_ngram_size=2)),
         (enc, dict(mars_tau=0.9, do_sample=True, no_repeat_ngram_size=2)),
-        (enc, dict(mars_tau=0.9, mars_mask_cost=0.2)),
     ]
     for inputs, kwargs in cases:
         model.__dict__.pop("_mars_graphs", None)

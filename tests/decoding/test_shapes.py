@@ -184,11 +184,17 @@ def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies
 
 @pytest.mark.parametrize(
     "mode, processing",
-    [("tau=0.9", dict(do_sample=True, temperature=0.7, top_k=50)), ("lossless chain", dict(repetition_penalty=1.3))],
+    [
+        ("tau=0.9", dict(do_sample=True, temperature=0.7, top_k=50)),
+        ("lossless chain", dict(repetition_penalty=1.3)),
+        ("tau=0.9", dict(mars_mask_cost=0.3)),
+        ("lossless chain", dict(mars_mask_cost=[0.1, 0.5, 2.0])),
+    ],
 )
 def test_sampled_and_penalised_graph_passes_run_compiled_as_they_run_eagerly(thin, mode, processing):
-    """Under `generate()`'s compile path the whole pass, processors and sampling included, is one compiled function
-    (the eager backend here: it guards and traces as inductor does): the same draws, the same tokens."""
+    """Under `generate()`'s compile path the whole pass, processors, sampling and a mask schedule included, is one
+    compiled function (the eager backend here: it guards and traces as inductor does): the same draws, the same
+    tokens."""
     model, tok = thin
     enc = tok(prompts(3, 4), return_tensors="pt", padding=True)
     config = CompileConfig(backend="eager", mode=None)

@@ -35,6 +35,29 @@ def _opened(model, prompt, label, budget, mode):
     return session
 
 
+def _serve(model, prompts, budgets, mode, max_rows: int, slots: int, every: int = 3) -> tuple[dict, list]:
+    """The prompts as requests through `max_rows` rows, one joining a free row every `every` passes while the others
+    decode, each released once it stops: `({label: (tokens, passes)}, rows held at each pass)`."""
+    finished, held = {}, []
+    with torch.inference_mode():
+        first = _opened(model, prompts[0], 0, budgets[0], mode)
+        rows = GraphSession(model, first, max_rows=max_rows, slots=slots)
+        rows.admit(first)
+        waiting = list(range(1, len(prompts)))
+        for step in range(400):
+            if waiting and len(rows.labels) < max_rows and step % every == 0:
+                i = waiting.pop(0)
+                rows.admit(_opened(model, prompts[i], i, budgets[i], mode))
+            if not rows.live and not waiting:
+                break
+            held.append(len(rows.labels))
+            rows.step(model)
+            stopped = [(label, tokens, passes) for label, tokens, done, passes in rows.rows() if done]
+            rows.release([label for label, _, _ in stopped])
+            finished.update({label: (tokens, passes) for label, tokens, passes in stopped})
+    return finished, held
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_rows_joining_between_passes_get_the_greedy_text_of_each_request_alone(trained_toy, mode, monkeypatch):
     """Six requests through three rows, one joining every few passes while the others decode: rows are reused once
@@ -46,22 +69,7 @@ def test_rows_joining_between_passes_get_the_greedy_text_of_each_request_alone(t
     enc = toy_prompts(tok, n=6, seed=7)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(6)]
     budgets = [30, 12, 30, 20, 30, 25]
-    with torch.inference_mode():
-        first = _opened(model, prompts[0], 0, budgets[0], MODES[mode])
-        rows = GraphSession(model, first, max_rows=3, slots=SLOTS[mode])
-        rows.admit(first)
-        waiting, finished, held = list(range(1, 6)), {}, []
-        for step in range(400):
-            if waiting and len(rows.labels) < 3 and step % 3 == 0:
-                i = waiting.pop(0)
-                rows.admit(_opened(model, prompts[i], i, budgets[i], MODES[mode]))
-            if not rows.live:
-                break
-            held.append(len(rows.labels))
-            rows.step(model)
-            stopped = [(label, tokens, passes) for label, tokens, done, passes in rows.rows() if done]
-            rows.release([label for label, _, _ in stopped])
-            finished.update({label: (tokens, passes) for label, tokens, passes in stopped})
+    finished, held = _serve(model, prompts, budgets, MODES[mode], 3, SLOTS[mode])
     assert sorted(finished) == list(range(6)) and max(held) == 3
     assert compactions, "the cache must have been compacted"
     took_several, processed = False, False
@@ -89,8 +97,6 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
         other = _opened(model, prompt, "b", 4, MODES["lossless tree"])
         with pytest.raises(ValueError, match="other settings"):
             rows.admit(other)
-        with pytest.raises(ValueError, match="decode in the loop"):
-            GraphSession(model, _opened(model, prompt, "c", 4, dict(mars_tau=0.9, mars_mask_cost=0.5)), 2, 200)
         for loop_only in (dict(no_repeat_ngram_size=2), dict(min_new_tokens=3)):
             with pytest.raises(ValueError, match="decode in the loop"):
                 GraphSession(model, _opened(model, prompt, "d", 4, dict(mars_tau=1.0, **loop_only)), 2, 200)
@@ -119,25 +125,38 @@ def test_sliding_window_rows_decode_past_the_window_as_each_request_alone(family
     outlive the window many times over, each get greedy `generate()`'s tokens for their prompt alone."""
     model, tok = sliding_mars_model(family)
     prompts = [tok(text, return_tensors="pt").input_ids[0] for text in ("hello world, how are", "a", "count to")]
-    mode = MODES["lossless tree"]
-    finished = {}
-    with torch.inference_mode():
-        first = _opened(model, prompts[0], 0, 30, mode)
-        rows = GraphSession(model, first, max_rows=2, slots=SLOTS["lossless tree"])
-        rows.admit(first)
-        waiting = [1, 2]
-        while rows.live or waiting:
-            if waiting and len(rows.labels) < 2:
-                i = waiting.pop(0)
-                rows.admit(_opened(model, prompts[i], i, 30, mode))
-            rows.step(model)
-            stopped = [(label, tokens) for label, tokens, done, _ in rows.rows() if done]
-            rows.release([label for label, _ in stopped])
-            finished.update(stopped)
+    finished, _ = _serve(model, prompts, [30] * 3, MODES["lossless tree"], 2, SLOTS["lossless tree"], every=1)
     unwindowed, _ = sliding_mars_model(family, window=None)  # the same weights, every layer full
     windows_matter = False
     for i, prompt in enumerate(prompts):
         alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=30)
-        assert finished[i] == alone[0, prompt.numel() :].tolist(), i
+        assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
         windows_matter |= not torch.equal(alone, GenerationMixin.generate(unwindowed, prompt[None], max_new_tokens=30))
     assert windows_matter, "the window must change some request's text"
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [dict(mars_tau=0.5, mars_mask_cost=0.3), dict(mars_verify=True, mars_lookup=2, mars_mask_cost=[0.1, 0.5, 2])],
+    ids=["tau=0.5", "lossless"],
+)
+def test_a_mask_schedule_serves_each_row_as_its_request_alone(trained_toy, mode):
+    """A mask cost: each row keeps the schedule its prompt pass began (its rates, its last offer, its pass count),
+    so every request gets the tokens and passes of its prompt decoded alone by `generate()`'s loop. (In lossless mode
+    a row whose first drafts have another shape than the graph's tree verifies none in its first graph pass: one
+    pass more, the same tokens.)"""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=5, seed=7)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(5)]
+    budgets = [30, 12, 30, 20, 25]
+    finished, _ = _serve(model, prompts, budgets, mode, 3, 160)
+    scheduled = False
+    for i, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], max_new_tokens=budgets[i], return_dict_in_generate=True, **mode)
+        tokens, passes = finished[i]
+        assert tokens == alone.sequences[0, prompt.numel() :].tolist(), i
+        assert passes - int(alone.mars_stats.passes_per_row[0]) in ((0, 1) if mode.get("mars_verify") else (0,)), i
+        every_mask = model.generate(prompt[None], max_new_tokens=budgets[i], **{**mode, "mars_mask_cost": 0.0},
+                                    return_dict_in_generate=True)
+        scheduled |= int(every_mask.mars_stats.passes_per_row[0]) != passes
+    assert scheduled, "the schedule must change some request's passes"

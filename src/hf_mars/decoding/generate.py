@@ -343,13 +343,13 @@ def _graph_shape(model, run: Session) -> GraphShape | None:
 def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
     full `tree`, or None where only the loop can: logits processors that read the order of the text (n-gram and
-    bad-word bans; sampling's warpers, repetition penalties and minimum lengths run in the pass: `order_free`), or a
-    mask cost. Stopping criteria other than EOS and the length limit, and a streamer, are served
-    from the host after each pass."""
+    bad-word bans; sampling's warpers, repetition penalties and minimum lengths run in the pass: `order_free`). A
+    mask cost's schedule runs in the pass too, which feeds every mask, as the loop does on a static cache. Stopping
+    criteria other than EOS and the length limit, and a streamer, are served from the host after each pass."""
     plan, settings = run.plan, run.plan.settings
     if not (enabled() and plan.logits_to_keep and order_free(plan.processors)):
         return None
-    if not run.schedule.constant or model.config._attn_implementation not in BRANCHING:
+    if model.config._attn_implementation not in BRANCHING:
         return None
     verify = settings.verify
     masks = 0 if not verify and not callable(settings.tau) and settings.tau >= 1.0 else settings.block_size - 1
@@ -372,6 +372,7 @@ def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) ->
         reads_text=not history_free(plan.processors),
         window=plan.window.size if plan.window else 0,
         sliding_only=bool(plan.window and plan.window.everywhere),
+        scheduled=bool(masks) and not run.schedule.constant,
     )
 
 
@@ -454,6 +455,10 @@ def _load_graph(g, run: Session) -> None:
         g.proposals.copy_(feed.drafts.proposals)
     state.step.zero_()
     g.eos.copy_(plan.eos)
+    if g.shape.scheduled:  # the mask schedule as the first pass left it
+        schedule = run.schedule
+        sources = [schedule.rate, schedule.time, schedule.last, text.passes]
+        torch._foreach_copy_([state.rate, state.time, state.last, state.passes], sources)
 
 
 def _unload_graph(g, run: Session, passes: int, slot: int) -> None:

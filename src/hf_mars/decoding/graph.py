@@ -12,13 +12,14 @@ against the loop of `generate.py`.
 
 What it runs: a static cache; greedy decoding and sampling, with the logits processors that read no more of the text
 than which tokens it holds and how many (`scoring.order_free`: the warpers, a repetition penalty, minimum lengths);
-τ-mode with all B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy, or sampled) and lossless
-mode's exact verification over a whole draft tree (chain, runner-ups, prompt lookup), speculative sampling of a
-chain, or typical acceptance; sliding-window layers, whose windows the pass's masks hold. Choosing, verifying and
-proposing are the loop's own functions (`scoring.choose`, `verify.verify_greedy`, `verify.verify`, `verify.propose`,
-`verify.add_lookup`), written for few ops; this file adds what a pass of fixed shape needs around them. User
-stopping criteria, stop strings and a streamer are served by the host loop between passes. `generate.py` hands a run
-over after its first pass (the prompt's) where `_graph_shape` finds one, and runs everything else itself.
+τ-mode with all B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy, or sampled; with a mask cost
+each row uses those its schedule offers) and lossless mode's exact verification over a whole draft tree (chain,
+runner-ups, prompt lookup), speculative sampling of a chain, or typical acceptance; sliding-window layers, whose
+windows the pass's masks hold. Choosing, verifying and proposing are the loop's own functions (`scoring.choose`,
+`verify.verify_greedy`, `verify.verify`, `verify.propose`, `verify.add_lookup`), written for few ops; this file adds
+what a pass of fixed shape needs around them. User stopping criteria, stop strings and a streamer are served by the
+host loop between passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds
+one, and runs everything else itself.
 
 This file is copied into MARS checkpoints (trust_remote_code).
 """
@@ -34,6 +35,7 @@ import torch
 
 from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
+from .schedule import offers, rates_after
 from .scoring import Histories, choose, confidence, processed
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify, verify_greedy
@@ -71,6 +73,7 @@ class GraphShape:
     reads_text: bool = False  # some processor reads each slot's history (a repetition penalty, a minimum length)
     window: int = 0  # positions a sliding-window layer sees (0: no such layers)
     sliding_only: bool = False  # every layer slides: one mask for all (else masks by layer type)
+    scheduled: bool = False  # a mask schedule (`mars_mask_cost`): each row uses the masks it is offered
 
     @property
     def by_rule(self) -> bool:
@@ -115,6 +118,10 @@ class GraphState:
     tau: torch.Tensor  # () the τ of the next pass (inf: accept or propose nothing)
     step: torch.Tensor  # (1,) passes run
     accepted_log: torch.Tensor  # (batch, slots) tokens each row took in each pass
+    rate: torch.Tensor  # (batch, masks) the mask schedule's acceptance rates (`MaskSchedule.rate`)
+    time: torch.Tensor  # (masks + 1,) what a pass with 0, 1, ... masks costs (`MaskSchedule.time`)
+    last: torch.Tensor  # (batch,) lossless mode: masks offered in the last pass
+    passes: torch.Tensor  # (batch,) passes each row decoded in (the schedule probes every few)
 
     @classmethod
     def empty(cls, shape: GraphShape, device) -> GraphState:
@@ -138,6 +145,10 @@ class GraphState:
             tau=torch.zeros((), dtype=torch.float32, device=device),
             step=torch.zeros(1, **long),
             accepted_log=torch.zeros(batch, slots, **long),
+            rate=torch.zeros(batch, shape.masks, dtype=torch.float64, device=device),
+            time=torch.zeros(shape.masks + 1, dtype=torch.float64, device=device),
+            last=torch.zeros(batch, **long),
+            passes=torch.zeros(batch, **long),
         )
 
 
@@ -181,7 +192,8 @@ class GraphPass:
             setattr(self, name, table.to(device))
         self.tree = shape.tree.on(device)
         self.processors = processors
-        self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # every mask offered
+        self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
+        self.depths = torch.arange(shape.masks, device=device)
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
         if shape.verify and shape.sampled and shape.typical is None:
             vocab = model.get_output_embeddings().weight.shape[0]
@@ -356,18 +368,46 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     mode's `(end, depth)`, the deepest kept node and its depth (the bonus token's slot in `tokens`), else None."""
     shape, state = g.shape, g.state
     path = None
+    offered = _offer(g) if shape.scheduled else None
     if shape.verify:
         tokens, accepted, path = _verify_by_rule(g, logits, histories) if shape.by_rule else _verify(g, logits)
     else:
         tokens, confs = _choose(g, logits, histories)
         if shape.masks:
-            accepted = (confs[:, 1:] >= state.tau).cumprod(dim=1).sum(dim=1).add_(1)
+            confident = confs[:, 1:] >= state.tau
+            confident = confident if offered is None else confident & g.within
+            accepted = confident.cumprod(dim=1).sum(dim=1).add_(1)
         else:  # τ >= 1 throughout: one token a pass, no masks
             accepted = torch.ones_like(state.decoded)
+    if offered is not None:
+        _reschedule(g, offered, accepted, path)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
     state.accepted_log.index_copy_(1, state.step, accepted[:, None])
     state.done.logical_or_(ended)
     return tokens, accepted, path
+
+
+def _offer(g: GraphPass) -> torch.Tensor:
+    """`(batch,)` masks the schedule offers each row in this pass (none at τ >= 1), as the loop's `MaskSchedule`
+    offers them; `g.within` marks them. The pass still feeds every mask (its shape stays), as a static cache does
+    in the loop: a row ignores the masks past its offer."""
+    offered = offers(g.state.rate, g.state.time).masked_fill_(g.state.tau >= 1.0, 0)
+    torch.lt(g.depths, offered[:, None], out=g.within)
+    return offered
+
+
+def _reschedule(g: GraphPass, offered, accepted, path) -> None:
+    """What this pass's masks were worth, into the schedule (`MaskSchedule.update`, as the loop tells it): in
+    τ-mode, the masks accepted of those offered now; in lossless mode, the kept drafts that the last pass's offered
+    masks proposed. Then each row that decoded counts a pass."""
+    state = g.state
+    if path is None:
+        state.rate.copy_(rates_after(state.rate, offered, accepted - 1, state.passes, g.depths))
+    else:
+        paid = g.tree.lineage.index_select(0, path[0])[:, : g.shape.tree.from_masks].sum(dim=1)
+        state.rate.copy_(rates_after(state.rate, state.last, paid, state.passes, g.depths))
+        state.last.copy_(offered)
+    state.passes.add_(~state.done)
 
 
 def _choose(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
@@ -460,7 +500,8 @@ def _propose(g: GraphPass, logits, end, histories: Histories | None):
     shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
-    drafts = propose(followed, histories, state.tau, None, shape.confidence, sampled, shape.candidates, None,
+    within = g.within if shape.scheduled else None
+    drafts = propose(followed, histories, state.tau, within, shape.confidence, sampled, shape.candidates, None,
                      full_tree=True)
     if shape.lookup:
         drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)

@@ -45,9 +45,7 @@ class MaskSchedule:
         """`(len(rows),)` masks each row may use in this pass."""
         if self.constant:
             return torch.full_like(rows, self.most)
-        reach = self.rate[rows].cumprod(dim=1)  # R_j: expected tokens that mask j adds
-        tokens = torch.cat([torch.ones_like(reach[:, :1]), 1 + reach.cumsum(dim=1)], dim=1)  # with k masks
-        return (tokens / self.time).argmax(dim=1)  # the first maximum: fewer masks on a tie
+        return offers(self.rate[rows], self.time)
 
     def width(self, offered: torch.Tensor) -> int:
         """Masks to feed for these offers: the cheapest count that covers the largest."""
@@ -56,14 +54,9 @@ class MaskSchedule:
 
     def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
         """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
-        if self.constant:
-            return
-        depth = torch.arange(self.most, device=rows.device)
-        seen = depth < torch.minimum(offered, paid + 1)[:, None]  # offered, and every mask before it was accepted
-        rate = self.rate[rows]
-        rate = torch.where(seen, (1 - RATE_STEP) * rate + RATE_STEP * (depth < paid[:, None]).double(), rate)
-        recover = (depth >= offered[:, None]) & (passes % PROBE_EVERY == 0)[:, None]
-        self.rate[rows] = torch.where(recover, rate + RECOVER * (1 - rate), rate)
+        if not self.constant:
+            depth = torch.arange(self.most, device=rows.device)
+            self.rate[rows] = rates_after(self.rate[rows], offered, paid, passes, depth)
 
     def join(self, other: MaskSchedule) -> None:
         """`other`'s rows (a schedule of the same costs) join this one, after its own."""
@@ -72,3 +65,21 @@ class MaskSchedule:
     def select(self, keep: torch.Tensor) -> None:
         """Only the rows that `keep` marks stay."""
         self.rate, self.last = self.rate[keep], self.last[keep]
+
+
+def offers(rate: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+    """`(rows,)` masks each row is offered: the count that maximises its expected tokens per unit of `time`, from
+    its acceptance `rate` of each mask. Tensors alone, so that the loop and the graph pass (`graph.py`) share it."""
+    reach = torch.nn.functional.pad(rate.cumprod(dim=1), (1, 0))  # 0, then R_j: the tokens that mask j adds
+    return (reach.cumsum(dim=1).add_(1) / time).argmax(dim=1)  # tokens with k masks; the first maximum: fewer masks
+
+
+def rates_after(rate, offered, paid, passes, depth) -> torch.Tensor:
+    """Each row's `rate` once a pass (its `passes`-th) offered it `offered` masks, of which the first `paid` were
+    accepted: a mask seen (offered, every mask before it accepted) moves toward what happened to it; one not offered
+    drifts back toward "accepted" every `PROBE_EVERY` passes. `depth`: `arange(masks)`."""
+    offered, paid = offered[:, None], paid[:, None]
+    seen = (depth < offered) & (depth <= paid)
+    rate = torch.where(seen, torch.add(rate * (1 - RATE_STEP), depth < paid, alpha=RATE_STEP), rate)
+    recover = (depth >= offered) & (passes % PROBE_EVERY == 0)[:, None]
+    return torch.where(recover, rate + RECOVER * (1 - rate), rate)

@@ -38,8 +38,8 @@ class GraphSession:
         if shape is None or any(isinstance(p, BY_LENGTH) for p in plan.processors):
             raise ValueError(  # a minimum length counts from where the batch's text starts, not each row's
                 "these settings decode in the loop, not as one graph (logits processors that read the order of the "
-                "text, such as no_repeat_ngram_size or bad words, or a minimum length; or a mask schedule): serve "
-                "them without --compile"
+                "text, such as no_repeat_ngram_size or bad words, or a minimum length): serve them without "
+                "--compile"
             )
         self.plan, self.shape = plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
@@ -50,6 +50,8 @@ class GraphSession:
         self.graph.state.sequences.fill_(plan.pad_token_id)
         self.graph.state.write_offsets.copy_(self.graph.offsets + 1)  # a free row's text: one pad (processors read it)
         self.graph.eos.copy_(plan.eos)
+        if shape.scheduled:  # a mask cost's pass times: the same for every row that joins
+            self.graph.state.time.copy_(first.schedule.time)
         self.held: list = [None] * max_rows  # each row's label, None where free
         self.passes = [0] * max_rows
         self.slot, self.tau = 0, None
@@ -124,6 +126,9 @@ class GraphSession:
         state.write_offsets[free] = g.offsets + prompt.numel()
         state.budget[free], state.decoded[free], state.done[free] = text.budget[row], text.decoded[row], False
         g.live[free] = True
+        if self.shape.scheduled:  # the row's own mask schedule, as its prompt pass left it
+            state.rate[free], state.last[free] = other.schedule.rate[row], other.schedule.last[row]
+            state.passes[free] = text.passes[row]
         state.last_position[free] = other.cache.next_position[index] + feed.pending_real[index].sum() - 1
         width = g.pending.shape[1] - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
         g.pending[free] = pad(feed.pending[index], (width, 0), value=self.plan.pad_token_id)

@@ -85,6 +85,13 @@ def _trees(model) -> list[tuple]:
             if mode.get("mars_lookup")]
 
 
+def _resolved(model, batch: int, mars: dict) -> dict:
+    """`mars` with a mask cost of `"auto"` measured on this model at this batch size."""
+    if mars.get("mars_mask_cost") != "auto":
+        return mars
+    return {**mars, "mars_mask_cost": auto_mask_cost(model, batch, **mars)}
+
+
 def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -> tuple[dict, dict]:
     """Median seconds of a whole generation, and its forward passes, for plain `generate()` and each MARS mode
     (the first run of each, which compiles what it compiles, is not timed)."""
@@ -92,10 +99,9 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **extra)
     runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
     for name, mars in MODES.items():
-        if mars.get("mars_mask_cost") == "auto":
-            mars = {**mars, "mars_mask_cost": auto_mask_cost(model, inputs.input_ids.shape[0], **mars)}
+        mars = _resolved(model, inputs.input_ids.shape[0], mars)
         runs[name] = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
-        if extra and not mars.get("mars_mask_cost"):  # static: the graph pass, and the loop alone beside it
+        if extra:  # static: the graph pass, and the loop alone beside it
             runs[f"{name}, loop"] = functools.partial(_loop_only, runs[name])
     times, passes = {name: [] for name in runs}, {}
     with torch.no_grad():
@@ -173,8 +179,7 @@ def host_ops(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, dec
             plain_row = dict(method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)
             rows.append(dict(**common, **plain_row))
             for name, mars in MODES.items():
-                if mars.get("mars_mask_cost"):
-                    continue
+                mars = _resolved(model, batch, mars)
                 call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
                 for path, run in (("one graph", call), ("loop", functools.partial(_loop_only, call))):
                     ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
