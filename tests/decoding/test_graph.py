@@ -207,6 +207,8 @@ def test_the_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():
         assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"]
         assert rows[f"{mode}, one graph"]["kernels"] < rows[f"{mode}, loop"]["kernels"]
         assert rows[f"{mode}, one graph"]["ratio"] <= 1.5, rows[f"{mode}, one graph"]
+    scheduled = "MARS τ = 0.9, measured mask cost"  # a mask schedule's books, in the graph pass too
+    assert rows[f"{scheduled}, one graph"]["ops"] < rows[f"{scheduled}, loop"]["ops"]
     assert rows["plain generate()"]["ratio"] == 1.0
 
 
