@@ -433,32 +433,47 @@ def _stream(g, streamer, start: int, streamed: int, kept: int) -> int:
 
 
 def _load_graph(g, run: Session) -> None:
-    """The run's state, as its first pass left it, into the graph pass's buffers."""
-    plan, text, cache, feed, state = run.plan, run.text, run.cache, run.feed, g.state
+    """The run's state, as its first pass left it, into the graph pass's buffers: its static cache and text as they
+    stand (the same slots and columns), then every row's next pass (`load_rows`)."""
+    plan, text, cache, state = run.plan, run.text, run.cache, g.state
     width = text.sequences.shape[1]
     state.sequences[:, :width].copy_(text.sequences)
     state.sequences[:, width:].fill_(plan.pad_token_id)
     state.write_offsets.copy_(g.offsets + text.prompt_length)
     state.slot.fill_(cache.length)
-    state.budget.copy_(text.budget)
-    state.decoded.copy_(text.decoded)
-    state.done.copy_(~text.active)
-    g.live.copy_(text.active)
     state.real.copy_(cache.real)
-    state.last_position.copy_(cache.next_position + feed.pending_real.sum(dim=1) - 1)
-    pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a first pass without masks: holes on the left
-    g.pending.copy_(torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id))
-    g.pending_real.copy_(torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
-    g.drafts.copy_(feed.drafts.tokens)
-    g.drafts_real.copy_(feed.drafts.real)
-    if g.proposals is not None:
-        g.proposals.copy_(feed.drafts.proposals)
     state.step.zero_()
     g.eos.copy_(plan.eos)
-    if g.shape.scheduled:  # the mask schedule as the first pass left it
-        schedule = run.schedule
-        sources = [schedule.rate, schedule.time, schedule.last, text.passes]
-        torch._foreach_copy_([state.rate, state.time, state.last, state.passes], sources)
+    if g.shape.scheduled:
+        state.time.copy_(run.schedule.time)
+    everyone = torch.arange(text.sequences.shape[0], device=text.sequences.device)
+    load_rows(g, run, everyone, everyone)
+
+
+def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> None:
+    """What the fed rows `index` of `run` (text rows `run.feed.rows[index]`) decode next, into the graph pass's rows
+    `targets`: budget and count, whether done, the last pending position, the pending tokens and drafts, the mask
+    schedule. The one hand-over of a session's rows to a graph pass: `generate()` moves its whole batch with it, a
+    graph session (`serving/graph_session.py`) each row that joins (its text and K/V placed by the caller)."""
+    plan, text, feed, state = run.plan, run.text, run.feed, g.state
+    rows = feed.rows[index]
+    state.budget[targets], state.decoded[targets] = text.budget[rows], text.decoded[rows]
+    state.done[targets], g.live[targets] = ~text.active[rows], text.active[rows]
+    state.last_position[targets] = run.cache.next_position[index] + feed.pending_real[index].sum(dim=1) - 1
+    pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
+    g.pending[targets] = torch.nn.functional.pad(feed.pending[index], (pad, 0), value=plan.pad_token_id)
+    g.pending_real[targets] = torch.nn.functional.pad(feed.pending_real[index], (pad, 0), value=False)
+    if feed.drafts.tree == g.shape.tree:
+        g.drafts[targets], g.drafts_real[targets] = feed.drafts.tokens[index], feed.drafts.real[index]
+        if g.proposals is not None:
+            g.proposals[targets] = feed.drafts.proposals[index]
+    else:  # drafts of another shape (a dynamic cache's): the next pass verifies none, drawing from the model alone
+        g.drafts_real[targets] = False
+        if g.proposals is not None:
+            g.proposals[targets] = 0
+    if g.shape.scheduled:  # each row's mask schedule, as its last pass left it
+        state.rate[targets], state.last[targets] = run.schedule.rate[rows], run.schedule.last[rows]
+        state.passes[targets] = text.passes[rows]
 
 
 def _unload_graph(g, run: Session, passes: int, slot: int) -> None:

@@ -15,11 +15,10 @@ The engine (`engine.py`) drives it as it drives a `Session`: `admit`, `step`, `r
 from __future__ import annotations
 
 import torch
-from torch.nn.functional import pad
 from transformers import StaticCache
 
 from ..decoding.compat import full_attention_config
-from ..decoding.generate import graph_shape
+from ..decoding.generate import graph_shape, load_rows
 from ..decoding.graph import GraphPass, processors_signature
 from ..decoding.scoring import BY_LENGTH, follow_padding
 from ..decoding.settings import read_tau
@@ -105,8 +104,9 @@ class GraphSession:
 
     def _place(self, other, index: int, row: int, free: int, real: torch.Tensor, states: torch.Tensor) -> None:
         """Text row `row` of `other` (its `index`-th fed row) into graph row `free`: its real K/V slots end just
-        before the slot the next pass writes, its text starts at column 0 (no left padding)."""
-        g, state, text, feed = self.graph, self.graph.state, other.text, other.feed
+        before the slot the next pass writes, its text starts at column 0 (no left padding); then what it decodes
+        next (`load_rows`)."""
+        g, state, text = self.graph, self.graph.state, other.text
         count = int(real.sum())
         if count > self.slot:  # the next pass writes after every row's slots: the other rows get holes
             state.real[:, self.slot :] = False
@@ -124,23 +124,8 @@ class GraphSession:
         state.sequences[free] = self.plan.pad_token_id
         state.sequences[free, : tokens.numel()] = tokens
         state.write_offsets[free] = g.offsets + prompt.numel()
-        state.budget[free], state.decoded[free], state.done[free] = text.budget[row], text.decoded[row], False
-        g.live[free] = True
-        if self.shape.scheduled:  # the row's own mask schedule, as its prompt pass left it
-            state.rate[free], state.last[free] = other.schedule.rate[row], other.schedule.last[row]
-            state.passes[free] = text.passes[row]
-        state.last_position[free] = other.cache.next_position[index] + feed.pending_real[index].sum() - 1
-        width = g.pending.shape[1] - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
-        g.pending[free] = pad(feed.pending[index], (width, 0), value=self.plan.pad_token_id)
-        g.pending_real[free] = pad(feed.pending_real[index], (width, 0))
-        if feed.drafts.tree == self.shape.tree:
-            g.drafts[free], g.drafts_real[free] = feed.drafts.tokens[index], feed.drafts.real[index]
-            if g.proposals is not None:
-                g.proposals[free] = feed.drafts.proposals[index]
-        else:  # drafts of another shape: the next pass verifies none (and proposes the whole tree)
-            g.drafts_real[free] = False
-            if g.proposals is not None:  # nothing proposed: the next token is drawn from the model alone
-                g.proposals[free] = 0
+        device = state.done.device
+        load_rows(g, other, torch.tensor([free], device=device), torch.tensor([index], device=device))
 
     def step(self, model=None) -> None:
         """One pass for every row (free rows decode nothing): one launch, or one graph replay."""
