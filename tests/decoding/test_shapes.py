@@ -1,8 +1,8 @@
-"""Shape fuzz of the static-cache pass (the graph pass and the loop): batch sizes 1 to 8, ragged left-padded
-prompts, every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, minimum lengths,
-caches of exactly the slots a run needs, and two threads on one model. Greedy lossless and τ = 1 give plain greedy
-`generate()`'s tokens (float32: exact); every greedy mode gives a row batched what it gives alone; the graph pass
-gives what the loop gives, sampling included."""
+"""Shape fuzz of the static-cache pass (the graph pass and the loop): batch sizes 1 to 8, ragged left-padded prompts,
+every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, minimum lengths, a mask
+schedule, caches of exactly the slots a run needs, and two threads on one model. Greedy lossless and τ = 1 give plain
+greedy `generate()`'s tokens (float32: exact); every greedy mode gives a row batched what it gives alone; the graph
+pass gives what the loop gives, sampling included."""
 
 from __future__ import annotations
 
@@ -30,8 +30,12 @@ MODES = {
     "lossless tree and lookup": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3),
     "typical tree": dict(mars_verify=True, mars_accept="typical", mars_draft_candidates=2, mars_lookup=3),
 }
+SCHEDULED = {  # a mask cost: each row uses the masks its own schedule offers
+    "tau=0.9 mask cost": dict(mars_tau=0.9, mars_mask_cost=0.3),
+    "lossless mask cost": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3, mars_mask_cost=[0.1, 0.5, 2]),
+}
 EXACT = ("tau=1", "lossless chain", "lossless runner-ups", "lossless per-depth", "lossless lookup",
-         "lossless tree and lookup")  # fmt: skip
+         "lossless tree and lookup", "lossless mask cost")  # fmt: skip
 # The rows of the batch-4 case that once overflowed the static cache (rows done early kept filling slots)
 RAGGED = ["w5 w17 w200 w33 w8 w9", "w9 w9 w1 w300 w301 w302 w77 w12", "w450 w3", "w7 w70 w170 w270"]
 
@@ -100,6 +104,8 @@ def new_tokens(out, enc) -> list[list[int]]:
 
 CASES = [(batch, mode) for batch in range(1, 9) for mode in MODES]
 FUZZ = random.Random(7).sample(CASES, 14) + [(4, "lossless chain"), (4, "lossless tree and lookup"), (8, "tau=0.9")]
+FUZZ += [(3, "tau=0.9 mask cost"), (4, "lossless mask cost"), (7, "lossless mask cost")]
+MODES |= SCHEDULED
 
 
 @pytest.mark.parametrize("batch, mode", sorted(set(FUZZ)), ids=lambda v: str(v).replace(" ", "-"))

@@ -36,7 +36,7 @@ import torch
 from .cache import compact_static
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rates_after
-from .scoring import Histories, choose, confidence, processed
+from .scoring import Histories, choose, confidence, processed, tau_accepted
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify, verify_greedy
 
@@ -374,9 +374,7 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     else:
         tokens, confs = _choose(g, logits, histories)
         if shape.masks:
-            confident = confs[:, 1:] >= state.tau
-            confident = confident if offered is None else confident & g.within
-            accepted = confident.cumprod(dim=1).sum(dim=1).add_(1)
+            accepted = tau_accepted(confs, state.tau, None if offered is None else g.within)
         else:  # τ >= 1 throughout: one token a pass, no masks
             accepted = torch.ones_like(state.decoded)
     if offered is not None:

@@ -330,6 +330,16 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
     return (tokens, confs, probs) if with_probs else (tokens, confs)
 
 
+def tau_accepted(confs: torch.Tensor, tau, within: torch.Tensor | None = None) -> torch.Tensor:
+    """`(rows,)` tokens τ-mode takes from a pass whose slots scored `confs`: slot 0 always, then each mask's token
+    while it and every one before it are at least `tau` confident (and, with a mask schedule, `within` the masks the
+    row was offered)."""
+    confident = confs[:, 1:] >= tau
+    if within is not None:
+        confident &= within
+    return confident.cumprod(dim=1).sum(dim=1).add_(1)
+
+
 def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
     """`choose`'s tokens for processors that read the history, slot by slot: `(tokens, probs)`, probs only
     `with_probs`. Each slot's processed scores are what `generate()`'s next step would see after the tokens chosen

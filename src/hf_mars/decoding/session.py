@@ -41,7 +41,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .cache import KVBook
 from .graph import cut, right_align
 from .schedule import MaskSchedule
-from .scoring import Histories, branching, choose, follow_padding
+from .scoring import Histories, branching, choose, follow_padding, tau_accepted
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping
 from .tree import tree_attention
@@ -476,9 +476,7 @@ class TauMode:
         """Slot 0 always, then left to right while confident. Tells the mask schedule what its masks were worth."""
         plan, rows = run.plan, run.feed.rows
         tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
-        accepted = torch.ones_like(tokens[:, 0])
-        if step.masks:
-            accepted += ((confs[:, 1:] >= step.tau) & step.within).long().cumprod(dim=1).sum(dim=1)
+        accepted = tau_accepted(confs, step.tau, step.within) if step.masks else torch.ones_like(tokens[:, 0])
         run.schedule.update(rows, step.offered, accepted - 1, run.text.passes[rows])
         return tokens, accepted
 
