@@ -49,12 +49,12 @@ def test_compiled_pass_costs_compile_one_graph_per_mode(monkeypatch):
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     rows = pass_costs(model, tokenizer, batch_sizes=(1,), max_new_tokens=6, repeats=2, compiled=True)
-    # plain's forward; τ = 1, τ = 0.9, lossless and lossless with lookup each one whole pass (graph.py); the loop
-    # (timed beside them, and running the measured mask cost, whose schedule the graph pass does not run) one forward
-    # per pass shape: τ = 1, τ < 1 (both τ = 0.9 modes) and lossless, compiled with its width dynamic, which lossless
-    # with lookup's wider pass reuses. Nothing compiles again in the timed repeats: one static cache holds every
-    # mode's passes.
-    assert counters["stats"]["unique_graphs"] - before == 1 + 4 + 3
-    loops = [f"{mode}, loop" for mode in MODES if "mask cost" not in mode]
+    # plain's forward; τ = 1, τ = 0.9, τ = 0.9 with the measured mask cost (its schedule in the pass), lossless and
+    # lossless with lookup each one whole pass (graph.py); the loop (timed beside them) one forward per pass shape:
+    # τ = 1, τ < 1 (both τ = 0.9 modes: a static cache feeds every mask) and lossless, compiled with its width
+    # dynamic, which lossless with lookup's wider pass reuses. Nothing compiles again in the timed repeats: one static
+    # cache holds every mode's passes.
+    assert counters["stats"]["unique_graphs"] - before == 1 + 5 + 3
+    loops = [f"{mode}, loop" for mode in MODES]
     methods = [r["method"] for r in rows]
     assert sorted(methods) == sorted(["plain generate()", *MODES, *loops]) and all(r["ms"] > 0 for r in rows)
