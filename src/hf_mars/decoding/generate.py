@@ -444,8 +444,6 @@ def _load_graph(g, run: Session) -> None:
     state.real.copy_(cache.real)
     state.step.zero_()
     g.eos.copy_(plan.eos)
-    if g.shape.scheduled:
-        state.time.copy_(run.schedule.time)
     everyone = torch.arange(text.sequences.shape[0], device=text.sequences.device)
     load_rows(g, run, everyone, everyone)
 
@@ -471,7 +469,8 @@ def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> No
         g.drafts_real[targets] = False
         if g.proposals is not None:
             g.proposals[targets] = 0
-    if g.shape.scheduled:  # each row's mask schedule, as its last pass left it
+    if g.shape.scheduled:  # each row's mask schedule, as its last pass left it (every row's costs are the run's)
+        state.time.copy_(run.schedule.time)
         state.rate[targets], state.last[targets] = run.schedule.rate[rows], run.schedule.last[rows]
         state.passes[targets] = text.passes[rows]
 

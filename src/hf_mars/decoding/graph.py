@@ -365,7 +365,8 @@ def _slot_attention(g: GraphPass, slot: torch.Tensor, positions: torch.Tensor):
 
 def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """`(tokens, accepted, path)`: τ's test or exact verification, then EOS and the length limit. `path`: lossless
-    mode's `(end, depth)`, the deepest kept node and its depth (the bonus token's slot in `tokens`), else None."""
+    mode's `(end, depth, kept)`: the deepest kept node, its depth (the bonus token's slot in `tokens`) and the drafts
+    on its path; else None."""
     shape, state = g.shape, g.state
     path = None
     offered = _offer(g) if shape.scheduled else None
@@ -402,7 +403,7 @@ def _reschedule(g: GraphPass, offered, accepted, path) -> None:
     if path is None:
         state.rate.copy_(rates_after(state.rate, offered, accepted - 1, state.passes, g.depths))
     else:
-        paid = g.tree.lineage.index_select(0, path[0])[:, : g.shape.tree.from_masks].sum(dim=1)
+        paid = path[2][:, : g.shape.tree.from_masks].sum(dim=1)
         state.rate.copy_(rates_after(state.rate, state.last, paid, state.passes, g.depths))
         state.last.copy_(offered)
     state.passes.add_(~state.done)
@@ -425,19 +426,19 @@ def _confidence(probs, measure: str):
 
 def _verify(g: GraphPass, logits: torch.Tensor):
     """Exact verification of the tree from raw logits (`verify.verify_greedy`, the loop's own):
-    `(tokens, accepted, (end, depth))`."""
+    `(tokens, accepted, (end, depth, kept))`."""
     tokens, depth, end = verify_greedy(logits.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
-    return tokens, depth + 1, (end, depth[:, None])
+    return tokens, depth + 1, (end, depth[:, None], g.tree.lineage.index_select(0, end))
 
 
 def _verify_by_rule(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """Speculative sampling, typical acceptance, or greedy verification of processed scores, by `verify.verify`
-    itself (the loop's): `_verify`'s `(tokens, accepted, (end, depth))`."""
+    itself (the loop's): `_verify`'s `(tokens, accepted, (end, depth, kept))`."""
     shape = g.shape
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
-    tokens, accepted, _, end = verify(nodes, drafts, histories, shape.sampled, shape.typical)
-    return tokens, accepted, (end, (accepted - 1).unsqueeze(1))
+    tokens, accepted, kept, end = verify(nodes, drafts, histories, shape.sampled, shape.typical)
+    return tokens, accepted, (end, (accepted - 1).unsqueeze(1), kept)
 
 
 def cut(tokens, accepted, left, idle, eos):
@@ -459,7 +460,7 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     masks, which the next pass overwrites. The accepted tokens go into the text."""
     state = g.state
     if path is not None:  # lossless: the drafts off the kept path become holes
-        state.real.index_copy_(1, g.draft_slots, g.tree.lineage.index_select(0, path[0]))
+        state.real.index_copy_(1, g.draft_slots, path[2])
     where = g.decoded_column + state.write_offsets
     state.sequences.scatter_(1, where, tokens.masked_fill(g.offsets >= accepted[:, None], g.shape.pad_token_id))
     torch._foreach_add_(g.counters, g.counter_steps)
@@ -476,7 +477,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path, histories: Histor
         g.pending.copy_(tokens.gather(1, g.align.index_select(0, accepted)))
         g.pending_real.copy_(g.align_real.index_select(0, accepted))
         return
-    end, depth = path
+    end, depth, _ = path
     g.pending.copy_(tokens.gather(1, depth))  # the bonus token (a row that took fewer is done)
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)

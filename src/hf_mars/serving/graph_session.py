@@ -49,8 +49,6 @@ class GraphSession:
         self.graph.state.sequences.fill_(plan.pad_token_id)
         self.graph.state.write_offsets.copy_(self.graph.offsets + 1)  # a free row's text: one pad (processors read it)
         self.graph.eos.copy_(plan.eos)
-        if shape.scheduled:  # a mask cost's pass times: the same for every row that joins
-            self.graph.state.time.copy_(first.schedule.time)
         self.held: list = [None] * max_rows  # each row's label, None where free
         self.passes = [0] * max_rows
         self.slot, self.tau = 0, None
