@@ -32,6 +32,11 @@ def add_parser(subparsers) -> None:
     )
     bench.add_argument("--no-lossless", action="store_true", help="skip the lossless (mars_verify) runs")
     bench.add_argument(
+        "--no-tau-mode",
+        action="store_true",
+        help="skip the τ-mode runs (e.g. --taus 0 for lossless mode's default τ alone)",
+    )
+    bench.add_argument(
         "--mask-costs",
         type=mask_cost,
         nargs="+",
@@ -265,6 +270,7 @@ def run(args) -> None:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         verify=not args.no_lossless,
+        tau_mode=not args.no_tau_mode,
         prompt_lookup=0 if sampling else args.prompt_lookup,
         mask_costs=args.mask_costs,
         measured_costs=costs,
