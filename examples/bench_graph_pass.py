@@ -12,6 +12,7 @@ method (T = 0.7, top-k 50) is compared with sampled plain decoding, a greedy one
 busy time per pass (the kernels, inside CUDA graphs too) against the wall time, and the N kernels that take most.
 
     python examples/bench_graph_pass.py --device cuda --dtype bfloat16 --batch-sizes 1 8 --variants graph loop
+    python examples/bench_graph_pass.py --variants graph fused --methods "τ = 1" "lossless 3x2,2" --profile 10
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ METHODS = {  # τ = 0 in lossless mode: every pass feeds its whole draft tree (i
 }
 TREES = [(4, 3, 8), (3, 3, 5), (3, (2, 2), 0)]
 VARIANTS = {
-    "graph": "the whole pass as one graph (`graph.py`)",
+    "graph": "the whole pass as one graph (`graph.py`): its forward compiled, the pass around it captured",
+    "fused": "the same pass compiled whole by inductor (bookkeeping fused with the forward), then captured",
     "loop": "the loop of generate.py alone, its forward compiled by generate()",
 }
 
@@ -71,8 +73,9 @@ def shipped_shape_model(device: str, dtype: torch.dtype, layers: int):
 
 
 def variant(name: str) -> None:
-    """Switch `generate()` to a variant: the graph pass or the loop alone."""
-    graph.ENABLED = name == "graph"
+    """Switch `generate()` to a variant: the graph pass (its forward compiled, or the whole pass: `graph.FUSED`) or
+    the loop alone. Passes of each variant are built and kept apart."""
+    graph.ENABLED, graph.FUSED = name != "loop", name == "fused"
 
 
 def only_sdpa_backend(name: str) -> None:

@@ -250,7 +250,7 @@ def test_a_copy_or_another_dtype_of_the_model_builds_its_own_graph_passes():
     twin.to(torch.bfloat16)
     looped = generate(twin, enc, False, mars_verify=True).sequences
     assert torch.equal(generate(twin, enc, mars_verify=True).sequences, looped)
-    assert {key[2] for key in twin._mars_graphs} == {torch.float32, torch.bfloat16}
+    assert {key[-2] for key in twin._mars_graphs} == {torch.float32, torch.bfloat16}  # (..., dtype, device)
 
 
 def test_a_compiled_graph_pass_compiles_every_shape_past_torchs_default_limit():
@@ -271,3 +271,52 @@ def test_a_compiled_graph_pass_compiles_every_shape_past_torchs_default_limit():
         out = generate(model, enc, compile_config=config, max_new_tokens=8, mars_tau=0.9)
         assert torch.equal(out.sequences, generate(model, enc, False, max_new_tokens=8, mars_tau=0.9).sequences)
     assert compiled() - before == len(shapes)
+
+
+BY_RULE = {  # lossless passes verified by `verify.verify` (not the greedy match of raw logits)
+    "sampled": dict(do_sample=True, temperature=0.7, top_k=20),
+    "typical": dict(mars_accept="typical", mars_draft_candidates=2, mars_lookup=2),
+    "penalised tree": dict(repetition_penalty=1.3, mars_draft_candidates=2, mars_lookup=2),
+}
+
+
+@pytest.mark.parametrize("mode", BY_RULE)
+def test_a_graph_pass_makes_no_tensor_from_host_data(trained_toy, mode, monkeypatch):
+    """Compiled whole (CPUs; on a GPU, the fused pass), a pass that makes a tensor from host data (a tree's tables, a
+    `torch.tensor` of Python numbers) copies it to the device in every pass, which CUDA graph capture refuses. Every
+    table a pass reads is made once, when the pass is built: here no pass makes one, by any path of verification."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, tok = trained_toy
+    made, inside, passes = [], [False], []
+
+    class HostData(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if inside[0] and func is torch.ops.aten.lift_fresh.default:
+                made.append("torch.tensor")
+            return func(*args, **(kwargs or {}))
+
+    def on(tree, device):
+        if inside[0]:
+            made.append(f"tree tables {tree.parents}")
+        return on_device(tree, device)
+
+    def traced(g):
+        inside[0] = True
+        passes.append(g)
+        try:
+            run_pass(g)
+        finally:
+            inside[0] = False
+
+    on_device, run_pass = DraftTree.on, graph.graph_pass
+    monkeypatch.setattr(DraftTree, "on", on)
+    monkeypatch.setattr(graph, "graph_pass", traced)
+    model.__dict__.pop("_mars_graphs", None)
+    enc = toy_prompts(tok, n=3, seed=5)
+    torch.manual_seed(0)
+    with HostData():
+        out = generate(model, enc, mars_verify=True, **BY_RULE[mode])
+    model.__dict__.pop("_mars_graphs", None)
+    assert len(passes) == out.mars_stats.forward_passes - 1 > 1, "the run must continue in graph passes"
+    assert not made, made

@@ -45,6 +45,9 @@ GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its b
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
 ENABLED = True
+# Whether a pass captured on CUDA is compiled whole (its bookkeeping fused with the forward by inductor, then captured
+# as one CUDA graph) rather than its forward alone; off until a GPU's measurements choose it. Tools turn it on.
+FUSED = False
 
 
 def enabled() -> bool:
@@ -164,10 +167,10 @@ class GraphPass:
 
     def __init__(self, model, kv, shape: GraphShape, compile_config=None, processors=None):
         """`compile_config`: `generate()`'s, where it compiles, else None (eager). On CUDA the pass is then captured
-        whole as a CUDA graph around a forward compiled without CUDA graphs of its own; elsewhere the whole pass is
-        compiled as one function. (Compiled whole on CUDA, the tree's host-side constants are traced into the graph as
-        host-to-device copies, which CUDA graph capture refuses.) `processors`: the run's logits processors
-        (`scoring.order_free`; `shape.processors` names them)."""
+        whole as a CUDA graph, around a forward compiled without CUDA graphs of its own or, with `FUSED`, compiled
+        whole first; elsewhere the whole pass is compiled as one function. A pass makes no tensor from host data (the
+        tree's tables are made here): compiled, it would copy them to the device in every pass, which capture
+        refuses. `processors`: the run's logits processors (`scoring.order_free`; `shape.processors` names them)."""
         self.model, self.shape = model, shape
         self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
         self.stacked = _stack_layers(self.kv)
@@ -176,10 +179,10 @@ class GraphPass:
         on_cuda = compile_config is not None and device.type == "cuda"
         self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
         self.forward, self.step = model, graph_pass
-        if on_cuda:  # the forward compiled without CUDA graphs of its own; the pass around it is captured
+        if on_cuda and not FUSED:  # the forward compiled without CUDA graphs of its own; the pass around it captured
             self.forward = _compiled(model.__call__, compile_config, "default")
-        elif compile_config is not None:  # the whole pass compiled as one function
-            self.step = _compiled(graph_pass, compile_config)
+        elif compile_config is not None:  # the whole pass compiled as one function (on CUDA, then captured whole)
+            self.step = _compiled(graph_pass, compile_config, "default" if on_cuda else None)
         self.lengths = [layer.cumulative_length for layer in self.kv.layers]
         self.tensors = _cache_tensors(self.kv)
         # A pass moves these on: the slot by what it keeps, the step by one, each layer's write count back over masks
@@ -437,7 +440,7 @@ def _verify_by_rule(g: GraphPass, logits: torch.Tensor, histories: Histories | N
     shape = g.shape
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
-    tokens, accepted, kept, end = verify(nodes, drafts, histories, shape.sampled, shape.typical)
+    tokens, accepted, kept, end = verify(nodes, drafts, histories, shape.sampled, shape.typical, g.tree)
     return tokens, accepted, (end, (accepted - 1).unsqueeze(1), kept)
 
 
@@ -602,7 +605,7 @@ def graph_pass_for(model, kv, shape: GraphShape, compile_config=None, processors
     builds another, kept as a spare, so that concurrent generations on one model never share a pass's state."""
     graphs = model.__dict__.setdefault("_mars_graphs", _Graphs())
     compiling = None if compile_config is None else (compile_config.backend, compile_config.mode)
-    key = (shape, compiling, model.dtype, str(kv.layers[0].keys.device))
+    key = (shape, compiling, FUSED, model.dtype, str(kv.layers[0].keys.device))
     with _LEASES:
         g = graphs.lend(key)
     if g is None:

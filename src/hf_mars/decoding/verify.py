@@ -53,18 +53,20 @@ class Drafts:
         return Drafts(self.tokens[alive], self.real[alive], self.tree, proposals)
 
 
-def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[float, float] | None = None):
+def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[float, float] | None = None, tree=None):
     """Verify the drafts: `(tokens, accepted, kept, end)`.
 
     `logits[:, 0]` is the output at the last pending token (the root), `logits[:, 1 + i]` the output at draft i, so
     the output at a draft's parent is the model's own prediction of it. `tokens[:, :accepted]` are the row's new
     tokens; `kept` marks the kept drafts (whose K/V the cache keeps); `end` is where they end (0: the root).
-    `typical`: `(ε, δ)` of typical acceptance (`_verify_typical`) instead of exact verification.
+    `typical`: `(ε, δ)` of typical acceptance (`_verify_typical`) instead of exact verification. `tree`: the drafts'
+    `TreeTensors` where the caller holds them (a graph pass, which then builds no tensor from the host: compiled, it
+    would copy them to the device in every pass); None: `drafts.tree`'s, made once per device.
     """
-    tree = drafts.tree.on(logits.device)
+    tree = drafts.tree.on(logits.device) if tree is None else tree
     scores = processed(logits, histories, drafts.tokens, tree.lineage)
     if typical is not None:
-        return _verify_typical(scores, drafts, do_sample, *typical)
+        return _verify_typical(scores, drafts, tree, do_sample, *typical)
     if do_sample:
         return _verify_sampled(scores, drafts)
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
@@ -83,7 +85,7 @@ def verify_greedy(target, drafts, real, tree) -> tuple[torch.Tensor, torch.Tenso
     return target.gather(1, tree.path.index_select(0, end)), depth, end
 
 
-def _verify_typical(scores, drafts: Drafts, do_sample: bool, epsilon: float, delta: float):
+def _verify_typical(scores, drafts: Drafts, tree, do_sample: bool, epsilon: float, delta: float):
     """Typical acceptance (Medusa): a draft matches when the verifying distribution p at its parent gives it at least
     min(ε, δ·exp(-H(p))), and its parent matches. Not lossless: a plausible draft is kept where the model would have
     chosen another token; the bar falls where p is spread out (high entropy), where many continuations are fine. The
@@ -92,7 +94,7 @@ def _verify_typical(scores, drafts: Drafts, do_sample: bool, epsilon: float, del
     p = torch.softmax(scores.float(), dim=-1)
     match = drafts.real
     if len(drafts.tree):
-        parents = drafts.tree.on(p.device).parent_slots
+        parents = tree.parent_slots
         bar = (delta * torch.exp(-torch.special.entr(p).sum(dim=-1))).clamp(max=epsilon)  # (rows, 1 + drafts)
         p_draft = p[:, parents].gather(-1, drafts.tokens[..., None]).squeeze(-1)
         match = (p_draft >= bar[:, parents]) & drafts.real
@@ -102,10 +104,10 @@ def _verify_typical(scores, drafts: Drafts, do_sample: bool, epsilon: float, del
         at_end = p[rows, end]
         return draw(at_end)[:, None] if do_sample else at_end.argmax(dim=-1, keepdim=True)
 
-    return _keep_deepest(match, drafts, after)
+    return _keep_deepest(match, drafts, tree, after)
 
 
-def _keep_deepest(match, drafts: Drafts, after):
+def _keep_deepest(match, drafts: Drafts, tree, after):
     """Keep the path to the deepest draft that matches with all its ancestors (equal siblings give equal paths; of
     different ones, the first in the tree, the chain's), then `after(end)`, the `(rows, 1)` token that follows where
     it ends (the correction, or a bonus token). `(tokens, accepted, kept, end)` as `verify` returns them."""
@@ -113,7 +115,6 @@ def _keep_deepest(match, drafts: Drafts, after):
     count = end = torch.zeros(rows, dtype=torch.long, device=match.device)
     if not len(drafts.tree):
         return after(end), count + 1, drafts.real, end
-    tree = drafts.tree.on(match.device)
     count, end = deepest_kept(match, tree)
     path = drafts.tokens.gather(1, (tree.path[end, 1:] - 1).clamp(min=0))  # the drafts on the path, one a depth
     tokens = torch.nn.functional.pad(path, (0, 1)).scatter_(1, count[:, None], after(end))
