@@ -35,9 +35,10 @@ class DraftTree:
     from_masks: int = 0
 
     @staticmethod
-    @functools.lru_cache(maxsize=SHAPES)
     def of(parents: tuple[int, ...], from_masks: int | None = None) -> DraftTree:
-        """The shared tree of this shape (built once)."""
+        """The tree of these parents, whose first `from_masks` drafts (default: all) the masks proposed. Trees are
+        values (equal parents, equal trees), and their tensors are made once per shape (`on`), so a compiled pass
+        that proposes one traces a plain constructor, no cache."""
         return DraftTree(parents, len(parents) if from_masks is None else from_masks)
 
     def __len__(self) -> int:
