@@ -76,6 +76,23 @@ def test_rows_admitted_mid_batch_equal_each_row_alone(model_and_tok, mode):
         assert results[label] == alone(model, tok, prompt, budget, **reference), (mode, label)
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_row_that_longer_rows_join_stays_exact(model_and_tok, mode):
+    """Rows with more cached slots join a running row with none of its own holes: the running row's cache is padded
+    on its left with holes, which every pass must hide from it, the one-token passes of τ = 1 too (where the model
+    builds the mask from the 2D slot map: one that says "no holes" lets it attend to them)."""
+    model, tok = model_and_tok
+    settings = MODES[mode]
+    short, long = "a", "the quick brown fox jumps"
+    session = open_rows(model, tok, [short], labels=["short"], **settings)
+    session.admit(open_rows(model, tok, [long], labels=["long"], **settings))
+    results = {}
+    drain(model, session, results)
+    reference = {} if mode in ("tau=1", "lossless") else settings  # exact: plain greedy generate()'s tokens
+    for label, prompt in (("short", short), ("long", long)):
+        assert results[label] == alone(model, tok, prompt, 20, **reference), (mode, label)
+
+
 @pytest.mark.parametrize("mode", ["tau=1", "lossless"])
 def test_rows_with_a_repetition_penalty_join_and_leave_exactly(model_and_tok, mode):
     """`generate()` tells a repetition penalty each row's left padding; rows that join (padded anew) and leave keep

@@ -185,12 +185,12 @@ class MARSCache(DynamicCache):
         shorter side is padded on the left with holes, as a shorter prompt is, so that every row's next tokens go to
         the same slots; positions are each row's own, so nothing it computed changes."""
         length = max(self.length, other.length)
+        self.dense = self.dense and other.dense and self.length == other.length  # the padding would be holes
         for mine, theirs in zip(self.layers, other.layers):
             for name in ("keys", "values"):
                 a, b = getattr(mine, name), getattr(theirs, name)
                 parts = [_pad_slots(a, length - a.shape[2]), _pad_slots(b, length - b.shape[2])]
                 setattr(mine, name, torch.cat(parts))
-        self.dense = self.dense and other.dense and self.length == other.length
         self.real = torch.cat([_pad_slots(r, length - r.shape[1], dim=1) for r in (self.real, other.real)])
         self.next_position = torch.cat([self.next_position, other.next_position])
         self.rows = torch.cat([self.rows, other.rows + offset])
