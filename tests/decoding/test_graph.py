@@ -10,7 +10,7 @@ from transformers import GenerationMixin, StoppingCriteriaList
 
 import hf_mars
 from hf_mars.decoding import graph
-from hf_mars.decoding.cache import _positions
+from hf_mars.decoding.cache import pass_positions
 from hf_mars.decoding.graph import GraphShape, _relative_positions
 from hf_mars.decoding.tree import DraftTree
 
@@ -187,13 +187,16 @@ def text_half_way(tok, new_tokens) -> str:
 @pytest.mark.parametrize("parents", [(), (-1, 0, 1), (-1, 0, 1, -1, -1, 0, -1, 4)])
 @pytest.mark.parametrize("pending", [1, 4])
 def test_relative_positions_are_the_caches_positions(parents, pending):
-    """With every pending slot real, a pass's positions are its first pending token's plus `_relative_positions`."""
+    """A graph pass finds its positions as each row's last pending position plus one table (`_relative_positions`,
+    made from `pass_positions` once): the loop's positions wherever a row's pending slots are real."""
     tree, masks = DraftTree.of(parents), 3
     shape = GraphShape(2, 64, bool(parents), pending, tree, masks, "probability", 1, 0, 9, 0, 1)
     next_position = torch.tensor([5, 11])
     fed = torch.ones(2, pending + len(tree), dtype=torch.bool)
-    expected = _positions(next_position, fed, masks, tree)
-    assert torch.equal(next_position[:, None] + _relative_positions(shape), expected)
+    expected = pass_positions(next_position, fed, masks, tree)
+    last = next_position + pending - 1
+    assert torch.equal(last[:, None] + _relative_positions(shape), expected)
+    assert expected.shape[1] == shape.width
 
 
 def test_the_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():

@@ -101,7 +101,7 @@ class MARSCache(DynamicCache):
         Returns `None` for the mask when no slot is a hole, so the model takes its fastest (mask-free causal) path,
         as `generate()` does for unpadded batches.
         """
-        position_ids = _positions(self.next_position, new_real, num_masks, tree)
+        position_ids = pass_positions(self.next_position, new_real, num_masks, tree)
         if self.dense and (dense if dense is not None else bool(new_real.all())):
             return None, position_ids
         masks = torch.ones(new_real.shape[0], (len(tree) + 1) * num_masks, dtype=torch.bool, device=new_real.device)
@@ -273,7 +273,7 @@ class StaticMARSCache:
             raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
         self.real[:, self.length + new_real.shape[1] : self.length + width] = True
-        return self.real, _positions(self.next_position, new_real, num_masks, tree)
+        return self.real, pass_positions(self.next_position, new_real, num_masks, tree)
 
     def kv_length(self, width: int) -> int:
         return self.size
@@ -371,8 +371,11 @@ def _slot_positions(real: torch.Tensor) -> torch.Tensor:
     return real.long().cumsum(dim=1) - 1
 
 
-def _positions(next_position, new_real, num_masks: int, tree: DraftTree):
-    """Position ids of `[new tokens (right-aligned) | masks]`: see `MARSCache.step_inputs`."""
+def pass_positions(next_position, new_real, num_masks: int, tree: DraftTree):
+    """Position ids of `[new tokens (right-aligned) | drafts | groups of masks]`, each row's first new token at
+    `next_position`: pending tokens count real ones, each draft sits its depth past the last pending token, each
+    group of masks continues the token it follows (see `MARSCache.step_inputs`). The graph pass's table is this
+    function's too (`graph._tables`)."""
     batch, width = new_real.shape
     pending = new_real[:, : width - len(tree)]
     pending_positions = next_position[:, None] + pending.long().cumsum(dim=1) - 1

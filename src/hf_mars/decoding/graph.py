@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import compact_static
+from .cache import compact_static, pass_positions
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rates_after
 from .scoring import Histories, choose, confidence, processed, tau_accepted
@@ -288,7 +288,7 @@ def _tables(shape: GraphShape, dtype) -> dict:
         sees=sees[None, None],
         key_columns=torch.arange(slots) + slots,
         pass_slots=torch.arange(width),
-        relative=_relative_positions(shape) - (shape.pending - 1),  # past the last pending token
+        relative=_relative_positions(shape),
         offsets=torch.arange(shape.tokens),
         open=torch.zeros((), dtype=dtype),  # the additive mask's two values
         shut=torch.tensor(torch.finfo(dtype).min, dtype=dtype),
@@ -296,9 +296,9 @@ def _tables(shape: GraphShape, dtype) -> dict:
     if shape.verify:
         tables.update(_tree_tables(shape))
     else:  # the first `count` of a pass's tokens right-aligned as the next pending ones, for each count
-        holes = shape.pending - torch.arange(shape.pending + 1)[:, None]  # for each count
-        column = torch.arange(shape.pending)
-        tables.update(align=(column - holes).clamp(min=0), align_real=column >= holes)
+        counts = torch.arange(shape.pending + 1)
+        columns = torch.arange(shape.pending).expand(len(counts), -1)
+        tables.update(zip(("align", "align_real"), right_align(columns, counts, shape.pending, 0)))
     return tables
 
 
@@ -310,12 +310,10 @@ def _tree_tables(shape: GraphShape) -> dict:
 
 
 def _relative_positions(shape: GraphShape) -> torch.Tensor:
-    """`(width,)`: each fed token's position past the first pending slot's, were every pending slot real: pending
-    tokens in a row, each draft its depth past the last, each group of masks continuing the token it follows."""
-    last = shape.pending - 1
-    anchors = [last] + [last + depth for depth in shape.tree.path_lengths]
-    masks = [anchor + k for anchor in anchors[: shape.groups] for k in range(1, shape.masks + 1)]
-    return torch.tensor(list(range(shape.pending)) + anchors[1:] + masks, dtype=torch.long)
+    """`(width,)`: each fed token's position past the last pending slot's, were every pending slot real: the loop's
+    positions (`cache.pass_positions`) of a row whose pending tokens end at position 0."""
+    fed = torch.ones(1, shape.pending + len(shape.tree), dtype=torch.bool)
+    return pass_positions(torch.zeros(1, dtype=torch.long), fed, shape.masks, shape.tree)[0] - (shape.pending - 1)
 
 
 def graph_pass(g: GraphPass) -> None:
