@@ -139,14 +139,14 @@ def _verify_sampled(scores, drafts: Drafts):
     drafted = tokens[..., None]
     p_draft, q_draft = p[:, :-1].gather(-1, drafted)[..., 0], proposals[:, :-1].gather(-1, drafted)[..., 0]
     match = (torch.rand_like(p_draft) * q_draft < p_draft) & drafts.real
-    count = torch.cummin(match, dim=1).values.sum(dim=1)
+    kept = torch.cummin(match, dim=1).values  # the drafts before the first rejected one
+    count = kept.sum(dim=1)
     rows = torch.arange(p.shape[0], device=p.device)
     p_next = p[rows, count]
     residual = (p_next - proposals[rows, count]).clamp_(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
     target = draw(residual)[:, None]
     out = torch.cat([tokens, target], dim=1).scatter_(1, count[:, None], target)
-    kept = drafts.real & (torch.arange(tokens.shape[1], device=p.device) < count[:, None])
     return out, count + 1, kept, count
 
 
