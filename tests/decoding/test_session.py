@@ -94,6 +94,26 @@ def test_a_row_that_longer_rows_join_stays_exact(model_and_tok, mode):
 
 
 @pytest.mark.parametrize("mode", ["tau=1", "lossless"])
+def test_a_minimum_of_new_tokens_counts_from_each_rows_prompt_as_longer_rows_join(model_and_tok, mode):
+    """`min_new_tokens` counts from the column the prompts end at, which moves when a longer prompt joins (the
+    prompts are padded anew): each row is held to its own minimum, as alone."""
+    model, tok = model_and_tok
+    short, long = "a", "the quick brown fox jumps"
+    stop = alone(model, tok, short, 20)[3]  # a token the short row decodes soon: its EOS here
+    free = alone(model, tok, short, 20, eos_token_id=stop)
+    assert len(free) <= 4, "the premise: alone, the short row stops early"
+    minimum = len(free) + 3
+    settings = dict(MODES[mode], eos_token_id=stop, min_new_tokens=minimum)
+    session = open_rows(model, tok, [short], labels=["short"], **settings)
+    session.admit(open_rows(model, tok, [long], labels=["long"], **settings))
+    results = {}
+    drain(model, session, results)
+    for label, prompt in (("short", short), ("long", long)):
+        assert results[label] == alone(model, tok, prompt, 20, eos_token_id=stop, min_new_tokens=minimum), label
+    assert len(results["short"]) > len(free)
+
+
+@pytest.mark.parametrize("mode", ["tau=1", "lossless"])
 def test_rows_with_a_repetition_penalty_join_and_leave_exactly(model_and_tok, mode):
     """`generate()` tells a repetition penalty each row's left padding; rows that join (padded anew) and leave keep
     theirs: every row gets `generate()`'s penalised tokens for its prompt alone."""

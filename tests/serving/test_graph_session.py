@@ -97,13 +97,34 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
         other = _opened(model, prompt, "b", 4, MODES["lossless tree"])
         with pytest.raises(ValueError, match="other settings"):
             rows.admit(other)
-        for loop_only in (dict(no_repeat_ngram_size=2), dict(min_new_tokens=3)):
-            with pytest.raises(ValueError, match="decode in the loop"):
-                GraphSession(model, _opened(model, prompt, "d", 4, dict(mars_tau=1.0, **loop_only)), 2, 200)
+        loop_only = dict(mars_tau=1.0, no_repeat_ngram_size=2)
+        with pytest.raises(ValueError, match="decode in the loop"):
+            GraphSession(model, _opened(model, prompt, "d", 4, loop_only), 2, 200)
         penalty = dict(mars_tau=1.0, repetition_penalty=1.3)
         penalised = GraphSession(model, _opened(model, prompt, "e", 4, penalty), 2, 200)
         with pytest.raises(ValueError, match="other settings"):
             penalised.admit(_opened(model, prompt, "f", 4, dict(mars_tau=1.0, repetition_penalty=1.2)))
+
+
+@pytest.mark.parametrize("mode", ["tau=1", "lossless tree"])
+def test_a_minimum_of_new_tokens_holds_each_row_from_its_own_prompt(trained_toy, mode):
+    """`min_new_tokens` in rows whose prompts differ in length, each row's text from column 0: every request is held
+    to its own minimum, as `generate()` holds its prompt alone."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=7)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    assert len({p.numel() for p in prompts}) > 1, "the premise: prompts of several lengths"
+    plain = dict(do_sample=False, max_new_tokens=20)
+    stop = int(GenerationMixin.generate(model, prompts[0][None], **plain)[0, prompts[0].numel() + 3])  # EOS here
+    minimum, plain = 8, dict(plain, eos_token_id=stop)
+    finished, _ = _serve(model, prompts, [20] * 4, dict(MODES[mode], eos_token_id=stop, min_new_tokens=minimum), 2,
+                         SLOTS[mode])
+    held = False
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], **plain, min_new_tokens=minimum)[0, prompt.numel() :]
+        assert finished[i][0] == alone.tolist(), i
+        held |= not torch.equal(alone, GenerationMixin.generate(model, prompt[None], **plain)[0, prompt.numel() :])
+    assert held, "the minimum must hold some request past its EOS"
 
 
 @pytest.mark.parametrize("candidates, lookup", [(1, 0), (3, 0), ((2, 3, 2), 2), (1, 4)])

@@ -49,7 +49,7 @@ from .compat import (
 )
 from .graph import GraphShape, enabled, graph_pass_for, processors_signature
 from .schedule import MaskSchedule
-from .scoring import check_stateless, history_free, order_free
+from .scoring import check_stateless, history_free, order_free, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
@@ -498,6 +498,7 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     """Check what MARS can do exactly, then set up the cache, the mask schedule and the stopping criteria."""
     batch, prompt_length = input_ids.shape
     device = input_ids.device
+    processors = without_implied_minimum(processors)
     window = _check_decodable(model, generation_config, settings, prompt_length, processors)
     eos = eos_token_ids(generation_config, device)
     pad_token_id = pad_token(generation_config, eos)

@@ -526,9 +526,10 @@ def _histories(g: GraphPass) -> Histories | None:
     return Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded)
 
 
-# Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip),
-# not what the processor does (`scoring.follow_padding` moves it): a server's graph rows set it to no padding
-ROW_LAYOUT = ("prompt_ignore_length",)
+# Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,
+# where a minimum of new tokens starts counting), not what the processor does (`scoring.follow_padding` moves them): a
+# server's graph rows set them to no padding and each row's own prompt
+ROW_LAYOUT = ("prompt_ignore_length", "prompt_length_to_skip")
 
 
 def processors_signature(processors, layout: bool = True) -> tuple:

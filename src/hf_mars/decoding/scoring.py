@@ -234,19 +234,42 @@ def _held(text: torch.Tensor, hidden: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.zeros(text.shape[0], vocab + 1, dtype=torch.bool, device=text.device).scatter_(1, ids, True)
 
 
-def follow_padding(processors, prompt_real: torch.Tensor) -> None:
+def follow_padding(processors, prompt_real: torch.Tensor, prompt_ends: torch.Tensor | None = None) -> None:
     """`generate()` gives a repetition penalty each row's left padding to skip (`prompt_ignore_length`, one value per
-    row): as rows join and leave a session, and its prompts are padded anew, it follows them."""
+    row), and a minimum of new tokens the column its prompts end at (`prompt_length_to_skip`): as rows join and leave
+    a session, and its prompts are padded anew, they follow them. `prompt_ends`: where each row's prompt ends, where
+    rows' texts do not share one (a server's graph rows, each from column 0); default: the padded prompts' end."""
     for p in processors:
         if isinstance(getattr(p, "prompt_ignore_length", None), torch.Tensor):
             p.prompt_ignore_length = prompt_real.int().argmax(dim=1)
+        if hasattr(p, "min_new_tokens"):  # MinNewTokensLengthLogitsProcessor
+            p.prompt_length_to_skip = prompt_real.shape[1] if prompt_ends is None else prompt_ends
+
+
+def without_implied_minimum(processors):
+    """`processors` less a `MinLengthLogitsProcessor` that a `MinNewTokensLengthLogitsProcessor` implies:
+    `generate()` sets `min_length` to the prompt's length plus `min_new_tokens` and builds both, which bar EOS alike.
+    The one left counts from where the prompts end, which `follow_padding` moves as rows join a session."""
+    minimums = [p for p in processors if isinstance(p, logits_process.MinNewTokensLengthLogitsProcessor)]
+
+    def implied(p) -> bool:
+        return isinstance(p, logits_process.MinLengthLogitsProcessor) and any(
+            p.min_length == m.prompt_length_to_skip + m.min_new_tokens and torch.equal(p.eos_token_id, m.eos_token_id)
+            for m in minimums
+        )
+
+    kept = [p for p in processors if not implied(p)]
+    return processors if len(kept) == len(processors) else type(processors)(kept)
 
 
 def _by_length(processor, end: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """A `BY_LENGTH` processor's rule with each row's own history length (`end`, `(rows, 1)`) where `generate()`
     reads the batch's from `input_ids.shape[-1]`: EOS barred while the row is short of the minimum."""
     if hasattr(processor, "min_new_tokens"):  # MinNewTokensLengthLogitsProcessor
-        short = end - processor.prompt_length_to_skip < processor.min_new_tokens
+        skip = processor.prompt_length_to_skip  # where the prompts end: one column, or one per row (`follow_padding`)
+        if isinstance(skip, torch.Tensor):
+            skip = skip.view(-1, *(1,) * (end.dim() - 1))
+        short = end - skip < processor.min_new_tokens
     else:  # MinLengthLogitsProcessor
         short = end < processor.min_length
     eos = torch.isin(torch.arange(scores.shape[-1], device=scores.device), processor.eos_token_id)

@@ -20,7 +20,7 @@ from transformers import StaticCache
 from ..decoding.compat import full_attention_config
 from ..decoding.generate import graph_shape, load_rows
 from ..decoding.graph import GraphPass, processors_signature
-from ..decoding.scoring import BY_LENGTH, follow_padding
+from ..decoding.scoring import follow_padding
 from ..decoding.settings import read_tau
 from ..decoding.tree import NO_DRAFTS, full_tree
 
@@ -34,17 +34,18 @@ class GraphSession:
         settings, plan = first.plan.settings, first.plan
         tree = full_tree(settings.block_size - 1, plan.candidates, plan.lookup) if settings.verify else NO_DRAFTS
         shape = graph_shape(model, first, max_rows, slots, tree)
-        if shape is None or any(isinstance(p, BY_LENGTH) for p in plan.processors):
-            raise ValueError(  # a minimum length counts from where the batch's text starts, not each row's
+        if shape is None:
+            raise ValueError(
                 "these settings decode in the loop, not as one graph (logits processors that read the order of the "
-                "text, such as no_repeat_ngram_size or bad words, or a minimum length): serve them without "
-                "--compile"
+                "text, such as no_repeat_ngram_size or bad words): serve them without --compile"
             )
         self.plan, self.shape = plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
         self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config, plan.processors)
-        no_padding = torch.ones(max_rows, 1, dtype=torch.bool, device=self.graph.state.done.device)
-        follow_padding(plan.processors, no_padding)  # texts start at column 0: a penalty sees a prompt alone's text
+        device = self.graph.state.done.device
+        self.prompt_ends = torch.zeros(max_rows, dtype=torch.long, device=device)  # each row's, set as it is placed
+        no_padding = torch.ones(max_rows, 1, dtype=torch.bool, device=device)
+        follow_padding(plan.processors, no_padding, self.prompt_ends)  # texts start at column 0, as a prompt alone's
         self.graph.state.done.fill_(True)  # every row free
         self.graph.state.sequences.fill_(plan.pad_token_id)
         self.graph.state.write_offsets.copy_(self.graph.offsets + 1)  # a free row's text: one pad (processors read it)
@@ -122,6 +123,7 @@ class GraphSession:
         state.sequences[free] = self.plan.pad_token_id
         state.sequences[free, : tokens.numel()] = tokens
         state.write_offsets[free] = g.offsets + prompt.numel()
+        self.prompt_ends[free] = prompt.numel()  # in place: the pass's processors read this tensor
         device = state.done.device
         load_rows(g, other, torch.tensor([free], device=device), torch.tensor([index], device=device))
 
