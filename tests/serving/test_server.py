@@ -320,6 +320,34 @@ def test_a_short_request_sent_while_a_long_one_decodes_is_answered_before_it_end
     assert sum(line.startswith("data:") for line in rest) > 4, "the long stream did not go on after the short reply"
 
 
+@pytest.mark.parametrize("mode", ["tau=1", "lossless"])
+def test_a_longer_prompt_joining_a_running_row_leaves_both_texts_exact(server, mode):
+    """A request whose prompt is longer than the running row's joins it between passes (the running row's cache is
+    padded with holes on its left, which its passes must not see): both get their prompt alone's text. (A stream's
+    end sends the bytes of a character its budget cut, as one replacement character; `_offline` drops them.)"""
+    import json
+
+    body = _long_stream(server, 200, **MODES[mode])
+    longer = "count from one to twenty, slowly, in words, then back"
+    before = len(server["engine"].batch_sizes)
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", server["url"] + "/v1/chat/completions", json=body) as response:
+            lines = (line[5:] for line in response.iter_lines() if line.startswith("data:") and "[DONE]" not in line)
+            chunks = [next(lines)]  # the first row decodes: the next request joins it
+            reply = _client(server).chat.completions.create(
+                model=server["path"],
+                messages=[{"role": "user", "content": longer}],
+                max_tokens=MAX_TOKENS,
+                extra_body=MODES[mode],
+            )
+            chunks += list(lines)
+    assert max(server["engine"].batch_sizes[before:]) > 1, "the longer request must have joined the running row"
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, chunks) if c["choices"])
+    alone = _offline(server, body["messages"][0]["content"], MODES[mode], 200)[0]
+    assert streamed.rstrip("\ufffd") == alone.rstrip("\ufffd")
+    assert reply.choices[0].message.content.rstrip("\ufffd") == _offline(server, longer, MODES[mode])[0].rstrip("\ufffd")
+
+
 def test_continuous_batching_flag_is_accepted():
     from hf_mars.cli import build_parser
 
