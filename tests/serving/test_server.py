@@ -165,6 +165,43 @@ def test_completions_read_mars_settings_from_the_generation_config_string(server
     assert reply.usage.forward_passes <= reply.usage.completion_tokens
 
 
+def test_a_minimum_of_new_tokens_in_the_generation_config_holds_each_row(server):
+    """`min_new_tokens` in the `generation_config` string, for prompts of several lengths decoding together (with
+    `--cache-slots`, in the graph pass's rows, each from column 0): each row is held to its own minimum, as
+    `generate()` holds its prompt alone. Its EOS is a token the model soon decodes, so the minimum matters."""
+    import json
+
+    tok, model = server["tok"], server["offline"]
+    prompts = [f"<|im_start|>user\ncount {'and ' * i}on<|im_end|>\n<|im_start|>assistant\n" for i in range(4)]
+    ids = [tok(prompt, return_tensors="pt") for prompt in prompts]
+    greedy = dict(do_sample=False, max_new_tokens=MAX_TOKENS)
+    stop = int(model.generate(**ids[0], **greedy)[0, ids[0]["input_ids"].shape[1] + 3])
+    minimum, greedy = 8, dict(greedy, eos_token_id=stop)
+    config = json.dumps({"mars_verify": True, "do_sample": False, "eos_token_id": stop, "min_new_tokens": minimum})
+
+    async def ask(prompt: str):
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=120) as client:
+            reply = await client.completions.create(
+                model=server["path"], prompt=prompt, max_tokens=MAX_TOKENS, extra_body={"generation_config": config}
+            )
+        return reply.choices[0].text
+
+    async def together():
+        return await asyncio.gather(*[ask(prompt) for prompt in prompts])
+
+    engine = server["engine"]
+    before = len(engine.batch_sizes)
+    texts = asyncio.run(together())
+    assert max(engine.batch_sizes[before:]) > 1, "the requests were not batched"
+    held = False
+    for prompt_ids, text in zip(ids, texts):
+        start = prompt_ids["input_ids"].shape[1]
+        alone = model.generate(**prompt_ids, **greedy, min_new_tokens=minimum)[0, start:]
+        assert text == tok.decode(alone, skip_special_tokens=True)
+        held |= not torch.equal(alone, model.generate(**prompt_ids, **greedy)[0, start:])
+    assert held, "the minimum must hold some request past its EOS"
+
+
 def test_a_client_that_disconnects_frees_its_row(server):
     engine = server["engine"]
     body = _long_stream(server, 480, mars_verify=True)
