@@ -42,10 +42,10 @@ class GraphSession:
         self.plan, self.shape = plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
         self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config, plan.processors)
-        device = self.graph.state.done.device
-        self.prompt_ends = torch.zeros(max_rows, dtype=torch.long, device=device)  # each row's, set as it is placed
-        no_padding = torch.ones(max_rows, 1, dtype=torch.bool, device=device)
-        follow_padding(plan.processors, no_padding, self.prompt_ends)  # texts start at column 0, as a prompt alone's
+        no_padding = torch.ones(max_rows, 1, dtype=torch.bool, device=self.graph.state.done.device)
+        # Texts start at column 0, as a prompt alone's; each row's prompt ends where its new tokens start (`text_start`,
+        # a view of the pass's state, written as rows are placed)
+        follow_padding(plan.processors, no_padding, self.graph.text_start)
         self.graph.state.done.fill_(True)  # every row free
         self.graph.state.sequences.fill_(plan.pad_token_id)
         self.graph.state.write_offsets.copy_(self.graph.offsets + 1)  # a free row's text: one pad (processors read it)
@@ -123,7 +123,6 @@ class GraphSession:
         state.sequences[free] = self.plan.pad_token_id
         state.sequences[free, : tokens.numel()] = tokens
         state.write_offsets[free] = g.offsets + prompt.numel()
-        self.prompt_ends[free] = prompt.numel()  # in place: the pass's processors read this tensor
         device = state.done.device
         load_rows(g, other, torch.tensor([free], device=device), torch.tensor([index], device=device))
 
