@@ -104,9 +104,10 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
 
 
 def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
-    """Logits processors that read the order of the text run in the loop, which knows them; a dynamic cache never
-    leaves it. Sampling with its warpers, repetition penalties, minimum lengths and a mask schedule run in the graph
-    pass (here and tests/decoding/test_shapes.py)."""
+    """Logits processors that read the order of the text (n-gram bans, a bad word or bias of several tokens) run in
+    the loop, which knows them; a dynamic cache never leaves it. Sampling with its warpers, repetition penalties,
+    minimum lengths, bans and biases of single tokens and a mask schedule run in the graph pass (here and
+    tests/decoding/test_shapes.py)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
     model.__dict__.pop("_mars_graphs", None)
@@ -115,6 +116,8 @@ def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     cases = [
         (enc, dict(mars_tau=0.9, no_repeat_ngram_size=2)),
         (enc, dict(mars_tau=0.9, do_sample=True, no_repeat_ngram_size=2)),
+        (enc, dict(mars_verify=True, bad_words_ids=[[5, 6]])),  # a ban of two tokens reads the text's last one
+        (enc, dict(mars_tau=0.9, sequence_bias=[[[5, 6], 2.0]])),
     ]
     for inputs, kwargs in cases:
         model.__dict__.pop("_mars_graphs", None)

@@ -161,6 +161,42 @@ def test_a_repetition_penalty_runs_in_the_graph_pass_as_generate_applies_it(thin
     assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, repetition_penalty=1.3))
 
 
+# generate() options whose processors read the scores alone, given the token they bar or bias
+SCORES_ONLY = {
+    "renormalize_logits, remove_invalid_values": lambda _: dict(renormalize_logits=True, remove_invalid_values=True),
+    "suppress_tokens": lambda token: dict(suppress_tokens=[token]),
+    "bad_words_ids": lambda token: dict(bad_words_ids=[[token]]),
+    "sequence_bias": lambda token: dict(sequence_bias=[[[token], -3.0]]),
+}
+
+
+@pytest.mark.parametrize("option", SCORES_ONLY)
+@pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
+def test_processors_that_read_only_the_scores_run_in_the_graph_pass(thin, mode, option):
+    """Processors that read no text (`scoring.reads_scores_only`: barring, biasing single tokens, renormalising)
+    score every slot in one call in the graph pass: the loop's tokens, greedy and seeded sampling, τ = 1 and
+    lossless mode `generate()`'s with the same option, a draft tree kept where asked. The barred or biased token is
+    the one plain greedy decoding emits most here, so that the option changes the text on any CPU."""
+    model, tok = thin
+    enc = tok(prompts(5, 11), return_tensors="pt", padding=True)
+    plain = dict(max_new_tokens=48, do_sample=False, pad_token_id=PAD)
+    unprocessed = GenerationMixin.generate(model, **enc, **plain)
+    emitted = [t for row in new_tokens(unprocessed, enc) for t in row if t != EOS]
+    processing = SCORES_ONLY[option](max(set(emitted), key=emitted.count))
+    model.__dict__.pop("_mars_graphs", None)
+    graphed = decode(model, enc, mode, **processing)
+    assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
+    assert branched(model) == ("tree" in mode), "the option keeps the tree it is given"
+    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, **processing))
+    if mode in EXACT:
+        processed = GenerationMixin.generate(model, **enc, **plain, **processing)
+        assert new_tokens(graphed, enc) == new_tokens(processed, enc)
+        if option != "renormalize_logits, remove_invalid_values":  # these two keep greedy text as it is
+            assert new_tokens(processed, enc) != new_tokens(unprocessed, enc), "the option must change the text"
+    sampled = decode(model, enc, mode, sample_seed=3, **processing)
+    assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, **processing))
+
+
 @pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
 def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies_them(trained_toy, mode):
     """EOS barred while a row is short, each row by its own length (the trained toy's rows end at EOS at different

@@ -342,8 +342,9 @@ def _graph_shape(model, run: Session) -> GraphShape | None:
 
 def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where only the loop can: logits processors that read the order of the text (n-gram and
-    bad-word bans; sampling's warpers, repetition penalties and minimum lengths run in the pass: `order_free`). A
+    full `tree`, or None where only the loop can: logits processors that read the order of the text (n-gram bans,
+    bans and biases of several tokens; warpers, single-token bans and biases, repetition penalties and minimum lengths
+    run in the pass: `order_free`). A
     mask cost's schedule runs in the pass too, which feeds every mask, as the loop does on a static cache. Stopping
     criteria other than EOS and the length limit, and a streamer, are served from the host after each pass."""
     plan, settings = run.plan, run.plan.settings

@@ -11,7 +11,8 @@ the whole pass is one compiled function; without it the same function runs eager
 against the loop of `generate.py`.
 
 What it runs: a static cache; greedy decoding and sampling, with the logits processors that read no more of the text
-than which tokens it holds and how many (`scoring.order_free`: the warpers, a repetition penalty, minimum lengths);
+than which tokens it holds and how many (`scoring.order_free`: the warpers, bans and biases of single tokens, a
+repetition penalty, minimum lengths);
 τ-mode with all B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy, or sampled; with a mask cost
 each row uses those its schedule offers) and lossless mode's exact verification over a whole draft tree (chain,
 runner-ups, prompt lookup), speculative sampling of a chain, or typical acceptance; sliding-window layers, whose

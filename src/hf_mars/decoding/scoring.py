@@ -22,7 +22,10 @@ def _processors(*names: str) -> tuple[type, ...]:
     return tuple(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
 
 
-# Warpers that read only the scores, never the token history: they can score every slot of a pass in one call.
+# Processors that read only the scores, never the token history, so that every slot of a pass is scored in one call:
+# the warpers, and those that bar or renormalise scores (`suppress_tokens`, `remove_invalid_values`,
+# `renormalize_logits`). A sequence bias of single tokens (`sequence_bias`, `bad_words_ids`) reads none either
+# (`reads_scores_only`).
 HISTORY_FREE = _processors(
     "TemperatureLogitsWarper",
     "TopKLogitsWarper",
@@ -31,7 +34,12 @@ HISTORY_FREE = _processors(
     "TypicalLogitsWarper",
     "EpsilonLogitsWarper",
     "EtaLogitsWarper",
+    "SuppressTokensLogitsProcessor",
+    "InfNanRemoveLogitsProcessor",
+    "LogitNormalization",
 )
+# Biases of token sequences (bad words are biased to -inf): a sequence of two tokens or more reads the text's last ones
+BIASES = _processors("SequenceBiasLogitsProcessor")
 # Processors whose scores are a function of each row's token history and scores alone, recomputed at every call: MARS
 # may call them for any slot of a pass, any number of times, as if that slot were `generate()`'s next step. Others
 # (user-written ones, or those with state of their own, such as classifier-free guidance, which runs the model on a
@@ -49,11 +57,8 @@ STATELESS = HISTORY_FREE + _processors(
     "PrefixConstrainedLogitsProcessor",
     "ForcedBOSTokenLogitsProcessor",
     "ForcedEOSTokenLogitsProcessor",
-    "InfNanRemoveLogitsProcessor",
     "ExponentialDecayLengthPenalty",
-    "LogitNormalization",
     "SuppressTokensAtBeginLogitsProcessor",
-    "SuppressTokensLogitsProcessor",
     "WatermarkLogitsProcessor",
 )
 # Processors whose scores depend only on which tokens a row's history holds (past the columns `prompt_ignore_length`
@@ -276,14 +281,21 @@ def _by_length(processor, end: torch.Tensor, scores: torch.Tensor) -> torch.Tens
     return torch.where(short & eos, -math.inf, scores)
 
 
+def reads_scores_only(processor) -> bool:
+    """Whether `processor` reads the scores alone (`HISTORY_FREE`, or a bias of single tokens: `BIASES`)."""
+    if isinstance(processor, BIASES):
+        return all(len(sequence) == 1 for sequence in processor.sequence_bias)
+    return isinstance(processor, HISTORY_FREE)
+
+
 def order_free(processors) -> bool:
     """Whether every processor reads at most the set of tokens in a row's history and its length (`SET_BASED`,
     `BY_LENGTH`, or nothing of it)."""
-    return all(isinstance(p, HISTORY_FREE + SET_BASED + BY_LENGTH) for p in processors)
+    return all(isinstance(p, SET_BASED + BY_LENGTH) or reads_scores_only(p) for p in processors)
 
 
 def history_free(processors) -> bool:
-    return all(isinstance(p, HISTORY_FREE) for p in processors)
+    return all(reads_scores_only(p) for p in processors)
 
 
 def branching(do_sample: bool, typical, processors) -> bool:

@@ -37,14 +37,14 @@ class GraphSession:
         if shape is None:
             raise ValueError(
                 "these settings decode in the loop, not as one graph (logits processors that read the order of the "
-                "text, such as no_repeat_ngram_size or bad words): serve them without --compile"
+                "text, such as no_repeat_ngram_size or bad words of several tokens): serve them without --compile"
             )
         self.plan, self.shape = plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
         self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config, plan.processors)
         no_padding = torch.ones(max_rows, 1, dtype=torch.bool, device=self.graph.state.done.device)
-        # Texts start at column 0, as a prompt alone's; each row's prompt ends where its new tokens start (`text_start`,
-        # a view of the pass's state, written as rows are placed)
+        # Texts start at column 0, as a prompt alone's; each row's prompt ends where its new tokens start
+        # (`text_start`, a view of the pass's state, written as rows are placed)
         follow_padding(plan.processors, no_padding, self.graph.text_start)
         self.graph.state.done.fill_(True)  # every row free
         self.graph.state.sequences.fill_(plan.pad_token_id)
