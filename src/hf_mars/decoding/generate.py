@@ -601,12 +601,12 @@ def _check_decodable(model, generation_config, settings: MARSSettings, prompt_le
         check_stateless(
             processors, f"mars_tau={settings.tau!r}" if not callable(settings.tau) else "a callable mars_tau"
         )
-    mode = generation_config.get_generation_mode()
+    mode, option = generation_config.get_generation_mode(), "mars_verify" if settings.verify else "mars_tau"
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise ValueError(f"`mars_tau` works with greedy decoding and sampling, not {mode.value} (e.g. num_beams > 1).")
+        raise ValueError(f"`{option}` works with greedy decoding and sampling, not {mode.value} (e.g. num_beams > 1).")
     for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
         if getattr(generation_config, name, False):
-            raise ValueError(f"`{name}` is not supported with `mars_tau`.")
+            raise ValueError(f"`{name}` is not supported with `{option}`.")
     if generation_config.cache_implementation not in (None, "dynamic", "static"):
         raise ValueError(
             "MARS decoding runs on a dynamic cache or a static one (`cache_implementation='static'`), "
