@@ -150,6 +150,67 @@ def test_concurrent_requests_with_a_frequency_penalty_each_get_their_own_penalis
     assert changed, "the penalty must change some text"
 
 
+def test_logit_bias_bars_a_token_in_every_row(server):
+    """OpenAI's `logit_bias` (transformers serve makes it a `sequence_bias` of single tokens), sent as clients send
+    it (an integer bias by a token id string), on requests decoding together: each gets greedy `generate()`'s text
+    with that bias (with `--cache-slots`, in the graph pass's rows). The barred token is one the model writes for
+    these prompts, so that the bias changes the text."""
+    contents = [f"count {i} to {i + 5}" for i in range(4)]
+    tok, model = server["tok"], server["offline"]
+    written = []
+    for content in contents:
+        messages = [{"role": "user", "content": content}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        written += model.generate(**ids, do_sample=False, max_new_tokens=MAX_TOKENS)[0, ids["input_ids"].shape[1] :]
+    barred = max(set(int(t) for t in written), key=[int(t) for t in written].count)
+
+    async def ask(content: str, delay: float):
+        await asyncio.sleep(delay)
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=120) as client:
+            chunks = await client.chat.completions.create(
+                model=server["path"], messages=[{"role": "user", "content": content}], max_tokens=MAX_TOKENS,
+                temperature=0, logit_bias={str(barred): -100}, extra_body={"mars_verify": True}, stream=True,
+            )  # fmt: skip
+            parts = [chunk.choices[0].delta.content async for chunk in chunks if chunk.choices]
+        return "".join(part for part in parts if part)
+
+    async def staggered():
+        return await asyncio.gather(*[ask(content, 0.02 * i) for i, content in enumerate(contents)])
+
+    engine = server["engine"]
+    before = len(engine.batch_sizes)
+    replies = asyncio.run(staggered())
+    assert max(engine.batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    changed = False
+    for content, reply in zip(contents, replies):
+        biased, _ = _offline(server, content, {"sequence_bias": {(barred,): -100.0}})
+        assert reply == biased, content
+        changed |= reply != _offline(server, content, {})[0]
+    assert changed, "the bias must change some text"
+
+
+def test_a_request_that_admission_fails_on_is_answered_and_the_next_is_served(server, monkeypatch):
+    """A request whose admission raises (here its settings' key, as a `logit_bias` once made it) gets the error, and
+    the requests after it, which wait for the oldest, are served: the engine never wedges on one request."""
+    from hf_mars.serving.engine import Request
+
+    key = Request.key.fget
+
+    def poisoned(request):  # a request with a budget of 3 tokens
+        if request.max_new_tokens == 3:
+            raise RuntimeError("poisoned settings")
+        return key(request)
+
+    monkeypatch.setattr(Request, "key", property(poisoned))
+    body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    response = httpx.post(server["url"] + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code != 200 or "poisoned settings" in response.text
+    reply = _client(server).chat.completions.create(
+        model=server["path"], messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert reply.choices[0].message.content is not None
+
+
 def test_completions_read_mars_settings_from_the_generation_config_string(server):
     prompt = "<|im_start|>user\ncount 3 to 9<|im_end|>\n<|im_start|>assistant\n"
     reply = _client(server).completions.create(

@@ -77,7 +77,7 @@ class Request:
         config = self.generation_config.to_dict()
         for name in _PER_ROW_KEYS:
             config.pop(name, None)
-        return json.dumps(config, sort_keys=True, default=str)
+        return json.dumps(_plain_keys(config), sort_keys=True, default=str)
 
     def take(self, tokens: list[int]) -> bool:
         """Hand the row's tokens past those already sent to its client; whether a stop string ended it (the token
@@ -88,6 +88,13 @@ class Request:
             if self.stop is not None and bool(self.stop(torch.tensor([self.input_ids + self.generated]), None)[0]):
                 return True
         return False
+
+
+def _plain_keys(value):
+    """`value` with every dict key a string (JSON's), such as `sequence_bias`'s tuples of token ids (`logit_bias`)."""
+    if isinstance(value, dict):
+        return {key if isinstance(key, str) else repr(key): _plain_keys(item) for key, item in value.items()}
+    return value
 
 
 def stop_strings_of(gen_config) -> list[str]:
@@ -231,8 +238,10 @@ class MARSEngine(BaseGenerateManager):
         while self._arrivals(wait=self.session is None):
             try:
                 self._admit()
-            except Exception:  # noqa: BLE001 - a bug here must not stop the server; the rows it hit are answered
+            except Exception as error:  # noqa: BLE001 - a bug here must not stop the server; the row it hit is answered
                 logger.exception("admitting requests failed")
+                if self._waiting:  # the oldest, which every later one waits for
+                    self._finish(self._waiting.pop(0), error)
             if self.session is not None:
                 self._step()
             self._report()

@@ -153,6 +153,8 @@ class MARSRequests:
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         try:
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if isinstance(config.sequence_bias, dict):  # `logit_bias`: clients send integers, transformers takes floats
+                config.sequence_bias = {ids: float(bias) for ids, bias in config.sequence_bias.items()}
             if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
                 config.max_new_tokens = min(config.max_new_tokens or self.max_tokens, self.max_tokens)  # a default
             fields = {key: body[key] for key in SETTING_KEYS if key in body}
