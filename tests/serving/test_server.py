@@ -151,9 +151,9 @@ def test_concurrent_requests_with_a_frequency_penalty_each_get_their_own_penalis
 
 
 def test_logit_bias_bars_a_token_in_every_row(server):
-    """OpenAI's `logit_bias` (transformers serve makes it a `sequence_bias` of single tokens), sent as clients send
-    it (an integer bias by a token id string), on requests decoding together: each gets greedy `generate()`'s text
-    with that bias (with `--cache-slots`, in the graph pass's rows). The barred token is one the model writes for
+    """OpenAI's `logit_bias` (a `sequence_bias` of single tokens), sent as clients send it (an integer bias by a token
+    id string), on chat requests decoding together: each gets greedy `generate()`'s text with that bias (with
+    `--cache-slots`, in the graph pass's rows); and on `/v1/completions`. The barred token is one the model writes for
     these prompts, so that the bias changes the text."""
     contents = [f"count {i} to {i + 5}" for i in range(4)]
     tok, model = server["tok"], server["offline"]
@@ -187,6 +187,17 @@ def test_logit_bias_bars_a_token_in_every_row(server):
         assert reply == biased, content
         changed |= reply != _offline(server, content, {})[0]
     assert changed, "the bias must change some text"
+    prompt = "<|im_start|>user\ncount 1 to 6<|im_end|>\n<|im_start|>assistant\n"  # /v1/completions
+    ids = tok(prompt, return_tensors="pt")
+    plain = model.generate(**ids, do_sample=False, max_new_tokens=MAX_TOKENS)[0, ids["input_ids"].shape[1] :].tolist()
+    barred = max(set(plain), key=plain.count)
+    reply = _client(server).completions.create(
+        model=server["path"], prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logit_bias={str(barred): -100}
+    )
+    out = model.generate(**ids, do_sample=False, max_new_tokens=MAX_TOKENS, sequence_bias={(barred,): -100.0})
+    new = out[0, ids["input_ids"].shape[1] :]
+    assert reply.choices[0].text == tok.decode(new, skip_special_tokens=True)
+    assert new.tolist() != plain, "the bias must change the text"
 
 
 def test_a_request_that_admission_fails_on_is_answered_and_the_next_is_served(server, monkeypatch):
@@ -297,6 +308,9 @@ def test_a_client_that_disconnects_frees_its_row(server):
         ({"mars_tau": [1.0, 0.5]}, "or a range [lo, hi] with 0 <= lo <= hi <= 1"),
         ({"mars_tau": [0.5]}, "or a range [lo, hi]"),
         ({"mars_tau": [0.5, 1.0], "mars_verify": True}, "mars_tau as a range is for τ-mode"),
+        ({"logit_bias": {"999999": -100}}, "'999999' is not a token id of this model"),
+        ({"logit_bias": {"x": 1}}, "'x' is not a token id"),
+        ({"logit_bias": {"5": 101}}, "bias must be a number in [-100, 100]"),
     ],
 )
 def test_invalid_requests_get_a_400_with_the_reason_and_the_server_goes_on(server, fields, reason):

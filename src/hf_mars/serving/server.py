@@ -152,9 +152,12 @@ class MARSRequests:
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         try:
-            config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
-            if isinstance(config.sequence_bias, dict):  # `logit_bias`: clients send integers, transformers takes floats
-                config.sequence_bias = {ids: float(bias) for ids, bias in config.sequence_bias.items()}
+            bias = self._logit_bias(body.get("logit_bias"))
+            config = super()._build_generation_config(
+                {k: v for k, v in body.items() if k != "logit_bias"}, model_generation_config, use_cb=use_cb
+            )
+            if bias:
+                config.sequence_bias = bias
             if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
                 config.max_new_tokens = min(config.max_new_tokens or self.max_tokens, self.max_tokens)  # a default
             fields = {key: body[key] for key in SETTING_KEYS if key in body}
@@ -164,6 +167,23 @@ class MARSRequests:
         for key, value in fields.items():  # the engine's session reads them from the config
             setattr(config, key, value)
         return config
+
+    def _logit_bias(self, bias) -> dict | None:
+        """OpenAI's `logit_bias` as `generate()`'s `sequence_bias` of single tokens, on either endpoint (transformers
+        serve maps it for chat completions only, and takes no integer bias): token ids in the vocabulary, biases in
+        [-100, 100], or a `ValueError` naming the entry."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+        vocab, out = self.model.get_output_embeddings().weight.shape[0], {}
+        for token, value in bias.items():
+            if not str(token).isdigit() or int(token) >= vocab:
+                raise ValueError(f"logit_bias: {token!r} is not a token id of this model (0 to {vocab - 1})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: token {token}'s bias must be a number in [-100, 100], got {value!r}")
+            out[(int(token),)] = float(value)
+        return out
 
     def _tau_range(self, config, fields: dict) -> dict:
         """A τ range (the request's `"mars_tau": [lo, hi]`, or the server's `--tau-range` for a request that sets no
