@@ -111,6 +111,22 @@ def test_generate_defaults_to_lossless_and_says_what_tau_costs(checkpoint):
     assert "[MARS τ=0.9" in result.stderr and "--tau 0.9" not in result.stderr  # τ-mode when asked, no note
 
 
+def test_generate_samples_both_sides_from_the_seed(checkpoint):
+    """`--temperature` samples MARS and plain AR alike, each from `--seed`: the run says how it sampled, claims no
+    identity of drawn texts, and the same seed streams the same text again."""
+    sampled = ("--prompt", "hello", "--max-new-tokens", "16", "--temperature", "0.7", "--top-p", "0.9", *F32)
+    first = hf_mars_cli("generate", str(checkpoint), *sampled, "--repetition-penalty", "1.2", "--seed", "3")
+    assert first.returncode == 0, first.stderr
+    assert "[MARS lossless τ=0.0" in first.stderr
+    assert "sampled at T = 0.7, top-p 0.9, repetition penalty 1.2]" in first.stderr
+    assert "sampled: each side draws its own text (lossless mode's is distributed" in first.stderr
+    assert "output identical to AR" not in first.stderr
+    again = hf_mars_cli("generate", str(checkpoint), *sampled, "--repetition-penalty", "1.2", "--seed", "3")
+    assert again.stdout == first.stdout and first.stdout.strip()
+    tau = hf_mars_cli("generate", str(checkpoint), *sampled, "--tau", "0.5", "--no-compare")
+    assert tau.returncode == 0 and "[MARS τ=0.5" in tau.stderr and "plain AR" not in tau.stderr
+
+
 def test_cli_refuses_bad_input(checkpoint, tmp_path):
     assert "--tau must be in [0, 1]" in hf_mars_cli("generate", str(checkpoint), "--prompt", "x", "--tau", "2").stderr
     assert "a number >= 0 or `auto`" in hf_mars_cli("generate", str(checkpoint), "--mask-cost", "cheap").stderr
@@ -123,6 +139,8 @@ def test_cli_refuses_bad_input(checkpoint, tmp_path):
     make_model("llama").save_pretrained(tmp_path / "plain")
     make_tokenizer().save_pretrained(tmp_path / "plain")
     assert "not a MARS checkpoint" in hf_mars_cli("generate", str(tmp_path / "plain"), "--prompt", "x").stderr
+    assert "omit it for greedy" in hf_mars_cli("generate", str(checkpoint), "--temperature", "0").stderr
+    assert "comes with --temperature" in hf_mars_cli("generate", str(checkpoint), "--top-p", "0.9").stderr
     assert "not a MARS" in hf_mars_cli("convert", str(tmp_path / "plain"), str(tmp_path / "out")).stderr
 
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .options import add_machine, add_model, add_tau_range, draft_tree, mask_cost
+from .options import (
+    add_decoding,
+    add_machine,
+    add_model,
+    add_tau_range,
+    decoding_kwargs,
+    describe_decoding,
+    draft_tree,
+    mask_cost,
+)
 
 HELP = "MARS vs plain AR and prompt lookup: tokens/forward, speed"
 DESCRIPTION = "MARS vs plain AR and prompt-lookup decoding: tokens/forward, speed, agreement."
@@ -53,17 +62,11 @@ def add_parser(subparsers) -> None:
         help="also measure lossless mode with mars_block_size=B, mars_draft_candidates=N and "
         "mars_lookup=L, e.g. 2x3 or 2x3+4",
     )
-    bench.add_argument(
-        "--temperature",
-        type=float,
-        help="sample plain decoding and MARS at this temperature (the model's other sampling settings, e.g. top-k, "
+    add_decoding(
+        bench,
+        "sample plain decoding and MARS at this temperature (the model's other sampling settings, e.g. top-k, "
         "as its generation config has them), every run from the same seed; default: greedy. Prompt lookup is "
         "then left out",
-    )
-    bench.add_argument(
-        "--repetition-penalty",
-        type=float,
-        help="every method decodes with this repetition penalty (MARS's lossless text stays plain's); default: none",
     )
     _add_other_benches(bench)
     add_machine(bench)
@@ -256,7 +259,7 @@ def run(args) -> None:
         return run_serve(args)
     if args.vllm:
         return run_vllm(args)
-    decoding = _decoding(args)
+    decoding = decoding_kwargs(args)
     sampling = decoding.get("do_sample", False)
     model, tokenizer = load_on_device(args)
     prompts = load_prompts(args.prompts, tokenizer, limit=args.skip + args.limit)[args.skip :]
@@ -281,8 +284,8 @@ def run(args) -> None:
     device = device_name(model)
     name, attention = args.model or "the shipped checkpoint", model.config._attn_implementation
     how = "static cache, compiled" if args.compile else "dynamic cache, eager"
-    how += f", sampled at T = {args.temperature} (agreement: equal draws)" if sampling else ""
-    how += f", repetition penalty {args.repetition_penalty}" if args.repetition_penalty else ""
+    how += f", {describe_decoding(args)}" if describe_decoding(args) else ""
+    how += " (agreement: equal draws)" if sampling else ""
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")
     print(format_table(cells))
     print(_lossless_trees(model, args.batch_sizes, args.compile))
@@ -300,26 +303,11 @@ def run(args) -> None:
         mask_cost=costs,
         compiled=args.compile,
         temperature=args.temperature,
+        top_p=args.top_p,
         repetition_penalty=args.repetition_penalty,
         fastest_plain=plain,
     )
     _save(cells, Path(args.output), meta)
-
-
-def _decoding(args) -> dict:
-    """`generate()` kwargs of `--temperature` (none: greedy) and `--repetition-penalty`."""
-    decoding = {}
-    if args.temperature is not None:
-        if args.temperature <= 0:
-            raise SystemExit(
-                f"--temperature must be above 0 (sampling), got {args.temperature}; leave it out for greedy."
-            )
-        decoding.update(do_sample=True, temperature=args.temperature)
-    if args.repetition_penalty is not None:
-        if args.repetition_penalty <= 0:
-            raise SystemExit(f"--repetition-penalty must be above 0, got {args.repetition_penalty}.")
-        decoding.update(repetition_penalty=args.repetition_penalty)
-    return decoding
 
 
 def load_on_device(args):

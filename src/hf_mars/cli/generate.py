@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from .options import DTYPES, add_model, mask_cost
+from .options import DTYPES, add_decoding, add_model, decoding_kwargs, describe_decoding, mask_cost
 
 # A request the shipped 135M checkpoint answers correctly and without looping (a looping answer would also flatter
 # prompt lookup, which drafts from repeated text)
@@ -19,13 +19,17 @@ DESCRIPTION = (
 # Said after a default (lossless) run, so that a first run knows what the other mode trades
 TAU_NOTE = (
     "[τ-mode (--tau 0.9) accepts the masks' guesses without checking them: more tokens per pass where the model is "
-    "confident, but the text can change and quality drops; lossless mode, this run, keeps plain generate()'s text]"
+    "confident, but the text can change and quality drops; lossless mode, this run, keeps plain generate()'s {}]"
 )
 # Said where a mode that keeps greedy's text did not, outside float32
 NEAR_TIE = (
     " ({}: a pass over several tokens sums in another order than a one-token step and rounds differently, so where "
     "two tokens nearly tie the texts can part; --dtype float32 keeps them identical)"
 )
+
+
+# Said instead of the texts' identity where both sides sample (and, where the mode keeps plain's text, the second part)
+SAMPLED = ("sampled: each side draws its own text", " (lossless mode's is distributed as plain sampling's)")
 
 
 def add_parser(subparsers) -> None:
@@ -78,6 +82,12 @@ def add_parser(subparsers) -> None:
         help='lossless tree, but drafts kept by typical acceptance (mars_accept="typical"): more tokens per pass, '
         "not the AR text",
     )
+    add_decoding(
+        gen,
+        "sample at this temperature, MARS and plain AR alike, each from --seed (default: greedy). Lossless mode's "
+        "text is then distributed as plain sampling's (speculative sampling), drawn otherwise",
+    )
+    gen.add_argument("--seed", type=int, default=0, help="the seed each sampled run starts from (default 0)")
     gen.add_argument(
         "--mask-cost",
         type=mask_cost,
@@ -98,21 +108,23 @@ def run(args) -> None:
         raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
     if args.typical and args.tau is not None and not args.lossless:
         raise SystemExit("--typical verifies lossless mode's drafts: drop --tau or add --lossless.")
+    sampling = decoding_kwargs(args)
     model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
     if args.dtype == "auto":
         model = _auto_dtype(model, inputs["input_ids"].shape[1], args.max_new_tokens)
     mars = _mars_arguments(args)
     measure(model, [1], **mars)  # what "auto" settings read (once per machine; generate() never times)
+    run = {"max_new_tokens": args.max_new_tokens, "do_sample": False, **sampling}  # both sides decode so
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
-        _warm_up(model, inputs, mars)
-    _print_settings(model, mars, args.lossless)
-    out, seconds = _stream(model, tokenizer, inputs, mars, args.max_new_tokens)
+        _warm_up(model, inputs, mars, run)
+    _print_settings(model, mars, args.lossless, describe_decoding(args))
+    out, seconds = _stream(model, tokenizer, inputs, mars, run, args.seed)
     if not args.no_compare:
         exact = (args.lossless and not args.typical) or (args.tau is not None and args.tau >= 1.0)
-        _compare_with_ar(model, inputs, out, seconds, args.max_new_tokens, exact)
+        _compare_with_ar(model, inputs, out, seconds, run, args.seed, exact)
     if by_default:
-        print(TAU_NOTE, file=sys.stderr)
+        print(TAU_NOTE.format("distribution" if sampling.get("do_sample") else "text"), file=sys.stderr)
 
 
 def _auto_dtype(model, prompt_tokens: int, new_tokens: int):
@@ -152,14 +164,14 @@ def _candidates(counts: list[int] | None):
     return counts[0] if len(counts) == 1 else counts
 
 
-def _warm_up(model, inputs, mars: dict) -> None:
+def _warm_up(model, inputs, mars: dict, run: dict) -> None:
     from transformers import GenerationMixin
 
-    GenerationMixin.generate(model, **inputs, max_new_tokens=4, do_sample=False)
-    model.generate(**inputs, max_new_tokens=4, **mars)
+    GenerationMixin.generate(model, **inputs, **{**run, "max_new_tokens": 4})
+    model.generate(**inputs, **mars, **{**run, "max_new_tokens": 4})
 
 
-def _print_settings(model, mars: dict, lossless: bool) -> None:
+def _print_settings(model, mars: dict, lossless: bool, decoding: str) -> None:
     """What generate() runs with, defaults resolved, so that a run says which tree and τ it measured."""
     from ..decoding.generate import mars_settings
 
@@ -172,25 +184,21 @@ def _print_settings(model, mars: dict, lossless: bool) -> None:
         tree = f", {per_depth or f'{counts} draft candidates'}, lookup {settings['mars_lookup']}"
     print(
         f"[MARS {mode}τ={settings['mars_tau']}, block size {settings['mars_block_size']}{tree}, "
-        f"mask cost {settings['mars_mask_cost']}]",
+        f"mask cost {settings['mars_mask_cost']}{', ' + decoding if decoding else ''}]",
         file=sys.stderr,
     )
 
 
-def _stream(model, tokenizer, inputs, mars: dict, max_new_tokens: int):
-    """Decode with MARS, streaming the text to stdout: `(output, seconds)`."""
+def _stream(model, tokenizer, inputs, mars: dict, run: dict, seed: int):
+    """Decode with MARS (`run`: how tokens are chosen, sampled from `seed`), streaming the text to stdout:
+    `(output, seconds)`."""
+    import torch
     from transformers import TextStreamer
 
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    torch.manual_seed(seed)
     start = time.perf_counter()
-    out = model.generate(
-        **inputs,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        **mars,
-        streamer=streamer,
-        return_dict_in_generate=True,
-    )
+    out = model.generate(**inputs, **run, **mars, streamer=streamer, return_dict_in_generate=True)
     seconds = time.perf_counter() - start
     stats = out.mars_stats
     new = int(stats.new_tokens[0])
@@ -202,11 +210,12 @@ def _stream(model, tokenizer, inputs, mars: dict, max_new_tokens: int):
     return out, seconds
 
 
-def _compare_with_ar(model, inputs, out, mars_seconds: float, max_new_tokens: int, exact: bool) -> None:
-    """The reference is transformers' own generate() (with its KV cache), not the MARS loop at τ = 1: in this dtype,
-    and in the others this machine runs, so that MARS is also set against the fastest plain decoding here. `exact`:
-    the mode keeps greedy's text (lossless verification, τ = 1), so a difference outside float32 is said to be
-    rounding."""
+def _compare_with_ar(model, inputs, out, mars_seconds: float, run: dict, seed: int, exact: bool) -> None:
+    """The reference is transformers' own generate() (with its KV cache), not the MARS loop at τ = 1, decoding as
+    `run` says (sampled: from the same `seed`): in this dtype, and in the others this machine runs, so that MARS is
+    also set against the fastest plain decoding here. `exact`: the mode keeps plain's text (lossless verification,
+    τ = 1), so a greedy difference outside float32 is said to be rounding; sampled texts are drawn apart, so no
+    identity is claimed."""
     import torch
     from transformers import GenerationMixin
 
@@ -217,18 +226,20 @@ def _compare_with_ar(model, inputs, out, mars_seconds: float, max_new_tokens: in
     for dtype in sorted(candidate_dtypes(model), key=lambda d: d != model.dtype):  # this dtype first
         plain = in_dtype(model, dtype)
         if plain is not model:
-            GenerationMixin.generate(plain, **inputs, max_new_tokens=4, do_sample=False)  # warm-up
+            GenerationMixin.generate(plain, **inputs, **{**run, "max_new_tokens": 4})  # warm-up
+        torch.manual_seed(seed)
         start = time.perf_counter()
-        ar = GenerationMixin.generate(plain, **inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        ar = GenerationMixin.generate(plain, **inputs, **run)
         ar_new = ar.shape[1] - inputs["input_ids"].shape[1]
         rates[dtype] = ar_new / (time.perf_counter() - start)
         if dtype == model.dtype:
             same = torch.equal(ar[0], out.sequences[0])
             rounded = not same and exact and dtype != torch.float32
             why = NEAR_TIE.format(str(dtype).removeprefix("torch.")) if rounded else ""
+            said = SAMPLED[0] + SAMPLED[1] * exact if run["do_sample"] else f"output identical to AR: {same}{why}"
             print(
                 f"[plain AR generate(): {ar_new} tokens, {rates[dtype]:.1f} tokens/s; "
-                f"MARS speed-up {(new / mars_seconds) / rates[dtype]:.2f}x; output identical to AR: {same}{why}]",
+                f"MARS speed-up {(new / mars_seconds) / rates[dtype]:.2f}x; {said}]",
                 file=sys.stderr,
             )
     fastest = max(rates, key=rates.get)

@@ -48,6 +48,46 @@ def add_machine(parser: argparse.ArgumentParser, dtype_help: str | None = None) 
     parser.add_argument("--device", help="e.g. cuda (default: where the model loads)")
 
 
+def add_decoding(parser: argparse.ArgumentParser, temperature_help: str) -> None:
+    """How plain decoding and MARS choose tokens, alike: `--temperature`, `--top-p`, `--repetition-penalty`
+    (`decoding_kwargs` reads them)."""
+    parser.add_argument("--temperature", type=float, help=temperature_help)
+    parser.add_argument(
+        "--top-p", type=float, help="with --temperature: nucleus sampling's p (default: the model's generation config)"
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="every run decodes with this repetition penalty (MARS's lossless text stays plain's); default: none",
+    )
+
+
+def decoding_kwargs(args) -> dict:
+    """`generate()` keywords of `add_decoding`'s options (none given: greedy), or `SystemExit` saying what is wrong."""
+    out = {}
+    if args.temperature is not None:
+        if not args.temperature > 0:
+            raise SystemExit(f"--temperature must be above 0 (sampling), got {args.temperature}: omit it for greedy.")
+        out.update(do_sample=True, temperature=args.temperature)
+    if args.top_p is not None:
+        if args.temperature is None or not 0 < args.top_p <= 1:
+            raise SystemExit(f"--top-p must be in (0, 1] and comes with --temperature, got {args.top_p}.")
+        out.update(top_p=args.top_p)
+    if args.repetition_penalty is not None:
+        if not args.repetition_penalty > 0:
+            raise SystemExit(f"--repetition-penalty must be above 0, got {args.repetition_penalty}.")
+        out.update(repetition_penalty=args.repetition_penalty)
+    return out
+
+
+def describe_decoding(args) -> str:
+    """`add_decoding`'s options as a run says them: `sampled at T = 0.7, top-p 0.9, repetition penalty 1.2`, or ''."""
+    said = [f"sampled at T = {args.temperature}"] if args.temperature is not None else []
+    said += [f"top-p {args.top_p}"] if args.top_p is not None else []
+    said += [f"repetition penalty {args.repetition_penalty}"] if args.repetition_penalty is not None else []
+    return ", ".join(said)
+
+
 def add_tau_range(parser, help: str) -> None:
     """`--tau-range LO HI`: a τ range the server chooses τ in from its load (checked where the command runs)."""
     parser.add_argument("--tau-range", type=float, nargs=2, metavar=("LO", "HI"), help=help)
