@@ -50,6 +50,19 @@ def _long_stream(server, max_tokens: int, **mars) -> dict:
     return {"model": server["path"], "messages": messages, "max_tokens": max_tokens, "stream": True, **mars}
 
 
+def _batched(server, requests: list) -> list:
+    """The results of these client coroutines, run at once, once the engine is seen to have batched some of them."""
+
+    async def together():
+        return await asyncio.gather(*requests)
+
+    engine = server["engine"]
+    before = len(engine.batch_sizes)
+    results = asyncio.run(together())
+    assert max(engine.batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    return results
+
+
 def _client(server) -> OpenAI:
     return OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -102,14 +115,8 @@ def test_32_streams_arriving_staggered_with_mixed_settings_each_get_their_own_te
     """Clients arrive one every few milliseconds, so rows join the running batch between its passes."""
     jobs = [(f"count {i} to {i + 9}", name) for i in range(32) for name in [list(MODES)[i % 3]]]
 
-    async def staggered():
-        url, model = server["url"], server["path"]
-        return await asyncio.gather(*[_ask(url, model, c, 0.02 * i, **MODES[m]) for i, (c, m) in enumerate(jobs)])
-
-    engine = server["engine"]
-    before = len(engine.batch_sizes)
-    results = asyncio.run(staggered())
-    assert max(engine.batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    url, model, engine = server["url"], server["path"], server["engine"]
+    results = _batched(server, [_ask(url, model, c, 0.02 * i, **MODES[m]) for i, (c, m) in enumerate(jobs)])
     assert (engine._graph is not None) == (engine.cache_slots is not None), "the graph pass must have served"
     for (content, mode), (text, usage) in zip(jobs, results):
         assert (text, usage.completion_tokens) == _offline(server, content, MODES[mode]), (content, mode)
@@ -135,13 +142,7 @@ def test_concurrent_requests_with_a_frequency_penalty_each_get_their_own_penalis
                 usage = chunk.usage or usage
         return "".join(parts), usage.completion_tokens
 
-    async def staggered():
-        return await asyncio.gather(*[ask(f"say {i} {i} {i} again", 0.02 * i) for i in range(8)])
-
-    engine = server["engine"]
-    before = len(engine.batch_sizes)
-    replies = asyncio.run(staggered())
-    assert max(engine.batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    replies = _batched(server, [ask(f"say {i} {i} {i} again", 0.02 * i) for i in range(8)])
     changed = False
     for i, reply in enumerate(replies):
         content = f"say {i} {i} {i} again"
@@ -174,13 +175,7 @@ def test_logit_bias_bars_a_token_in_every_row(server):
             parts = [chunk.choices[0].delta.content async for chunk in chunks if chunk.choices]
         return "".join(part for part in parts if part)
 
-    async def staggered():
-        return await asyncio.gather(*[ask(content, 0.02 * i) for i, content in enumerate(contents)])
-
-    engine = server["engine"]
-    before = len(engine.batch_sizes)
-    replies = asyncio.run(staggered())
-    assert max(engine.batch_sizes[before:]) > 1, "concurrent requests were not batched"
+    replies = _batched(server, [ask(content, 0.02 * i) for i, content in enumerate(contents)])
     changed = False
     for content, reply in zip(contents, replies):
         biased, _ = _offline(server, content, {"sequence_bias": {(barred,): -100.0}})
@@ -258,13 +253,7 @@ def test_a_minimum_of_new_tokens_in_the_generation_config_holds_each_row(server)
             )
         return reply.choices[0].text
 
-    async def together():
-        return await asyncio.gather(*[ask(prompt) for prompt in prompts])
-
-    engine = server["engine"]
-    before = len(engine.batch_sizes)
-    texts = asyncio.run(together())
-    assert max(engine.batch_sizes[before:]) > 1, "the requests were not batched"
+    texts = _batched(server, [ask(prompt) for prompt in prompts])
     held = False
     for prompt_ids, text in zip(ids, texts):
         start = prompt_ids["input_ids"].shape[1]
