@@ -379,6 +379,8 @@ def pass_positions(next_position, new_real, num_masks: int, tree: DraftTree):
     batch, width = new_real.shape
     pending = new_real[:, : width - len(tree)]
     pending_positions = next_position[:, None] + pending.long().cumsum(dim=1) - 1
+    if not len(tree) and not num_masks:  # τ = 1's one-token pass: no more to place
+        return pending_positions.clamp(min=0)
     root = pending_positions[:, -1:]
     draft_positions = root + tree.on(root.device).depths[1:]
     anchors = torch.cat([root, draft_positions], dim=1)  # (batch, groups): the token each group follows
