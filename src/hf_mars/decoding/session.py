@@ -156,6 +156,18 @@ class Feed:
     drafts: Drafts
     dense: bool | None = None  # whether the pending tokens fill their slots (no holes); None: not known
 
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The fed rows' entries of a batch's per-row `tensor`: `tensor[rows]`, or, where every row is fed, `tensor`
+        itself (rows are the batch's indices in order, so as many are all of them): no gather."""
+        return tensor if self.rows.numel() == tensor.shape[0] else tensor[self.rows]
+
+    def put(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """`tensor[rows] = values`, in place (`of`'s inverse)."""
+        if self.rows.numel() == tensor.shape[0]:
+            tensor.copy_(values)
+        else:
+            tensor[self.rows] = values
+
 
 @dataclass
 class Session:
@@ -373,7 +385,7 @@ def _forward(model, run: Session, tau: float) -> Pass:
         **({"logits_to_keep": needed} if plan.logits_to_keep else {}),
     )
     logits = outputs.logits[:, -needed:].float()
-    lengths = run.text.prompt_length + run.text.decoded[feed.rows]
+    lengths = run.text.prompt_length + feed.of(run.text.decoded)
     histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths) if plan.processors else None
     return Pass(tau, offered, masks, logits, histories)
 
@@ -398,10 +410,11 @@ def _attention_mask(model, run: Session, tree, mask_2d, masks: int, position_ids
 def _accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens each row takes from this pass: `(tokens, accepted)`, as its mode decides, cut at EOS and the length
     limit (a row no longer active takes none)."""
-    text, rows = run.text, run.feed.rows
+    text, feed = run.text, run.feed
     tokens, accepted = run.plan.mode.accept(run, step)
-    accepted, ended = cut(tokens, accepted, text.budget[rows] - text.decoded[rows], ~text.active[rows], run.plan.eos)
-    text.ended[rows] |= ended
+    left, idle = feed.of(text.budget) - feed.of(text.decoded), ~feed.of(text.active)
+    accepted, ended = cut(tokens, accepted, left, idle, run.plan.eos)
+    feed.put(text.ended, feed.of(text.ended) | ended)
     return tokens, accepted
 
 
@@ -413,11 +426,11 @@ def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tens
     rows, width = feed.rows, tokens.shape[1]
     plan.mode.commit(run, step)
     slots = torch.arange(width, device=tokens.device)
-    positions = (text.prompt_length + text.decoded[rows])[:, None] + slots  # `sequences` has room past the budget
+    positions = (text.prompt_length + feed.of(text.decoded))[:, None] + slots  # `sequences` has room past the budget
     taken = tokens.masked_fill(slots >= accepted[:, None], plan.pad_token_id)  # pad where nothing was written yet
     text.sequences.index_put_((rows[:, None], positions), taken)
-    text.decoded[rows] += accepted
-    text.passes[rows] += text.active[rows].long()  # idle rows take no pass
+    text.decoded.index_add_(0, rows, accepted)
+    text.passes.index_add_(0, rows, feed.of(text.active).long())  # idle rows take no pass
     streamed = run.stopping.new_tokens[0].item() if plan.streamer is not None else 0
     run.stopping.judge(text.decoded, text.ended)
     run.stats.forward_passes += 1
@@ -446,9 +459,9 @@ def _retire(run: Session) -> None:
     batch (a dynamic one drops them, so they stop costing compute) or stay, idle (a static one, so that shapes stay,
     as `generate()` keeps finished rows)."""
     text, feed = run.text, run.feed
-    idle = ~text.active[feed.rows] if run.cache.fixed_shapes else None  # rows that had stopped before this pass
-    stopped = text.ended[feed.rows] | run.stopping.settled[feed.rows]
-    text.active[feed.rows] = ~stopped
+    idle = ~feed.of(text.active) if run.cache.fixed_shapes else None  # rows that had stopped before this pass
+    stopped = feed.of(text.ended) | feed.of(run.stopping.settled)
+    feed.put(text.active, ~stopped)
     _stop_rows(run, stopped, idle)
     run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)
 
@@ -477,7 +490,8 @@ class TauMode:
         plan, rows = run.plan, run.feed.rows
         tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
         accepted = tau_accepted(confs, step.tau, step.within) if step.masks else torch.ones_like(tokens[:, 0])
-        run.schedule.update(rows, step.offered, accepted - 1, run.text.passes[rows])
+        if not run.schedule.constant:
+            run.schedule.update(rows, step.offered, accepted - 1, run.text.passes[rows])
         return tokens, accepted
 
     @staticmethod
@@ -508,9 +522,10 @@ class LosslessMode:
         tokens, accepted, step.kept_drafts, step.end = verify(
             step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample, plan.typical
         )
-        paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
-        schedule.update(rows, schedule.last[rows], paid, run.text.passes[rows])
-        schedule.last[rows] = step.offered
+        if not schedule.constant:
+            paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
+            schedule.update(rows, schedule.last[rows], paid, run.text.passes[rows])
+            schedule.last[rows] = step.offered
         return tokens, accepted
 
     @staticmethod
@@ -530,7 +545,7 @@ class LosslessMode:
         feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
         full = run.cache.fixed_shapes  # the tree keeps its whole shape, filled or not
         drafts = Drafts.none(rows.numel(), rows.device)
-        lengths = run.text.prompt_length + run.text.decoded[rows]
+        lengths = run.text.prompt_length + feed.of(run.text.decoded)
         if step.masks:
             if step.histories is not None:  # the text now holds this pass's tokens
                 step.histories = step.histories.after(run.text.sequences, tokens, accepted)
@@ -541,5 +556,5 @@ class LosslessMode:
             proposal = (step.histories, step.tau, step.within, plan.settings.confidence, sampled, plan.candidates)
             drafts = propose(followed, *proposal, plan.pad_token_id, full)
         if plan.lookup:
-            drafts = add_lookup(drafts, run.text.sequences[rows], lengths, plan.lookup, plan.pad_token_id, full)
+            drafts = add_lookup(drafts, feed.of(run.text.sequences), lengths, plan.lookup, plan.pad_token_id, full)
         feed.drafts = drafts
