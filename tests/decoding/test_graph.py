@@ -218,6 +218,19 @@ def test_the_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():
     assert rows["plain generate()"]["ratio"] == 1.0
 
 
+def test_the_loop_on_a_dynamic_cache_dispatches_at_most_three_plain_steps_of_ops_at_tau_1():
+    """`generate()`'s default cache runs the loop: at τ = 1 (one token a pass, plain decoding's tokens) its books per
+    pass (the rows' counts and text, positions, stopping) stay within 3x the ops of plain's own dynamic step, every
+    row read and written without a gather while all are fed."""
+    from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
+
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    counts = host_ops(model, tokenizer, (2,), max_new_tokens=24, decodings=("greedy",), dynamic=("greedy",))
+    rows = {row["method"]: row for row in counts if row["decoding"] == "greedy, dynamic cache"}
+    assert rows["plain generate()"]["ratio"] == 1.0
+    assert rows["MARS τ = 1, loop"]["ratio"] <= 3.0, rows["MARS τ = 1, loop"]
+
+
 def test_a_sampled_graph_pass_dispatches_at_most_one_and_a_half_plain_sampled_steps_of_ops():
     """The same count for sampling (T = 0.7, top-k 50), against a plain sampled step: τ-mode's pass draws every slot
     in one call of the warpers, and every mode's graph pass dispatches fewer ops than the loop's."""

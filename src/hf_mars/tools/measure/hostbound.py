@@ -161,30 +161,41 @@ DECODINGS = {
 }
 
 
-def host_ops(model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, decodings=("greedy",)) -> list[dict]:
+def host_ops(
+    model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, decodings=("greedy",), dynamic=()
+) -> list[dict]:
     """aten ops dispatched outside the model's forward, per plain `generate()` step and per MARS pass, with a static
     cache, eager: what a GPU's host launches around the forward. Each MARS mode runs through the graph pass and
     through the loop of `generate.py` alone (`graph.ENABLED = False`), in each of `decodings` (`DECODINGS`' names),
-    against the plain step of the same decoding; the prompt's pass counts with the rest."""
+    against the plain step of the same decoding; the prompt's pass counts with the rest. The decodings in `dynamic`
+    run on a dynamic cache too (`generate()`'s default), which the loop runs, against plain's dynamic step."""
     rows = []
     for decoding in decodings:
-        for batch in batch_sizes:
-            inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
-            static = dict(max_new_tokens=max_new_tokens, eos_token_id=None, cache_implementation="static")
-            kwargs = dict(**inputs, **static, **DECODINGS[decoding])
-            plain_call = functools.partial(GenerationMixin.generate, model, **kwargs)
-            plain, plain_kernels = _ops_outside_forward(model, plain_call)
-            step, step_kernels = plain / max_new_tokens, plain_kernels / max_new_tokens
-            common = dict(batch=batch, decoding=decoding)
-            plain_row = dict(method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)
-            rows.append(dict(**common, **plain_row))
-            for name, mars in MODES.items():
-                mars = _resolved(model, batch, mars)
-                call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
-                for path, run in (("one graph", call), ("loop", functools.partial(_loop_only, call))):
-                    ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
-                    row = dict(**common, method=f"{name}, {path}", ops=ops / passes, kernels=kernels / passes)
-                    rows.append(dict(**row, ratio=row["ops"] / step, kernel_ratio=row["kernels"] / step_kernels))
+        caches = {"static": dict(cache_implementation="static")} | ({"dynamic": {}} if decoding in dynamic else {})
+        for cache, cache_kwargs in caches.items():
+            for batch in batch_sizes:
+                inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
+                kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **cache_kwargs)
+                common = dict(batch=batch, decoding=decoding if cache == "static" else f"{decoding}, dynamic cache")
+                rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common, static=cache == "static")
+    return rows
+
+
+def _host_ops_rows(model, kwargs: dict, common: dict, static: bool) -> list[dict]:
+    """`host_ops`' rows for one decoding, cache and batch: plain's step, then each mode's pass (through the graph
+    pass and the loop on a static cache; the loop alone runs a dynamic one)."""
+    plain_call = functools.partial(GenerationMixin.generate, model, **kwargs)
+    plain, plain_kernels = _ops_outside_forward(model, plain_call)
+    step, step_kernels = plain / kwargs["max_new_tokens"], plain_kernels / kwargs["max_new_tokens"]
+    rows = [dict(**common, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)]
+    for name, mars in MODES.items():
+        mars = _resolved(model, common["batch"], mars)
+        call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+        paths = (("one graph", call), ("loop", functools.partial(_loop_only, call))) if static else (("loop", call),)
+        for path, run in paths:
+            ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
+            row = dict(**common, method=f"{name}, {path}", ops=ops / passes, kernels=kernels / passes)
+            rows.append(dict(**row, ratio=row["ops"] / step, kernel_ratio=row["kernels"] / step_kernels))
     return rows
 
 
