@@ -351,10 +351,13 @@ class Pass:
     histories: Histories | None
     end: torch.Tensor | None = None  # lossless mode: where each row's kept drafts end (0: the root)
     kept_drafts: torch.Tensor | None = None  # lossless mode: (rows, drafts) the drafts verified and kept
+    every_mask: bool = False  # every row may use every mask fed (no schedule, τ < 1)
 
     @property
-    def within(self) -> torch.Tensor:
-        """`(rows, masks)`: which masks each row may use."""
+    def within(self) -> torch.Tensor | None:
+        """`(rows, masks)`: which masks each row may use; None where every row may use all."""
+        if self.every_mask:
+            return None
         return torch.arange(self.masks, device=self.offered.device) < self.offered[:, None]
 
 
@@ -387,7 +390,8 @@ def _forward(model, run: Session, tau: float) -> Pass:
     logits = outputs.logits[:, -needed:].float()
     lengths = run.text.prompt_length + feed.of(run.text.decoded)
     histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths) if plan.processors else None
-    return Pass(tau, offered, masks, logits, histories)
+    every_mask = tau < 1.0 and run.schedule.constant and masks == run.schedule.most
+    return Pass(tau, offered, masks, logits, histories, every_mask=every_mask)
 
 
 def _attention_mask(model, run: Session, tree, mask_2d, masks: int, position_ids):
