@@ -344,9 +344,9 @@ def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) ->
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
     full `tree`, or None where only the loop can: logits processors that read the order of the text (n-gram bans,
     bans and biases of several tokens; warpers, single-token bans and biases, repetition penalties and minimum lengths
-    run in the pass: `order_free`). A
-    mask cost's schedule runs in the pass too, which feeds every mask, as the loop does on a static cache. Stopping
-    criteria other than EOS and the length limit, and a streamer, are served from the host after each pass."""
+    run in the pass: `order_free`). A mask cost's schedule runs in the pass too, which feeds every mask, as the loop
+    does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer, are served from the
+    host after each pass."""
     plan, settings = run.plan, run.plan.settings
     if not (enabled() and plan.logits_to_keep and order_free(plan.processors)):
         return None
