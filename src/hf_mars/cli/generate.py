@@ -26,10 +26,8 @@ NEAR_TIE = (
     " ({}: a pass over several tokens sums in another order than a one-token step and rounds differently, so where "
     "two tokens nearly tie the texts can part; --dtype float32 keeps them identical)"
 )
-
-
 # Said instead of the texts' identity where both sides sample (and, where the mode keeps plain's text, the second part)
-SAMPLED = ("sampled: each side draws its own text", " (lossless mode's is distributed as plain sampling's)")
+SAMPLED = ("sampled: each side draws its own text", " (this mode's is distributed as plain sampling's)")
 
 
 def add_parser(subparsers) -> None:
