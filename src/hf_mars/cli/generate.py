@@ -52,6 +52,18 @@ def add_parser(subparsers) -> None:
     )
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
+    _add_mars_options(gen)
+    add_decoding(
+        gen,
+        "sample at this temperature, MARS and plain AR alike, each from --seed (default: greedy). Lossless mode's "
+        "text is then distributed as plain sampling's (speculative sampling), drawn otherwise",
+    )
+    gen.add_argument("--seed", type=int, default=0, help="the seed each sampled run starts from (default 0)")
+    gen.set_defaults(run=run)
+
+
+def _add_mars_options(gen) -> None:
+    """How MARS decodes: lossless mode and its draft tree, typical acceptance, the mask cost."""
     gen.add_argument(
         "--lossless",
         action="store_true",
@@ -80,12 +92,6 @@ def add_parser(subparsers) -> None:
         help='lossless tree, but drafts kept by typical acceptance (mars_accept="typical"): more tokens per pass, '
         "not the AR text",
     )
-    add_decoding(
-        gen,
-        "sample at this temperature, MARS and plain AR alike, each from --seed (default: greedy). Lossless mode's "
-        "text is then distributed as plain sampling's (speculative sampling), drawn otherwise",
-    )
-    gen.add_argument("--seed", type=int, default=0, help="the seed each sampled run starts from (default 0)")
     gen.add_argument(
         "--mask-cost",
         type=mask_cost,
@@ -93,7 +99,6 @@ def add_parser(subparsers) -> None:
         help="mars_mask_cost: a mask's share of a pass's time (0 = B-1 masks every pass), or `auto`: "
         "measure it on this machine first",
     )
-    gen.set_defaults(run=run)
 
 
 def run(args) -> None:
