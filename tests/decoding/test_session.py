@@ -113,6 +113,28 @@ def test_a_minimum_of_new_tokens_counts_from_each_rows_prompt_as_longer_rows_joi
     assert len(results["short"]) > len(free)
 
 
+@pytest.mark.parametrize("ban", [None, 4], ids=["", "no_repeat_ngram"])
+@pytest.mark.parametrize("mode", ["tau=1", "lossless"])
+def test_a_minimum_length_counts_each_rows_prompt_as_its_own_batch_padded_it(model_and_tok, mode, ban):
+    """`min_length` counts the prompt, padding included, as `generate()` does; the padding that a longer prompt's
+    joining adds is not the row's: each row is held to its own minimum, as alone. With an n-gram ban, transformers'
+    processors score the text (the loop's path for processors that read its order), the minimum still by each row's
+    own length."""
+    model, tok = model_and_tok
+    short, long = "a", "the quick brown fox jumps"
+    stop = alone(model, tok, short, 20)[3]  # a token the short row decodes soon: its EOS here
+    free = alone(model, tok, short, 20, eos_token_id=stop)
+    assert len(free) <= 4, "the premise: alone, the short row stops early"
+    rules = dict(eos_token_id=stop, min_length=len(tok(short).input_ids) + len(free) + 3, no_repeat_ngram_size=ban)
+    session = open_rows(model, tok, [short], labels=["short"], **MODES[mode], **rules)
+    session.admit(open_rows(model, tok, [long], labels=["long"], **MODES[mode], **rules))
+    results = {}
+    drain(model, session, results)
+    for label, prompt in (("short", short), ("long", long)):
+        assert results[label] == alone(model, tok, prompt, 20, **rules), label
+    assert len(results["short"]) > len(free)
+
+
 @pytest.mark.parametrize("mode", ["tau=1", "lossless"])
 def test_rows_with_a_repetition_penalty_join_and_leave_exactly(model_and_tok, mode):
     """`generate()` tells a repetition penalty each row's left padding; rows that join (padded anew) and leave keep
@@ -173,6 +195,10 @@ def test_what_a_session_cannot_do_is_refused_by_name(model_and_tok):
     other = open_rows(model, tok, PROMPTS[1:2], labels=[1], mars_tau=0.5)
     with pytest.raises(ValueError, match="other settings"):
         running.admit(other)
+    penalised = open_rows(model, tok, PROMPTS[:1], labels=[0], mars_tau=0.9, repetition_penalty=1.3)
+    harder = open_rows(model, tok, PROMPTS[1:2], labels=[1], mars_tau=0.9, repetition_penalty=3.0)
+    with pytest.raises(ValueError, match="other logits processors"):  # one penalty would decode both
+        penalised.admit(harder)
     static = model.mars_session(ids, mars_tau=0.9, cache_implementation="static", max_new_tokens=8)
     static.step(model)
     with pytest.raises(ValueError, match="static cache"):

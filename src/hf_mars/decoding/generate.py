@@ -47,9 +47,9 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .graph import GraphShape, enabled, graph_pass_for, processors_signature
+from .graph import GraphShape, enabled, graph_pass_for
 from .schedule import MaskSchedule
-from .scoring import check_stateless, history_free, order_free, without_implied_minimum
+from .scoring import check_stateless, history_free, order_free, processors_signature, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
@@ -529,7 +529,9 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     )
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     everyone = torch.ones(batch, dtype=torch.bool, device=device)
-    text = Text(prompt_length, zeros + budget, sequences, prompt_real, zeros, zeros.clone(), ~everyone, everyone)
+    text = Text(
+        prompt_length, zeros + budget, sequences, prompt_real, zeros, zeros.clone(), ~everyone, everyone, zeros.clone()
+    )
     rows = torch.arange(batch, device=device)
     feed = Feed(rows, input_ids[:, cached:], prompt_real[:, cached:], Drafts.none(batch, device))
     schedule = MaskSchedule(settings.mask_cost, batch, settings.block_size - 1, device)

@@ -28,7 +28,6 @@ This file is copied into MARS checkpoints (trust_remote_code).
 from __future__ import annotations
 
 import copy
-import hashlib
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -526,30 +525,6 @@ def _histories(g: GraphPass) -> Histories | None:
     if not g.shape.reads_text:
         return None
     return Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded)
-
-
-# Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,
-# where a minimum of new tokens starts counting), not what the processor does (`scoring.follow_padding` moves them): a
-# server's graph rows set them to no padding and each row's own prompt
-ROW_LAYOUT = ("prompt_ignore_length", "prompt_length_to_skip")
-
-
-def processors_signature(processors, layout: bool = True) -> tuple:
-    """What a run's logits processors are, as a `GraphShape` field: their classes and settings, tensors by value, as a
-    digest of their bytes (a pass applies them as they were when it was built, so runs share a pass only where these
-    are equal; a sequence bias holds one the vocabulary's size). Without `layout`, the `ROW_LAYOUT` attributes are
-    left out."""
-
-    def value(v):
-        if not isinstance(v, torch.Tensor):
-            return v
-        data = v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-        return ("tensor", tuple(v.shape), str(v.dtype), hashlib.blake2b(data, digest_size=16).hexdigest())
-
-    def settings(p):
-        return sorted((k, value(v)) for k, v in vars(p).items() if layout or k not in ROW_LAYOUT)
-
-    return tuple((type(p).__name__, repr(settings(p))) for p in processors)
 
 
 def _compiled(function, config, mode=None):

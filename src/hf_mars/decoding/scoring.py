@@ -9,6 +9,7 @@ rules from those two facts, for every slot and row at once (`Histories.apply`): 
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -104,10 +105,13 @@ class Histories:
     position-aware processors (n-gram bans) and those with per-row state exact.
     """
 
-    def __init__(self, processors, sequences, rows, lengths):
+    def __init__(self, processors, sequences, rows, lengths, joined=None):
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
-        `lengths`: `(active rows,)` how far each one's history reaches."""
+        `lengths`: `(active rows,)` how far each one's history reaches; `joined`: `(active rows,)` the columns of
+        left padding that rows joining later added to each one's prompt (`Text.joined`; None: none), which a
+        `min_length` does not count."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
+        self.joined = joined
         self._seen, self._ids = None, {}
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -122,8 +126,21 @@ class Histories:
             ids = self.sequences[:, : length + prefix.shape[1]].clone()
             ids[rows] = torch.cat([self.sequences[rows, :length], prefix[group]], dim=1)
             full = scores.new_zeros((batch, scores.shape[1])).index_copy(0, rows, scores[group])
-            out[group] = self.processors(ids, full)[rows]
+            joined = self.joined
+            if joined is not None:  # the batch's (rows outside the group are dropped)
+                joined = joined.new_zeros(batch).index_copy(0, rows, joined[group])
+            out[group] = self._called(ids, full, joined)[rows]
         return out
+
+    def _called(self, ids: torch.Tensor, scores: torch.Tensor, joined: torch.Tensor | None) -> torch.Tensor:
+        """transformers' processors on a batch's `ids`, but a `BY_LENGTH` one by its rule with each row's own length
+        (`_by_length`; `joined`: `(batch,)` join padding not counted)."""
+        if not self._reads_lengths():
+            return self.processors(ids, scores)
+        end = ids.new_full((ids.shape[0], 1), ids.shape[1])
+        for p in self.processors:
+            scores = _by_length(p, end, scores, joined) if isinstance(p, BY_LENGTH) else p(ids, scores)
+        return scores
 
     def slots(self, logits: torch.Tensor, drafts: torch.Tensor | None, lineage=None) -> torch.Tensor:
         """`order_free` processors applied to every slot of a pass at once: `(rows, slots, vocab)` scores, slot j
@@ -179,7 +196,7 @@ class Histories:
             if isinstance(processor, SET_BASED):
                 scores = torch.where(next(held)[..., :vocab], _penalised(scores, processor.penalty), scores)
             elif isinstance(processor, BY_LENGTH):
-                scores = _by_length(processor, ends, scores)
+                scores = _by_length(processor, ends, scores, self.joined)
             elif scores.dim() == 2:  # reads only the scores
                 scores = processor(self.no_ids(scores.shape[0]), scores)
             else:  # every slot in one call
@@ -206,7 +223,7 @@ class Histories:
     def after(self, sequences: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor) -> Histories:
         """These histories once each row has taken `tokens[:, :accepted]`, which `sequences` now holds: what the
         proposals of the pass that took them read. The tokens already found held are kept, the new ones added."""
-        moved = Histories(self.processors, sequences, self.rows, self.lengths + accepted)
+        moved = Histories(self.processors, sequences, self.rows, self.lengths + accepted, self.joined)
         if self._seen:
             vocab = self._seen[0].shape[1] - 1
             late = torch.arange(tokens.shape[1], device=tokens.device) >= accepted[:, None]
@@ -267,18 +284,45 @@ def without_implied_minimum(processors):
     return processors if len(kept) == len(processors) else type(processors)(kept)
 
 
-def _by_length(processor, end: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+def _by_length(processor, end: torch.Tensor, scores: torch.Tensor, joined: torch.Tensor | None) -> torch.Tensor:
     """A `BY_LENGTH` processor's rule with each row's own history length (`end`, `(rows, 1)`) where `generate()`
-    reads the batch's from `input_ids.shape[-1]`: EOS barred while the row is short of the minimum."""
+    reads the batch's from `input_ids.shape[-1]`: EOS barred while the row is short of the minimum. `joined`
+    (`(rows,)`, None: none): left padding that rows joining later added, which `min_length` does not count."""
+
+    def per_row(value):
+        return value.view(-1, *(1,) * (end.dim() - 1)) if isinstance(value, torch.Tensor) else value
+
     if hasattr(processor, "min_new_tokens"):  # MinNewTokensLengthLogitsProcessor
-        skip = processor.prompt_length_to_skip  # where the prompts end: one column, or one per row (`follow_padding`)
-        if isinstance(skip, torch.Tensor):
-            skip = skip.view(-1, *(1,) * (end.dim() - 1))
-        short = end - skip < processor.min_new_tokens
+        # where the prompts end: one column, or one per row (`follow_padding`)
+        short = end - per_row(processor.prompt_length_to_skip) < processor.min_new_tokens
     else:  # MinLengthLogitsProcessor
-        short = end < processor.min_length
+        short = (end if joined is None else end - per_row(joined)) < processor.min_length
     eos = torch.isin(torch.arange(scores.shape[-1], device=scores.device), processor.eos_token_id)
     return torch.where(short & eos, -math.inf, scores)
+
+
+# Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,
+# where a minimum of new tokens starts counting), not what the processor does: `follow_padding` moves them as rows
+# join and leave a batch
+ROW_LAYOUT = ("prompt_ignore_length", "prompt_length_to_skip")
+
+
+def processors_signature(processors, layout: bool = True) -> tuple:
+    """What a run's logits processors are, as a `GraphShape` field: their classes and settings, tensors by value, as a
+    digest of their bytes (a pass applies them as they were when it was built, so runs share a pass only where these
+    are equal; a sequence bias holds one the vocabulary's size). Without `layout`, the `ROW_LAYOUT` attributes are
+    left out: what rows that join one batch must share (a session applies its own processors to every row)."""
+
+    def value(v):
+        if not isinstance(v, torch.Tensor):
+            return v
+        data = v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        return ("tensor", tuple(v.shape), str(v.dtype), hashlib.blake2b(data, digest_size=16).hexdigest())
+
+    def settings(p):
+        return sorted((k, value(v)) for k, v in vars(p).items() if layout or k not in ROW_LAYOUT)
+
+    return tuple((type(p).__name__, repr(settings(p))) for p in processors)
 
 
 def reads_scores_only(processor) -> bool:

@@ -41,7 +41,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .cache import KVBook
 from .graph import cut, right_align
 from .schedule import MaskSchedule
-from .scoring import Histories, branching, choose, follow_padding, tau_accepted
+from .scoring import Histories, branching, choose, follow_padding, processors_signature, tau_accepted
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping
 from .tree import tree_attention
@@ -137,8 +137,10 @@ class Text:
     passes: torch.Tensor  # (batch,) passes each row took part in
     ended: torch.Tensor  # (batch,) rows whose text reached EOS or the length limit
     active: torch.Tensor  # (batch,) rows still decoding
+    joined: torch.Tensor  # (batch,) columns of left padding that joins added to each row's prompt (`min_length`
+    # counts a row's prompt as its own batch padded it, as `generate()` does)
 
-    PER_ROW = ("budget", "decoded", "passes", "ended", "active")  # `(batch,)` fields, besides the text itself
+    PER_ROW = ("budget", "decoded", "passes", "ended", "active", "joined")  # `(batch,)` fields, besides the text
 
     def select(self, keep: torch.Tensor) -> Text:
         """The rows that `keep` marks."""
@@ -241,8 +243,10 @@ class Session:
             theirs.pad_token_id,
         ):
             return "the rows decode with other settings"
-        if [type(p) for p in mine.processors] != [type(p) for p in theirs.processors] or mine.window != theirs.window:
-            return "the rows decode with other logits processors"
+        if processors_signature(mine.processors, layout=False) != processors_signature(theirs.processors, False):
+            return "the rows decode with other logits processors (or their settings: a penalty, a minimum, a bias)"
+        if mine.window != theirs.window:
+            return "the rows decode with another sliding window"
         if not torch.equal(mine.eos, theirs.eos) or mine.streamer is not None or theirs.streamer is not None:
             return "the rows stop at other EOS tokens, or stream"
         return None
@@ -323,6 +327,7 @@ def _join_text(a: Text, b: Text, pad_token_id: int) -> Text:
     sequences = torch.cat([pad(seq, (0, width - seq.shape[1]), value=pad_token_id) for seq, _ in shifted])
     real = torch.cat([r for _, r in shifted])
     joined = {name: torch.cat([getattr(a, name), getattr(b, name)]) for name in Text.PER_ROW}
+    joined["joined"] = torch.cat([t.joined + prompt - t.prompt_length for t in (a, b)])
     return Text(prompt_length=prompt, sequences=sequences, prompt_real=real, **joined)
 
 
@@ -389,7 +394,9 @@ def _forward(model, run: Session, tau: float) -> Pass:
     )
     logits = outputs.logits[:, -needed:].float()
     lengths = run.text.prompt_length + feed.of(run.text.decoded)
-    histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths) if plan.processors else None
+    histories = None
+    if plan.processors:
+        histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths, feed.of(run.text.joined))
     every_mask = tau < 1.0 and run.schedule.constant and masks == run.schedule.most
     return Pass(tau, offered, masks, logits, histories, every_mask=every_mask)
 

@@ -19,8 +19,8 @@ from transformers import StaticCache
 
 from ..decoding.compat import full_attention_config
 from ..decoding.generate import graph_shape, load_rows
-from ..decoding.graph import GraphPass, processors_signature
-from ..decoding.scoring import follow_padding
+from ..decoding.graph import GraphPass
+from ..decoding.scoring import follow_padding, processors_signature
 from ..decoding.settings import read_tau
 from ..decoding.tree import NO_DRAFTS, full_tree
 
