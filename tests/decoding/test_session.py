@@ -28,8 +28,8 @@ def alone(model, tok, prompt: str, max_new_tokens: int, **mode) -> list[int]:
     return out[0, ids.input_ids.shape[1] :].tolist()
 
 
-def open_rows(model, tok, prompts, labels, max_new_tokens=20, **mode):
-    """A session over `prompts` (left-padded), after its first pass."""
+def open_rows(model, tok, prompts, labels, max_new_tokens=20, separate=False, **mode):
+    """A session over `prompts` (left-padded), after its first pass (`separate`: each row a batch of its own)."""
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     session = model.mars_session(
@@ -40,6 +40,8 @@ def open_rows(model, tok, prompts, labels, max_new_tokens=20, **mode):
         labels=labels,
         **mode,
     )
+    if separate:
+        session.separate_prompts()
     session.step(model)
     return session
 
@@ -113,21 +115,26 @@ def test_a_minimum_of_new_tokens_counts_from_each_rows_prompt_as_longer_rows_joi
     assert len(results["short"]) > len(free)
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["joined", "opened together"])
 @pytest.mark.parametrize("ban", [None, 4], ids=["", "no_repeat_ngram"])
 @pytest.mark.parametrize("mode", ["tau=1", "lossless"])
-def test_a_minimum_length_counts_each_rows_prompt_as_its_own_batch_padded_it(model_and_tok, mode, ban):
+def test_a_minimum_length_counts_each_rows_prompt_as_its_own_batch_padded_it(model_and_tok, mode, ban, together):
     """`min_length` counts the prompt, padding included, as `generate()` does; the padding that a longer prompt's
-    joining adds is not the row's: each row is held to its own minimum, as alone. With an n-gram ban, transformers'
-    processors score the text (the loop's path for processors that read its order), the minimum still by each row's
-    own length."""
+    joining adds is not the row's: each row is held to its own minimum, as alone. Rows opened together are one
+    batch, as in `generate()`, unless `separate_prompts` makes each its own (as a server's requests). With an n-gram
+    ban, transformers' processors score the text (the loop's path for processors that read its order), the minimum
+    still by each row's own length."""
     model, tok = model_and_tok
     short, long = "a", "the quick brown fox jumps"
     stop = alone(model, tok, short, 20)[3]  # a token the short row decodes soon: its EOS here
     free = alone(model, tok, short, 20, eos_token_id=stop)
     assert len(free) <= 4, "the premise: alone, the short row stops early"
     rules = dict(eos_token_id=stop, min_length=len(tok(short).input_ids) + len(free) + 3, no_repeat_ngram_size=ban)
-    session = open_rows(model, tok, [short], labels=["short"], **MODES[mode], **rules)
-    session.admit(open_rows(model, tok, [long], labels=["long"], **MODES[mode], **rules))
+    if together:
+        session = open_rows(model, tok, [short, long], ["short", "long"], separate=True, **MODES[mode], **rules)
+    else:
+        session = open_rows(model, tok, [short], labels=["short"], **MODES[mode], **rules)
+        session.admit(open_rows(model, tok, [long], labels=["long"], **MODES[mode], **rules))
     results = {}
     drain(model, session, results)
     for label, prompt in (("short", short), ("long", long)):

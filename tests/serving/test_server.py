@@ -232,10 +232,12 @@ def test_completions_read_mars_settings_from_the_generation_config_string(server
     assert reply.usage.forward_passes <= reply.usage.completion_tokens
 
 
-def test_a_minimum_of_new_tokens_in_the_generation_config_holds_each_row(server):
-    """`min_new_tokens` in the `generation_config` string, for prompts of several lengths decoding together (with
-    `--cache-slots`, in the graph pass's rows, each from column 0): each row is held to its own minimum, as
-    `generate()` holds its prompt alone. Its EOS is a token the model soon decodes, so the minimum matters."""
+@pytest.mark.parametrize("minimum", ["min_new_tokens", "min_length"])
+def test_a_minimum_length_in_the_generation_config_holds_each_row_as_alone(server, minimum):
+    """`min_new_tokens` (or `min_length`, which counts the prompt) in the `generation_config` string, for prompts of
+    several lengths decoding together (with `--cache-slots`, in the graph pass's rows, each from column 0): each row
+    is held to its own minimum, as `generate()` holds its prompt alone, whether it was opened with the others (left
+    padded to the longest) or joined them. Its EOS is a token the model soon decodes, so the minimum matters."""
     import json
 
     tok, model = server["tok"], server["offline"]
@@ -243,8 +245,9 @@ def test_a_minimum_of_new_tokens_in_the_generation_config_holds_each_row(server)
     ids = [tok(prompt, return_tensors="pt") for prompt in prompts]
     greedy = dict(do_sample=False, max_new_tokens=MAX_TOKENS)
     stop = int(model.generate(**ids[0], **greedy)[0, ids[0]["input_ids"].shape[1] + 3])
-    minimum, greedy = 8, dict(greedy, eos_token_id=stop)
-    config = json.dumps({"mars_verify": True, "do_sample": False, "eos_token_id": stop, "min_new_tokens": minimum})
+    shortest = ids[0]["input_ids"].shape[1]  # the others are longer: padded to theirs, it would need no new token
+    rule, greedy = {minimum: 8 if minimum == "min_new_tokens" else shortest + 8}, dict(greedy, eos_token_id=stop)
+    config = json.dumps({"mars_verify": True, "do_sample": False, "eos_token_id": stop, **rule})
 
     async def ask(prompt: str):
         async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=120) as client:
@@ -257,7 +260,7 @@ def test_a_minimum_of_new_tokens_in_the_generation_config_holds_each_row(server)
     held = False
     for prompt_ids, text in zip(ids, texts):
         start = prompt_ids["input_ids"].shape[1]
-        alone = model.generate(**prompt_ids, **greedy, min_new_tokens=minimum)[0, start:]
+        alone = model.generate(**prompt_ids, **greedy, **rule)[0, start:]
         assert text == tok.decode(alone, skip_special_tokens=True)
         held |= not torch.equal(alone, model.generate(**prompt_ids, **greedy)[0, start:])
     assert held, "the minimum must hold some request past its EOS"

@@ -137,8 +137,8 @@ class Text:
     passes: torch.Tensor  # (batch,) passes each row took part in
     ended: torch.Tensor  # (batch,) rows whose text reached EOS or the length limit
     active: torch.Tensor  # (batch,) rows still decoding
-    joined: torch.Tensor  # (batch,) columns of left padding that joins added to each row's prompt (`min_length`
-    # counts a row's prompt as its own batch padded it, as `generate()` does)
+    joined: torch.Tensor  # (batch,) columns of left padding not of each row's own batch: what joins added to its
+    # prompt (`min_length` counts a row's prompt as its own batch padded it, as `generate()` does)
 
     PER_ROW = ("budget", "decoded", "passes", "ended", "active", "joined")  # `(batch,)` fields, besides the text
 
@@ -268,6 +268,11 @@ class Session:
         self.stopping.join(other.stopping, self.text.sequences, self.text.prompt_length)
         self.labels = self.labels + other.labels
         self.live = bool(self.text.active.any())
+
+    def separate_prompts(self) -> None:
+        """Each row is a batch of its own: a `min_length` counts its prompt without the left padding that the
+        longer prompts opened with it added (a server's requests, opened together, decode as each alone)."""
+        self.text.joined = (~self.text.prompt_real).sum(dim=1)
 
     def retree(self, settings: MARSSettings) -> None:
         """Decode on with `settings`, another lossless draft tree (or none: τ = 1, as `model.mars_session` makes

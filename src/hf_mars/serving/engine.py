@@ -353,7 +353,7 @@ class MARSEngine(BaseGenerateManager):
         if group[0].tau_range is not None:  # its τ is the range's controller, set before every pass
             config.mars_tau = None
             settings = settings or {"mars_tau": self._controller(group[0], len(group))}
-        return self.model.mars_session(
+        session = self.model.mars_session(
             ids.to(device),
             attention_mask=mask.to(device),
             generation_config=config,
@@ -362,6 +362,8 @@ class MARSEngine(BaseGenerateManager):
             max_rows=self.max_batch_size if self.cache_slots is not None else None,
             **settings,
         )
+        session.separate_prompts()  # requests: each decodes as alone, whoever was opened with it
+        return session
 
     def _step(self) -> None:
         session = self.session
