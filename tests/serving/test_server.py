@@ -245,7 +245,7 @@ def test_a_minimum_length_in_the_generation_config_holds_each_row_as_alone(serve
     ids = [tok(prompt, return_tensors="pt") for prompt in prompts]
     greedy = dict(do_sample=False, max_new_tokens=MAX_TOKENS)
     stop = int(model.generate(**ids[0], **greedy)[0, ids[0]["input_ids"].shape[1] + 3])
-    shortest = ids[0]["input_ids"].shape[1]  # the others are longer: padded to theirs, it would need no new token
+    shortest = ids[0]["input_ids"].shape[1]  # padded to a longer prompt, it would count fewer new tokens as due
     rule, greedy = {minimum: 8 if minimum == "min_new_tokens" else shortest + 8}, dict(greedy, eos_token_id=stop)
     config = json.dumps({"mars_verify": True, "do_sample": False, "eos_token_id": stop, **rule})
 

@@ -108,8 +108,8 @@ class Histories:
     def __init__(self, processors, sequences, rows, lengths, joined=None):
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
         `lengths`: `(active rows,)` how far each one's history reaches; `joined`: `(active rows,)` the columns of
-        left padding that rows joining later added to each one's prompt (`Text.joined`; None: none), which a
-        `min_length` does not count."""
+        left padding in each one's prompt that are not its own batch's (`Text.joined`: added by rows that joined
+        later; None: none), which a `min_length` does not count."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
         self.joined = joined
         self._seen, self._ids = None, {}
@@ -129,12 +129,12 @@ class Histories:
             joined = self.joined
             if joined is not None:  # the batch's (rows outside the group are dropped)
                 joined = joined.new_zeros(batch).index_copy(0, rows, joined[group])
-            out[group] = self._called(ids, full, joined)[rows]
+            out[group] = self._call_processors(ids, full, joined)[rows]
         return out
 
-    def _called(self, ids: torch.Tensor, scores: torch.Tensor, joined: torch.Tensor | None) -> torch.Tensor:
+    def _call_processors(self, ids: torch.Tensor, scores: torch.Tensor, joined: torch.Tensor | None) -> torch.Tensor:
         """transformers' processors on a batch's `ids`, but a `BY_LENGTH` one by its rule with each row's own length
-        (`_by_length`; `joined`: `(batch,)` join padding not counted)."""
+        (`_by_length`; `joined`: `(batch,)` padding not the row's own, not counted)."""
         if not self._reads_lengths():
             return self.processors(ids, scores)
         end = ids.new_full((ids.shape[0], 1), ids.shape[1])
@@ -287,7 +287,7 @@ def without_implied_minimum(processors):
 def _by_length(processor, end: torch.Tensor, scores: torch.Tensor, joined: torch.Tensor | None) -> torch.Tensor:
     """A `BY_LENGTH` processor's rule with each row's own history length (`end`, `(rows, 1)`) where `generate()`
     reads the batch's from `input_ids.shape[-1]`: EOS barred while the row is short of the minimum. `joined`
-    (`(rows,)`, None: none): left padding that rows joining later added, which `min_length` does not count."""
+    (`(rows,)`, None: none): left padding not of the row's own batch, which `min_length` does not count."""
 
     def per_row(value):
         return value.view(-1, *(1,) * (end.dim() - 1)) if isinstance(value, torch.Tensor) else value

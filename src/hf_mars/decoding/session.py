@@ -243,7 +243,8 @@ class Session:
             theirs.pad_token_id,
         ):
             return "the rows decode with other settings"
-        if processors_signature(mine.processors, layout=False) != processors_signature(theirs.processors, False):
+        signature = functools.partial(processors_signature, layout=False)  # where each row's text lies aside
+        if signature(mine.processors) != signature(theirs.processors):
             return "the rows decode with other logits processors (or their settings: a penalty, a minimum, a bias)"
         if mine.window != theirs.window:
             return "the rows decode with another sliding window"
@@ -331,9 +332,9 @@ def _join_text(a: Text, b: Text, pad_token_id: int) -> Text:
     width = max(seq.shape[1] for seq, _ in shifted)
     sequences = torch.cat([pad(seq, (0, width - seq.shape[1]), value=pad_token_id) for seq, _ in shifted])
     real = torch.cat([r for _, r in shifted])
-    joined = {name: torch.cat([getattr(a, name), getattr(b, name)]) for name in Text.PER_ROW}
-    joined["joined"] = torch.cat([t.joined + prompt - t.prompt_length for t in (a, b)])
-    return Text(prompt_length=prompt, sequences=sequences, prompt_real=real, **joined)
+    rows = {name: torch.cat([getattr(a, name), getattr(b, name)]) for name in Text.PER_ROW}
+    rows["joined"] = torch.cat([t.joined + prompt - t.prompt_length for t in (a, b)])  # this join's padding too
+    return Text(prompt_length=prompt, sequences=sequences, prompt_real=real, **rows)
 
 
 def _join_feed(a: Feed, b: Feed, offset: int, pad_token_id: int) -> Feed:
