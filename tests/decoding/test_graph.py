@@ -104,9 +104,9 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
 
 
 def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
-    """Logits processors that read the order of the text (n-gram bans, a bad word or bias of several tokens) run in
-    the loop, which knows them; a dynamic cache never leaves it. Sampling with its warpers, repetition penalties,
-    minimum lengths, bans and biases of single tokens and a mask schedule run in the graph pass (here and
+    """Logits processors that only transformers applies (a bad word or bias of several tokens) run in the loop, which
+    calls them; a dynamic cache never leaves it. Sampling with its warpers, repetition penalties, minimum lengths,
+    n-gram bans, bans and biases of single tokens and a mask schedule run in the graph pass (here and
     tests/decoding/test_shapes.py)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
@@ -114,9 +114,8 @@ def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     generate(model, enc, mars_tau=0.9, do_sample=True, temperature=0.7, top_k=20)
     assert model.__dict__.get("_mars_graphs"), "sampling with history-free warpers runs in the graph pass"
     cases = [
-        (enc, dict(mars_tau=0.9, no_repeat_ngram_size=2)),
-        (enc, dict(mars_tau=0.9, do_sample=True, no_repeat_ngram_size=2)),
         (enc, dict(mars_verify=True, bad_words_ids=[[5, 6]])),  # a ban of two tokens reads the text's last one
+        (enc, dict(mars_tau=0.9, do_sample=True, bad_words_ids=[[5, 6]])),
         (enc, dict(mars_tau=0.9, sequence_bias=[[[5, 6], 2.0]])),
     ]
     for inputs, kwargs in cases:

@@ -7,33 +7,36 @@ import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
 )
 
-from hf_mars.decoding.scoring import Histories, choose, processed
+from hf_mars.decoding.scoring import Histories, by_rules, choose, processed
 from hf_mars.decoding.tree import DraftTree
 
 VOCAB, EOS, PROMPT = 12, 3, 4  # a small vocabulary, so that histories hold many of its tokens
 
 
-def _processors(skip, sampled: bool):
-    """What `generate()` builds for a penalty, `min_new_tokens` and (sampling) its warpers; `skip`: the repetition
-    penalty's `prompt_ignore_length`, one per row or an int."""
+def _processors(skip, sampled: bool, ngram: int | None = None):
+    """What `generate()` builds for a penalty, `min_new_tokens`, (`ngram`) `no_repeat_ngram_size` and (sampling) its
+    warpers; `skip`: the repetition penalty's `prompt_ignore_length`, one per row or an int."""
     processors = [
         RepetitionPenaltyLogitsProcessor(3.0, prompt_ignore_length=skip),
         MinNewTokensLengthLogitsProcessor(PROMPT, min_new_tokens=3, eos_token_id=EOS),
     ]
+    if ngram is not None:
+        processors.insert(1, NoRepeatNGramLogitsProcessor(ngram))
     if sampled:
         processors += [TemperatureLogitsWarper(0.7), TopKLogitsWarper(5)]
     return LogitsProcessorList(processors)
 
 
-def _by_hand(skip, sampled: bool, text, length: int, row: int, scores):
+def _by_hand(skip, sampled: bool, text, length: int, row: int, scores, ngram: int | None = None):
     """transformers' processors called on one row's history `text[:length]`, as `generate()` calls them."""
     own_skip = skip[row : row + 1].clone() if isinstance(skip, torch.Tensor) else skip
-    return _processors(own_skip, sampled)(text[None, :length], scores[None])[0]
+    return _processors(own_skip, sampled, ngram)(text[None, :length], scores[None])[0]
 
 
 def _case(seed: int):
@@ -121,3 +124,40 @@ def test_histories_after_a_pass_hold_what_the_text_then_holds():
     held = [[s[:, :VOCAB] for s in h.seen(VOCAB)] for h in (before, moved, fresh)]  # the last column: a sink
     assert all(torch.equal(a, b) for a, b in zip(held[1], held[2]))
     assert not torch.equal(held[0][0], held[1][0])  # the premise: a token not held before
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("active", [None, [0, 2, 3]], ids=["all rows", "some rows"])
+@pytest.mark.parametrize("ngram", [1, 2, 3])
+def test_an_ngram_ban_is_applied_by_its_rule_as_generate_applies_it(ngram, active, sampled):
+    """`no_repeat_ngram_size` by MARS's own rule (`scoring.by_rules`: each row at its own length, no call of
+    transformers' processor), with a penalty before it and a minimum after it: a chain's every slot, after the drafts
+    before it, and slots chosen in order, after the tokens chosen before them, as transformers' processors score each
+    slot's history row by row."""
+    generator, sequences, pads, lengths = _case(3)
+    sequences = torch.nn.functional.pad(sequences, (0, 6))  # room past every history for a pass's tokens
+    rows = None if active is None else torch.tensor(active)
+    picked = torch.arange(4) if rows is None else rows
+    logits = torch.randn(len(picked), 5, VOCAB, generator=generator) * 2
+    drafts = torch.randint(4, VOCAB, (len(picked), 4), generator=generator)
+    chain = DraftTree.of((-1, 0, 1, 2)).on("cpu").lineage
+    histories = Histories(_processors(pads, sampled, ngram), sequences, rows, lengths[picked])
+    assert by_rules(histories.processors)  # scored by MARS's rules, not by transformers' processors
+    got = processed(logits, histories, drafts, chain)
+    tokens, _, probs = choose(logits, histories, sampled, "probability", True)
+
+    def by_hand(after, j):  # every row's slot j after `after[:, :j]`, by transformers' processors
+        texts = [torch.cat([sequences[r, : lengths[r]], after[i, :j]]) for i, r in enumerate(picked.tolist())]
+        return torch.stack(
+            [_by_hand(pads, sampled, t, len(t), r, s, ngram) for t, r, s in zip(texts, picked.tolist(), logits[:, j])]
+        )
+
+    for j in range(5):
+        torch.testing.assert_close(got[:, j], by_hand(drafts, j), rtol=0, atol=0)
+        torch.testing.assert_close(probs[:, j], torch.softmax(by_hand(tokens, j), dim=-1))
+    # The premise: the ban barred tokens that the other processors leave (before the warpers, which bar many)
+    scored = [
+        processed(logits, Histories(_processors(pads, False, *n), sequences, rows, lengths[picked]), drafts, chain)
+        for n in ((ngram,), ())
+    ]
+    assert (torch.isinf(scored[0]) & ~torch.isinf(scored[1])).any()

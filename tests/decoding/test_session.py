@@ -115,21 +115,24 @@ def test_a_minimum_of_new_tokens_counts_from_each_rows_prompt_as_longer_rows_joi
     assert len(results["short"]) > len(free)
 
 
+BANS = {"": {}, "no_repeat_ngram": dict(no_repeat_ngram_size=4), "bad words": dict(bad_words_ids=[[5, 6]])}
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["joined", "opened together"])
-@pytest.mark.parametrize("ban", [None, 4], ids=["", "no_repeat_ngram"])
+@pytest.mark.parametrize("ban", BANS)
 @pytest.mark.parametrize("mode", ["tau=1", "lossless"])
 def test_a_minimum_length_counts_each_rows_prompt_as_its_own_batch_padded_it(model_and_tok, mode, ban, together):
     """`min_length` counts the prompt, padding included, as `generate()` does; the padding that a longer prompt's
     joining adds is not the row's: each row is held to its own minimum, as alone. Rows opened together are one
     batch, as in `generate()`, unless `separate_prompts` makes each its own (as a server's requests). With an n-gram
-    ban, transformers' processors score the text (the loop's path for processors that read its order), the minimum
-    still by each row's own length."""
+    ban, MARS's rules score each slot's text; with a bad word of two tokens, transformers' processors do (the loop's
+    path for the processors only transformers applies): the minimum still by each row's own length."""
     model, tok = model_and_tok
     short, long = "a", "the quick brown fox jumps"
     stop = alone(model, tok, short, 20)[3]  # a token the short row decodes soon: its EOS here
     free = alone(model, tok, short, 20, eos_token_id=stop)
     assert len(free) <= 4, "the premise: alone, the short row stops early"
-    rules = dict(eos_token_id=stop, min_length=len(tok(short).input_ids) + len(free) + 3, no_repeat_ngram_size=ban)
+    rules = dict(eos_token_id=stop, min_length=len(tok(short).input_ids) + len(free) + 3, **BANS[ban])
     if together:
         session = open_rows(model, tok, [short, long], ["short", "long"], separate=True, **MODES[mode], **rules)
     else:

@@ -197,6 +197,29 @@ def test_processors_that_read_only_the_scores_run_in_the_graph_pass(thin, mode, 
     assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, **processing))
 
 
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
+def test_ngram_bans_run_in_the_graph_pass(thin, mode, size):
+    """`no_repeat_ngram_size` (`scoring.NGRAM_BANS`, by MARS's rule: each row at its own length, one slot at a time)
+    runs in the graph pass, drafts a chain (a ban reads the text's order: a branch's would be its own): the loop's
+    tokens, greedy and seeded sampling, τ = 1 and lossless mode `generate()`'s with the ban, which changes the text."""
+    model, tok = thin
+    enc = tok(prompts(5, 11), return_tensors="pt", padding=True)
+    model.__dict__.pop("_mars_graphs", None)
+    graphed = decode(model, enc, mode, no_repeat_ngram_size=size)
+    assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
+    assert not branched(model), "an n-gram ban keeps drafts a chain"
+    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, no_repeat_ngram_size=size))
+    if mode in EXACT:
+        plain = dict(max_new_tokens=48, do_sample=False, pad_token_id=PAD)
+        banned = GenerationMixin.generate(model, **enc, **plain, no_repeat_ngram_size=size)
+        assert new_tokens(graphed, enc) == new_tokens(banned, enc)
+        unbanned = GenerationMixin.generate(model, **enc, **plain)
+        assert new_tokens(banned, enc) != new_tokens(unbanned, enc), "the ban must change the text"
+    sampled = decode(model, enc, mode, sample_seed=3, no_repeat_ngram_size=size)
+    assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, no_repeat_ngram_size=size))
+
+
 @pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
 def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies_them(trained_toy, mode):
     """EOS barred while a row is short, each row by its own length (the trained toy's rows end at EOS at different

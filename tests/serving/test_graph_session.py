@@ -97,7 +97,7 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
         other = _opened(model, prompt, "b", 4, MODES["lossless tree"])
         with pytest.raises(ValueError, match="other settings"):
             rows.admit(other)
-        loop_only = dict(mars_tau=1.0, no_repeat_ngram_size=2)
+        loop_only = dict(mars_tau=1.0, bad_words_ids=[[5, 6]])  # a ban of two tokens: transformers applies it
         with pytest.raises(ValueError, match="decode in the loop"):
             GraphSession(model, _opened(model, prompt, "d", 4, loop_only), 2, 200)
         penalty = dict(mars_tau=1.0, repetition_penalty=1.3)

@@ -49,7 +49,7 @@ from .compat import (
 )
 from .graph import GraphShape, enabled, graph_pass_for
 from .schedule import MaskSchedule
-from .scoring import check_stateless, history_free, order_free, processors_signature, without_implied_minimum
+from .scoring import by_rules, check_stateless, history_free, processors_signature, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
 from .stopping import Stopping
@@ -342,13 +342,13 @@ def _graph_shape(model, run: Session) -> GraphShape | None:
 
 def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where only the loop can: logits processors that read the order of the text (n-gram bans,
-    bans and biases of several tokens; warpers, single-token bans and biases, repetition penalties and minimum lengths
-    run in the pass: `order_free`). A mask cost's schedule runs in the pass too, which feeds every mask, as the loop
-    does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer, are served from the
-    host after each pass."""
+    full `tree`, or None where only the loop can: logits processors that transformers alone applies (bans and biases of
+    several tokens, forced tokens; warpers, single-token bans and biases, repetition penalties, minimum lengths and
+    n-gram bans run in the pass: `scoring.by_rules`). A mask cost's schedule runs in the pass too, which feeds every
+    mask, as the loop does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer,
+    are served from the host after each pass."""
     plan, settings = run.plan, run.plan.settings
-    if not (enabled() and plan.logits_to_keep and order_free(plan.processors)):
+    if not (enabled() and plan.logits_to_keep and by_rules(plan.processors)):
         return None
     if model.config._attn_implementation not in BRANCHING:
         return None

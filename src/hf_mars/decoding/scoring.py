@@ -4,7 +4,8 @@ A pass scores several slots at once. Logits processors that read the token histo
 must see, for each slot, the text that slot would continue if it is accepted; `Histories` lays it out exactly as
 `generate()` does. Processors that read only the scores score every slot in one call; a repetition penalty and
 minimum lengths, which read only which tokens a history holds and how long it is, are applied here by transformers'
-rules from those two facts, for every slot and row at once (`Histories.apply`): a pass of fixed shape, few ops.
+rules from those two facts, for every slot and row at once (`Histories.apply`): a pass of fixed shape, few ops. An
+n-gram ban, which reads the history's last tokens, is applied here too, slot by slot, each row at its own length.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ SET_BASED = _processors("RepetitionPenaltyLogitsProcessor")
 # Processors that read only the history's length (EOS barred while it is short): `Histories.apply` gives each row
 # (and slot) its own length, as `generate()` gives every row the batch's.
 BY_LENGTH = _processors("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
+# Processors that read the order of the history's last tokens: an n-gram ban bars each token that would complete an
+# n-gram the history already holds. `Histories` applies it by its own rule, each row at its own length, from tensors
+# of fixed shape (one slot at a time: the slots of a chain, or those chosen in order), which the graph pass can run.
+NGRAM_BANS = _processors("NoRepeatNGramLogitsProcessor")
 # The `generate()` argument behind a processor, named in errors
 PROCESSOR_OPTIONS = {
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
@@ -117,6 +122,10 @@ class Histories:
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:
         nothing after the history), by transformers' processors themselves (`order_free` ones: `slots`)."""
+        if by_rules(self.processors):  # MARS's own rules, every row at its own length at once
+            moved = self.extended(prefix)
+            ends = moved._ends(1, None)
+            return moved.apply(scores, moved.seen(scores.shape[-1]), None if ends is None else ends[:, 0])
         if prefix is None:
             prefix = self.sequences.new_zeros(scores.shape[0], 0)
         batch, out = self.sequences.shape[0], torch.empty_like(scores)
@@ -179,7 +188,7 @@ class Histories:
             self._seen = []
             penalties = [p for p in self.processors if isinstance(p, SET_BASED)]
             if penalties:
-                text = self.sequences if self.rows is None else self.sequences[self.rows]
+                text = self.text()
                 columns = torch.arange(text.shape[1], device=text.device)
                 past = columns >= self.lengths[:, None]  # past each history's end
                 self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
@@ -197,6 +206,8 @@ class Histories:
                 scores = torch.where(next(held)[..., :vocab], _penalised(scores, processor.penalty), scores)
             elif isinstance(processor, BY_LENGTH):
                 scores = _by_length(processor, ends, scores, self.joined)
+            elif isinstance(processor, NGRAM_BANS):  # one slot: `scores` is `(rows, vocab)`
+                scores = _ngrams_banned(processor, self.text(), self.lengths, scores)
             elif scores.dim() == 2:  # reads only the scores
                 scores = processor(self.no_ids(scores.shape[0]), scores)
             else:  # every slot in one call
@@ -230,6 +241,22 @@ class Histories:
             taken = tokens.clamp(max=vocab).masked_fill_(late, vocab)
             moved._seen = [s.scatter(1, taken, True) for s in self._seen]
         return moved
+
+    def extended(self, prefix: torch.Tensor | None) -> Histories:
+        """These histories with `prefix` (`(active rows, n)`, None: nothing) written after each one: a slot's, where
+        the tokens before it in the pass are `prefix` (the text has room past every history for a pass's tokens)."""
+        if prefix is None or not prefix.shape[1]:
+            return self
+        columns = self.lengths[:, None] + torch.arange(prefix.shape[1], device=prefix.device)
+        if self.rows is None:
+            sequences = self.sequences.scatter(1, columns, prefix)
+        else:
+            sequences = self.sequences.index_put((self.rows[:, None], columns), prefix)
+        return Histories(self.processors, sequences, self.rows, self.lengths + prefix.shape[1], self.joined)
+
+    def text(self) -> torch.Tensor:
+        """`(active rows, width)`: each active row's text (its history, then whatever the buffer holds after it)."""
+        return self.sequences if self.rows is None else self.sequences[self.rows]
 
     def _skipped(self, penalty, columns: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
         """`(rows, width)`: the columns of each row's text that `penalty` does not read: past the history, and the
@@ -301,6 +328,22 @@ def _by_length(processor, end: torch.Tensor, scores: torch.Tensor, joined: torch
     return torch.where(short & eos, -math.inf, scores)
 
 
+def _ngrams_banned(processor, text: torch.Tensor, ends: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """An n-gram ban's rule with each row's own history length (`ends`, `(rows,)`; `text`: `(rows, width)`, the
+    history first) where transformers' processor reads the batch's from `input_ids.shape[-1]`: every n-gram of the
+    history whose first n - 1 tokens are the history's last n - 1 bars its last token. Fixed shapes: every window of
+    the buffer is compared, and those that do not lie within the history count for nothing."""
+    n, vocab = processor.ngram_size, scores.shape[-1]
+    suffix = ends[:, None] - (n - 1) + torch.arange(n - 1, device=text.device)
+    last = text.gather(1, suffix.clamp(min=0))  # (rows, n - 1); a history shorter than n bans nothing (below)
+    windows = text.unfold(1, n, 1)  # (rows, width - n + 1, n): the n-gram starting at each column
+    inside = torch.arange(windows.shape[1], device=text.device) + n <= ends[:, None]
+    matches = (windows[..., :-1] == last[:, None, :]).all(dim=-1) & inside
+    banned = torch.where(matches, windows[..., -1].clamp(max=vocab), vocab)  # the spare column: nothing barred
+    mask = torch.zeros(text.shape[0], vocab + 1, dtype=torch.bool, device=text.device).scatter_(1, banned, True)
+    return scores.masked_fill(mask[:, :vocab], -math.inf)
+
+
 # Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,
 # where a minimum of new tokens starts counting), not what the processor does: `follow_padding` moves them as rows
 # join and leave a batch
@@ -340,6 +383,12 @@ def order_free(processors) -> bool:
 
 def history_free(processors) -> bool:
     return all(reads_scores_only(p) for p in processors)
+
+
+def by_rules(processors) -> bool:
+    """Whether `Histories` applies every processor by a rule of its own, from tensors of fixed shape (`order_free`
+    ones and n-gram bans), never calling transformers' processors on the text: what the graph pass can run."""
+    return all(isinstance(p, NGRAM_BANS) or order_free([p]) for p in processors)
 
 
 def branching(do_sample: bool, typical, processors) -> bool:

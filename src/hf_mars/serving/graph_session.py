@@ -36,8 +36,8 @@ class GraphSession:
         shape = graph_shape(model, first, max_rows, slots, tree)
         if shape is None:
             raise ValueError(
-                "these settings decode in the loop, not as one graph (logits processors that read the order of the "
-                "text, such as no_repeat_ngram_size or bad words of several tokens): serve them without --compile"
+                "these settings decode in the loop, not as one graph (logits processors that only transformers "
+                "applies, such as bad words or sequence biases of several tokens): serve them without --compile"
             )
         self.plan, self.shape = plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
