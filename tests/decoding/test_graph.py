@@ -245,6 +245,18 @@ def test_a_sampled_graph_pass_dispatches_at_most_one_and_a_half_plain_sampled_st
         assert rows[f"{mode}, one graph"]["ratio"] <= 1.5, rows[f"{mode}, one graph"]
 
 
+def test_an_ngram_ban_runs_in_the_graph_pass_with_fewer_ops_than_the_loop():
+    """`no_repeat_ngram_size` by MARS's rule (`scoring.NGRAM_BANS`) runs in the graph pass, and each mode's graph
+    pass dispatches fewer ops than the loop's pass, which applies the same rule around a dynamic frame."""
+    from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
+
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    decoding = "greedy, no_repeat_ngram_size 3"
+    rows = {row["method"]: row for row in host_ops(model, tokenizer, (2,), max_new_tokens=24, decodings=(decoding,))}
+    for mode in ("MARS τ = 1", "MARS τ = 0.9", "lossless"):
+        assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"], mode
+
+
 def test_an_untrained_qwen2_runs_every_mode_through_the_graph_as_the_loop_does():
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("qwen2"), tok, block_size=4)

@@ -158,6 +158,7 @@ DECODINGS = {
     "sampled, repetition penalty 1.2": dict(
         do_sample=True, temperature=0.7, top_k=50, top_p=1.0, repetition_penalty=1.2
     ),
+    "greedy, no_repeat_ngram_size 3": dict(do_sample=False, no_repeat_ngram_size=3),
 }
 
 
