@@ -121,7 +121,8 @@ class Histories:
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:
-        nothing after the history), by transformers' processors themselves (`order_free` ones: `slots`)."""
+        nothing after the history): by MARS's rules where `by_rules` holds, else by transformers' processors
+        themselves, in groups of rows of equal length (for every slot at once, `order_free` ones: `slots`)."""
         if by_rules(self.processors):  # MARS's own rules, every row at its own length at once
             moved = self.extended(prefix)
             ends = moved._ends(1, None)
