@@ -124,6 +124,7 @@ class Histories:
         nothing after the history): by MARS's rules where `by_rules` holds, else by transformers' processors
         themselves, in groups of rows of equal length (for every slot at once, `order_free` ones: `slots`)."""
         if by_rules(self.processors):  # MARS's own rules, every row at its own length at once
+            self.seen(scores.shape[-1])  # found once, then carried to each slot's history (`extended`)
             moved = self.extended(prefix)
             ends = moved._ends(1, None)
             return moved.apply(scores, moved.seen(scores.shape[-1]), None if ends is None else ends[:, 0])
@@ -235,17 +236,25 @@ class Histories:
     def after(self, sequences: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor) -> Histories:
         """These histories once each row has taken `tokens[:, :accepted]`, which `sequences` now holds: what the
         proposals of the pass that took them read. The tokens already found held are kept, the new ones added."""
-        moved = Histories(self.processors, sequences, self.rows, self.lengths + accepted, self.joined)
+        late = torch.arange(tokens.shape[1], device=tokens.device) >= accepted[:, None] if self._seen else None
+        return self._moved(sequences, self.lengths + accepted, tokens, late)
+
+    def _moved(self, sequences, lengths, tokens, late) -> Histories:
+        """These histories over `sequences` to `lengths`, the `tokens` not `late` (None: all of them) added to the
+        tokens found held."""
+        moved = Histories(self.processors, sequences, self.rows, lengths, self.joined)
         if self._seen:
             vocab = self._seen[0].shape[1] - 1
-            late = torch.arange(tokens.shape[1], device=tokens.device) >= accepted[:, None]
-            taken = tokens.clamp(max=vocab).masked_fill_(late, vocab)
+            taken = tokens.clamp(max=vocab)
+            if late is not None:
+                taken.masked_fill_(late, vocab)
             moved._seen = [s.scatter(1, taken, True) for s in self._seen]
         return moved
 
     def extended(self, prefix: torch.Tensor | None) -> Histories:
         """These histories with `prefix` (`(active rows, n)`, None: nothing) written after each one: a slot's, where
-        the tokens before it in the pass are `prefix` (the text has room past every history for a pass's tokens)."""
+        the tokens before it in the pass are `prefix` (the text has room past every history for a pass's tokens).
+        The tokens found held are carried over, the prefix's added."""
         if prefix is None or not prefix.shape[1]:
             return self
         columns = self.lengths[:, None] + torch.arange(prefix.shape[1], device=prefix.device)
@@ -253,7 +262,7 @@ class Histories:
             sequences = self.sequences.scatter(1, columns, prefix)
         else:
             sequences = self.sequences.index_put((self.rows[:, None], columns), prefix)
-        return Histories(self.processors, sequences, self.rows, self.lengths + prefix.shape[1], self.joined)
+        return self._moved(sequences, self.lengths + prefix.shape[1], prefix, None)
 
     def text(self) -> torch.Tensor:
         """`(active rows, width)`: each active row's text (its history, then whatever the buffer holds after it)."""
