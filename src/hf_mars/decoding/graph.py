@@ -196,6 +196,7 @@ class GraphPass:
             setattr(self, name, table.to(device))
         self.tree = shape.tree.on(device)
         self.processors = processors
+        self.ids = {}  # `Histories.no_ids`' columns, made once
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
         self.depths = torch.arange(shape.masks, device=device)
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
@@ -321,7 +322,7 @@ def graph_pass(g: GraphPass) -> None:
     """One MARS pass over `[pending | drafts | groups of masks]`, everything it decides written into `g.state`."""
     logits = _forward(g)
     if g.processors and not g.shape.reads_text:  # warpers alone: every slot's scores in one call, here
-        logits = processed(logits, Histories(g.processors, g.state.sequences, None, None), None)
+        logits = processed(logits, Histories(g.processors, g.state.sequences, None, None, ids=g.ids), None)
     histories = _histories(g)
     tokens, accepted, path = _accept(g, logits, histories)
     _commit(g, tokens, accepted, path)
@@ -524,7 +525,7 @@ def _histories(g: GraphPass) -> Histories | None:
     no processor reads it (`graph_pass` has applied them to every slot)."""
     if not g.shape.reads_text:
         return None
-    return Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded)
+    return Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded, ids=g.ids)
 
 
 def _compiled(function, config, mode=None):

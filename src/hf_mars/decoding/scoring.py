@@ -110,14 +110,15 @@ class Histories:
     position-aware processors (n-gram bans) and those with per-row state exact.
     """
 
-    def __init__(self, processors, sequences, rows, lengths, joined=None):
+    def __init__(self, processors, sequences, rows, lengths, joined=None, ids: dict | None = None):
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
         `lengths`: `(active rows,)` how far each one's history reaches; `joined`: `(active rows,)` the columns of
         left padding in each one's prompt that are not its own batch's (`Text.joined`: added by rows that joined
-        later; None: none), which a `min_length` does not count."""
+        later; None: none), which a `min_length` does not count. `ids`: where `no_ids` keeps its columns, for a
+        caller that makes histories every pass (a graph pass: each column made is an op of every pass)."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
         self.joined = joined
-        self._seen, self._ids = None, {}
+        self._seen, self._ids = None, {} if ids is None else ids
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:

@@ -231,17 +231,19 @@ def lookup(sequences, lengths, num_tokens: int, longest_ngram: int = LOOKUP_NGRA
     n tokens (n from `longest_ngram` down to 1, the longest that occurs), `(found, real)`; `real` is False past the
     row's text and where nothing matched. Rows are `sequences[:, :lengths]`. Every n at once, in a fixed number of
     ops: each position's last `longest_ngram` tokens against the text's, agreeing over the last n of them."""
-    batch, width = sequences.shape
-    device, k = sequences.device, longest_ngram
-    ends = torch.arange(width, device=device)  # where an earlier n-gram ends
-    back = lengths[:, None] - k + torch.arange(k, device=device)  # the text's last k tokens, oldest first
-    last = torch.where(back >= 0, sequences.gather(1, back.clamp(min=0)), -1)  # -1: before the text's start
+    width, k = sequences.shape[1], longest_ngram
+    tail = lengths - 1  # where the text's last token is
     windows = torch.nn.functional.pad(sequences, (k - 1, 0), value=-2).unfold(1, k, 1)  # (batch, width, k)
-    agree = torch.cummin((windows == last[:, None, :]).flip(2), dim=2).values  # [..., n - 1]: the last n agree
-    agree &= (ends + 1 < lengths[:, None])[..., None]  # an occurrence ends before the text's last token
+    # The text's last k tokens (-2 before its start: an n-gram over the start never agrees, since the earlier one
+    # holds -2 where this one holds the text's first token)
+    last = windows.gather(1, tail.view(-1, 1, 1).expand(-1, 1, k))
+    agree = torch.cummin((windows == last).flip(2), dim=2).values  # [..., n - 1]: the last n agree
+    ends = torch.arange(width, device=sequences.device)  # where an earlier n-gram ends
+    agree &= (ends < tail[:, None])[..., None]  # an occurrence ends before the text's last token
     latest = torch.where(agree, ends[:, None], -1).amax(dim=1)  # (batch, k): the latest end, for each n
-    longest = (latest >= 0).long().mul_(torch.arange(1, k + 1, device=device)).argmax(dim=1, keepdim=True)
-    end = latest.gather(1, longest)  # (batch, 1): where the longest n that occurs last ended (-1: none did)
-    index = end + 1 + torch.arange(num_tokens, device=device)
+    # An n-gram that occurs holds every shorter one: those that occur are n = 1 .. m, and n = m's is the last found
+    end = torch.nn.functional.pad(latest, (1, 0), value=-1).gather(1, (latest >= 0).sum(dim=1, keepdim=True))
+    steps = ends[:num_tokens] if num_tokens <= width else torch.arange(num_tokens, device=sequences.device)
+    index = end + 1 + steps
     found = sequences.gather(1, index.clamp(0, width - 1))
     return found, (end >= 0) & (index < lengths[:, None])
