@@ -145,6 +145,29 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
                 assert torch.equal(out, reference), (tau, cost, candidates, lookup, kwargs)
 
 
+def test_drafts_with_a_repetition_penalty_score_each_mask_after_the_history_alone():
+    """Drafts are proposals that verification checks, so with a processor that reads the history (a repetition
+    penalty) `propose` scores every mask after the history alone, in one application, not mask after mask after the
+    drafts before it (what τ-mode's accepted tokens need, `scoring.choose`): a token drafted at depth 1 is not
+    penalised at depth 2."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from hf_mars.decoding.scoring import Histories, choose
+    from hf_mars.decoding.verify import propose
+
+    followed = torch.zeros(1, 3, 8)
+    followed[..., 5], followed[..., 6] = 9.0, 8.0  # every mask's top token is 5, not in the history
+    history = Histories(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(100.0)]), torch.tensor([[1, 2]]), None,
+                        torch.tensor([2]))
+    in_order, _ = choose(followed, history, False, "probability")
+    assert in_order[0].tolist() == [5, 6, 5]  # premise: in order, the draft before a mask is penalised there
+    drafts = propose(followed, history, 0.0, None, "probability", False, 1, 0, full_tree=True)
+    assert drafts.tokens[0].tolist() == [5, 5, 5] and drafts.real.all()
+    again = propose(followed, Histories(history.processors, torch.tensor([[1, 5]]), None, torch.tensor([2])), 0.0,
+                    None, "probability", False, 1, 0, full_tree=True)
+    assert again.tokens[0].tolist() == [6, 6, 6]  # the history itself is still read: 5 penalised everywhere
+
+
 def test_prompt_lookup_finds_what_followed_the_latest_longest_match():
     from hf_mars.decoding.tree import lookup as _lookup
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scoring import choose, draw, processed
+from .scoring import choose, draw, order_free, processed
 from .tree import NO_DRAFTS, DraftTree, depth_candidates, lookup
 
 
@@ -136,9 +136,9 @@ def _verify_sampled(scores, drafts: Drafts):
     if proposals is None or proposals.shape[1] != tokens.shape[1] + 1:  # no drafts: sample p
         proposals = scores.new_zeros(tokens.shape[0], tokens.shape[1] + 1, scores.shape[-1])
     p = torch.softmax(scores, dim=-1)
-    drafted = tokens[..., None]
-    p_draft, q_draft = p[:, :-1].gather(-1, drafted)[..., 0], proposals[:, :-1].gather(-1, drafted)[..., 0]
-    match = (torch.rand_like(p_draft) * q_draft < p_draft) & drafts.real
+    drafted = tokens[..., None]  # (rows, drafts, 1): gathers from the first `drafts` slots, each after its parent
+    p_draft, q_draft = p.gather(-1, drafted), proposals.gather(-1, drafted)
+    match = (torch.rand_like(p_draft) * q_draft < p_draft).squeeze(-1) & drafts.real
     kept = torch.cummin(match, dim=1).values  # the drafts before the first rejected one
     count = kept.sum(dim=1)
     rows = torch.arange(p.shape[0], device=p.device)
@@ -169,8 +169,15 @@ def propose(
     speculative sampling needs. Slots that no row fills are left out, unless `full_tree` (a static cache): then the
     tree always has its whole shape, so every pass has one. `within`: the masks each row was offered (None: all);
     `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees).
+
+    Drafts are only proposals (verification keeps a draft only where the model's own choice agrees), so processors
+    that read the history (a repetition penalty, a minimum length) score each mask after the history alone, every
+    mask at once, not after the drafts before it one mask at a time, as τ-mode's accepted tokens must be. Processors
+    that read the text itself (n-gram bans) still see the drafts before each mask.
     """
     device = followed.device
+    if histories is not None and order_free(histories.processors):  # every mask after the history alone, at once
+        followed, histories = processed(followed, histories), None
     guesses, confs, q = choose(followed, histories, do_sample, measure, True)
     confident = confs >= tau if within is None else (confs >= tau) & within
     prefix = torch.cummin(confident, dim=1).values  # up to the first unconfident mask
