@@ -246,3 +246,17 @@ def test_a_penalised_benchmark_decodes_every_method_with_the_penalty(monkeypatch
     enc = tok([p["text"] for p in prompts], return_tensors="pt", padding=True)
     plain = [generate_ar(model, **enc, max_new_tokens=16, **extra)[0] for extra in ({}, penalty)]
     assert not torch.equal(*plain), "the premise: the penalty changes the text"
+
+
+def test_lossless_mode_runs_at_its_own_default_tau_beside_the_default_sweep():
+    """`hf-mars bench` without `--taus` sweeps τ-mode from 1 down and runs lossless mode at each of those τs and at
+    its own default, τ = 0 (every draft proposed), which the sweep leaves out; given `--taus`, both modes run at
+    those alone."""
+    from hf_mars.cli.bench import TAUS, sweep
+    from hf_mars.tools.measure.bench import methods
+
+    default = set(methods(verify=True, prompt_lookup=0, **sweep(None)))
+    assert "lossless tau=0.0" in default and "mars tau=0.0" not in default
+    assert {f"mars tau={tau}" for tau in TAUS} | {f"lossless tau={tau}" for tau in TAUS} <= default
+    asked = set(methods(verify=True, prompt_lookup=0, **sweep([0.9])))
+    assert asked == {"ar", "mars tau=0.9", "lossless tau=0.9"}

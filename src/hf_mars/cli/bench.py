@@ -15,8 +15,15 @@ from .options import (
     mask_cost,
 )
 
+TAUS = [1.0, 0.95, 0.9, 0.8, 0.7]  # τ-mode's default sweep (lossless mode adds its own default, 0)
 HELP = "MARS vs plain AR and prompt lookup: tokens/forward, speed"
 DESCRIPTION = "MARS vs plain AR and prompt-lookup decoding: tokens/forward, speed, agreement."
+
+
+def sweep(taus) -> dict:
+    """`run_benchmark`'s τs for `--taus`: those asked for, for both modes; by default τ-mode's sweep, and lossless
+    mode at it and at its own default (τ = 0, what `mars_verify=True` alone runs at), which the sweep leaves out."""
+    return dict(taus=taus, lossless_taus=taus) if taus else dict(taus=TAUS, lossless_taus=[*TAUS, 0.0])
 
 
 def add_parser(subparsers) -> None:
@@ -32,7 +39,13 @@ def add_parser(subparsers) -> None:
     bench.add_argument(
         "--skip", type=int, default=0, help="start after the first N prompts (e.g. those `tune` measured trees on)"
     )
-    bench.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
+    bench.add_argument(
+        "--taus",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"τ values to run (default: {' '.join(map(str, TAUS))}, and lossless mode at its own default, τ = 0, too)",
+    )
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
@@ -270,7 +283,7 @@ def run(args) -> None:
         model,
         tokenizer,
         prompts,
-        taus=args.taus,
+        **sweep(args.taus),
         batch_sizes=args.batch_sizes,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,

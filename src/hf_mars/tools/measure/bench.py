@@ -109,6 +109,7 @@ def methods(
     tau_mode: bool = True,
     extra: dict | None = None,
     decoding: dict | None = None,
+    lossless_taus=None,
 ) -> dict:
     """Name -> function(model, counter, **inputs) returning `(sequences, row_passes)`.
 
@@ -121,7 +122,7 @@ def methods(
     named by `costs.tree_key`, "lossless 2x3+4 tau=0.0", with `mars_block_size=B, mars_draft_candidates=n,
     mars_lookup=L`. `tau_mode=False` leaves out the "mars" (τ-mode) methods. `extra`: more `generate()` kwargs for
     plain decoding and MARS (e.g. `static_compiled`'s), not for prompt lookup; `decoding`: for every method (a
-    repetition penalty; see `run_benchmark`).
+    repetition penalty; see `run_benchmark`). `lossless_taus`: the τs of the lossless methods (None: `taus`).
     """
     extra = (decoding or {}) | (extra or {})
 
@@ -143,13 +144,16 @@ def methods(
     table = {"ar": ar}
     if prompt_lookup:
         table["prompt-lookup"] = lookup
-    return table | _mars_methods(mars, taus, mask_costs, verify, trees, tau_mode)
+    lossless_taus = taus if lossless_taus is None else lossless_taus
+    return table | _mars_methods(mars, taus if tau_mode else (), mask_costs, lossless_taus if verify else (), trees)
 
 
-def _mars_methods(mars, taus, mask_costs, verify: bool, trees, tau_mode: bool) -> dict:
-    """The MARS and lossless entries of `methods`' table: `mars` with one τ, mask cost and draft tree bound each."""
+def _mars_methods(mars, taus, mask_costs, lossless_taus, trees) -> dict:
+    """The MARS and lossless entries of `methods`' table: `mars` with one τ, mask cost and draft tree bound each;
+    τ-mode at each of `taus`, lossless mode at each of `lossless_taus`."""
     table = {}
-    for tau in taus:
+    for tau in dict.fromkeys([*taus, *lossless_taus]):
+        tau_mode, verify = tau in taus, tau in lossless_taus
         for cost in mask_costs:
             suffix = f" cost={cost}" if cost else ""
             if tau >= 1.0 and suffix:  # no mask is fed at τ = 1: the cost changes nothing
@@ -188,6 +192,7 @@ def run_benchmark(
     tau_mode: bool = True,
     compiled: bool = False,
     decoding: dict | None = None,
+    lossless_taus=None,
 ) -> list[Cell]:
     """Run every method at every batch size on `prompts`; return one `Cell` each (see the module docstring).
 
@@ -196,7 +201,7 @@ def run_benchmark(
     `trees`: `(B, n, L)` lossless draft trees to measure besides the default (see `methods`); `tau_mode=False`: no
     τ-mode cells. `compiled`: a static cache and `torch.compile` for plain decoding and MARS (`static_compiled`).
     `decoding`: `generate()` kwargs of how every method decodes (sampling, a repetition penalty; no prompt lookup
-    with sampling: it is measured greedy).
+    with sampling: it is measured greedy). `lossless_taus`: the τs lossless mode runs at (None: `taus`).
     """
     decoding = dict(decoding or {})
     if decoding.get("do_sample") and prompt_lookup:
@@ -207,7 +212,7 @@ def run_benchmark(
     if compiled:
         longest = max(len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in prompts)
         extra = static_compiled(model, longest, max_new_tokens, batch_sizes, trees)
-    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode, extra, decoding)
+    table = methods(taus, verify, prompt_lookup, mask_costs, measured, trees, tau_mode, extra, decoding, lossless_taus)
     tokenizer.padding_side = "left"
     counter = ForwardCounter(model, always=not compiled)
     cells = []
