@@ -145,27 +145,32 @@ def test_lossless_is_exact_even_when_drafts_are_wrong(family):
                 assert torch.equal(out, reference), (tau, cost, candidates, lookup, kwargs)
 
 
-def test_drafts_with_a_repetition_penalty_score_each_mask_after_the_history_alone():
-    """Drafts are proposals that verification checks, so with a processor that reads the history (a repetition
-    penalty) `propose` scores every mask after the history alone, in one application, not mask after mask after the
-    drafts before it (what τ-mode's accepted tokens need, `scoring.choose`): a token drafted at depth 1 is not
-    penalised at depth 2."""
+def test_a_lossless_pass_scores_every_slot_at_once_each_mask_after_its_nodes_path():
+    """With a processor that reads which tokens the history holds (a repetition penalty), lossless mode scores a
+    pass's every slot in one application (`scoring.scored_at_once`): each node after the history and the drafts on
+    its path, as verification needs, and each mask after its node's path, not after the drafts chosen at the masks
+    before it one mask at a time (as τ-mode's tokens are chosen): drafts are proposals, verification keeps the output
+    exact."""
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
-    from hf_mars.decoding.scoring import Histories, choose
+    from hf_mars.decoding.scoring import Histories, scored_at_once
+    from hf_mars.decoding.tree import DraftTree
     from hf_mars.decoding.verify import propose
 
-    followed = torch.zeros(1, 3, 8)
-    followed[..., 5], followed[..., 6] = 9.0, 8.0  # every mask's top token is 5, not in the history
-    history = Histories(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(100.0)]), torch.tensor([[1, 2]]), None,
-                        torch.tensor([2]))
-    in_order, _ = choose(followed, history, False, "probability")
-    assert in_order[0].tolist() == [5, 6, 5]  # premise: in order, the draft before a mask is penalised there
-    drafts = propose(followed, history, 0.0, None, "probability", False, 1, 0, full_tree=True)
-    assert drafts.tokens[0].tolist() == [5, 5, 5] and drafts.real.all()
-    again = propose(followed, Histories(history.processors, torch.tensor([[1, 5]]), None, torch.tensor([2])), 0.0,
-                    None, "probability", False, 1, 0, full_tree=True)
-    assert again.tokens[0].tolist() == [6, 6, 6]  # the history itself is still read: 5 penalised everywhere
+    tree, masks = DraftTree.of((-1,)), 2  # one draft after the root; two masks after each node
+    logits = torch.zeros(1, 2 + 2 * masks, 8)
+    logits[..., 5], logits[..., 6] = 9.0, 8.0  # every slot's top token is 5, not in the history
+    penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(100.0)])
+    history = Histories(penalty, torch.tensor([[1, 2, 0]]), None, torch.tensor([2]))
+    drafts = torch.tensor([[5]])
+    scores = scored_at_once(logits, history, drafts, tree.scored_lineage(masks, "cpu"))
+    # root, the draft (after 5), the root's masks, the draft's masks (after 5)
+    assert scores.argmax(dim=-1)[0].tolist() == [5, 6, 5, 5, 6, 6]
+    after_draft = Histories(penalty, torch.tensor([[1, 2, 5]]), None, torch.tensor([3]))
+    in_order = propose(logits[:, 4:], after_draft, 0.0, None, "probability", False, 1, 0, full_tree=True)
+    assert in_order.tokens[0].tolist() == [6, 5]  # premise: in order, the mask before penalises 6 at the next
+    at_once = propose(scores[:, 4:], None, 0.0, None, "probability", False, 1, 0, full_tree=True)
+    assert at_once.tokens[0].tolist() == [6, 6] and at_once.real.all()
 
 
 def test_prompt_lookup_finds_what_followed_the_latest_longest_match():

@@ -37,7 +37,7 @@ import torch
 from .cache import compact_static, pass_positions
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rates_after
-from .scoring import Histories, choose, confidence, processed, tau_accepted
+from .scoring import Histories, choose, confidence, processed, scored_at_once, tau_accepted
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify, verify_greedy
 
@@ -195,6 +195,7 @@ class GraphPass:
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
         self.tree = shape.tree.on(device)
+        self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self.processors = processors
         self.ids = {}  # `Histories.no_ids`' columns, made once
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
@@ -321,9 +322,7 @@ def _relative_positions(shape: GraphShape) -> torch.Tensor:
 def graph_pass(g: GraphPass) -> None:
     """One MARS pass over `[pending | drafts | groups of masks]`, everything it decides written into `g.state`."""
     logits = _forward(g)
-    if g.processors and not g.shape.reads_text:  # warpers alone: every slot's scores in one call, here
-        logits = processed(logits, Histories(g.processors, g.state.sequences, None, None, ids=g.ids), None)
-    histories = _histories(g)
+    logits, histories = _scored(g, logits)
     tokens, accepted, path = _accept(g, logits, histories)
     _commit(g, tokens, accepted, path)
     _next_inputs(g, logits, tokens, accepted, path, histories)
@@ -520,12 +519,18 @@ def right_align(tokens, counts, width: int, pad_token_id):
     return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
 
 
-def _histories(g: GraphPass) -> Histories | None:
-    """What the pass's processors read (`scoring.Histories`): every row's text as it stands, to its end. None where
-    no processor reads it (`graph_pass` has applied them to every slot)."""
-    if not g.shape.reads_text:
-        return None
-    return Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded, ids=g.ids)
+def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories | None]:
+    """`(scores, histories)`: the pass's scores processed for every slot at once where that can be (warpers alone;
+    in lossless mode, processors that read which tokens the history holds or its length: `scoring.scored_at_once`),
+    histories None; else the raw scores, and what the processors read slot by slot (`scoring.Histories`: every
+    row's text as it stands, to its end)."""
+    if not g.processors:
+        return logits, None
+    if not g.shape.reads_text:  # warpers alone: every slot in one call
+        return processed(logits, Histories(g.processors, g.state.sequences, None, None, ids=g.ids), None), None
+    histories = Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded, ids=g.ids)
+    scores = scored_at_once(logits, histories, g.drafts, g.scored_lineage) if g.shape.verify else None
+    return (logits, histories) if scores is None else (scores, None)
 
 
 def _compiled(function, config, mode=None):

@@ -437,6 +437,18 @@ def processed(logits, histories: Histories | None, drafts=None, lineage=None):
     return torch.stack([histories(drafts[:, :j], logits[:, j]) for j in range(logits.shape[1])], dim=1)
 
 
+def scored_at_once(logits, histories: Histories | None, drafts: torch.Tensor, lineage):
+    """Lossless mode's processed scores of every slot of a pass at once, `[root, drafts, groups of masks]` (`lineage`:
+    `DraftTree.scored_lineage`): a node after the history and the drafts on its path, which verification reads, and a
+    mask after its node's path, which the next drafts extend. The token that verification adds after the node is not
+    in a mask's history (it is not known yet): drafts are proposals, and verification keeps the output exact. None
+    where the processors must see each slot's own history one slot at a time (`order_free` fails: n-gram bans), or
+    where there are none."""
+    if histories is None or not order_free(histories.processors):
+        return None
+    return processed(logits, histories, drafts, lineage)
+
+
 def draw(probs: torch.Tensor) -> torch.Tensor:
     """One token from each distribution of `probs` (`(..., vocab)`): what `torch.multinomial(probs, 1)` computes
     (ATen draws one sample as the argmax of p / q, q ~ Exp(1), from the same generator), without the validity check

@@ -41,7 +41,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .cache import KVBook
 from .graph import cut, right_align
 from .schedule import MaskSchedule
-from .scoring import Histories, branching, choose, follow_padding, processors_signature, tau_accepted
+from .scoring import Histories, branching, choose, follow_padding, processors_signature, scored_at_once, tau_accepted
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping
 from .tree import tree_attention
@@ -536,6 +536,11 @@ class LosslessMode:
         """The verified prefix of the drafts. The drafts the last pass's masks proposed paid for what was kept."""
         plan, feed, schedule = run.plan, run.feed, run.schedule
         tree, rows = feed.drafts.tree, feed.rows
+        if step.histories is not None:  # every slot scored at once where the processors allow it
+            lineage = tree.scored_lineage(step.masks, step.logits.device)
+            scores = scored_at_once(step.logits, step.histories, feed.drafts.tokens, lineage)
+            if scores is not None:  # the drafts' and the next drafts' (`propose`) scores
+                step.logits, step.histories = scores, None
         tokens, accepted, step.kept_drafts, step.end = verify(
             step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample, plan.typical
         )
@@ -554,7 +559,8 @@ class LosslessMode:
     @staticmethod
     def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """The last token (kept drafts are cached already) and the next drafts, proposed by the group of masks that
-        followed the last kept draft, which saw the text as it now stands."""
+        followed the last kept draft (their scores processed with the pass's, `accept`, or here after the text as it
+        now stands, for processors that read each slot's own text)."""
         plan, feed = run.plan, run.feed
         feed.dense = None  # unknown: drafts may leave slots empty
         rows = feed.rows

@@ -69,6 +69,11 @@ class DraftTree:
         """The tree's tensors on `device`, made there once per tree (see `TreeTensors`)."""
         return _on_device(self, str(device))
 
+    def scored_lineage(self, num_masks: int, device) -> torch.BoolTensor:
+        """`lineage` for each slot a lossless pass scores, `[root, drafts, groups of masks]`: a mask's is the node's
+        whose group it is in (the drafts on the path the masks continue), made on `device` once per tree and width."""
+        return _scored_lineage(self, num_masks, str(device))
+
     def visibility(self, num_pending: int, num_masks: int) -> torch.BoolTensor:
         """Which tokens of a pass see which, among `[pending | drafts | groups of masks]`: `(queries, queries)`.
 
@@ -164,6 +169,11 @@ def _on_device(tree: DraftTree, device: str) -> TreeTensors:
         path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
     tensors = (tree.lineage, depths, parent_slots, ~tree.lineage, path)
     return TreeTensors(*(tensor.to(device) for tensor in tensors))
+
+
+@functools.lru_cache(maxsize=SHAPES)
+def _scored_lineage(tree: DraftTree, num_masks: int, device: str) -> torch.BoolTensor:
+    return torch.cat([tree.lineage, tree.lineage.repeat_interleave(num_masks, dim=0)]).to(device)
 
 
 @functools.lru_cache(maxsize=SHAPES)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scoring import choose, draw, order_free, processed
+from .scoring import choose, draw, processed
 from .tree import NO_DRAFTS, DraftTree, depth_candidates, lookup
 
 
@@ -170,14 +170,10 @@ def propose(
     tree always has its whole shape, so every pass has one. `within`: the masks each row was offered (None: all);
     `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees).
 
-    Drafts are only proposals (verification keeps a draft only where the model's own choice agrees), so processors
-    that read the history (a repetition penalty, a minimum length) score each mask after the history alone, every
-    mask at once, not after the drafts before it one mask at a time, as τ-mode's accepted tokens must be. Processors
-    that read the text itself (n-gram bans) still see the drafts before each mask.
+    `histories`: what processors read, where `followed` is raw (each mask then scored after the drafts chosen before
+    it, as τ-mode's tokens are); None where `followed` holds processed scores (`scoring.scored_at_once`).
     """
     device = followed.device
-    if histories is not None and order_free(histories.processors):  # every mask after the history alone, at once
-        followed, histories = processed(followed, histories), None
     guesses, confs, q = choose(followed, histories, do_sample, measure, True)
     confident = confs >= tau if within is None else (confs >= tau) & within
     prefix = torch.cummin(confident, dim=1).values  # up to the first unconfident mask
