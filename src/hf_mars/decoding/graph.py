@@ -81,9 +81,9 @@ class GraphShape:
 
     @property
     def by_rule(self) -> bool:
-        """Lossless mode verifying by `verify.verify` (speculative sampling, typical acceptance, or processed scores),
-        not by the greedy match of raw logits."""
-        return self.verify and (self.sampled or self.typical is not None or bool(self.processors))
+        """Lossless mode verifying by `verify.verify` (speculative sampling, typical acceptance), not by the greedy
+        match of the (processed) scores."""
+        return self.verify and (self.sampled or self.typical is not None)
 
     @property
     def groups(self) -> int:
@@ -325,7 +325,7 @@ def graph_pass(g: GraphPass) -> None:
     logits, histories = _scored(g, logits)
     tokens, accepted, path = _accept(g, logits, histories)
     _commit(g, tokens, accepted, path)
-    _next_inputs(g, logits, tokens, accepted, path, histories)
+    _next_inputs(g, logits, tokens, accepted, path)
     torch.all(g.state.done, out=g.state.finished)
 
 
@@ -373,7 +373,7 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     path = None
     offered = _offer(g) if shape.scheduled else None
     if shape.verify:
-        tokens, accepted, path = _verify_by_rule(g, logits, histories) if shape.by_rule else _verify(g, logits)
+        tokens, accepted, path = _verify_by_rule(g, logits) if shape.by_rule else _verify(g, logits)
     else:
         tokens, confs = _choose(g, logits, histories)
         if shape.masks:
@@ -427,19 +427,19 @@ def _confidence(probs, measure: str):
 
 
 def _verify(g: GraphPass, logits: torch.Tensor):
-    """Exact verification of the tree from raw logits (`verify.verify_greedy`, the loop's own):
+    """Exact verification of the tree from its (processed) scores (`verify.verify_greedy`, the loop's own):
     `(tokens, accepted, (end, depth, kept))`."""
     tokens, depth, end = verify_greedy(logits.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
     return tokens, depth + 1, (end, depth[:, None], g.tree.lineage.index_select(0, end))
 
 
-def _verify_by_rule(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
-    """Speculative sampling, typical acceptance, or greedy verification of processed scores, by `verify.verify`
-    itself (the loop's): `_verify`'s `(tokens, accepted, (end, depth, kept))`."""
+def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
+    """Speculative sampling or typical acceptance of the (processed) scores, by `verify.verify` itself (the loop's):
+    `_verify`'s `(tokens, accepted, (end, depth, kept))`."""
     shape = g.shape
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
-    tokens, accepted, kept, end = verify(nodes, drafts, histories, shape.sampled, shape.typical, g.tree)
+    tokens, accepted, kept, end = verify(nodes, drafts, None, shape.sampled, shape.typical, g.tree)
     return tokens, accepted, (end, (accepted - 1).unsqueeze(1), kept)
 
 
@@ -469,7 +469,7 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
 
 
-def _next_inputs(g: GraphPass, logits, tokens, accepted, path, histories: Histories | None) -> None:
+def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     """τ-mode: the accepted tokens, right-aligned. Lossless mode: the last token, and the drafts that the group of
     masks after the last kept draft proposes (the full tree, unfilled slots not real). A row that is done feeds
     no drafts, and once its last tokens are cached (the pass after it stopped) nothing real, so that its idle passes
@@ -484,8 +484,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path, histories: Histor
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
-        moved = None if histories is None else histories.after(g.state.sequences, tokens, accepted)
-        tokens, real = _propose(g, logits, end, moved)
+        tokens, real = _propose(g, logits, end)
         g.drafts.copy_(tokens)
         if torch.compiler.is_compiling():  # dynamo refuses `out=` a view (a graph break); inductor fuses the two
             g.drafts_real.copy_(real & g.live_column)
@@ -493,7 +492,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path, histories: Histor
             torch.logical_and(real, g.live_column, out=g.drafts_real)
 
 
-def _propose(g: GraphPass, logits, end, histories: Histories | None):
+def _propose(g: GraphPass, logits, end):
     """The next drafts, as the loop proposes them (`verify.propose` and `add_lookup`) in the full tree's shape: from
     the masks after each row's `end`, the chain of confident tokens and their runner-ups (greedy or typical
     acceptance), drawn with the distributions they were drawn from (speculative sampling), then prompt lookup's
@@ -502,7 +501,7 @@ def _propose(g: GraphPass, logits, end, histories: Histories | None):
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
     within = g.within if shape.scheduled else None
-    drafts = propose(followed, histories, state.tau, within, shape.confidence, sampled, shape.candidates, None,
+    drafts = propose(followed, None, state.tau, within, shape.confidence, sampled, shape.candidates, None,
                      full_tree=True)
     if shape.lookup:
         drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)
@@ -521,16 +520,17 @@ def right_align(tokens, counts, width: int, pad_token_id):
 
 def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories | None]:
     """`(scores, histories)`: the pass's scores processed for every slot at once where that can be (warpers alone;
-    in lossless mode, processors that read which tokens the history holds or its length: `scoring.scored_at_once`),
-    histories None; else the raw scores, and what the processors read slot by slot (`scoring.Histories`: every
-    row's text as it stands, to its end)."""
+    every processor in lossless mode, each slot after its path: `scoring.scored_at_once`, as a graph pass runs only
+    processors that `scoring.by_rules` applies), histories None; else (τ-mode, processors that read the history) the
+    raw scores, and what `_choose` reads slot by slot (`scoring.Histories`: every row's text as it stands)."""
     if not g.processors:
         return logits, None
     if not g.shape.reads_text:  # warpers alone: every slot in one call
         return processed(logits, Histories(g.processors, g.state.sequences, None, None, ids=g.ids), None), None
     histories = Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded, ids=g.ids)
-    scores = scored_at_once(logits, histories, g.drafts, g.scored_lineage) if g.shape.verify else None
-    return (logits, histories) if scores is None else (scores, None)
+    if g.shape.verify:
+        return scored_at_once(logits, histories, g.drafts, g.scored_lineage), None
+    return logits, histories
 
 
 def _compiled(function, config, mode=None):

@@ -72,7 +72,8 @@ SET_BASED = _processors("RepetitionPenaltyLogitsProcessor")
 BY_LENGTH = _processors("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
 # Processors that read the order of the history's last tokens: an n-gram ban bars each token that would complete an
 # n-gram the history already holds. `Histories` applies it by its own rule, each row at its own length, from tensors
-# of fixed shape (one slot at a time: the slots of a chain, or those chosen in order), which the graph pass can run.
+# of fixed shape (every slot of a chain at once, or one slot at a time where each follows the tokens chosen before
+# it), which the graph pass can run.
 NGRAM_BANS = _processors("NoRepeatNGramLogitsProcessor")
 # The `generate()` argument behind a processor, named in errors
 PROCESSOR_OPTIONS = {
@@ -157,13 +158,21 @@ class Histories:
     def slots(self, logits: torch.Tensor, drafts: torch.Tensor | None, lineage=None) -> torch.Tensor:
         """`order_free` processors applied to every slot of a pass at once: `(rows, slots, vocab)` scores, slot j
         after each row's history and the `drafts` that `lineage[j]` marks (`TreeTensors.lineage`: the drafts on
-        node j's path, j among `[root, drafts]`). Without `drafts`, every slot after the history alone."""
+        node j's path, j among `[root, drafts]`). Without `drafts`, every slot after the history alone. n-gram bans
+        too where the drafts are a chain (as `branching` keeps them with a ban): slot j's history is then the
+        history and the first drafts, a prefix of the text with every draft written after it."""
         rows, slots, vocab = logits.shape
         if drafts is None or slots == 1:
             return self.apply(logits, [s[:, None] for s in self.seen(vocab)], self._ends(slots, None))
         on_path = torch.where(lineage, drafts[:, None, :], vocab)  # (rows, slots, drafts)
         seen = [s[:, None].expand(rows, slots, vocab + 1).scatter(2, on_path, True) for s in self.seen(vocab)]
-        return self.apply(logits, seen, self._ends(slots, lineage.sum(dim=1)))
+        depths = lineage.sum(dim=1)
+        chain = None
+        if any(isinstance(p, NGRAM_BANS) for p in self.processors):  # each slot's text and length, one row each
+            written = self._written(drafts)
+            texts = written[:, None].expand(rows, slots, written.shape[1]).reshape(rows * slots, -1)
+            chain = (texts, (self.lengths[:, None] + depths).view(-1))
+        return self.apply(logits, seen, self._ends(slots, depths), chain=chain)
 
     def in_order(self, logits: torch.Tensor):
         """`order_free` processors slot by slot, each slot after the history and the tokens chosen before it: a
@@ -197,20 +206,23 @@ class Histories:
                 self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
         return self._seen
 
-    def apply(self, scores: torch.Tensor, seen: list, ends: torch.Tensor | None, processors=None) -> torch.Tensor:
+    def apply(self, scores, seen: list, ends: torch.Tensor | None, processors=None, chain=None) -> torch.Tensor:
         """`processors` (default: all), in order, on `scores` (`(..., vocab)`), by `generate()`'s rules: `seen`
         (`seen()`'s, one per `SET_BASED` processor, broadcast) the tokens each history holds, `ends` (broadcast,
         last dim 1; None without `BY_LENGTH` processors) how long each is. A repetition penalty is applied here
         from `seen`, as transformers' processor applies it from the ids: one rule for any number of slots, each
-        with a history of its own."""
+        with a history of its own. `chain`: for n-gram bans over `(rows, slots, vocab)` scores, each slot's text,
+        one row per slot, `(texts, lengths)` (None: one slot, `(rows, vocab)`, after the history)."""
         vocab, held = scores.shape[-1], iter(seen)
         for processor in self.processors if processors is None else processors:
             if isinstance(processor, SET_BASED):
                 scores = torch.where(next(held)[..., :vocab], _penalised(scores, processor.penalty), scores)
             elif isinstance(processor, BY_LENGTH):
                 scores = _by_length(processor, ends, scores, self.joined)
-            elif isinstance(processor, NGRAM_BANS):  # one slot: `scores` is `(rows, vocab)`
+            elif isinstance(processor, NGRAM_BANS) and chain is None:
                 scores = _ngrams_banned(processor, self.text(), self.lengths, scores)
+            elif isinstance(processor, NGRAM_BANS):
+                scores = _ngrams_banned(processor, *chain, scores.reshape(-1, vocab)).view_as(scores)
             elif scores.dim() == 2:  # reads only the scores
                 scores = processor(self.no_ids(scores.shape[0]), scores)
             else:  # every slot in one call
@@ -264,6 +276,11 @@ class Histories:
         else:
             sequences = self.sequences.index_put((self.rows[:, None], columns), prefix)
         return self._moved(sequences, self.lengths + prefix.shape[1], prefix, None)
+
+    def _written(self, prefix: torch.Tensor) -> torch.Tensor:
+        """`(active rows, width)`: each active row's text with `prefix` written after its history."""
+        columns = self.lengths[:, None] + torch.arange(prefix.shape[1], device=prefix.device)
+        return self.text().scatter(1, columns, prefix)
 
     def text(self) -> torch.Tensor:
         """`(active rows, width)`: each active row's text (its history, then whatever the buffer holds after it)."""
@@ -426,14 +443,15 @@ def check_stateless(processors, mode: str) -> None:
 def processed(logits, histories: Histories | None, drafts=None, lineage=None):
     """Processed scores of every slot: slot j after the history and the `drafts` on its path (`lineage[j]`,
     `Histories.slots`; None: no drafts). Processors that are not `order_free` come with chains only (`branching`),
-    where the drafts on slot j's path are those before it."""
+    where the drafts on slot j's path are those before it: n-gram bans are applied to every slot at once too, others
+    (transformers' own) slot by slot."""
     if histories is None:
         return logits
     if history_free(histories.processors):  # one call for every slot of every row
         batch, slots, vocab = logits.shape
         return histories.processors(histories.no_ids(batch * slots), logits.reshape(-1, vocab)).view_as(logits)
-    if order_free(histories.processors):  # one application for every slot of every row
-        return histories.slots(logits, drafts, lineage)
+    if order_free(histories.processors) or (drafts is not None and by_rules(histories.processors)):
+        return histories.slots(logits, drafts, lineage)  # one application for every slot of every row
     return torch.stack([histories(drafts[:, :j], logits[:, j]) for j in range(logits.shape[1])], dim=1)
 
 
@@ -441,10 +459,10 @@ def scored_at_once(logits, histories: Histories | None, drafts: torch.Tensor, li
     """Lossless mode's processed scores of every slot of a pass at once, `[root, drafts, groups of masks]` (`lineage`:
     `DraftTree.scored_lineage`): a node after the history and the drafts on its path, which verification reads, and a
     mask after its node's path, which the next drafts extend. The token that verification adds after the node is not
-    in a mask's history (it is not known yet): drafts are proposals, and verification keeps the output exact. None
-    where the processors must see each slot's own history one slot at a time (`order_free` fails: n-gram bans), or
-    where there are none."""
-    if histories is None or not order_free(histories.processors):
+    in a mask's history (it is not known yet): drafts are proposals, and verification keeps the output exact. With
+    n-gram bans the drafts are a chain (`branching`), so each slot's history is a prefix of one text. None where
+    transformers' own processors must be called on each slot's text (`by_rules` fails), or where there are none."""
+    if histories is None or not by_rules(histories.processors):
         return None
     return processed(logits, histories, drafts, lineage)
 
