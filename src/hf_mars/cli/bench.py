@@ -44,7 +44,7 @@ def add_parser(subparsers) -> None:
         type=float,
         nargs="+",
         default=None,
-        help=f"τ values to run (default: {' '.join(map(str, TAUS))}, and lossless mode at its own default, τ = 0, too)",
+        help=f"τ values to run (default: {' '.join(map(str, TAUS))}; lossless mode at its own default, 0, too)",
     )
     bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     bench.add_argument("--max-new-tokens", type=int, default=128)
