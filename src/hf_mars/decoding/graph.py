@@ -36,7 +36,7 @@ import torch
 
 from .cache import compact_static, pass_positions
 from .compat import CACHE_ARG, many_shapes
-from .schedule import offers, rates_after
+from .schedule import offers, rate_moves, rates_after
 from .scoring import Histories, choose, confidence, processed, scored_at_once, tau_accepted
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify, verify_greedy
@@ -296,6 +296,8 @@ def _tables(shape: GraphShape, dtype) -> dict:
         open=torch.zeros((), dtype=dtype),  # the additive mask's two values
         shut=torch.tensor(torch.finfo(dtype).min, dtype=dtype),
     )
+    if shape.scheduled:
+        tables.update(moves=rate_moves(shape.masks))
     if shape.verify:
         tables.update(_tree_tables(shape))
     else:  # the first `count` of a pass's tokens right-aligned as the next pending ones, for each count
@@ -403,10 +405,10 @@ def _reschedule(g: GraphPass, offered, accepted, path) -> None:
     masks proposed. Then each row that decoded counts a pass."""
     state = g.state
     if path is None:
-        state.rate.copy_(rates_after(state.rate, offered, accepted - 1, state.passes, g.depths))
+        state.rate.copy_(rates_after(state.rate, offered, accepted - 1, state.passes, g.moves))
     else:
         paid = path[2][:, : g.shape.tree.from_masks].sum(dim=1)
-        state.rate.copy_(rates_after(state.rate, state.last, paid, state.passes, g.depths))
+        state.rate.copy_(rates_after(state.rate, state.last, paid, state.passes, g.moves))
         state.last.copy_(offered)
     state.passes.add_(~state.done)
 

@@ -40,6 +40,7 @@ class MaskSchedule:
         self.time = torch.tensor([1.0] + [1.0 + c for c in costs], dtype=torch.float64, device=device)  # k masks
         self.rate = torch.full((batch, most), RATE_START, dtype=torch.float64, device=device)
         self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
+        self.moves = rate_moves(most).to(device)
 
     def offer(self, rows: torch.Tensor) -> torch.Tensor:
         """`(len(rows),)` masks each row may use in this pass."""
@@ -55,8 +56,7 @@ class MaskSchedule:
     def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
         """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
         if not self.constant:
-            depth = torch.arange(self.most, device=rows.device)
-            self.rate[rows] = rates_after(self.rate[rows], offered, paid, passes, depth)
+            self.rate[rows] = rates_after(self.rate[rows], offered, paid, passes, self.moves)
 
     def join(self, other: MaskSchedule) -> None:
         """`other`'s rows (a schedule of the same costs) join this one, after its own."""
@@ -70,16 +70,30 @@ class MaskSchedule:
 def offers(rate: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
     """`(rows,)` masks each row is offered: the count that maximises its expected tokens per unit of `time`, from
     its acceptance `rate` of each mask. Tensors alone, so that the loop and the graph pass (`graph.py`) share it."""
-    reach = torch.nn.functional.pad(rate.cumprod(dim=1), (1, 0))  # 0, then R_j: the tokens that mask j adds
-    return (reach.cumsum(dim=1).add_(1) / time).argmax(dim=1)  # tokens with k masks; the first maximum: fewer masks
+    reach = torch.nn.functional.pad(rate.cumprod(dim=1), (1, 0), value=1.0)  # 1 (slot 0), then R_j: mask j's tokens
+    return reach.cumsum(dim=1).div_(time).argmax(dim=1)  # tokens with k masks; the first maximum: fewer masks
 
 
-def rates_after(rate, offered, paid, passes, depth) -> torch.Tensor:
-    """Each row's `rate` once a pass (its `passes`-th) offered it `offered` masks, of which the first `paid` were
-    accepted: a mask seen (offered, every mask before it accepted) moves toward what happened to it; one not offered
-    drifts back toward "accepted" every `PROBE_EVERY` passes. `depth`: `arange(masks)`."""
-    offered, paid = offered[:, None], paid[:, None]
+def rate_moves(most: int) -> torch.Tensor:
+    """`(PROBE_EVERY, most + 1, most + 1, 2, most)`: how one pass moves each mask's rate, as `rate * scale + shift`
+    (`[..., 0, :]` the scale, `[..., 1, :]` the shift), by the row's passes modulo `PROBE_EVERY`, the masks it was
+    offered and how many of them paid. A mask seen (offered, every mask before it accepted) moves `RATE_STEP` of the
+    way toward what happened to it; one not offered drifts `RECOVER` of the way back toward "accepted" on a row's
+    every `PROBE_EVERY`-th pass; the rest stay. A table, so that a pass reads its moves with one index (`rates_after`)
+    rather than working the cases out in a dozen ops."""
+    phase, offered, paid, depth = torch.meshgrid(
+        *(torch.arange(n) for n in (PROBE_EVERY, most + 1, most + 1, most)), indexing="ij"
+    )
     seen = (depth < offered) & (depth <= paid)
-    rate = torch.where(seen, torch.add(rate * (1 - RATE_STEP), depth < paid, alpha=RATE_STEP), rate)
-    recover = (depth >= offered) & (passes % PROBE_EVERY == 0)[:, None]
-    return torch.where(recover, rate + RECOVER * (1 - rate), rate)
+    recover = (depth >= offered) & (phase == 0)
+    one, zero = torch.ones((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    scale = torch.where(seen, 1 - RATE_STEP, torch.where(recover, 1 - RECOVER, one))
+    shift = torch.where(seen, RATE_STEP * (depth < paid).double(), torch.where(recover, RECOVER, zero))
+    return torch.stack([scale, shift], dim=3)
+
+
+def rates_after(rate, offered, paid, passes, moves) -> torch.Tensor:
+    """Each row's `rate` once a pass (its `passes`-th) offered it `offered` masks, of which the first `paid` were
+    accepted (`moves`: `rate_moves`' table)."""
+    scale, shift = moves[passes % PROBE_EVERY, offered, paid].unbind(dim=1)
+    return torch.addcmul(shift, rate, scale)
