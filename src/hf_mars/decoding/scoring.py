@@ -115,8 +115,9 @@ class Histories:
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
         `lengths`: `(active rows,)` how far each one's history reaches; `joined`: `(active rows,)` the columns of
         left padding in each one's prompt that are not its own batch's (`Text.joined`: added by rows that joined
-        later; None: none), which a `min_length` does not count. `ids`: where `no_ids` keeps its columns, for a
-        caller that makes histories every pass (a graph pass: each column made is an op of every pass)."""
+        later; None: none), which a `min_length` does not count. `ids`: where `no_ids` keeps its columns and `seen`
+        the text's column indices, for a caller that makes histories every pass (a graph pass: each tensor made is an
+        op of every pass)."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
         self.joined = joined
         self._seen, self._ids = None, {} if ids is None else ids
@@ -166,9 +167,10 @@ class Histories:
             return self.apply(logits, [s[:, None] for s in self.seen(vocab)], self._ends(slots, None))
         on_path = torch.where(lineage, drafts[:, None, :], vocab)  # (rows, slots, drafts)
         seen = [s[:, None].expand(rows, slots, vocab + 1).scatter(2, on_path, True) for s in self.seen(vocab)]
-        depths = lineage.sum(dim=1)
+        bans = any(isinstance(p, NGRAM_BANS) for p in self.processors)
+        depths = lineage.sum(dim=1) if bans or self._reads_lengths() else None  # where a rule reads lengths
         chain = None
-        if any(isinstance(p, NGRAM_BANS) for p in self.processors):  # each slot's text and length, one row each
+        if bans:  # each slot's text and length, one row each
             written = self._written(drafts)
             texts = written[:, None].expand(rows, slots, written.shape[1]).reshape(rows * slots, -1)
             chain = (texts, (self.lengths[:, None] + depths).view(-1))
@@ -201,7 +203,7 @@ class Histories:
             penalties = [p for p in self.processors if isinstance(p, SET_BASED)]
             if penalties:
                 text = self.text()
-                columns = torch.arange(text.shape[1], device=text.device)
+                columns = self._columns(text.shape[1])
                 past = columns >= self.lengths[:, None]  # past each history's end
                 self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
         return self._seen
@@ -245,6 +247,13 @@ class Histories:
         if rows not in self._ids:
             self._ids[rows] = torch.zeros(rows, 1, dtype=torch.long, device=self.sequences.device)
         return self._ids[rows]
+
+    def _columns(self, width: int) -> torch.Tensor:
+        """`arange(width)`, the text's column indices, made once per width (kept where `no_ids` keeps its own)."""
+        key = ("columns", width)
+        if key not in self._ids:
+            self._ids[key] = torch.arange(width, device=self.sequences.device)
+        return self._ids[key]
 
     def after(self, sequences: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor) -> Histories:
         """These histories once each row has taken `tokens[:, :accepted]`, which `sequences` now holds: what the
@@ -512,13 +521,15 @@ def tau_accepted(confs: torch.Tensor, tau, within: torch.Tensor | None = None) -
 def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
     """`choose`'s tokens for processors that read the history, slot by slot: `(tokens, probs)`, probs only
     `with_probs`. Each slot's processed scores are what `generate()`'s next step would see after the tokens chosen
-    before it (`Histories.in_order`)."""
+    before it (`Histories.in_order`). Sampling draws every slot's noise at once, slot by slot (`draw`'s rule)."""
     scored = histories.in_order(logits) if order_free(histories.processors) else _by_calls(logits, histories)
+    rows, width, vocab = logits.shape
+    noise = logits.new_empty(width, rows, vocab).exponential_(1).unbind(0) if do_sample else None  # as `draw`'s
     chosen, slots = [], []
-    for i in range(logits.shape[1]):
+    for i in range(width):
         scores = scored.send(chosen[-1] if chosen else None)
         probs = torch.softmax(scores, dim=-1) if do_sample else None
-        chosen.append(draw(probs)[:, None] if do_sample else scores.argmax(dim=-1, keepdim=True))
+        chosen.append((probs / noise[i] if do_sample else scores).argmax(dim=-1, keepdim=True))
         slots.append(probs if do_sample else scores)
     tokens = torch.cat(chosen, dim=1)
     if not with_probs:
