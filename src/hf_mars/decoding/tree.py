@@ -155,6 +155,7 @@ class TreeTensors(NamedTuple):
     parent_slots: torch.LongTensor  # (len,) each draft's parent's index among `[root, drafts]`
     outside: torch.BoolTensor  # (len + 1, len): the drafts off each node's path (for the root, every draft)
     path: torch.LongTensor  # (len + 1, depth + 1): the nodes on each node's path, root first, one a depth (then 0)
+    chain: bool  # every draft follows the one before it (node i sits at depth i)
 
 
 @functools.lru_cache(maxsize=SHAPES)
@@ -168,7 +169,8 @@ def _on_device(tree: DraftTree, device: str) -> TreeTensors:
             ancestors, parent = [parent + 1] + ancestors, tree.parents[parent]
         path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
     tensors = (tree.lineage, depths, parent_slots, ~tree.lineage, path)
-    return TreeTensors(*(tensor.to(device) for tensor in tensors))
+    chain = tree.parents == tuple(range(-1, len(tree) - 1))
+    return TreeTensors(*(tensor.to(device) for tensor in tensors), chain=chain)
 
 
 @functools.lru_cache(maxsize=SHAPES)

@@ -124,6 +124,9 @@ def _keep_deepest(match, drafts: Drafts, tree, after):
 def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor]:
     """`(depth, end)`: the deepest node of the tree (`TreeTensors`) whose path's drafts all `match`, by its index
     among `[root, drafts]` (of equal depths, the first in the tree, the chain's; the root, depth 0, when none)."""
+    if tree.chain:  # node i sits at depth i, and its path holds the first i drafts: the leading matches
+        depth = torch.cummin(match, dim=1).values.sum(dim=1)
+        return depth, depth
     kept = (match[:, None, :] | tree.outside).all(dim=2)  # (rows, nodes): the root's path has no draft
     return (kept * tree.depths).max(dim=1)
 
