@@ -249,14 +249,14 @@ def test_a_sampled_graph_pass_dispatches_at_most_one_and_a_half_plain_sampled_st
 def test_a_lossless_pass_with_a_repetition_penalty_scores_every_slot_at_once():
     """Lossless mode with a repetition penalty scores its every slot, nodes and masks, in one application
     (`scoring.scored_at_once`), not the masks one at a time after the verified tokens: its graph pass stays within
-    1.75x a plain penalised step's ops, and under the loop's."""
+    1.5x a plain penalised step's ops, and under the loop's."""
     from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
 
     model, tokenizer = host_bound_model(layers=2, hidden=32)
     decoding = "greedy, repetition penalty 1.2"
     rows = {row["method"]: row for row in host_ops(model, tokenizer, (2,), max_new_tokens=24, decodings=(decoding,))}
     assert rows["lossless, one graph"]["ops"] < rows["lossless, loop"]["ops"]
-    assert rows["lossless, one graph"]["ratio"] <= 1.75, rows["lossless, one graph"]
+    assert rows["lossless, one graph"]["ratio"] <= 1.5, rows["lossless, one graph"]
 
 
 def test_an_ngram_ban_runs_in_the_graph_pass_with_fewer_ops_than_the_loop():

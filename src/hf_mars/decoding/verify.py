@@ -134,7 +134,10 @@ def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor]:
 def _verify_sampled(scores, drafts: Drafts):
     """Speculative sampling with a partial proposal (the drafts are a chain): draft j is kept with probability
     min(1, p_j(d) / q'_j(d)); the token after the last kept one is drawn from max(0, p - q') renormalised. So the
-    tokens are distributed exactly as the model samples them."""
+    tokens are distributed exactly as the model samples them. q'_j is what mask j proposes: the mass of the tokens it
+    would offer as a draft (with τ's test by probability, those at least τ likely), none past the masks offered. Only
+    the drafts fed and the position after them are read: verification stops at or before the first position where
+    no draft was fed."""
     tokens, proposals = drafts.tokens, drafts.proposals
     if proposals is None or proposals.shape[1] != tokens.shape[1] + 1:  # no drafts: sample p
         proposals = scores.new_zeros(tokens.shape[0], tokens.shape[1] + 1, scores.shape[-1])
@@ -176,12 +179,11 @@ def propose(
     `histories`: what processors read, where `followed` is raw (each mask then scored after the drafts chosen before
     it, as τ-mode's tokens are); None where `followed` holds processed scores (`scoring.scored_at_once`).
     """
-    device = followed.device
     guesses, confs, q = choose(followed, histories, do_sample, measure, True)
     confident = confs >= tau if within is None else (confs >= tau) & within
     prefix = torch.cummin(confident, dim=1).values  # up to the first unconfident mask
     counts = depth_candidates(candidates, followed.shape[1])
-    counted = not full_tree or do_sample or max(counts, default=1) > 1
+    counted = not full_tree or max(counts, default=1) > 1
     count = prefix.sum(dim=1) if counted else None  # each row's chain length, where something reads it
     others = _runner_ups(q, guesses, count, tau, counts)
     if full_tree:
@@ -198,12 +200,10 @@ def propose(
             real = torch.cat([real, sibling_real], dim=1)
             parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
     proposals = None
-    if do_sample:  # q' for each proposed draft and for the first position not proposed; zero after
-        by_probability = measure == "probability"
-        proposed = (q >= tau) if by_probability else confident[..., None]
-        reached = torch.arange(q.shape[1], device=device) <= count[:, None]
-        reached = reached if within is None else reached & within
-        proposals = torch.nn.functional.pad(q * (proposed & reached[..., None]), (0, 0, 0, 1))
+    if do_sample:  # q': what each mask would have proposed, and nothing past the masks (see `_verify_sampled`)
+        proposed = (q >= tau) if measure == "probability" else confident[..., None]
+        proposed = proposed if within is None else proposed & within[..., None]
+        proposals = torch.nn.functional.pad(q * proposed, (0, 0, 0, 1))
         if chain < q.shape[1]:
             proposals = proposals[:, : chain + 1]
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
