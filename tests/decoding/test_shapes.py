@@ -253,6 +253,8 @@ def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies
         ("tau=0.9", dict(do_sample=True, temperature=0.7, top_k=50)),
         ("lossless chain", dict(repetition_penalty=1.3)),
         ("lossless chain", dict(no_repeat_ngram_size=2)),
+        ("tau=0.9", dict(no_repeat_ngram_size=2)),  # slot by slot, each token written into the ban's text
+        ("tau=0.9", dict(do_sample=True, temperature=0.7, repetition_penalty=1.3)),  # slot by slot, noise at once
         ("tau=0.9", dict(mars_mask_cost=0.3)),
         ("lossless chain", dict(mars_mask_cost=[0.1, 0.5, 2.0])),
     ],

@@ -10,8 +10,10 @@ n-gram ban, which reads the history's last tokens, is applied here too, slot by 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+from typing import NamedTuple
 
 import torch
 from transformers.generation import logits_process
@@ -177,23 +179,45 @@ class Histories:
         return self.apply(logits, seen, self._ends(slots, depths), chain=chain)
 
     def in_order(self, logits: torch.Tensor):
-        """`order_free` processors slot by slot, each slot after the history and the tokens chosen before it: a
+        """`by_rules` processors slot by slot, each slot after the history and the tokens chosen before it: a
         generator that yields slot i's processed scores `(rows, vocab)` and is then sent the token chosen there
         (`(rows, 1)`). What does not depend on those tokens is computed once for every slot: the processors before
-        the first repetition penalty, and that penalty's penalised scores (a slot picks them where its history holds
-        the token)."""
+        the first that reads the history, a leading repetition penalty's penalised scores (a slot picks them where
+        its history holds the token), and an n-gram ban's windows over a copy of the text, into which each chosen
+        token is written (`_Ngrams`)."""
         slots, vocab = logits.shape[1:]
-        first = next((i for i, p in enumerate(self.processors) if isinstance(p, SET_BASED)), len(self.processors))
+        reads = SET_BASED + NGRAM_BANS
+        first = next((i for i, p in enumerate(self.processors) if isinstance(p, reads)), len(self.processors))
         head, tail = self.processors[:first], self.processors[first:]
         ends = self._ends(slots, torch.arange(slots, device=logits.device)) if self._reads_lengths() else None
         seen = [s[:, :vocab] for s in self.seen(vocab)]  # no sink column: a chosen token is in the vocab
         scores = self.apply(logits, [], ends, head)
-        penalised = _penalised(scores, tail[0].penalty).unbind(1) if tail else None
+        lead = bool(tail) and isinstance(tail[0], SET_BASED)
+        penalised = _penalised(scores, tail[0].penalty).unbind(1) if lead else None
+        bans = self._slot_bans(slots, vocab)
         for i, slot in enumerate(scores.unbind(1)):
-            if tail:
+            if lead:
                 slot = torch.where(seen[0], penalised[i], slot)
-            token = yield self.apply(slot, seen[1:], None if ends is None else ends[:, i], tail[1:])
+            slot_bans = None if bans is None else [rule[i] for rule in bans.rules]
+            token = yield self.apply(slot, seen[lead:], None if ends is None else ends[:, i], tail[lead:], slot_bans)
             seen = [s.scatter(1, token, True) for s in seen]
+            if bans is not None and i + 1 < slots:
+                bans.text.scatter_(1, bans.columns[i], token)
+
+    def _slot_bans(self, slots: int, vocab: int) -> _SlotBans | None:
+        """`in_order`'s n-gram bans for each of `slots` slots (None: no bans)."""
+        processors = [p for p in self.processors if isinstance(p, NGRAM_BANS)]
+        if not processors:
+            return None
+        text = self.text().clamp(max=vocab)  # a copy, which the chosen tokens are written into (`_Ngrams`)
+        ends = self.lengths[:, None] + torch.arange(slots, device=text.device)  # (rows, slots): each slot's history
+        columns = ends[..., None].unbind(1)
+        rules = []
+        for processor in processors:
+            ngrams = _Ngrams(processor.ngram_size, text, vocab)
+            suffixes = ngrams.suffixes(ends).unbind(1)
+            rules.append([functools.partial(ngrams.banned, ends=e, suffix=x) for e, x in zip(columns, suffixes)])
+        return _SlotBans(text, columns, rules)
 
     def seen(self, vocab: int) -> list[torch.Tensor]:
         """For each `SET_BASED` processor, `(active rows, vocab + 1)`: whether each token is in the row's history
@@ -208,19 +232,22 @@ class Histories:
                 self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
         return self._seen
 
-    def apply(self, scores, seen: list, ends: torch.Tensor | None, processors=None, chain=None) -> torch.Tensor:
+    def apply(self, scores, seen: list, ends: torch.Tensor | None, processors=None, bans=None, chain=None):
         """`processors` (default: all), in order, on `scores` (`(..., vocab)`), by `generate()`'s rules: `seen`
         (`seen()`'s, one per `SET_BASED` processor, broadcast) the tokens each history holds, `ends` (broadcast,
         last dim 1; None without `BY_LENGTH` processors) how long each is. A repetition penalty is applied here
         from `seen`, as transformers' processor applies it from the ids: one rule for any number of slots, each
-        with a history of its own. `chain`: for n-gram bans over `(rows, slots, vocab)` scores, each slot's text,
-        one row per slot, `(texts, lengths)` (None: one slot, `(rows, vocab)`, after the history)."""
-        vocab, held = scores.shape[-1], iter(seen)
+        with a history of its own. n-gram bans: `bans`, one rule per ban for the one slot scored (`in_order`);
+        `chain`: over `(rows, slots, vocab)` scores, each slot's text, one row per slot, `(texts, lengths)`; neither:
+        one slot, `(rows, vocab)`, after the history."""
+        vocab, held, banned = scores.shape[-1], iter(seen), iter(bans or ())
         for processor in self.processors if processors is None else processors:
             if isinstance(processor, SET_BASED):
                 scores = torch.where(next(held)[..., :vocab], _penalised(scores, processor.penalty), scores)
             elif isinstance(processor, BY_LENGTH):
                 scores = _by_length(processor, ends, scores, self.joined)
+            elif isinstance(processor, NGRAM_BANS) and bans is not None:
+                scores = next(banned)(scores)
             elif isinstance(processor, NGRAM_BANS) and chain is None:
                 scores = _ngrams_banned(processor, self.text(), self.lengths, scores)
             elif isinstance(processor, NGRAM_BANS):
@@ -365,20 +392,49 @@ def _by_length(processor, end: torch.Tensor, scores: torch.Tensor, joined: torch
     return torch.where(short & eos, -math.inf, scores)
 
 
+class _SlotBans(NamedTuple):
+    """n-gram bans slot by slot (`Histories.in_order`): slot i's chosen token is written into `text`, a copy of
+    every row's, at `columns[i]` (`(rows, 1)`: the history's end + i), where the windows of each ban's `rules[b][i]`
+    (`_Ngrams.banned`, after the history and the slots before i) see it."""
+
+    text: torch.Tensor
+    columns: tuple
+    rules: list
+
+
 def _ngrams_banned(processor, text: torch.Tensor, ends: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """An n-gram ban's rule with each row's own history length (`ends`, `(rows,)`; `text`: `(rows, width)`, the
-    history first) where transformers' processor reads the batch's from `input_ids.shape[-1]`: every n-gram of the
-    history whose first n - 1 tokens are the history's last n - 1 bars its last token. Fixed shapes: every window of
-    the buffer is compared, and those that do not lie within the history count for nothing."""
-    n, vocab = processor.ngram_size, scores.shape[-1]
-    suffix = ends[:, None] - (n - 1) + torch.arange(n - 1, device=text.device)
-    last = text.gather(1, suffix.clamp(min=0))  # (rows, n - 1); a history shorter than n bans nothing (below)
-    windows = text.unfold(1, n, 1)  # (rows, width - n + 1, n): the n-gram starting at each column
-    inside = torch.arange(windows.shape[1], device=text.device) + n <= ends[:, None]
-    matches = (windows[..., :-1] == last[:, None, :]).all(dim=-1) & inside
-    banned = torch.where(matches, windows[..., -1].clamp(max=vocab), vocab)  # the spare column: nothing barred
-    mask = torch.zeros(text.shape[0], vocab + 1, dtype=torch.bool, device=text.device).scatter_(1, banned, True)
-    return scores.masked_fill(mask[:, :vocab], -math.inf)
+    """An n-gram ban's rule (`_Ngrams`) after histories `ends` long (`(rows,)`; `text`: `(rows, width)`)."""
+    vocab = scores.shape[-1]
+    ngrams = _Ngrams(processor.ngram_size, text.clamp(max=vocab), vocab)
+    return ngrams.banned(scores, ends[:, None], ngrams.suffixes(ends))
+
+
+class _Ngrams:
+    """An n-gram ban's rule with each row's own history length, where transformers' processor reads the batch's from
+    `input_ids.shape[-1]`: every n-gram of the history whose first n - 1 tokens are the history's last n - 1 bars
+    its last token. Fixed shapes: every window of the buffer `text` is compared, and those that do not lie within
+    the history count for nothing. The windows are views of `text`, made once: they see tokens written into it
+    later (`Histories.in_order` writes each slot's chosen token before it asks for the next slot's bans). Ids past
+    the vocabulary (a pad id no model emits) are clamped to it in `text`, the spare column that bars nothing."""
+
+    def __init__(self, n: int, text: torch.Tensor, vocab: int):
+        self.n, self.text, self.vocab = n, text, vocab
+        windows = text.unfold(1, n, 1)  # (rows, width - n + 1, n): the n-gram starting at each column
+        self.heads, self.tails = windows[..., :-1], windows[..., -1]
+        self.reach = torch.arange(windows.shape[1], device=text.device) + n  # the history length a window needs
+
+    def suffixes(self, ends: torch.Tensor) -> torch.Tensor:
+        """`(..., n - 1)`: the columns of the last n - 1 tokens of histories `ends` long (a history shorter than n
+        bans nothing: no window lies within it)."""
+        return (ends[..., None] - (self.n - 1) + torch.arange(self.n - 1, device=ends.device)).clamp(min=0)
+
+    def banned(self, scores: torch.Tensor, ends: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
+        """`scores` `(rows, vocab)` with the tokens barred after histories `ends` long (`(rows, 1)`), whose last
+        n - 1 tokens are at columns `suffix` (`suffixes`), at -inf."""
+        last = self.text.gather(1, suffix)
+        other = (self.heads != last[:, None, :]).any(dim=-1) | (self.reach > ends)  # windows that bar nothing
+        barred = self.tails.masked_fill(other, self.vocab)  # the spare column
+        return torch.nn.functional.pad(scores, (0, 1)).scatter_(1, barred, -math.inf)[:, : self.vocab]
 
 
 # Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,
@@ -522,7 +578,9 @@ def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
     """`choose`'s tokens for processors that read the history, slot by slot: `(tokens, probs)`, probs only
     `with_probs`. Each slot's processed scores are what `generate()`'s next step would see after the tokens chosen
     before it (`Histories.in_order`). Sampling draws every slot's noise at once, slot by slot (`draw`'s rule)."""
-    scored = histories.in_order(logits) if order_free(histories.processors) else _by_calls(logits, histories)
+    processors = histories.processors
+    one_by_one = order_free(processors) or (by_rules(processors) and logits.shape[1] > 1)  # else: its own call
+    scored = histories.in_order(logits) if one_by_one else _by_calls(logits, histories)
     rows, width, vocab = logits.shape
     noise = logits.new_empty(width, rows, vocab).exponential_(1).unbind(0) if do_sample else None  # as `draw`'s
     chosen, slots = [], []
