@@ -250,12 +250,14 @@ def lookup(sequences, lengths, num_tokens: int, longest_ngram: int = LOOKUP_NGRA
     # holds -2 where this one holds the text's first token)
     last = windows.gather(1, tail.view(-1, 1, 1).expand(-1, 1, k))
     agree = torch.cummin((windows == last).flip(2), dim=2).values  # [..., n - 1]: the last n agree
-    ends = torch.arange(width, device=sequences.device)  # where an earlier n-gram ends
-    agree &= (ends < tail[:, None])[..., None]  # an occurrence ends before the text's last token
-    latest = torch.where(agree, ends[:, None], -1).amax(dim=1)  # (batch, k): the latest end, for each n
+    # Where an earlier n-gram ends, plus one, at the columns where an occurrence may end (before the text's last
+    # token), else 0: the latest occurrence of each n is the largest, 0 where there is none
+    after = torch.arange(1, width + 1, device=sequences.device)
+    after = after * (after <= tail[:, None])
+    latest = (agree * after[..., None]).amax(dim=1)  # (batch, k)
     # An n-gram that occurs holds every shorter one: those that occur are n = 1 .. m, and n = m's is the last found
-    end = torch.nn.functional.pad(latest, (1, 0), value=-1).gather(1, (latest >= 0).sum(dim=1, keepdim=True))
-    steps = ends[:num_tokens] if num_tokens <= width else torch.arange(num_tokens, device=sequences.device)
-    index = end + 1 + steps
-    found = sequences.gather(1, index.clamp(0, width - 1))
-    return found, (end >= 0) & (index < lengths[:, None])
+    # (none found: past every text, so nothing read from there is real)
+    start = torch.nn.functional.pad(latest, (1, 0), value=width).gather(1, (latest > 0).sum(dim=1, keepdim=True))
+    index = start + torch.arange(num_tokens, device=sequences.device)
+    found = sequences.gather(1, index.clamp(max=width - 1))
+    return found, index < lengths[:, None]
