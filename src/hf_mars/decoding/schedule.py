@@ -8,6 +8,8 @@ masks whose expected accepted tokens pay for them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # EMA weight of each observed acceptance; pull of an unoffered mask's rate back toward 1 (every PROBE_EVERY-th pass
@@ -40,7 +42,7 @@ class MaskSchedule:
         self.time = torch.tensor([1.0] + [1.0 + c for c in costs], dtype=torch.float64, device=device)  # k masks
         self.rate = torch.full((batch, most), RATE_START, dtype=torch.float64, device=device)
         self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
-        self.moves = rate_moves(most).to(device)
+        self.moves = None if self.constant else rate_moves(most).to(device)
 
     def offer(self, rows: torch.Tensor) -> torch.Tensor:
         """`(len(rows),)` masks each row may use in this pass."""
@@ -74,13 +76,14 @@ def offers(rate: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
     return reach.cumsum(dim=1).div_(time).argmax(dim=1)  # tokens with k masks; the first maximum: fewer masks
 
 
+@functools.lru_cache(maxsize=16)
 def rate_moves(most: int) -> torch.Tensor:
     """`(PROBE_EVERY, most + 1, most + 1, 2, most)`: how one pass moves each mask's rate, as `rate * scale + shift`
     (`[..., 0, :]` the scale, `[..., 1, :]` the shift), by the row's passes modulo `PROBE_EVERY`, the masks it was
     offered and how many of them paid. A mask seen (offered, every mask before it accepted) moves `RATE_STEP` of the
     way toward what happened to it; one not offered drifts `RECOVER` of the way back toward "accepted" on a row's
     every `PROBE_EVERY`-th pass; the rest stay. A table, so that a pass reads its moves with one index (`rates_after`)
-    rather than working the cases out in a dozen ops."""
+    rather than working the cases out in a dozen ops; made once per count, on the host (read it, never write it)."""
     phase, offered, paid, depth = torch.meshgrid(
         *(torch.arange(n) for n in (PROBE_EVERY, most + 1, most + 1, most)), indexing="ij"
     )
