@@ -198,6 +198,26 @@ def test_mask_cost_batched_equals_unbatched_and_naive(family):
     assert fed == {0, 1, 2, 3}, "the test must exercise every mask count, none included"
 
 
+def test_a_pass_moves_each_mask_rate_by_the_schedule_rule():
+    """`schedule.rates_after` reads each mask's move from a table (`schedule.rate_moves`): `naive_mars_decode`'s rule,
+    case by case, for every offer, every count of masks paid, on a probing pass and on others."""
+    most, step, recover, every = 3, schedule.RATE_STEP, schedule.RECOVER, schedule.PROBE_EVERY
+    counts, passes = torch.arange(most + 1), torch.tensor([0, 1, every, 13])
+    grid = torch.meshgrid(counts, counts, passes, indexing="ij")
+    offered, paid, passes = (t.flatten() for t in grid)
+    rate = torch.rand(offered.numel(), most, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    moved = schedule.rates_after(rate, offered, paid, passes, schedule.rate_moves(most))
+    for row, (o, p, n) in enumerate(zip(offered.tolist(), paid.tolist(), passes.tolist())):
+        for j in range(most):
+            want = rate[row, j].item()
+            if j < min(o, p + 1):  # seen: toward what happened to it
+                want = (1 - step) * want + step * float(j < p)
+            elif j >= o and n % every == 0:  # not offered, on a probing pass: back toward "accepted"
+                want = want + recover * (1 - want)
+            assert moved[row, j].item() == pytest.approx(want, rel=0, abs=1e-12), (o, p, n, j)
+    assert (moved != rate).any(dim=1).float().mean() > 0.5, "most cases must move some rate"
+
+
 def test_mask_cost_drops_masks_that_fail_and_keeps_those_that_pay(trained_toy):
     """On a trained toy, one prompt at a time: where masks are rarely confident (τ = 0.9) most are dropped at no loss
     of
