@@ -263,6 +263,23 @@ def test_verification_keeps_the_deepest_path_when_sibling_drafts_are_equal():
     assert end[1] in (1, 2) and kept[1].sum() == 1 and not kept[1, 2]  # either equal sibling, alone
 
 
+@pytest.mark.parametrize("drafts", [0, 1, 4])
+def test_a_chain_keeps_the_node_a_tree_would_keep(drafts):
+    """A chain's deepest kept node is its count of leading matches (`TreeTensors.chain`): the node the tree's own rule
+    (every draft on its path matches; the deepest) finds, for every pattern of matches."""
+    from hf_mars.decoding.tree import DraftTree
+    from hf_mars.decoding.verify import deepest_kept
+
+    tree = DraftTree.of(tuple(range(-1, drafts - 1))).on("cpu")
+    assert tree.chain
+    bits = torch.arange(2**drafts)[:, None] >> torch.arange(drafts) & 1  # every pattern, one a row
+    match = bits.bool()
+    chain_depth, chain_end = deepest_kept(match, tree)
+    depth, end = deepest_kept(match, tree._replace(chain=False))
+    assert torch.equal(chain_depth, depth) and torch.equal(chain_end, end)
+    assert set(depth.tolist()) == set(range(drafts + 1)), "every depth must be some pattern's"
+
+
 @pytest.mark.parametrize("family,attention", [("qwen2", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
 def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(family, attention):
     """A lossless pass feeds [pending | drafts as a tree | one group of masks after the root and after each draft].
