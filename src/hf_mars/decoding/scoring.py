@@ -215,8 +215,8 @@ class Histories:
         rules = []
         for processor in processors:
             ngrams = _Ngrams(processor.ngram_size, text, vocab)
-            suffixes = ngrams.suffixes(ends).unbind(1)
-            rules.append([functools.partial(ngrams.banned, ends=e, suffix=x) for e, x in zip(columns, suffixes)])
+            slots_of = zip(ngrams.outside(ends).unbind(1), ngrams.suffixes(ends).unbind(1))
+            rules.append([functools.partial(ngrams.banned, outside=o, suffix=x) for o, x in slots_of])
         return _SlotBans(text, columns, rules)
 
     def seen(self, vocab: int) -> list[torch.Tensor]:
@@ -406,7 +406,7 @@ def _ngrams_banned(processor, text: torch.Tensor, ends: torch.Tensor, scores: to
     """An n-gram ban's rule (`_Ngrams`) after histories `ends` long (`(rows,)`; `text`: `(rows, width)`)."""
     vocab = scores.shape[-1]
     ngrams = _Ngrams(processor.ngram_size, text.clamp(max=vocab), vocab)
-    return ngrams.banned(scores, ends[:, None], ngrams.suffixes(ends))
+    return ngrams.banned(scores, ngrams.outside(ends), ngrams.suffixes(ends))
 
 
 class _Ngrams:
@@ -422,17 +422,23 @@ class _Ngrams:
         windows = text.unfold(1, n, 1)  # (rows, width - n + 1, n): the n-gram starting at each column
         self.heads, self.tails = windows[..., :-1], windows[..., -1]
         self.reach = torch.arange(windows.shape[1], device=text.device) + n  # the history length a window needs
+        self.row_texts = text[:, None]  # (rows, 1, width): what a suffix is gathered from
 
     def suffixes(self, ends: torch.Tensor) -> torch.Tensor:
-        """`(..., n - 1)`: the columns of the last n - 1 tokens of histories `ends` long (a history shorter than n
-        bans nothing: no window lies within it)."""
-        return (ends[..., None] - (self.n - 1) + torch.arange(self.n - 1, device=ends.device)).clamp(min=0)
+        """`(..., 1, n - 1)`: the columns of the last n - 1 tokens of histories `ends` long (`(rows, ...)`; a history
+        shorter than n bans nothing: no window lies within it)."""
+        last = ends.view(*ends.shape, 1, 1) - (self.n - 1) + torch.arange(self.n - 1, device=ends.device)
+        return last.clamp(min=0)
 
-    def banned(self, scores: torch.Tensor, ends: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
-        """`scores` `(rows, vocab)` with the tokens barred after histories `ends` long (`(rows, 1)`), whose last
-        n - 1 tokens are at columns `suffix` (`suffixes`), at -inf."""
-        last = self.text.gather(1, suffix)
-        other = (self.heads != last[:, None, :]).any(dim=-1) | (self.reach > ends)  # windows that bar nothing
+    def outside(self, ends: torch.Tensor) -> torch.Tensor:
+        """`(..., windows)`: the windows that do not lie within histories `ends` long."""
+        return self.reach > ends[..., None]
+
+    def banned(self, scores: torch.Tensor, outside: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
+        """`scores` `(rows, vocab)` with the tokens barred after the histories that `outside` (`(rows, windows)`)
+        and `suffix` (`(rows, 1, n - 1)`: the columns of their last n - 1 tokens) describe, at -inf."""
+        last = self.row_texts.gather(2, suffix)
+        other = (self.heads != last).any(dim=-1) | outside  # windows that bar nothing
         barred = self.tails.masked_fill(other, self.vocab)  # the spare column
         return torch.nn.functional.pad(scores, (0, 1)).scatter_(1, barred, -math.inf)[:, : self.vocab]
 
