@@ -2,6 +2,8 @@
 of tokens each history holds, minimum lengths from each history's length, warpers on every slot at once) against
 transformers' processors called on each slot's history, spelled out row by row."""
 
+import functools
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -19,13 +21,12 @@ from hf_mars.decoding.tree import DraftTree
 VOCAB, EOS, PROMPT = 12, 3, 4  # a small vocabulary, so that histories hold many of its tokens
 
 
-def _processors(skip, sampled: bool, ngram: int | None = None):
-    """What `generate()` builds for a penalty, `min_new_tokens`, (`ngram`) `no_repeat_ngram_size` and (sampling) its
-    warpers; `skip`: the repetition penalty's `prompt_ignore_length`, one per row or an int."""
-    processors = [
-        RepetitionPenaltyLogitsProcessor(3.0, prompt_ignore_length=skip),
-        MinNewTokensLengthLogitsProcessor(PROMPT, min_new_tokens=3, eos_token_id=EOS),
-    ]
+def _processors(skip, sampled: bool, ngram: int | None = None, minimum: bool = True):
+    """What `generate()` builds for a penalty, (`minimum`) `min_new_tokens`, (`ngram`) `no_repeat_ngram_size` and
+    (sampling) its warpers; `skip`: the repetition penalty's `prompt_ignore_length`, one per row or an int."""
+    processors = [RepetitionPenaltyLogitsProcessor(3.0, prompt_ignore_length=skip)]
+    if minimum:
+        processors.append(MinNewTokensLengthLogitsProcessor(PROMPT, min_new_tokens=3, eos_token_id=EOS))
     if ngram is not None:
         processors.insert(1, NoRepeatNGramLogitsProcessor(ngram))
     if sampled:
@@ -33,10 +34,10 @@ def _processors(skip, sampled: bool, ngram: int | None = None):
     return LogitsProcessorList(processors)
 
 
-def _by_hand(skip, sampled: bool, text, length: int, row: int, scores, ngram: int | None = None):
+def _by_hand(skip, sampled: bool, text, length: int, row: int, scores, ngram: int | None = None, minimum=True):
     """transformers' processors called on one row's history `text[:length]`, as `generate()` calls them."""
     own_skip = skip[row : row + 1].clone() if isinstance(skip, torch.Tensor) else skip
-    return _processors(own_skip, sampled, ngram)(text[None, :length], scores[None])[0]
+    return _processors(own_skip, sampled, ngram, minimum)(text[None, :length], scores[None])[0]
 
 
 def _case(seed: int):
@@ -80,18 +81,20 @@ def test_every_node_is_processed_at_once_as_generate_processes_its_history(skip_
     assert (got.argmax(-1) != logits.argmax(-1)).any()
 
 
+@pytest.mark.parametrize("minimum", [True, False], ids=["a minimum after the penalty", "the warpers right after it"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_slots_chosen_in_order_see_the_tokens_chosen_before_them(sampled):
+def test_slots_chosen_in_order_see_the_tokens_chosen_before_them(sampled, minimum):
     generator, sequences, pads, lengths = _case(1)
     logits = torch.randn(4, 6, VOCAB, generator=generator) * 2
-    histories = Histories(_processors(pads, sampled), sequences, None, lengths)
+    histories = Histories(_processors(pads, sampled, minimum=minimum), sequences, None, lengths)
     torch.manual_seed(7)
     tokens, confs, probs = choose(logits, histories, sampled, "probability", True)
     torch.manual_seed(7)
+    by_hand = functools.partial(_by_hand, pads, sampled, minimum=minimum)
     for j in range(6):  # generate()'s next step after each slot's history, slot after slot, drawing in turn
         scores = torch.stack(
             [
-                _by_hand(pads, sampled, torch.cat([sequences[r, : lengths[r]], tokens[r, :j]]), lengths[r] + j, r, s)
+                by_hand(torch.cat([sequences[r, : lengths[r]], tokens[r, :j]]), lengths[r] + j, r, s)
                 for r, s in enumerate(logits[:, j])
             ]
         )

@@ -69,6 +69,9 @@ STATELESS = HISTORY_FREE + _processors(
 # skips: `generate()`'s left padding), not on their order, count or length: `Histories.apply` applies them from that
 # set, for rows of any length and every slot at once, with no read of the device, which the graph pass can run.
 SET_BASED = _processors("RepetitionPenaltyLogitsProcessor")
+# Processors that divide every score by one number (temperature): applied to a penalty's penalised scores and the
+# scores it leaves, the result is the same as applied after the penalty's choice between them
+SCALING = _processors("TemperatureLogitsWarper")
 # Processors that read only the history's length (EOS barred while it is short): `Histories.apply` gives each row
 # (and slot) its own length, as `generate()` gives every row the batch's.
 BY_LENGTH = _processors("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
@@ -183,8 +186,8 @@ class Histories:
         generator that yields slot i's processed scores `(rows, vocab)` and is then sent the token chosen there
         (`(rows, 1)`). What does not depend on those tokens is computed once for every slot: the processors before
         the first that reads the history, a leading repetition penalty's penalised scores (a slot picks them where
-        its history holds the token), and an n-gram ban's windows over a copy of the text, into which each chosen
-        token is written (`_Ngrams`)."""
+        its history holds the token) and a temperature right after it, and an n-gram ban's windows over a copy of
+        the text, into which each chosen token is written (`_Ngrams`)."""
         slots, vocab = logits.shape[1:]
         reads = SET_BASED + NGRAM_BANS
         first = next((i for i, p in enumerate(self.processors) if isinstance(p, reads)), len(self.processors))
@@ -193,13 +196,17 @@ class Histories:
         seen = [s[:, :vocab] for s in self.seen(vocab)]  # no sink column: a chosen token is in the vocab
         scores = self.apply(logits, [], ends, head)
         lead = bool(tail) and isinstance(tail[0], SET_BASED)
-        penalised = _penalised(scores, tail[0].penalty).unbind(1) if lead else None
+        rest, penalised = tail[lead:], _penalised(scores, tail[0].penalty) if lead else None
+        while lead and rest and isinstance(rest[0], SCALING):  # divides both sides of the penalty's choice alike
+            scores, penalised = (rest[0](self.no_ids(1), both) for both in (scores, penalised))
+            rest = rest[1:]
+        penalised = penalised.unbind(1) if lead else None
         bans = self._slot_bans(slots, vocab)
         for i, slot in enumerate(scores.unbind(1)):
             if lead:
                 slot = torch.where(seen[0], penalised[i], slot)
             slot_bans = None if bans is None else [rule[i] for rule in bans.rules]
-            token = yield self.apply(slot, seen[lead:], None if ends is None else ends[:, i], tail[lead:], slot_bans)
+            token = yield self.apply(slot, seen[lead:], None if ends is None else ends[:, i], rest, slot_bans)
             seen = [s.scatter(1, token, True) for s in seen]
             if bans is not None and i + 1 < slots:
                 bans.text.scatter_(1, bans.columns[i], token)
