@@ -442,7 +442,8 @@ def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
     tokens, accepted, kept, end = verify(nodes, drafts, None, shape.sampled, shape.typical, g.tree)
-    return tokens, accepted, (end, (accepted - 1).unsqueeze(1), kept)
+    depth = end if g.tree.chain else accepted - 1  # a chain's node is its depth
+    return tokens, accepted, (end, depth.unsqueeze(1), kept)
 
 
 def cut(tokens, accepted, left, idle, eos):
