@@ -195,7 +195,7 @@ class Histories:
         ends = self._ends(slots, torch.arange(slots, device=logits.device)) if self._reads_lengths() else None
         seen = [s[:, :vocab] for s in self.seen(vocab)]  # no sink column: a chosen token is in the vocab
         scores = self.apply(logits, [], ends, head)
-        lead = bool(tail) and isinstance(tail[0], SET_BASED)
+        lead = int(bool(tail) and isinstance(tail[0], SET_BASED))  # a leading penalty: 1, its place in `seen` too
         rest, penalised = tail[lead:], _penalised(scores, tail[0].penalty) if lead else None
         while lead and rest and isinstance(rest[0], SCALING):  # divides both sides of the penalty's choice alike
             scores, penalised = (rest[0](self.no_ids(1), both) for both in (scores, penalised))
@@ -590,7 +590,8 @@ def tau_accepted(confs: torch.Tensor, tau, within: torch.Tensor | None = None) -
 def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
     """`choose`'s tokens for processors that read the history, slot by slot: `(tokens, probs)`, probs only
     `with_probs`. Each slot's processed scores are what `generate()`'s next step would see after the tokens chosen
-    before it (`Histories.in_order`). Sampling draws every slot's noise at once, slot by slot (`draw`'s rule)."""
+    before it (`Histories.in_order`). Sampling draws every slot's random numbers at once, in the order that draws
+    slot by slot take them (`draw`'s rule)."""
     processors = histories.processors
     one_by_one = order_free(processors) or (by_rules(processors) and logits.shape[1] > 1)  # else: its own call
     scored = histories.in_order(logits) if one_by_one else _by_calls(logits, histories)
