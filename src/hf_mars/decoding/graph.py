@@ -199,6 +199,7 @@ class GraphPass:
         self.processors = processors
         self.ids = {}  # `Histories.no_ids`' columns, made once
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
+        self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
         if shape.verify and shape.sampled and shape.typical is None:
@@ -380,8 +381,8 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
         tokens, confs = _choose(g, logits, histories)
         if shape.masks:
             accepted = tau_accepted(confs, state.tau, None if offered is None else g.within)
-        else:  # τ >= 1 throughout: one token a pass, no masks
-            accepted = torch.ones_like(state.decoded)
+        else:  # τ >= 1 throughout: one token a pass, no masks (`cut` makes a new tensor of it)
+            accepted = g.one_each
     if offered is not None:
         _reschedule(g, offered, accepted, path)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
@@ -479,7 +480,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     fill no more slots of the cache."""
     shape = g.shape
     if not shape.verify:  # the holes on the left hold any token: nothing sees them
-        g.pending.copy_(tokens.gather(1, g.align.index_select(0, accepted)))
+        g.pending.copy_(tokens if shape.pending == 1 else tokens.gather(1, g.align.index_select(0, accepted)))
         g.pending_real.copy_(g.align_real.index_select(0, accepted))
         return
     end, depth, _ = path
