@@ -441,7 +441,7 @@ def _load_graph(g, run: Session) -> None:
     state.sequences[:, :width].copy_(text.sequences)
     state.sequences[:, width:].fill_(plan.pad_token_id)
     state.write_offsets.copy_(g.offsets + text.prompt_length)
-    state.slot.fill_(cache.length)
+    g.move_to(cache.length)
     state.real.copy_(cache.real)
     state.step.zero_()
     g.eos.copy_(plan.eos)
@@ -479,10 +479,10 @@ def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> No
 def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
     """What `passes` graph passes decided, back into the run (its cache filled up to `slot`), for `_finish`."""
     text, cache, stats, state = run.text, run.cache, run.stats, g.state
-    taken = state.accepted_log[:, :passes]  # a row takes a token in every pass it decodes in
+    taken = state.accepted_log[:passes]  # (passes, batch): a row takes a token in every pass it decodes in
     text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
     text.decoded.copy_(state.decoded)
-    text.passes.add_((taken > 0).sum(dim=1))
+    text.passes.add_((taken > 0).sum(dim=0))
     g.store_cache(cache.kv)  # the output's cache is copied from the run's own
     cache.real.copy_(state.real)
     cache.real[:, slot:] = False  # the last pass's masks
@@ -492,7 +492,7 @@ def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
         run.stopping.new_tokens = state.decoded.clone()
     run.stopping.sequences = text.sequences
     stats.forward_passes += passes
-    stats.accepted_per_step.extend(taken.T.clone().unbind(0))
+    stats.accepted_per_step.extend(taken.clone().unbind(0))
 
 
 def _prepare(model, input_ids, processors, criteria, generation_config, settings, streamer, model_kwargs) -> Session:

@@ -114,14 +114,13 @@ class GraphState:
     decoded: torch.Tensor  # (batch,) new tokens decoded
     done: torch.Tensor  # (batch,) rows that reached EOS or the length limit
     finished: torch.Tensor  # () every row done
-    real: torch.Tensor  # (batch, slots) which cache slots hold real tokens (up to `slot`; see `GraphPass.compact`)
-    slot: torch.Tensor  # () the first slot the next pass writes
+    real: torch.Tensor  # (batch, slots) which cache slots hold real tokens (before the slots the next pass writes)
     last_position: torch.Tensor  # (batch,) position id of each row's last pending token
     fed: torch.Tensor  # (batch, width) the pass's input: pending tokens, drafts, then the masks (written once)
     fed_real: torch.Tensor  # (batch, width) which of them are real (the masks always)
     tau: torch.Tensor  # () the τ of the next pass (inf: accept or propose nothing)
     step: torch.Tensor  # (1,) passes run
-    accepted_log: torch.Tensor  # (batch, slots) tokens each row took in each pass
+    accepted_log: torch.Tensor  # (slots, batch) tokens each row took in each pass
     rate: torch.Tensor  # (batch, masks) the mask schedule's acceptance rates (`MaskSchedule.rate`)
     time: torch.Tensor  # (masks + 1,) what a pass with 0, 1, ... masks costs (`MaskSchedule.time`)
     last: torch.Tensor  # (batch,) lossless mode: masks offered in the last pass
@@ -142,13 +141,12 @@ class GraphState:
             done=torch.zeros(batch, **flag),
             finished=torch.zeros((), **flag),
             real=torch.zeros(batch, slots, **flag),
-            slot=torch.zeros((), **long),
             last_position=torch.zeros(batch, **long),
             fed=fed,
             fed_real=fed_real,
             tau=torch.zeros((), dtype=torch.float32, device=device),
             step=torch.zeros(1, **long),
-            accepted_log=torch.zeros(batch, slots, **long),
+            accepted_log=torch.zeros(slots, batch, **long),
             rate=torch.zeros(batch, shape.masks, dtype=torch.float64, device=device),
             time=torch.zeros(shape.masks + 1, dtype=torch.float64, device=device),
             last=torch.zeros(batch, **long),
@@ -186,14 +184,16 @@ class GraphPass:
             self.step = _compiled(graph_pass, compile_config, "default" if on_cuda else None)
         self.lengths = [layer.cumulative_length for layer in self.kv.layers]
         self.tensors = _cache_tensors(self.kv)
-        # A pass moves these on: the slot by what it keeps, the step by one, each layer's write count back over masks
-        masks = shape.width - shape.kept
-        self.counters = [state.slot, state.step] + (self.lengths if masks else [])
-        self.counter_steps = [shape.kept, 1] + ([-masks] * len(self.lengths) if masks else [])
         self.eos = torch.zeros(shape.eos, dtype=torch.long, device=device)
         self._views(shape, state)
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
+        self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
+        # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step by one, each
+        # layer's write count back over masks
+        masks, kept = shape.width - shape.kept, shape.kept
+        self.counters = [self.slots, self.sees_columns, state.step] + (self.lengths if masks else [])
+        self.counter_steps = [kept, -kept, 1] + ([-masks] * len(self.lengths) if masks else [])
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self.processors = processors
@@ -205,8 +205,10 @@ class GraphPass:
         if shape.verify and shape.sampled and shape.typical is None:
             vocab = model.get_output_embeddings().weight.shape[0]
             self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, vocab, device=device)
+            self.proposed = self.proposals[:, : shape.masks]  # what `propose` writes; the position after stays 0
         self.graph, self.eager_runs = None, 0
         self.leased = False  # lent to one caller (`graph_pass_for`)
+        self.move_to(0)
 
     def _views(self, shape: GraphShape, state: GraphState) -> None:
         """Views of the state's buffers that a pass reads or writes, made once (a view made in a pass is an op)."""
@@ -222,6 +224,12 @@ class GraphPass:
         self.text_start = state.write_offsets[:, 0]
         self.rows = torch.arange(shape.batch, device=state.fed.device)[:, None]
 
+    def move_to(self, slot: int) -> None:
+        """The next pass writes the cache from `slot` on (a run's first pass here, after compaction, after a row
+        joins): its slots, and the column of `sees` each key slot reads. Each pass then moves them itself."""
+        torch.add(self.pass_slots, slot, out=self.slots)
+        torch.sub(self.key_columns, slot, out=self.sees_columns)
+
     def load_cache(self, kv) -> None:
         """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
         torch._foreach_copy_(self.tensors, _cache_tensors(kv))
@@ -236,7 +244,7 @@ class GraphPass:
         writes. Slots from `slot` on held the last pass's masks, which the next pass writes again: nothing real."""
         self.state.real[:, slot:] = False
         used = int(compact_static(self.kv, self.state.real, self.stacked))
-        self.state.slot.fill_(used)
+        self.move_to(used)
         return used
 
     def run(self) -> None:
@@ -294,6 +302,7 @@ def _tables(shape: GraphShape, dtype) -> dict:
         pass_slots=torch.arange(width),
         relative=_relative_positions(shape),
         offsets=torch.arange(shape.tokens),
+        untaken=torch.arange(shape.tokens) >= torch.arange(shape.tokens + 1)[:, None],  # by tokens taken: the rest
         open=torch.zeros((), dtype=dtype),  # the additive mask's two values
         shut=torch.tensor(torch.finfo(dtype).min, dtype=dtype),
     )
@@ -336,14 +345,13 @@ def _forward(g: GraphPass) -> torch.Tensor:
     """The pass's forward: its slots marked in the slot map, positions counted in real tokens, a 4D mask of the slot
     map and the tree's visibility. The logits from the last pending token on, in float32."""
     shape, state = g.shape, g.state
-    torch.add(g.pass_slots, state.slot, out=g.slots)
     state.real.index_copy_(1, g.slots, state.fed_real)
     positions = g.last_column + g.relative
     if not shape.verify:  # right-aligned pending tokens: the holes on the left would count back past 0
         positions.clamp_(min=0)
     out = g.forward(
         input_ids=state.fed,
-        attention_mask=_slot_attention(g, state.slot, positions),
+        attention_mask=_slot_attention(g, positions),
         position_ids=positions,
         use_cache=True,
         return_dict=True,
@@ -353,12 +361,12 @@ def _forward(g: GraphPass) -> torch.Tensor:
     return out.logits.float()
 
 
-def _slot_attention(g: GraphPass, slot: torch.Tensor, positions: torch.Tensor):
-    """`(batch, 1, width, slots)` additive mask of a pass written from `slot` on: a query sees the real slots before
+def _slot_attention(g: GraphPass, positions: torch.Tensor):
+    """`(batch, 1, width, slots)` additive mask of a pass written at `g.slots`: a query sees the real slots before
     the pass and, within it, the real ones the tree's visibility allows. With sliding-window layers, theirs also
     hides the keys `window` positions or more behind a query, counted in positions, not slots (holes push slots
     apart): a real slot before the pass holds the row's token of its rank, the pass's own slots their fed positions."""
-    allowed = g.sees.index_select(3, g.key_columns - slot) & g.real_keys
+    allowed = g.sees.index_select(3, g.sees_columns) & g.real_keys
     full = torch.where(allowed, g.open, g.shut)
     if not g.shape.window:
         return full
@@ -386,7 +394,7 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     if offered is not None:
         _reschedule(g, offered, accepted, path)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
-    state.accepted_log.index_copy_(1, state.step, accepted[:, None])
+    state.accepted_log.index_put_((state.step,), accepted)
     state.done.logical_or_(ended)
     return tokens, accepted, path
 
@@ -442,7 +450,7 @@ def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
     shape = g.shape
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
-    tokens, accepted, kept, end = verify(nodes, drafts, None, shape.sampled, shape.typical, g.tree)
+    tokens, accepted, kept, end = verify(nodes, drafts, None, shape.sampled, shape.typical, g.tree, g.rows)
     depth = end if g.tree.chain else accepted - 1  # a chain's node is its depth
     return tokens, accepted, (end, depth.unsqueeze(1), kept)
 
@@ -452,12 +460,10 @@ def cut(tokens, accepted, left, idle, eos):
     allows and by the first of the `eos` ids; `idle` rows (no longer decoding) take nothing."""
     accepted = torch.minimum(accepted, left).masked_fill_(idle, 0)
     ended = accepted >= left
-    if eos.numel():
-        slots = torch.arange(tokens.shape[1], device=tokens.device)
-        is_eos = torch.isin(tokens, eos) & (slots < accepted[:, None])
-        hit = is_eos.any(dim=1)
-        accepted = torch.where(hit, is_eos.long().argmax(dim=1) + 1, accepted)
-        ended = ended | hit
+    if eos.numel():  # the tokens before each row's first EOS: a row that takes an EOS ends with it
+        before = torch.cummin(~torch.isin(tokens, eos), dim=1).values.sum(dim=1)
+        hit = before < accepted
+        accepted, ended = torch.minimum(accepted, before + 1), ended | hit
     return accepted, ended
 
 
@@ -468,7 +474,7 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     if path is not None:  # lossless: the drafts off the kept path become holes
         state.real.index_copy_(1, g.draft_slots, path[2])
     where = g.decoded_column + state.write_offsets
-    state.sequences.scatter_(1, where, tokens.masked_fill(g.offsets >= accepted[:, None], g.shape.pad_token_id))
+    state.sequences.scatter_(1, where, tokens.masked_fill(g.untaken.index_select(0, accepted), g.shape.pad_token_id))
     torch._foreach_add_(g.counters, g.counter_steps)
     torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
 
@@ -505,12 +511,10 @@ def _propose(g: GraphPass, logits, end):
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
     within = g.within if shape.scheduled else None
-    drafts = propose(followed, None, state.tau, within, shape.confidence, sampled, shape.candidates, None,
-                     full_tree=True)
+    into = None if g.proposals is None else g.proposed
+    drafts = propose(followed, None, state.tau, within, shape.confidence, sampled, shape.candidates, None, True, into)
     if shape.lookup:
         drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)
-    if g.proposals is not None:
-        g.proposals.copy_(drafts.proposals)
     return drafts.tokens, drafts.real
 
 

@@ -53,7 +53,9 @@ class Drafts:
         return Drafts(self.tokens[alive], self.real[alive], self.tree, proposals)
 
 
-def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[float, float] | None = None, tree=None):
+def verify(
+    logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[float, float] | None = None, tree=None, rows=None
+):
     """Verify the drafts: `(tokens, accepted, kept, end)`.
 
     `logits[:, 0]` is the output at the last pending token (the root), `logits[:, 1 + i]` the output at draft i, so
@@ -61,14 +63,16 @@ def verify(logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[fl
     tokens; `kept` marks the kept drafts (whose K/V the cache keeps); `end` is where they end (0: the root).
     `typical`: `(ε, δ)` of typical acceptance (`_verify_typical`) instead of exact verification. `tree`: the drafts'
     `TreeTensors` where the caller holds them (a graph pass, which then builds no tensor from the host: compiled, it
-    would copy them to the device in every pass); None: `drafts.tree`'s, made once per device.
+    would copy them to the device in every pass); None: `drafts.tree`'s, made once per device. `rows`: `(rows, 1)`,
+    each row's index, where the caller holds them (None: made here).
     """
     tree = drafts.tree.on(logits.device) if tree is None else tree
+    rows = torch.arange(logits.shape[0], device=logits.device)[:, None] if rows is None else rows
     scores = processed(logits, histories, drafts.tokens, tree.lineage)
     if typical is not None:
-        return _verify_typical(scores, drafts, tree, do_sample, *typical)
+        return _verify_typical(scores, drafts, tree, rows, do_sample, *typical)
     if do_sample:
-        return _verify_sampled(scores, drafts)
+        return _verify_sampled(scores, drafts, rows)
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
     tokens, depth, end = verify_greedy(target, drafts.tokens, drafts.real, tree)
     return tokens, depth + 1, tree.lineage[end], end
@@ -85,7 +89,7 @@ def verify_greedy(target, drafts, real, tree) -> tuple[torch.Tensor, torch.Tenso
     return target.gather(1, tree.path.index_select(0, end)), depth, end
 
 
-def _verify_typical(scores, drafts: Drafts, tree, do_sample: bool, epsilon: float, delta: float):
+def _verify_typical(scores, drafts: Drafts, tree, rows, do_sample: bool, epsilon: float, delta: float):
     """Typical acceptance (Medusa): a draft matches when the verifying distribution p at its parent gives it at least
     min(ε, δ·exp(-H(p))), and its parent matches. Not lossless: a plausible draft is kept where the model would have
     chosen another token; the bar falls where p is spread out (high entropy), where many continuations are fine. The
@@ -98,11 +102,10 @@ def _verify_typical(scores, drafts: Drafts, tree, do_sample: bool, epsilon: floa
         bar = (delta * torch.exp(-torch.special.entr(p).sum(dim=-1))).clamp(max=epsilon)  # (rows, 1 + drafts)
         p_draft = p[:, parents].gather(-1, drafts.tokens[..., None]).squeeze(-1)
         match = (p_draft >= bar[:, parents]) & drafts.real
-    rows = torch.arange(p.shape[0], device=p.device)
 
     def after(end):
-        at_end = p[rows, end]
-        return draw(at_end)[:, None] if do_sample else at_end.argmax(dim=-1, keepdim=True)
+        at_end = p[rows, end[:, None]]  # (rows, 1, vocab)
+        return draw(at_end) if do_sample else at_end.argmax(dim=-1)
 
     return _keep_deepest(match, drafts, tree, after)
 
@@ -131,7 +134,7 @@ def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor]:
     return (kept * tree.depths).max(dim=1)
 
 
-def _verify_sampled(scores, drafts: Drafts):
+def _verify_sampled(scores, drafts: Drafts, rows):
     """Speculative sampling with a partial proposal (the drafts are a chain): draft j is kept with probability
     min(1, p_j(d) / q'_j(d)); the token after the last kept one is drawn from max(0, p - q') renormalised. So the
     tokens are distributed exactly as the model samples them. q'_j is what mask j proposes: the mass of the tokens it
@@ -147,12 +150,12 @@ def _verify_sampled(scores, drafts: Drafts):
     match = (torch.rand_like(p_draft) * q_draft < p_draft).squeeze(-1) & drafts.real
     kept = torch.cummin(match, dim=1).values  # the drafts before the first rejected one
     count = kept.sum(dim=1)
-    rows = torch.arange(p.shape[0], device=p.device)
-    p_next = p[rows, count]
-    residual = (p_next - proposals[rows, count]).clamp_(min=0)
+    at = count[:, None]  # (rows, 1): the position after the last kept draft
+    p_next = p[rows, at]  # (rows, 1, vocab)
+    residual = (p_next - proposals[rows, at]).clamp_(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-    target = draw(residual)[:, None]
-    out = torch.cat([tokens, target], dim=1).scatter_(1, count[:, None], target)
+    target = draw(residual)  # (rows, 1)
+    out = torch.cat([tokens, target], dim=1).scatter_(1, at, target)
     return out, count + 1, kept, count
 
 
@@ -166,6 +169,7 @@ def propose(
     candidates,
     pad_token_id: int,
     full_tree: bool = False,
+    into=None,
 ):
     """The next drafts from the masks that followed each row's last kept token (`followed`: `(rows, masks, vocab)`).
 
@@ -174,7 +178,9 @@ def propose(
     each draft keeps the distribution it was drawn from, zeroed where it would not have been proposed, which is what
     speculative sampling needs. Slots that no row fills are left out, unless `full_tree` (a static cache): then the
     tree always has its whole shape, so every pass has one. `within`: the masks each row was offered (None: all);
-    `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees).
+    `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees). `into`: where the caller
+    keeps the proposals (a graph pass: the first `masks` positions of a buffer whose next one stays zero), written in
+    place and returned as the drafts' own.
 
     `histories`: what processors read, where `followed` is raw (each mask then scored after the drafts chosen before
     it, as τ-mode's tokens are); None where `followed` holds processed scores (`scoring.scored_at_once`).
@@ -203,10 +209,21 @@ def propose(
     if do_sample:  # q': what each mask would have proposed, and nothing past the masks (see `_verify_sampled`)
         proposed = (q >= tau) if measure == "probability" else confident[..., None]
         proposed = proposed if within is None else proposed & within[..., None]
-        proposals = torch.nn.functional.pad(q * proposed, (0, 0, 0, 1))
-        if chain < q.shape[1]:
-            proposals = proposals[:, : chain + 1]
+        proposals = _proposals(q, proposed, chain, into)
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
+
+
+def _proposals(q, proposed, chain: int, into=None):
+    """q': q where `proposed`, up to the chain's end, then the position after it, where nothing is proposed; or
+    written `into` the caller's buffer (`propose`)."""
+    if into is None:
+        proposals = torch.nn.functional.pad(q * proposed, (0, 0, 0, 1))
+        return proposals if chain >= q.shape[1] else proposals[:, : chain + 1]
+    if torch.compiler.is_compiling():  # dynamo refuses `out=` a view (a graph break); inductor fuses the two
+        into.copy_(q * proposed)
+    else:  # eager, or captured: one kernel
+        torch.mul(q, proposed, out=into)
+    return into
 
 
 def _padded(tokens, real, pad_token_id):

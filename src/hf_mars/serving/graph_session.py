@@ -110,7 +110,8 @@ class GraphSession:
         if count > self.slot:  # the next pass writes after every row's slots: the other rows get holes
             state.real[:, self.slot :] = False
             self.slot = count
-            for written in [state.slot, *g.lengths]:  # where the pass writes, and where each layer does
+            g.move_to(count)  # where the pass writes, and where each layer does
+            for written in g.lengths:
                 written.fill_(count)
         slots = slice(self.slot - count, self.slot)
         for target, source in zip([t for layer in g.kv.layers for t in (layer.keys, layer.values)], states):
@@ -136,7 +137,7 @@ class GraphSession:
         if self.slot + self.shape.width > self.shape.slots:
             state.real[[row for row, label in enumerate(self.held) if label is None]] = False
             self.slot = g.compact(self.slot)
-        state.step.zero_()  # each pass's accepted counts are read after it, in column 0
+        state.step.zero_()  # each pass's accepted counts are read after it, in row 0
         g.run()
         self.slot += self.shape.kept
 
@@ -145,7 +146,7 @@ class GraphSession:
         reads from the device (the counts, then the tokens they reach)."""
         state = self.graph.state
         start = state.write_offsets[:, 0]
-        decoded, done, took = torch.stack([state.decoded, state.done.long(), state.accepted_log[:, 0]]).tolist()
+        decoded, done, took = torch.stack([state.decoded, state.done.long(), state.accepted_log[0]]).tolist()
         ends = (start + state.decoded).tolist()
         text = state.sequences[:, : max(ends)].tolist()
         out = []
