@@ -168,8 +168,10 @@ def host_ops(
     """aten ops dispatched outside the model's forward, per plain `generate()` step and per MARS pass, with a static
     cache, eager: what a GPU's host launches around the forward. Each MARS mode runs through the graph pass and
     through the loop of `generate.py` alone (`graph.ENABLED = False`), in each of `decodings` (`DECODINGS`' names),
-    against the plain step of the same decoding; the prompt's pass counts with the rest. The decodings in `dynamic`
-    run on a dynamic cache too (`generate()`'s default), which the loop runs, against plain's dynamic step."""
+    against the plain step of the same decoding; the prompt's pass counts with the rest. Both are called alike,
+    returning the sequences alone (`return_dict_in_generate` would add, once per run, the building of the returned
+    cache, which MARS gathers from its own). The decodings in `dynamic` run on a dynamic cache too (`generate()`'s
+    default), which the loop runs, against plain's dynamic step."""
     rows = []
     for decoding in decodings:
         caches = {"static": dict(cache_implementation="static")} | ({"dynamic": {}} if decoding in dynamic else {})
@@ -191,7 +193,7 @@ def _host_ops_rows(model, kwargs: dict, common: dict, static: bool) -> list[dict
     rows = [dict(**common, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)]
     for name, mars in MODES.items():
         mars = _resolved(model, common["batch"], mars)
-        call = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+        call = functools.partial(model.generate, **mars, **kwargs)
         paths = (("one graph", call), ("loop", functools.partial(_loop_only, call))) if static else (("loop", call),)
         for path, run in paths:
             ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
@@ -202,11 +204,11 @@ def _host_ops_rows(model, kwargs: dict, common: dict, static: bool) -> list[dict
 
 class _OpCounter(TorchDispatchMode):
     """Counts the aten ops dispatched while `inside` is 0 (the model's forward hooks raise and lower it), and of
-    those the views, which launch no kernel on a GPU."""
+    those the views, which launch no kernel on a GPU; and the forwards (passes)."""
 
     def __init__(self):
         super().__init__()
-        self.outside, self.views, self.inside = 0, 0, 0
+        self.outside, self.views, self.inside, self.forwards = 0, 0, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.inside == 0:
@@ -221,6 +223,7 @@ def _ops_outside_forward(model, call, passes: bool = False):
 
     def enter(*args, **kwargs):
         counter.inside += 1
+        counter.forwards += 1
 
     def leave(*args, **kwargs):
         counter.inside -= 1
@@ -230,12 +233,12 @@ def _ops_outside_forward(model, call, passes: bool = False):
         hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
         try:
             with counter:
-                out = call()
+                call()
         finally:
             for hook in hooks:
                 hook.remove()
     counts = (counter.outside, counter.outside - counter.views)
-    return (*counts, out.mars_stats.forward_passes) if passes else counts
+    return (*counts, counter.forwards) if passes else counts
 
 
 def format_host_ops(rows: list[dict]) -> str:
