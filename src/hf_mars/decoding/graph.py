@@ -37,7 +37,7 @@ import torch
 from .cache import compact_static, pass_positions
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
-from .scoring import Histories, choose, confidence, processed, scored_at_once, tau_accepted
+from .scoring import Histories, choose, confidence, into, processed, scored_at_once, tau_accepted
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify, verify_greedy
 
@@ -486,20 +486,20 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     fill no more slots of the cache."""
     shape = g.shape
     if not shape.verify:  # the holes on the left hold any token: nothing sees them
-        g.pending.copy_(tokens if shape.pending == 1 else tokens.gather(1, g.align.index_select(0, accepted)))
+        if shape.pending == 1:
+            g.pending.copy_(tokens)
+        else:
+            into(g.pending, torch.gather, tokens, 1, g.align.index_select(0, accepted))
         g.pending_real.copy_(g.align_real.index_select(0, accepted))
         return
     end, depth, _ = path
-    g.pending.copy_(tokens.gather(1, depth))  # the bonus token (a row that took fewer is done)
+    into(g.pending, torch.gather, tokens, 1, depth)  # the bonus token (a row that took fewer is done)
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
         tokens, real = _propose(g, logits, end)
         g.drafts.copy_(tokens)
-        if torch.compiler.is_compiling():  # dynamo refuses `out=` a view (a graph break); inductor fuses the two
-            g.drafts_real.copy_(real & g.live_column)
-        else:  # eager, or captured: one kernel
-            torch.logical_and(real, g.live_column, out=g.drafts_real)
+        into(g.drafts_real, torch.logical_and, real, g.live_column)
 
 
 def _propose(g: GraphPass, logits, end):
@@ -511,8 +511,8 @@ def _propose(g: GraphPass, logits, end):
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
     within = g.within if shape.scheduled else None
-    into = None if g.proposals is None else g.proposed
-    drafts = propose(followed, None, state.tau, within, shape.confidence, sampled, shape.candidates, None, True, into)
+    buffer = None if g.proposals is None else g.proposed
+    drafts = propose(followed, None, state.tau, within, shape.confidence, sampled, shape.candidates, None, True, buffer)
     if shape.lookup:
         drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)
     return drafts.tokens, drafts.real

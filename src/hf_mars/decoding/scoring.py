@@ -553,6 +553,15 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
 
+def into(out: torch.Tensor, op, *args) -> None:
+    """`op(*args, out=out)`, one kernel where a pass runs eagerly or is captured; compiled, `out.copy_(op(*args))`,
+    which inductor fuses into one, since dynamo refuses `out=` a view (a graph break). A pass writes its buffers so."""
+    if torch.compiler.is_compiling():
+        out.copy_(op(*args))
+    else:
+        op(*args, out=out)
+
+
 def choose(logits, histories: Histories | None, do_sample: bool, measure: str, with_probs: bool = False):
     """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`,
     plus the `(batch, slots, vocab)` distributions they were drawn from when `with_probs`.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scoring import choose, draw, processed
+from .scoring import choose, draw, into, processed
 from .tree import NO_DRAFTS, DraftTree, depth_candidates, lookup
 
 
@@ -145,15 +145,16 @@ def _verify_sampled(scores, drafts: Drafts, rows):
     if proposals is None or proposals.shape[1] != tokens.shape[1] + 1:  # no drafts: sample p
         proposals = scores.new_zeros(tokens.shape[0], tokens.shape[1] + 1, scores.shape[-1])
     p = torch.softmax(scores, dim=-1)
-    drafted = tokens[..., None]  # (rows, drafts, 1): gathers from the first `drafts` slots, each after its parent
-    p_draft, q_draft = p.gather(-1, drafted), proposals.gather(-1, drafted)
-    match = (torch.rand_like(p_draft) * q_draft < p_draft).squeeze(-1) & drafts.real
+    # p / q' of each draft (a real one was proposed: q' > 0), gathered from the first `drafts` slots, each after its
+    # parent; kept with probability min(1, p / q')
+    ratio = (p / proposals).gather(-1, tokens[..., None])
+    match = (torch.rand_like(ratio) < ratio).squeeze(-1) & drafts.real
     kept = torch.cummin(match, dim=1).values  # the drafts before the first rejected one
     count = kept.sum(dim=1)
     at = count[:, None]  # (rows, 1): the position after the last kept draft
     p_next = p[rows, at]  # (rows, 1, vocab)
     residual = (p_next - proposals[rows, at]).clamp_(min=0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    residual = torch.where(residual.any(dim=-1, keepdim=True), residual, p_next)  # all 0: p equals q' (rounding)
     target = draw(residual)  # (rows, 1)
     out = torch.cat([tokens, target], dim=1).scatter_(1, at, target)
     return out, count + 1, kept, count
@@ -169,7 +170,7 @@ def propose(
     candidates,
     pad_token_id: int,
     full_tree: bool = False,
-    into=None,
+    buffer=None,
 ):
     """The next drafts from the masks that followed each row's last kept token (`followed`: `(rows, masks, vocab)`).
 
@@ -178,7 +179,7 @@ def propose(
     each draft keeps the distribution it was drawn from, zeroed where it would not have been proposed, which is what
     speculative sampling needs. Slots that no row fills are left out, unless `full_tree` (a static cache): then the
     tree always has its whole shape, so every pass has one. `within`: the masks each row was offered (None: all);
-    `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees). `into`: where the caller
+    `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees). `buffer`: where the caller
     keeps the proposals (a graph pass: the first `masks` positions of a buffer whose next one stays zero), written in
     place and returned as the drafts' own.
 
@@ -209,21 +210,18 @@ def propose(
     if do_sample:  # q': what each mask would have proposed, and nothing past the masks (see `_verify_sampled`)
         proposed = (q >= tau) if measure == "probability" else confident[..., None]
         proposed = proposed if within is None else proposed & within[..., None]
-        proposals = _proposals(q, proposed, chain, into)
+        proposals = _proposals(q, proposed, chain, buffer)
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
 
 
-def _proposals(q, proposed, chain: int, into=None):
+def _proposals(q, proposed, chain: int, buffer=None):
     """q': q where `proposed`, up to the chain's end, then the position after it, where nothing is proposed; or
-    written `into` the caller's buffer (`propose`)."""
-    if into is None:
+    written into the caller's `buffer` (`propose`)."""
+    if buffer is None:
         proposals = torch.nn.functional.pad(q * proposed, (0, 0, 0, 1))
         return proposals if chain >= q.shape[1] else proposals[:, : chain + 1]
-    if torch.compiler.is_compiling():  # dynamo refuses `out=` a view (a graph break); inductor fuses the two
-        into.copy_(q * proposed)
-    else:  # eager, or captured: one kernel
-        torch.mul(q, proposed, out=into)
-    return into
+    into(buffer, torch.mul, q, proposed)
+    return buffer
 
 
 def _padded(tokens, real, pad_token_id):
