@@ -270,7 +270,7 @@ def test_a_sampled_graph_pass_dispatches_at_most_one_and_a_half_plain_sampled_st
         assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"], mode
     for mode in ("MARS τ = 1", "MARS τ = 0.9"):
         assert rows[f"{mode}, one graph"]["ratio"] <= 1.5, rows[f"{mode}, one graph"]
-    assert rows["lossless, one graph"]["ratio"] <= 1.7, rows["lossless, one graph"]  # speculative sampling's books
+    assert rows["lossless, one graph"]["ratio"] <= 1.6, rows["lossless, one graph"]  # speculative sampling's books
 
 
 def test_a_lossless_pass_with_a_repetition_penalty_scores_every_slot_at_once():
@@ -289,9 +289,9 @@ def test_a_lossless_pass_with_a_repetition_penalty_scores_every_slot_at_once():
 def test_an_ngram_ban_runs_in_the_graph_pass_with_fewer_ops_than_the_loop():
     """`no_repeat_ngram_size` by MARS's rule (`scoring.NGRAM_BANS`) runs in the graph pass, and each mode's graph
     pass dispatches fewer ops than the loop's pass, which applies the same rule around a dynamic frame. Lossless
-    mode bans for every slot at once (its drafts a chain, each slot's history a prefix of one text): within 2x a
+    mode bans for every slot at once (its drafts a chain, each slot's history a prefix of one text): within 1.75x a
     plain step's ops with the same ban. τ-mode bans slot by slot, from windows made once a pass over a text each
-    chosen token is written into: within 2.25x."""
+    chosen token is written into: within 2x."""
     from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
 
     model, tokenizer = host_bound_model(layers=2, hidden=32)
@@ -299,8 +299,8 @@ def test_an_ngram_ban_runs_in_the_graph_pass_with_fewer_ops_than_the_loop():
     rows = {row["method"]: row for row in host_ops(model, tokenizer, (2,), max_new_tokens=24, decodings=(decoding,))}
     for mode in ("MARS τ = 1", "MARS τ = 0.9", "lossless"):
         assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"], mode
-    assert rows["lossless, one graph"]["ratio"] <= 2.0, rows["lossless, one graph"]
-    assert rows["MARS τ = 0.9, one graph"]["ratio"] <= 2.25, rows["MARS τ = 0.9, one graph"]
+    assert rows["lossless, one graph"]["ratio"] <= 1.75, rows["lossless, one graph"]
+    assert rows["MARS τ = 0.9, one graph"]["ratio"] <= 2.0, rows["MARS τ = 0.9, one graph"]
 
 
 def test_an_untrained_qwen2_runs_every_mode_through_the_graph_as_the_loop_does():
