@@ -67,8 +67,9 @@ def verify(
     each row's index, where the caller holds them (None: made here).
     """
     tree = drafts.tree.on(logits.device) if tree is None else tree
-    rows = torch.arange(logits.shape[0], device=logits.device)[:, None] if rows is None else rows
     scores = processed(logits, histories, drafts.tokens, tree.lineage)
+    if (typical is not None or do_sample) and rows is None:  # they index each row's position
+        rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
     if typical is not None:
         return _verify_typical(scores, drafts, tree, rows, do_sample, *typical)
     if do_sample:
