@@ -440,8 +440,8 @@ def _confidence(probs, measure: str):
 def _verify(g: GraphPass, logits: torch.Tensor):
     """Exact verification of the tree from its (processed) scores (`verify.verify_greedy`, the loop's own):
     `(tokens, accepted, (end, depth, kept))`."""
-    tokens, depth, end = verify_greedy(logits.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
-    return tokens, depth + 1, (end, depth[:, None], g.tree.lineage.index_select(0, end))
+    tokens, depth, end, kept = verify_greedy(logits.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
+    return tokens, depth + 1, (end, depth[:, None], kept)
 
 
 def _verify_by_rule(g: GraphPass, logits: torch.Tensor):

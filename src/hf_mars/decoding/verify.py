@@ -75,19 +75,25 @@ def verify(
     if do_sample:
         return _verify_sampled(scores, drafts, rows)
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
-    tokens, depth, end = verify_greedy(target, drafts.tokens, drafts.real, tree)
-    return tokens, depth + 1, tree.lineage[end], end
+    tokens, depth, end, kept = verify_greedy(target, drafts.tokens, drafts.real, tree)
+    return tokens, depth + 1, kept, end
 
 
-def verify_greedy(target, drafts, real, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact verification of greedy drafts: `(tokens, depth, end)`. `target` holds the model's token at each node
-    of `[root, drafts]` (first), `drafts`/`real` the drafts fed and which are real, `tree` their `TreeTensors`. A node
-    is kept when every draft on its path equals the model's token at its parent; the deepest kept node `end` (of
-    equal depths, the first in the tree) ends the path, at `depth`, and the row's new tokens are the model's own at
-    the root and at each node on that path (`tokens[:, : depth + 1]`: each kept draft, then the bonus token)."""
+def verify_greedy(target, drafts, real, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact verification of greedy drafts: `(tokens, depth, end, kept)`. `target` holds the model's token at each
+    node of `[root, drafts]` (first), `drafts`/`real` the drafts fed and which are real, `tree` their `TreeTensors`.
+    A node is kept when every draft on its path equals the model's token at its parent; the deepest kept node `end`
+    (of equal depths, the first in the tree) ends the path, at `depth`, and the row's new tokens are the model's own
+    at the root and at each node on that path (`tokens[:, : depth + 1]`: each kept draft, then the bonus token);
+    `kept` marks the drafts on the path."""
+    if tree.chain:  # node i follows node i - 1: the path to node d holds the first d drafts, `target`'s first d + 1
+        width = drafts.shape[1]
+        kept = torch.cummin((drafts == target[:, :width]) & real, dim=1).values  # the leading matches
+        depth = kept.sum(dim=1)
+        return target[:, : width + 1], depth, depth, kept
     match = (drafts == target.index_select(1, tree.parent_slots)) & real
     depth, end = deepest_kept(match, tree)
-    return target.gather(1, tree.path.index_select(0, end)), depth, end
+    return target.gather(1, tree.path.index_select(0, end)), depth, end, tree.lineage.index_select(0, end)
 
 
 def _verify_typical(scores, drafts: Drafts, tree, rows, do_sample: bool, epsilon: float, delta: float):
