@@ -512,7 +512,8 @@ def _propose(g: GraphPass, logits, end):
     sampled = shape.sampled and shape.typical is None
     within = g.within if shape.scheduled else None
     buffer = None if g.proposals is None else g.proposed
-    drafts = propose(followed, None, state.tau, within, shape.confidence, sampled, shape.candidates, None, True, buffer)
+    tau, measure, candidates = state.tau, shape.confidence, shape.candidates
+    drafts = propose(followed, None, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer)
     if shape.lookup:
         drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)
     return drafts.tokens, drafts.real

@@ -54,7 +54,13 @@ class Drafts:
 
 
 def verify(
-    logits, drafts: Drafts, histories, do_sample: bool, typical: tuple[float, float] | None = None, tree=None, rows=None
+    logits,
+    drafts: Drafts,
+    histories,
+    do_sample: bool,
+    typical: tuple[float, float] | None = None,
+    tree=None,
+    rows=None,
 ):
     """Verify the drafts: `(tokens, accepted, kept, end)`.
 
@@ -186,9 +192,9 @@ def propose(
     each draft keeps the distribution it was drawn from, zeroed where it would not have been proposed, which is what
     speculative sampling needs. Slots that no row fills are left out, unless `full_tree` (a static cache): then the
     tree always has its whole shape, so every pass has one. `within`: the masks each row was offered (None: all);
-    `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees). `buffer`: where the caller
-    keeps the proposals (a graph pass: the first `masks` positions of a buffer whose next one stays zero), written in
-    place and returned as the drafts' own.
+    `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees). `buffer`: where the
+    caller keeps the proposals (a graph pass: the first `masks` positions of a buffer whose next one stays zero),
+    written in place and returned as the drafts' own.
 
     `histories`: what processors read, where `followed` is raw (each mask then scored after the drafts chosen before
     it, as τ-mode's tokens are); None where `followed` holds processed scores (`scoring.scored_at_once`).
