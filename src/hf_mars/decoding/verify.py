@@ -92,14 +92,12 @@ def verify_greedy(target, drafts, real, tree) -> tuple[torch.Tensor, torch.Tenso
     (of equal depths, the first in the tree) ends the path, at `depth`, and the row's new tokens are the model's own
     at the root and at each node on that path (`tokens[:, : depth + 1]`: each kept draft, then the bonus token);
     `kept` marks the drafts on the path."""
-    if tree.chain:  # node i follows node i - 1: the path to node d holds the first d drafts, `target`'s first d + 1
-        width = drafts.shape[1]
-        kept = torch.cummin((drafts == target[:, :width]) & real, dim=1).values  # the leading matches
-        depth = kept.sum(dim=1)
-        return target[:, : width + 1], depth, depth, kept
-    match = (drafts == target.index_select(1, tree.parent_slots)) & real
-    depth, end = deepest_kept(match, tree)
-    return target.gather(1, tree.path.index_select(0, end)), depth, end, tree.lineage.index_select(0, end)
+    width = drafts.shape[1]
+    parents = target[:, :width] if tree.chain else target.index_select(1, tree.parent_slots)  # a chain's: in order
+    depth, end, kept = deepest_kept((drafts == parents) & real, tree)
+    if tree.chain:  # the path to node d holds the first d drafts: the model's tokens on it are `target`'s first d + 1
+        return target[:, : width + 1], depth, end, kept
+    return target.gather(1, tree.path.index_select(0, end)), depth, end, kept
 
 
 def _verify_typical(scores, drafts: Drafts, tree, rows, do_sample: bool, epsilon: float, delta: float):
@@ -131,20 +129,23 @@ def _keep_deepest(match, drafts: Drafts, tree, after):
     count = end = torch.zeros(rows, dtype=torch.long, device=match.device)
     if not len(drafts.tree):
         return after(end), count + 1, drafts.real, end
-    count, end = deepest_kept(match, tree)
+    count, end, kept = deepest_kept(match, tree)
     path = drafts.tokens.gather(1, (tree.path[end, 1:] - 1).clamp(min=0))  # the drafts on the path, one a depth
     tokens = torch.nn.functional.pad(path, (0, 1)).scatter_(1, count[:, None], after(end))
-    return tokens, count + 1, tree.lineage[end], end
+    return tokens, count + 1, kept, end
 
 
-def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(depth, end)`: the deepest node of the tree (`TreeTensors`) whose path's drafts all `match`, by its index
-    among `[root, drafts]` (of equal depths, the first in the tree, the chain's; the root, depth 0, when none)."""
+def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(depth, end, kept)`: the deepest node of the tree (`TreeTensors`) whose path's drafts all `match`, by its
+    index among `[root, drafts]` (of equal depths, the first in the tree, the chain's; the root, depth 0, when none),
+    and the drafts on its path."""
     if tree.chain:  # node i sits at depth i, and its path holds the first i drafts: the leading matches
-        depth = torch.cummin(match, dim=1).values.sum(dim=1)
-        return depth, depth
-    kept = (match[:, None, :] | tree.outside).all(dim=2)  # (rows, nodes): the root's path has no draft
-    return (kept * tree.depths).max(dim=1)
+        kept = torch.cummin(match, dim=1).values
+        depth = kept.sum(dim=1)
+        return depth, depth, kept
+    reached = (match[:, None, :] | tree.outside).all(dim=2)  # (rows, nodes): the root's path has no draft
+    depth, end = (reached * tree.depths).max(dim=1)
+    return depth, end, tree.lineage.index_select(0, end)
 
 
 def _verify_sampled(scores, drafts: Drafts, rows):
