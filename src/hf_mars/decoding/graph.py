@@ -37,7 +37,7 @@ import torch
 from .cache import compact_static, pass_positions
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
-from .scoring import Histories, choose, confidence, into, processed, scored_at_once, tau_accepted
+from .scoring import Histories, choose, into, processed, scored_at_once, tau_accepted
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify, verify_greedy
 
@@ -386,7 +386,7 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     if shape.verify:
         tokens, accepted, path = _verify_by_rule(g, logits) if shape.by_rule else _verify(g, logits)
     else:
-        tokens, confs = _choose(g, logits, histories)
+        tokens, confs = choose(logits, histories, shape.sampled, shape.confidence)
         if shape.masks:
             accepted = tau_accepted(confs, state.tau, None if offered is None else g.within)
         else:  # τ >= 1 throughout: one token a pass, no masks (`cut` makes a new tensor of it)
@@ -420,21 +420,6 @@ def _reschedule(g: GraphPass, offered, accepted, path) -> None:
         state.rate.copy_(rates_after(state.rate, state.last, paid, state.passes, g.moves))
         state.last.copy_(offered)
     state.passes.add_(~state.done)
-
-
-def _choose(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
-    """τ-mode's token and confidence at every slot: `scoring.choose`, as the loop draws them, where the run samples
-    or processes its scores; else the raw logits' argmax (the confidence only where masks need it)."""
-    shape = g.shape
-    if shape.sampled or shape.processors:
-        return choose(logits, histories, shape.sampled, shape.confidence)
-    tokens = logits.argmax(dim=-1)
-    return tokens, _confidence(torch.softmax(logits, dim=-1), shape.confidence) if shape.masks else None
-
-
-def _confidence(probs, measure: str):
-    """`scoring.confidence` of each slot's top token (the top token's probability is the largest one, exactly)."""
-    return probs.amax(dim=-1) if measure == "probability" else confidence(probs, None, measure)
 
 
 def _verify(g: GraphPass, logits: torch.Tensor):
@@ -531,7 +516,7 @@ def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories
     """`(scores, histories)`: the pass's scores processed for every slot at once where that can be (warpers alone;
     every processor in lossless mode, each slot after its path: `scoring.scored_at_once`, as a graph pass runs only
     processors that `scoring.by_rules` applies), histories None; else (τ-mode, processors that read the history) the
-    raw scores, and what `_choose` reads slot by slot (`scoring.Histories`: every row's text as it stands)."""
+    raw scores, and what `scoring.choose` reads slot by slot (`scoring.Histories`: every row's text as it stands)."""
     if not g.processors:
         return logits, None
     if not g.shape.reads_text:  # warpers alone: every slot in one call
