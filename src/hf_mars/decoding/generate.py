@@ -52,7 +52,7 @@ from .schedule import MaskSchedule
 from .scoring import by_rules, check_stateless, history_free, processors_signature, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
 from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
-from .stopping import Stopping
+from .stopping import Stopping, stream
 from .tree import DraftTree, full_tree
 from .verify import Drafts
 
@@ -422,15 +422,9 @@ def _replay(g, run: Session, shape: GraphShape) -> tuple[int, int]:
             torch.all(g.state.done, out=g.state.finished)
         if streamer is not None:  # batch 1: the pass's tokens as one chunk, as the loop streams them
             kept = stopping.new_tokens[0] if judging else g.state.decoded[0]
-            streamed = _stream(g, streamer, run.text.prompt_length, streamed, int(kept))
+            streamed = stream(streamer, g.state.sequences, run.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
             return passes, slot
-
-
-def _stream(g, streamer, start: int, streamed: int, kept: int) -> int:
-    """Hand the streamer row 0's tokens from `streamed` to `kept` new tokens past the prompt's `start`; `kept`."""
-    streamer.put(g.state.sequences[0, start + streamed : start + kept].cpu())
-    return kept
 
 
 def _load_graph(g, run: Session) -> None:

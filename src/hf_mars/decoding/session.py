@@ -43,7 +43,7 @@ from .graph import cut, right_align
 from .schedule import MaskSchedule
 from .scoring import Histories, branching, choose, follow_padding, processors_signature, scored_at_once, tau_accepted
 from .settings import MARSSettings, read_tau
-from .stopping import Stopping
+from .stopping import Stopping, stream
 from .tree import tree_attention
 from .verify import Drafts, add_lookup, propose, verify
 
@@ -448,14 +448,13 @@ def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tens
     text.sequences.index_put_((rows[:, None], positions), taken)
     text.decoded.index_add_(0, rows, accepted)
     text.passes.index_add_(0, rows, feed.of(text.active).long())  # idle rows take no pass
-    streamed = run.stopping.new_tokens[0].item() if plan.streamer is not None else 0
+    streamed = int(run.stopping.new_tokens[0]) if plan.streamer is not None else 0
     run.stopping.judge(text.decoded, text.ended)
     run.stats.forward_passes += 1
     if run.log:
         _log(run.stats, step, rows, accepted, text.decoded)
     if plan.streamer is not None:  # batch 1: the row is judged as soon as it decodes
-        start = text.prompt_length + streamed
-        plan.streamer.put(text.sequences[0, start : text.prompt_length + run.stopping.new_tokens[0]].cpu())
+        stream(plan.streamer, text.sequences, text.prompt_length, streamed, int(run.stopping.new_tokens[0]))
 
 
 def _log(stats: MARSStats, step: Pass, rows: torch.Tensor, accepted: torch.Tensor, decoded: torch.Tensor) -> None:

@@ -85,3 +85,10 @@ class Stopping:
         self.unfinished &= ~stop
         if self.pads and bool(newly.any()):  # a finished row continues as padding
             self.sequences[newly, width:] = self.pad_token_id
+
+
+def stream(streamer, sequences: torch.Tensor, prompt_length: int, streamed: int, kept: int) -> int:
+    """Hand `streamer` row 0's new tokens (a streamer takes one sequence) from the `streamed`-th to the `kept`-th: what
+    the criteria kept since the last pass, as one chunk. Returns `kept`, what has now been streamed."""
+    streamer.put(sequences[0, prompt_length + streamed : prompt_length + kept].cpu())
+    return kept
