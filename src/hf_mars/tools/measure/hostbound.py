@@ -93,35 +93,35 @@ def _resolved(model, batch: int, mars: dict) -> dict:
 
 
 def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -> tuple[dict, dict]:
-    """Median seconds of a whole generation, and its forward passes, for plain `generate()` and each MARS mode
-    (the first run of each, which compiles what it compiles, is not timed)."""
+    """Median seconds of a whole generation, and its forward passes, for plain `generate()` and each MARS mode. Every
+    run is called alike, for the sequences alone; the first run of each (not timed: it compiles what it compiles)
+    returns MARS's stats too, which count its passes (greedy without EOS: the same in every run)."""
 
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **extra)
     runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
     for name, mars in MODES.items():
         mars = _resolved(model, inputs.input_ids.shape[0], mars)
-        runs[name] = functools.partial(model.generate, return_dict_in_generate=True, **mars, **kwargs)
+        runs[name] = functools.partial(model.generate, **mars, **kwargs)
         if extra:  # static: the graph pass, and the loop alone beside it
             runs[f"{name}, loop"] = functools.partial(_loop_only, runs[name])
-    times, passes = {name: [] for name in runs}, {}
+    times, passes = {name: [] for name in runs}, {"plain generate()": max_new_tokens}
     with torch.no_grad():
-        for run in runs.values():  # warm-up
-            run()
+        for name, run in runs.items():  # warm-up, which counts MARS's passes
+            out = run(return_dict_in_generate=True)
+            passes.setdefault(name, getattr(out, "mars_stats", None) and out.mars_stats.forward_passes)
         for _ in range(repeats):
             for name, run in runs.items():
                 start = time.perf_counter()
-                out = run()
+                run()
                 times[name].append(time.perf_counter() - start)
-                stats = getattr(out, "mars_stats", None)
-                passes[name] = stats.forward_passes if stats is not None else max_new_tokens
     return {name: statistics.median(t) for name, t in times.items()}, passes
 
 
-def _loop_only(call):
-    """`call()` with every pass run by the loop of `generate.py` (`graph.ENABLED` off)."""
+def _loop_only(call, **kwargs):
+    """`call(**kwargs)` with every pass run by the loop of `generate.py` (`graph.ENABLED` off)."""
     graph.ENABLED = False
     try:
-        return call()
+        return call(**kwargs)
     finally:
         graph.ENABLED = True
 
