@@ -458,10 +458,16 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     state = g.state
     if path is not None:  # lossless: the drafts off the kept path become holes
         state.real.index_copy_(1, g.draft_slots, path[2])
-    where = g.decoded_column + state.write_offsets
-    state.sequences.scatter_(1, where, tokens.masked_fill(g.untaken.index_select(0, accepted), g.shape.pad_token_id))
+    untaken = g.untaken.index_select(0, accepted)
+    write_taken(state.sequences, g.rows, g.decoded_column + state.write_offsets, tokens, untaken, g.shape.pad_token_id)
     torch._foreach_add_(g.counters, g.counter_steps)
     torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
+
+
+def write_taken(sequences, rows, columns, tokens, untaken, pad_token_id) -> None:
+    """Write a pass's `tokens` into the text of `rows` (a column) at `columns` (`(rows, tokens)`: where each row's text
+    ends, on), those a row does not take (`untaken`) as padding, which a later pass writes over."""
+    sequences.index_put_((rows, columns), tokens.masked_fill(untaken, pad_token_id))
 
 
 def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:

@@ -39,7 +39,7 @@ from torch.nn.functional import pad
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache import KVBook
-from .graph import cut, right_align
+from .graph import cut, right_align, write_taken
 from .schedule import MaskSchedule
 from .scoring import Histories, branching, choose, follow_padding, processors_signature, scored_at_once, tau_accepted
 from .settings import MARSSettings, read_tau
@@ -444,8 +444,7 @@ def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tens
     plan.mode.commit(run, step)
     slots = torch.arange(width, device=tokens.device)
     positions = (text.prompt_length + feed.of(text.decoded))[:, None] + slots  # `sequences` has room past the budget
-    taken = tokens.masked_fill(slots >= accepted[:, None], plan.pad_token_id)  # pad where nothing was written yet
-    text.sequences.index_put_((rows[:, None], positions), taken)
+    write_taken(text.sequences, rows[:, None], positions, tokens, slots >= accepted[:, None], plan.pad_token_id)
     text.decoded.index_add_(0, rows, accepted)
     text.passes.index_add_(0, rows, feed.of(text.active).long())  # idle rows take no pass
     streamed = int(run.stopping.new_tokens[0]) if plan.streamer is not None else 0
