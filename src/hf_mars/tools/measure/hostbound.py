@@ -104,11 +104,11 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
         runs[name] = functools.partial(model.generate, **mars, **kwargs)
         if extra:  # static: the graph pass, and the loop alone beside it
             runs[f"{name}, loop"] = functools.partial(_loop_only, runs[name])
-    times, passes = {name: [] for name in runs}, {"plain generate()": max_new_tokens}
+    times, passes = {name: [] for name in runs}, {}
     with torch.no_grad():
-        for name, run in runs.items():  # warm-up, which counts MARS's passes
-            out = run(return_dict_in_generate=True)
-            passes.setdefault(name, getattr(out, "mars_stats", None) and out.mars_stats.forward_passes)
+        for name, run in runs.items():  # warm-up, which counts the passes (plain's: one a token)
+            stats = getattr(run(return_dict_in_generate=True), "mars_stats", None)
+            passes[name] = max_new_tokens if stats is None else stats.forward_passes
         for _ in range(repeats):
             for name, run in runs.items():
                 start = time.perf_counter()
