@@ -424,8 +424,10 @@ def _reschedule(g: GraphPass, offered, accepted, path) -> None:
 
 def _verify(g: GraphPass, logits: torch.Tensor):
     """Exact verification of the tree from its (processed) scores (`verify.verify_greedy`, the loop's own):
-    `(tokens, accepted, (end, depth, kept))`."""
-    tokens, depth, end, kept = verify_greedy(logits.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
+    `(tokens, accepted, (end, depth, kept))`. The model's tokens at the tree's nodes alone: the masks' logits are the
+    next drafts' (`_propose`)."""
+    nodes = logits[:, : len(g.shape.tree) + 1]
+    tokens, depth, end, kept = verify_greedy(nodes.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
     return tokens, depth + 1, (end, depth[:, None], kept)
 
 
