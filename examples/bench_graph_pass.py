@@ -13,6 +13,11 @@ busy time per pass (the kernels, inside CUDA graphs too) against the wall time, 
 
     python examples/bench_graph_pass.py --device cuda --dtype bfloat16 --batch-sizes 1 8 --variants graph loop
     python examples/bench_graph_pass.py --variants graph fused --methods "τ = 1" "lossless 3x2,2" --profile 10
+    python examples/bench_graph_pass.py --batch-sizes 1 --methods "τ = 1" "lossless 3x2,2" --variants graph --short 32
+
+`--short N` also times every method for N new tokens, and splits a run's time into what one more pass costs (the
+slope between the two lengths) and what a run costs besides its passes. `--one-config` keeps inductor from timing
+several configs of a kernel on its first run.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ def profile_calls(calls: dict, timed: dict, new_tokens: int, top: int, device: s
             print(f"  {ms:7.3f}  ({e.count / passes:5.1f})  {e.key[:110]}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
@@ -156,8 +161,27 @@ def main() -> None:
         help="allow SDPA this kernel alone (CUDA), with torch's compile caches off so that it is traced anew",
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="then profile each method: N kernels")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--short",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time each method for N new tokens (the same cache): a run's cost split into a fixed part (the "
+        "prompt's pass, setting up, handing back) and a steady cost per pass",
+    )
+    parser.add_argument(
+        "--one-config",
+        action="store_true",
+        help="inductor runs each pointwise kernel with its first config instead of timing several on its first run "
+        "(which runs a kernel that writes its own inputs several times)",
+    )
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch._dynamo.config.cache_size_limit = 64  # one graph per method, width and batch size
+    torch._inductor.config.triton.autotune_pointwise = not args.one_config
     model, tokenizer = shipped_shape_model(args.device, getattr(torch, args.dtype), args.layers)
     model.set_attn_implementation(args.attention)
     if args.sdpa_backend:
@@ -167,42 +191,82 @@ def main() -> None:
     setting = f"{args.dtype}, {attention} attention, {args.new_tokens} new tokens, no EOS"
     print(f"{device_name}, torch {torch.__version__}, {setting}", flush=True)
     for batch in args.batch_sizes:
-        enc = tokenizer(["hello world, how are you today"] * batch, return_tensors="pt").to(args.device)
-        extra = static_compiled(model, enc.input_ids.shape[1], args.new_tokens, args.batch_sizes, TREES)
-        if args.eager:
-            extra.pop("compile_config", None)
-        common = dict(**enc, max_new_tokens=args.new_tokens, eos_token_id=None, **extra)
-        sampled = any(METHODS[m].get("do_sample") for m in args.methods)
-        plain = functools.partial(GenerationMixin.generate, model, **common)
-        calls = {
-            name: (functools.partial(variant, "graph"), functools.partial(plain, **kw))
-            for name, kw in PLAIN.items()
-            if sampled or not kw["do_sample"]
-        }
-        for method in args.methods:
-            call = functools.partial(
-                model.generate, **common, return_dict_in_generate=True, **{"do_sample": False, **METHODS[method]}
-            )
-            for name in args.variants:
-                calls[f"{method}, {name}"] = (functools.partial(variant, name), call)
+        bench_batch(model, tokenizer, batch, args)
+
+
+def bench_batch(model, tokenizer, batch: int, args) -> None:
+    """Every method at one batch size: warmed up, timed taking turns, printed against the plain step (and, with
+    `--short`, split into a fixed cost a run and a steady cost a pass; with `--profile`, profiled)."""
+    enc = tokenizer(["hello world, how are you today"] * batch, return_tensors="pt").to(args.device)
+    extra = static_compiled(model, enc.input_ids.shape[1], args.new_tokens, args.batch_sizes, TREES)
+    if args.eager:
+        extra.pop("compile_config", None)
+    calls = method_calls(model, dict(**enc, max_new_tokens=args.new_tokens, eos_token_id=None, **extra), args)
+    short = {f"{label} ({args.short} tokens)": call for label, call in shortened(calls, args.short).items()}
+    with torch.no_grad():
+        for label, (switch, call) in {**calls, **short}.items():  # warm-up: compile, capture
+            start = time.perf_counter()
+            switch()
+            call()
+            sync(args.device)
+            print(f"  warm-up batch {batch}: {label} {time.perf_counter() - start:.1f} s", flush=True)
+        timed = time_calls({**calls, **short}, args.repeats, args.device)
+    steps = {name: timed[name][0] / args.new_tokens for name in calls if name in PLAIN}
+    print(f"\nbatch {batch}: plain step " + ", ".join(f"{n} {1000 * s:.2f} ms" for n, s in steps.items()))
+    print("| method | ms per pass | pass / plain step of the same decoding |\n| --- | --- | --- |")
+    for label in calls:
+        seconds, passes = timed[label]
+        per_pass = seconds / (passes or args.new_tokens)
+        step = steps[list(PLAIN)[int("sampled" in label)]]
+        print(f"| {label} | {1000 * per_pass:.2f} | {per_pass / step:.2f}x |", flush=True)
+    if args.short:
+        print_steady(calls, timed, short, args)
+    if args.profile:
         with torch.no_grad():
-            for label, (switch, call) in calls.items():  # warm-up: compile, capture
-                start = time.perf_counter()
-                switch()
-                call()
-                sync(args.device)
-                print(f"  warm-up batch {batch}: {label} {time.perf_counter() - start:.1f} s", flush=True)
-            timed = time_calls(calls, args.repeats, args.device)
-        steps = {name: timed[name][0] / args.new_tokens for name in calls if name in PLAIN}
-        print(f"\nbatch {batch}: plain step " + ", ".join(f"{n} {1000 * s:.2f} ms" for n, s in steps.items()))
-        print("| method | ms per pass | pass / plain step of the same decoding |\n| --- | --- | --- |")
-        for label, (seconds, passes) in timed.items():
-            per_pass = seconds / (passes or args.new_tokens)
-            step = steps[list(PLAIN)[int("sampled" in label)]]
-            print(f"| {label} | {1000 * per_pass:.2f} | {per_pass / step:.2f}x |", flush=True)
-        if args.profile:
-            with torch.no_grad():
-                profile_calls(calls, timed, args.new_tokens, args.profile, args.device)
+            profile_calls(calls, timed, args.new_tokens, args.profile, args.device)
+
+
+def method_calls(model, common: dict, args) -> dict:
+    """`{label: (switch to its variant, the call)}`: plain `generate()` (sampled too where a method samples), then
+    each method in each variant."""
+    sampled = any(METHODS[m].get("do_sample") for m in args.methods)
+    plain = functools.partial(GenerationMixin.generate, model, **common)
+    calls = {
+        name: (functools.partial(variant, "graph"), functools.partial(plain, **kw))
+        for name, kw in PLAIN.items()
+        if sampled or not kw["do_sample"]
+    }
+    for method in args.methods:
+        call = functools.partial(
+            model.generate, **common, return_dict_in_generate=True, **{"do_sample": False, **METHODS[method]}
+        )
+        for name in args.variants:
+            calls[f"{method}, {name}"] = (functools.partial(variant, name), call)
+    return calls
+
+
+def shortened(calls: dict, new_tokens: int) -> dict:
+    """The same calls for `new_tokens` new tokens (none where 0): the cache keeps its size, so nothing recompiles."""
+    if not new_tokens:
+        return {}
+    return {
+        label: (switch, functools.partial(call, max_new_tokens=new_tokens)) for label, (switch, call) in calls.items()
+    }
+
+
+def print_steady(calls: dict, timed: dict, short: dict, args) -> None:
+    """Each method's run split by the two lengths timed: the steady cost of one more pass (the slope between them)
+    and what a run costs besides its passes (the prompt's forward, setting up, handing back), against plain's."""
+    print("\n| method | fixed ms a run | steady ms a pass | steady pass / plain step |\n| --- | --- | --- | --- |")
+    costs = {}
+    for label, short_label in zip(calls, short):
+        (seconds, passes), (short_seconds, short_passes) = timed[label], timed[short_label]
+        passes, short_passes = passes or args.new_tokens, short_passes or args.short
+        steady = (seconds - short_seconds) / max(passes - short_passes, 1)
+        costs[label] = (seconds - steady * passes, steady)
+    for label, (fixed, steady) in costs.items():
+        step = costs[list(PLAIN)[int("sampled" in label)]][1]
+        print(f"| {label} | {1000 * fixed:.2f} | {1000 * steady:.2f} | {steady / step:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

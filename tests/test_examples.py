@@ -94,6 +94,17 @@ def test_bench_graph_pass_sets_a_sampled_method_against_a_sampled_plain_step():
     assert all(row.endswith("| 1.00x |") for row in rows[:2])
 
 
+def test_bench_graph_pass_splits_a_run_into_a_fixed_cost_and_a_steady_pass_cost():
+    quick = ["--device", "cpu", "--dtype", "float32", "--layers", "1", "--batch-sizes", "1", "--eager", "--one-config"]
+    out = run("bench_graph_pass.py", *quick, "--new-tokens", "12", "--short", "4", "--repeats", "1", "--methods", "τ = 1")
+    assert "warm-up batch 1: τ = 1, graph (4 tokens)" in out
+    steady = out[out.index("| fixed ms a run |") :].splitlines()[2:]
+    rows = [row.strip("| ").split(" | ") for row in steady if row.startswith("| ")]
+    assert [row[0] for row in rows] == ["plain generate()", "τ = 1, graph", "τ = 1, loop"]
+    assert all(float(steady_ms) > 0 for _, _, steady_ms, _ in rows)
+    assert rows[0][3] == "1.00x"
+
+
 def test_check_sampled_capture_finds_the_graph_pass_drawing_the_loops_tokens():
     """Off CUDA nothing is captured: the graph pass runs eagerly, and must draw what the loop draws, seed for seed."""
     out = run("check_sampled_capture.py", "--device", "cpu", "--layers", "2")
