@@ -96,7 +96,8 @@ def test_bench_graph_pass_sets_a_sampled_method_against_a_sampled_plain_step():
 
 def test_bench_graph_pass_splits_a_run_into_a_fixed_cost_and_a_steady_pass_cost():
     quick = ["--device", "cpu", "--dtype", "float32", "--layers", "1", "--batch-sizes", "1", "--eager", "--one-config"]
-    out = run("bench_graph_pass.py", *quick, "--new-tokens", "12", "--short", "4", "--repeats", "1", "--methods", "τ = 1")
+    lengths = ["--new-tokens", "12", "--short", "4"]
+    out = run("bench_graph_pass.py", *quick, *lengths, "--repeats", "1", "--methods", "τ = 1")
     assert "warm-up batch 1: τ = 1, graph (4 tokens)" in out
     steady = out[out.index("| fixed ms a run |") :].splitlines()[2:]
     rows = [row.strip("| ").split(" | ") for row in steady if row.startswith("| ")]
