@@ -66,7 +66,22 @@ def main():
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     encode = lambda batch: tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)  # noqa: E731
     model.generate(**encode(batches[0]), max_new_tokens=8, mars_tau=args.tau, mars_verify=args.verify)  # warm-up
+    totals, wall, (passes, row_passes, tokens) = timed_runs(model, [encode(b) for b in batches], args)
+    mode = "lossless" if args.verify else "MARS"
+    print(
+        f"{mode} τ={args.tau}, batch {args.batch_size}: {passes} passes, {tokens} tokens, "
+        f"{tokens / row_passes:.2f} tokens/forward, {1000 * wall / passes:.2f} ms per pass "
+        f"({torch.get_num_threads()} threads, {args.dtype})"
+    )
+    for part in ("forward", *GROUPS, "loop and other"):
+        print(f"  {part:<30} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
+    if args.ops:  # a separate run: the profiler's own overhead stays out of the figures above
+        print_ops(model, encode(batches[0]), args)
 
+
+def timed_runs(model, batches: list, args):
+    """Every batch decoded with each group of functions (and the forward) timed: `(seconds by part, wall seconds,
+    (passes, passes summed over rows, new tokens))`; what no group holds is "loop and other"."""
     totals = defaultdict(float)
     restore = [timed(owner, name, totals, group) for group, items in GROUPS.items() for owner, name in items]
     state = {}
@@ -81,9 +96,9 @@ def main():
     passes = row_passes = tokens = 0
     start = time.perf_counter()
     try:
-        for batch in batches:
+        for inputs in batches:
             out = model.generate(
-                **encode(batch),
+                **inputs,
                 max_new_tokens=args.max_new_tokens,
                 mars_tau=args.tau,
                 mars_verify=args.verify,
@@ -99,25 +114,19 @@ def main():
         for hook in hooks:
             hook.remove()
     totals["loop and other"] = wall - sum(totals.values())
-    mode = "lossless" if args.verify else "MARS"
-    print(
-        f"{mode} τ={args.tau}, batch {args.batch_size}: {passes} passes, {tokens} tokens, "
-        f"{tokens / row_passes:.2f} tokens/forward, {1000 * wall / passes:.2f} ms per pass "
-        f"({torch.get_num_threads()} threads, {args.dtype})"
-    )
-    for part in ("forward", *GROUPS, "loop and other"):
-        print(f"  {part:<30} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
-    if args.ops:  # a separate run: the profiler's own overhead stays out of the figures above
-        from torch.profiler import ProfilerActivity, profile
+    return totals, wall, (passes, row_passes, tokens)
 
-        cuda = model.device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
-            model.generate(
-                **encode(batches[0]), max_new_tokens=args.max_new_tokens, mars_tau=args.tau, mars_verify=args.verify
-            )
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=args.ops))
+
+def print_ops(model, inputs, args) -> None:
+    """The `args.ops` costliest operators of one more run, under `torch.profiler`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        model.generate(**inputs, max_new_tokens=args.max_new_tokens, mars_tau=args.tau, mars_verify=args.verify)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.ops))
 
 
 if __name__ == "__main__":
