@@ -136,11 +136,31 @@ def profile_calls(calls: dict, timed: dict, new_tokens: int, top: int, device: s
         count = sum(e.count for e in kernels)
         print(f"| {label} | {1000 * seconds / passes:.2f} | {busy / passes:.2f} | {count / passes:.0f} |", flush=True)
         tables[label] = (sorted(kernels, key=lambda e: -(e.self_device_time_total or e.self_cpu_time_total)), passes)
+    per_pass = {}  # by method: {kernel: (ms, calls) per pass}
     for label, (kernels, passes) in tables.items():
         print(f"\n{label}: the {top} costliest kernels, ms per pass (calls per pass)")
+        per_pass[label] = {e.key: (_self_ms(e, device) / passes, e.count / passes) for e in kernels}
         for e in kernels[:top]:
-            ms = (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1000 / passes
-            print(f"  {ms:7.3f}  ({e.count / passes:5.1f})  {e.key[:110]}")
+            print(f"  {_self_ms(e, device) / passes:7.3f}  ({e.count / passes:5.1f})  {e.key[:110]}")
+    print_extra_kernels(per_pass, top)
+
+
+def _self_ms(event, device: str) -> float:
+    return (event.self_device_time_total if device == "cuda" else event.self_cpu_time_total) / 1000
+
+
+def print_extra_kernels(per_pass: dict, top: int) -> None:
+    """For each MARS method after the first, the `top` kernels whose calls per pass differ most from the first
+    method's: where a wide pass's extra launches come from."""
+    methods = [label for label in per_pass if label not in PLAIN]
+    for label in methods[1:]:
+        base, this = per_pass[methods[0]], per_pass[label]
+        none = (0.0, 0.0)
+        extra = {k: tuple(a - b for a, b in zip(this.get(k, none), base.get(k, none))) for k in {*base, *this}}
+        extra = sorted(((k, d) for k, d in extra.items() if abs(d[1]) >= 0.5), key=lambda item: -abs(item[1][1]))
+        print(f"\n{label} against {methods[0]}: calls per pass that differ, ms per pass (calls per pass)")
+        for key, (ms, calls) in extra[:top]:
+            print(f"  {ms:+7.3f}  ({calls:+6.1f})  {key[:110]}")
 
 
 def parse_args() -> argparse.Namespace:

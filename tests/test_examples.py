@@ -73,6 +73,9 @@ def test_bench_graph_pass_times_the_graph_and_the_loop_against_a_plain_step():
     ]
     assert all(float(row.split(" | ")[2]) > 0 and int(row.split(" | ")[3].rstrip(" |")) > 0 for row in profiled)
     assert out.count("costliest kernels") == 5
+    assert out.count("against τ = 0.9, graph: calls per pass that differ") == 3
+    wide = out[out.index("lossless 4x3+8, graph against τ = 0.9, graph") :].splitlines()[1:4]
+    assert all(line.split()[0][0] in "+-" for line in wide), wide  # a wider pass launches other kernels
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
     assert names == ["plain generate()"] + [
