@@ -11,7 +11,7 @@ from helpers import Recorder, StopRowAfterCalls, make_model, make_tokenizer, toy
 from transformers import GenerationMixin, StoppingCriteriaList
 
 import hf_mars
-from hf_mars.decoding import graph
+from hf_mars.decoding import commit, graph
 from hf_mars.decoding.cache import pass_positions
 from hf_mars.decoding.graph import GraphShape, _relative_positions
 from hf_mars.decoding.tree import DraftTree
@@ -216,7 +216,7 @@ def test_cut_stops_a_row_at_its_budget_and_at_its_first_eos():
         for idle in (False, True)
     ]
     tokens, offered, left, idle = (torch.tensor(column) for column in zip(*cases))
-    accepted, ended = graph.cut(tokens, offered, left, idle, eos)
+    accepted, ended = commit.cut(tokens, offered, left, idle, eos)
     for row, (text, offer, budget, still) in enumerate(cases):
         take = 0 if still else min(offer, budget)
         first_eos = next((i for i, token in enumerate(text[:take]) if token in (7, 9)), None)
@@ -224,7 +224,7 @@ def test_cut_stops_a_row_at_its_budget_and_at_its_first_eos():
         assert accepted[row] == expected, cases[row]
         assert bool(ended[row]) == (take >= budget or first_eos is not None), cases[row]
     assert bool((accepted < offered.clamp(max=left)).any()) and bool(ended.any()) and not bool(ended.all())
-    no_eos, _ = graph.cut(tokens, offered, left, idle, torch.tensor([], dtype=torch.long))
+    no_eos, _ = commit.cut(tokens, offered, left, idle, torch.tensor([], dtype=torch.long))
     assert torch.equal(no_eos, torch.where(idle, 0, torch.minimum(offered, left)))
 
 

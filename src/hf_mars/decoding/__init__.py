@@ -20,6 +20,7 @@ REMOTE_FILES = (
     "cache.py",  # MARSCache: a DynamicCache that keeps real tokens only
     "tree.py",  # DraftTree: lossless mode's draft tree, its attention pattern, prompt lookup
     "verify.py",  # lossless mode: verification of drafts, proposal of the next ones
+    "commit.py",  # what a pass keeps: the tokens each row takes (EOS, length), its text, the next pending tokens
     "stopping.py",  # stopping criteria called exactly as generate() calls them
     "compat.py",  # the transformers names that are not stable public API, each behind one function
 )

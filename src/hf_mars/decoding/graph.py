@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import compact_static, pass_positions
+from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
 from .scoring import Histories, choose, into, processed, scored_at_once, tau_accepted
@@ -442,18 +443,6 @@ def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
     return tokens, accepted, (end, depth.unsqueeze(1), kept)
 
 
-def cut(tokens, accepted, left, idle, eos):
-    """`(accepted, ended)`: what each row takes of `tokens[:, :accepted]`, stopped by the `left` tokens its budget
-    allows and by the first of the `eos` ids; `idle` rows (no longer decoding) take nothing."""
-    accepted = torch.minimum(accepted, left).masked_fill_(idle, 0)
-    ended = accepted >= left
-    if eos.numel():  # the tokens before each row's first EOS: a row that takes an EOS ends with it
-        before = torch.cummin(~torch.isin(tokens, eos), dim=1).values.sum(dim=1)
-        hit = before < accepted
-        accepted, ended = torch.minimum(accepted, before + 1), ended | hit
-    return accepted, ended
-
-
 def _commit(g: GraphPass, tokens, accepted, path) -> None:
     """The pending tokens and kept drafts stay cached, the rejected drafts as holes; the cache steps back over the
     masks, which the next pass overwrites. The accepted tokens go into the text."""
@@ -464,12 +453,6 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     write_taken(state.sequences, g.rows, g.decoded_column + state.write_offsets, tokens, untaken, g.shape.pad_token_id)
     torch._foreach_add_(g.counters, g.counter_steps)
     torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
-
-
-def write_taken(sequences, rows, columns, tokens, untaken, pad_token_id) -> None:
-    """Write a pass's `tokens` into the text of `rows` (a column) at `columns` (`(rows, tokens)`: where each row's text
-    ends, on), those a row does not take (`untaken`) as padding, which a later pass writes over."""
-    sequences.index_put_((rows, columns), tokens.masked_fill(untaken, pad_token_id))
 
 
 def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
@@ -510,14 +493,6 @@ def _propose(g: GraphPass, logits, end):
     if shape.lookup:
         drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)
     return drafts.tokens, drafts.real
-
-
-def right_align(tokens, counts, width: int, pad_token_id):
-    """The first `counts[i]` tokens of each row, right-aligned (left-padded) to `width`: `(tokens, real)`, as a
-    left-padded prompt is."""
-    index = torch.arange(width, device=tokens.device) + (counts - width)[:, None]
-    real = index >= 0
-    return tokens.gather(1, index.clamp(min=0)).masked_fill(~real, pad_token_id), real
 
 
 def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories | None]:

@@ -19,6 +19,7 @@ import transformers
 # Every sibling file is imported here by name: transformers loaders before 5.10 copy into their modules cache only the
 # files that the class's own file imports, not what those import in turn.
 from .cache import MARSCache, StaticMARSCache
+from .commit import cut
 from .compat import TESTED_TRANSFORMERS, warn_if_untested
 from .costs import choose_tree
 from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
@@ -47,6 +48,7 @@ __all__ = [
     "StaticMARSCache",
     "Stopping",
     "choose_tree",
+    "cut",
     "TauController",
     "mars_class",
     "set_mask_token",

@@ -39,7 +39,7 @@ from torch.nn.functional import pad
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache import KVBook
-from .graph import cut, right_align, write_taken
+from .commit import cut, right_align, write_taken
 from .schedule import MaskSchedule
 from .scoring import Histories, branching, choose, follow_padding, processors_signature, scored_at_once, tau_accepted
 from .settings import MARSSettings, read_tau
