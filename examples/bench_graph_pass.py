@@ -132,10 +132,10 @@ def profile_calls(calls: dict, timed: dict, new_tokens: int, top: int, device: s
         kernels = [e for e in prof.key_averages() if e.device_type.name == activity.name and e.self_device_time_total]
         if device != "cuda":  # on a CPU, its operators stand for kernels
             kernels = [e for e in prof.key_averages() if e.key.startswith("aten::")]
-        busy = sum(e.self_device_time_total if device == "cuda" else e.self_cpu_time_total for e in kernels) / 1000
+        busy = sum(_self_ms(e, device) for e in kernels)
         count = sum(e.count for e in kernels)
         print(f"| {label} | {1000 * seconds / passes:.2f} | {busy / passes:.2f} | {count / passes:.0f} |", flush=True)
-        tables[label] = (sorted(kernels, key=lambda e: -(e.self_device_time_total or e.self_cpu_time_total)), passes)
+        tables[label] = (sorted(kernels, key=lambda e: -_self_ms(e, device)), passes)
     per_pass = {}  # by method: {kernel: (ms, calls) per pass}
     for label, (kernels, passes) in tables.items():
         print(f"\n{label}: the {top} costliest kernels, ms per pass (calls per pass)")
