@@ -468,6 +468,7 @@ def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> No
         state.time.copy_(run.schedule.time)
         state.rate[targets], state.last[targets] = run.schedule.rate[rows], run.schedule.last[rows]
         state.passes[targets] = text.passes[rows]
+    g.find_held()
 
 
 def _unload_graph(g, run: Session, passes: int, slot: int) -> None:

@@ -38,7 +38,7 @@ from .cache import compact_static, pass_positions
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
-from .scoring import Histories, choose, into, processed, scored_at_once, tau_accepted
+from .scoring import SET_BASED, Histories, choose, into, processed, scored_at_once, tau_accepted
 from .tree import DraftTree
 from .verify import Drafts, add_lookup, propose, verify, verify_greedy
 
@@ -199,13 +199,17 @@ class GraphPass:
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self.processors = processors
         self.ids = {}  # `Histories.no_ids`' columns, made once
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        # Per repetition penalty, `(batch, vocab + 1)`: the tokens each row's history holds (`Histories.seen`), found
+        # when rows are loaded (`find_held`), then added to by each pass (`_commit`), not found anew every pass
+        penalties = [p for p in processors or () if isinstance(p, SET_BASED)]
+        self.held = [torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties]
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
         if shape.verify and shape.sampled and shape.typical is None:
-            vocab = model.get_output_embeddings().weight.shape[0]
-            self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, vocab, device=device)
+            self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, self.vocab, device=device)
             self.proposed = self.proposals[:, : shape.masks]  # what `propose` writes; the position after stays 0
         self.graph, self.eager_runs = None, 0
         self.leased = False  # lent to one caller (`graph_pass_for`)
@@ -230,6 +234,18 @@ class GraphPass:
         joins): its slots, and the column of `sees` each key slot reads. Each pass then moves them itself."""
         torch.add(self.pass_slots, slot, out=self.slots)
         torch.sub(self.key_columns, slot, out=self.sees_columns)
+
+    def histories(self, found: bool = True) -> Histories:
+        """What the logits processors read: every row's text as it stands, each history to its decoded tokens, the
+        tokens each holds those of `held` (unless not `found`: then found from the text)."""
+        lengths = self.text_start + self.state.decoded
+        held = self.held if found and self.held else None
+        return Histories(self.processors, self.state.sequences, None, lengths, ids=self.ids, seen=held)
+
+    def find_held(self) -> None:
+        """`held` found anew from every row's text, once rows are loaded (`generate.load_rows`)."""
+        if self.held:
+            torch._foreach_copy_(self.held, self.histories(found=False).seen(self.vocab))
 
     def load_cache(self, kv) -> None:
         """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
@@ -451,6 +467,10 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
         state.real.index_copy_(1, g.draft_slots, path[2])
     untaken = g.untaken.index_select(0, accepted)
     write_taken(state.sequences, g.rows, g.decoded_column + state.write_offsets, tokens, untaken, g.shape.pad_token_id)
+    if g.held:  # the taken tokens, held now (those not taken into the spare column)
+        taken = tokens.masked_fill(untaken, g.vocab)
+        for held in g.held:
+            held.scatter_(1, taken, True)
     torch._foreach_add_(g.counters, g.counter_steps)
     torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
 
@@ -504,7 +524,7 @@ def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories
         return logits, None
     if not g.shape.reads_text:  # warpers alone: every slot in one call
         return processed(logits, Histories(g.processors, g.state.sequences, None, None, ids=g.ids), None), None
-    histories = Histories(g.processors, g.state.sequences, None, g.text_start + g.state.decoded, ids=g.ids)
+    histories = g.histories()
     if g.shape.verify:
         return scored_at_once(logits, histories, g.drafts, g.scored_lineage), None
     return logits, histories

@@ -116,16 +116,17 @@ class Histories:
     position-aware processors (n-gram bans) and those with per-row state exact.
     """
 
-    def __init__(self, processors, sequences, rows, lengths, joined=None, ids: dict | None = None):
+    def __init__(self, processors, sequences, rows, lengths, joined=None, ids: dict | None = None, seen=None):
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
         `lengths`: `(active rows,)` how far each one's history reaches; `joined`: `(active rows,)` the columns of
         left padding in each one's prompt that are not its own batch's (`Text.joined`: added by rows that joined
         later; None: none), which a `min_length` does not count. `ids`: where `no_ids` keeps its columns and `seen`
         the text's column indices, for a caller that makes histories every pass (a graph pass: each tensor made is an
-        op of every pass)."""
+        op of every pass). `seen`: what `seen()` would find, where the caller keeps it (a graph pass adds each
+        pass's tokens to it); None: found from the text when first asked."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
         self.joined = joined
-        self._seen, self._ids = None, {} if ids is None else ids
+        self._seen, self._ids = seen, {} if ids is None else ids
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:
@@ -259,10 +260,8 @@ class Histories:
                 scores = _ngrams_banned(processor, self.text(), self.lengths, scores)
             elif isinstance(processor, NGRAM_BANS):
                 scores = _ngrams_banned(processor, *chain, scores.reshape(-1, vocab)).view_as(scores)
-            elif scores.dim() == 2:  # reads only the scores
-                scores = processor(self.no_ids(scores.shape[0]), scores)
-            else:  # every slot in one call
-                scores = processor(self.no_ids(scores.numel() // vocab), scores.reshape(-1, vocab)).view_as(scores)
+            else:  # reads only the scores
+                scores = scores_only(processor, scores, self.no_ids)
         return scores
 
     def _reads_lengths(self) -> bool:
@@ -474,6 +473,21 @@ def processors_signature(processors, layout: bool = True) -> tuple:
     return tuple((type(p).__name__, repr(settings(p))) for p in processors)
 
 
+def scores_only(processor, scores: torch.Tensor, no_ids) -> torch.Tensor:
+    """A processor that reads the scores alone (`reads_scores_only`) on `scores` of any shape `(..., vocab)`: a
+    temperature and top-k by transformers' own arithmetic (the same values, ties kept as its comparison keeps them),
+    every slot at once without flattening them into rows, in fewer ops than its call (top-k's last value as one
+    slice); others called on rows (`no_ids(rows)`: the token ids they do not read)."""
+    if type(processor) is logits_process.TemperatureLogitsWarper:
+        return scores / processor.temperature
+    if type(processor) is logits_process.TopKLogitsWarper:
+        last = scores.topk(min(processor.top_k, scores.shape[-1])).values[..., -1:]
+        return scores.masked_fill(scores < last, processor.filter_value)
+    if scores.dim() == 2:
+        return processor(no_ids(scores.shape[0]), scores)
+    return processor(no_ids(scores.numel() // scores.shape[-1]), scores.reshape(-1, scores.shape[-1])).view_as(scores)
+
+
 def reads_scores_only(processor) -> bool:
     """Whether `processor` reads the scores alone (`HISTORY_FREE`, or a bias of single tokens: `BIASES`)."""
     if isinstance(processor, BIASES):
@@ -525,9 +539,10 @@ def processed(logits, histories: Histories | None, drafts=None, lineage=None):
     (transformers' own) slot by slot."""
     if histories is None:
         return logits
-    if history_free(histories.processors):  # one call for every slot of every row
-        batch, slots, vocab = logits.shape
-        return histories.processors(histories.no_ids(batch * slots), logits.reshape(-1, vocab)).view_as(logits)
+    if history_free(histories.processors):  # every slot of every row at once
+        for processor in histories.processors:
+            logits = scores_only(processor, logits, histories.no_ids)
+        return logits
     if order_free(histories.processors) or (drafts is not None and by_rules(histories.processors)):
         return histories.slots(logits, drafts, lineage)  # one application for every slot of every row
     return torch.stack([histories(drafts[:, :j], logits[:, j]) for j in range(logits.shape[1])], dim=1)
