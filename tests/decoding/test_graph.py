@@ -286,6 +286,37 @@ def test_a_lossless_pass_with_a_repetition_penalty_scores_every_slot_at_once():
     assert rows["lossless, one graph"]["ratio"] <= 1.5, rows["lossless, one graph"]
 
 
+def test_a_sampled_penalised_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():
+    """Sampling with a repetition penalty, what chat traffic sends: τ-mode draws slot by slot, each after the tokens
+    drawn before it, and lossless mode samples speculatively; both within 1.5x a plain sampled, penalised step's ops
+    (the warpers by their own arithmetic, the tokens each history holds carried from pass to pass)."""
+    from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
+
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    decoding = "sampled, repetition penalty 1.2"
+    rows = {row["method"]: row for row in host_ops(model, tokenizer, (2,), max_new_tokens=48, decodings=(decoding,))}
+    for mode in ("MARS τ = 0.9", "lossless"):
+        assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"], mode
+        assert rows[f"{mode}, one graph"]["ratio"] <= 1.5, rows[f"{mode}, one graph"]
+
+
+def test_a_graph_pass_carries_the_tokens_each_history_holds_as_the_text_holds_them(trained_toy):
+    """A graph pass finds which tokens each row's history holds when rows are loaded, then adds each pass's taken
+    tokens (`GraphPass.held`): after a run, what it carries equals what the text it wrote holds, found anew."""
+    model, tok = trained_toy
+    model.__dict__.pop("_mars_graphs", None)
+    enc = toy_prompts(tok, n=3, seed=11)
+    penalised = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.3, cache_implementation="static")
+    for mode in (dict(mars_tau=0.9), dict(mars_verify=True)):
+        model.generate(**enc, **penalised, **mode)
+    passes = [g for g in model._mars_graphs.values() if g.held]
+    assert len(passes) == 2 and all(int(g.state.step) > 1 for g in passes)
+    for g in passes:
+        found = g.histories(found=False).seen(g.vocab)
+        assert all(torch.equal(held, anew) for held, anew in zip(g.held, found))
+        assert torch.equal(g.state.text_end, g.text_start + g.state.decoded)
+
+
 def test_an_ngram_ban_runs_in_the_graph_pass_with_fewer_ops_than_the_loop():
     """`no_repeat_ngram_size` by MARS's rule (`scoring.NGRAM_BANS`) runs in the graph pass, and each mode's graph
     pass dispatches fewer ops than the loop's pass, which applies the same rule around a dynamic frame. Lossless

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
 )
 
-from hf_mars.decoding.scoring import Histories, by_rules, choose, processed
+from hf_mars.decoding.scoring import Histories, by_rules, choose, processed, scores_only
 from hf_mars.decoding.tree import DraftTree
 
 VOCAB, EOS, PROMPT = 12, 3, 4  # a small vocabulary, so that histories hold many of its tokens
@@ -164,3 +164,18 @@ def test_an_ngram_ban_is_applied_by_its_rule_as_generate_applies_it(ngram, activ
         for n in ((ngram,), ())
     ]
     assert (torch.isinf(scored[0]) & ~torch.isinf(scored[1])).any()
+
+
+@pytest.mark.parametrize("top_k", [1, 4, VOCAB + 3])
+def test_warpers_on_every_slot_at_once_are_transformers_own_values(top_k):
+    """A temperature and top-k applied by `scores_only` to `(rows, slots, vocab)` scores at once give, bit for bit,
+    what transformers' warpers give on each slot's row: ties at the k-th value kept as its comparison keeps them, a k
+    past the vocabulary clamped."""
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.randint(-3, 4, (3, 5, VOCAB), generator=generator).float()  # few values: many ties
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(top_k)):
+        by_rows = warper(torch.zeros(15, 1, dtype=torch.long), scores.reshape(15, VOCAB)).view_as(scores)
+        assert torch.equal(scores_only(warper, scores, None), by_rows), warper
+    kth = scores.topk(min(top_k, VOCAB)).values[..., -1:]
+    if top_k < VOCAB:  # the premise: some slot's k-th value is tied, so more than k tokens stay
+        assert ((scores >= kth).sum(dim=-1) > top_k).any()

@@ -446,8 +446,9 @@ def _load_graph(g, run: Session) -> None:
 def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> None:
     """What the fed rows `index` of `run` (text rows `run.feed.rows[index]`) decode next, into the graph pass's rows
     `targets`: budget and count, whether done, the last pending position, the pending tokens and drafts, the mask
-    schedule. The one hand-over of a session's rows to a graph pass: `generate()` moves its whole batch with it, a
-    graph session (`serving/graph_session.py`) each row that joins (its text and K/V placed by the caller)."""
+    schedule; then every row's text end and the tokens each history holds, found from the text. The one hand-over
+    of a session's rows to a graph pass: `generate()` moves its whole batch with it, a graph session
+    (`serving/graph_session.py`) each row that joins (its text and K/V placed by the caller)."""
     plan, text, feed, state = run.plan, run.text, run.feed, g.state
     rows = feed.rows[index]
     state.budget[targets], state.decoded[targets] = text.budget[rows], text.decoded[rows]
@@ -468,6 +469,7 @@ def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> No
         state.time.copy_(run.schedule.time)
         state.rate[targets], state.last[targets] = run.schedule.rate[rows], run.schedule.last[rows]
         state.passes[targets] = text.passes[rows]
+    torch.add(g.text_start, state.decoded, out=state.text_end)
     g.find_held()
 
 

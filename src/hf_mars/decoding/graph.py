@@ -113,6 +113,7 @@ class GraphState:
     write_offsets: torch.Tensor  # (batch, tokens a pass may take) where each row's text starts + 0, 1, ...
     budget: torch.Tensor  # (batch,) new tokens each row may take
     decoded: torch.Tensor  # (batch,) new tokens decoded
+    text_end: torch.Tensor  # (batch,) where each row's text ends: where it starts (`write_offsets[:, 0]`) + decoded
     done: torch.Tensor  # (batch,) rows that reached EOS or the length limit
     finished: torch.Tensor  # () every row done
     real: torch.Tensor  # (batch, slots) which cache slots hold real tokens (before the slots the next pass writes)
@@ -139,6 +140,7 @@ class GraphState:
             write_offsets=torch.zeros(batch, shape.tokens, **long),
             budget=torch.zeros(batch, **long),
             decoded=torch.zeros(batch, **long),
+            text_end=torch.zeros(batch, **long),
             done=torch.zeros(batch, **flag),
             finished=torch.zeros((), **flag),
             real=torch.zeros(batch, slots, **flag),
@@ -238,9 +240,8 @@ class GraphPass:
     def histories(self, found: bool = True) -> Histories:
         """What the logits processors read: every row's text as it stands, each history to its decoded tokens, the
         tokens each holds those of `held` (unless not `found`: then found from the text)."""
-        lengths = self.text_start + self.state.decoded
         held = self.held if found and self.held else None
-        return Histories(self.processors, self.state.sequences, None, lengths, ids=self.ids, seen=held)
+        return Histories(self.processors, self.state.sequences, None, self.state.text_end, ids=self.ids, seen=held)
 
     def find_held(self) -> None:
         """`held` found anew from every row's text, once rows are loaded (`generate.load_rows`)."""
@@ -472,7 +473,7 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
         for held in g.held:
             held.scatter_(1, taken, True)
     torch._foreach_add_(g.counters, g.counter_steps)
-    torch._foreach_add_([state.decoded, state.last_position], [accepted, accepted])
+    torch._foreach_add_([state.decoded, state.text_end, state.last_position], [accepted] * 3)
 
 
 def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
@@ -511,7 +512,7 @@ def _propose(g: GraphPass, logits, end):
     tau, measure, candidates = state.tau, shape.confidence, shape.candidates
     drafts = propose(followed, None, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer)
     if shape.lookup:
-        drafts = add_lookup(drafts, state.sequences, g.text_start + state.decoded, shape.lookup, None, True)
+        drafts = add_lookup(drafts, state.sequences, state.text_end, shape.lookup, None, True)
     return drafts.tokens, drafts.real
 
 

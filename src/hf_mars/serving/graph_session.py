@@ -145,9 +145,8 @@ class GraphSession:
         """Every held row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: two
         reads from the device (the counts, then the tokens they reach)."""
         state = self.graph.state
-        start = state.write_offsets[:, 0]
-        decoded, done, took = torch.stack([state.decoded, state.done.long(), state.accepted_log[0]]).tolist()
-        ends = (start + state.decoded).tolist()
+        counts = torch.stack([state.decoded, state.done.long(), state.accepted_log[0], state.text_end])
+        decoded, done, took, ends = counts.tolist()
         text = state.sequences[:, : max(ends)].tolist()
         out = []
         for row, label in enumerate(self.held):
