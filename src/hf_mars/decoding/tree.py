@@ -242,22 +242,20 @@ def lookup(sequences, lengths, num_tokens: int, longest_ngram: int = LOOKUP_NGRA
     """Prompt lookup: for each row, the `num_tokens` tokens that followed the latest earlier occurrence of its last
     n tokens (n from `longest_ngram` down to 1, the longest that occurs), `(found, real)`; `real` is False past the
     row's text and where nothing matched. Rows are `sequences[:, :lengths]`. Every n at once, in a fixed number of
-    ops: each position's last `longest_ngram` tokens against the text's, agreeing over the last n of them."""
+    ops: each position's last `longest_ngram` tokens against the text's, scored by how many of them agree, then by
+    how late the position is; the best score names both the longest n that occurs and its latest occurrence."""
     width, k = sequences.shape[1], longest_ngram
-    tail = lengths - 1  # where the text's last token is
+    ends = lengths[:, None]
     windows = torch.nn.functional.pad(sequences, (k - 1, 0), value=-2).unfold(1, k, 1)  # (batch, width, k)
     # The text's last k tokens (-2 before its start: an n-gram over the start never agrees, since the earlier one
     # holds -2 where this one holds the text's first token)
-    last = windows.gather(1, tail.view(-1, 1, 1).expand(-1, 1, k))
-    agree = torch.cummin((windows == last).flip(2), dim=2).values  # [..., n - 1]: the last n agree
-    # Where an earlier n-gram ends, plus one, at the columns where an occurrence may end (before the text's last
-    # token), else 0: the latest occurrence of each n is the largest, 0 where there is none
+    last = windows.gather(1, (ends - 1)[..., None].expand(-1, 1, k))
+    agree = torch.cummin((windows == last).flip(2), dim=2).values.sum(dim=2)  # (batch, width): how many last agree
+    # Where an earlier n-gram ends, plus one, ranked below every longer match, at the columns where an occurrence may
+    # end (before the text's last token), else 0; a score above `width` is a match (none: past every text, so
+    # nothing read from there is real)
     after = torch.arange(1, width + 1, device=sequences.device)
-    after = after * (after <= tail[:, None])
-    latest = (agree * after[..., None]).amax(dim=1)  # (batch, k)
-    # An n-gram that occurs holds every shorter one: those that occur are n = 1 .. m, and n = m's is the last found
-    # (none found: past every text, so nothing read from there is real)
-    start = torch.nn.functional.pad(latest, (1, 0), value=width).gather(1, (latest > 0).sum(dim=1, keepdim=True))
-    index = start + torch.arange(num_tokens, device=sequences.device)
+    best = (torch.add(after, agree, alpha=width + 1) * (after < ends)).amax(dim=1, keepdim=True).clamp_(min=width)
+    index = best % (width + 1) + torch.arange(num_tokens, device=sequences.device)
     found = sequences.gather(1, index.clamp(max=width - 1))
-    return found, index < lengths[:, None]
+    return found, index < ends
