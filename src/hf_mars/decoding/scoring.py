@@ -199,7 +199,7 @@ class Histories:
         lead = int(bool(tail) and isinstance(tail[0], SET_BASED))  # a leading penalty: 1, its place in `seen` too
         rest, penalised = tail[lead:], _penalised(scores, tail[0].penalty) if lead else None
         while lead and slots > 1 and rest and isinstance(rest[0], SCALING):  # both sides of the penalty's choice
-            scores, penalised = (rest[0](self.no_ids(1), both) for both in (scores, penalised))
+            scores, penalised = (scores_only(rest[0], both, self.no_ids) for both in (scores, penalised))
             rest = rest[1:]
         penalised = penalised.unbind(1) if lead else None
         bans = self._slot_bans(slots, vocab)
