@@ -3,6 +3,7 @@ exactly what the loop of `generate.py` gives (tokens, passes, what each pass acc
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -378,6 +379,32 @@ def test_a_compiled_graph_pass_compiles_every_shape_past_torchs_default_limit():
         out = generate(model, enc, compile_config=config, max_new_tokens=8, mars_tau=0.9)
         assert torch.equal(out.sequences, generate(model, enc, False, max_new_tokens=8, mars_tau=0.9).sequences)
     assert compiled() - before == len(shapes)
+
+
+def test_a_pass_compiled_whole_draws_a_seeds_tokens():
+    """Off a GPU the whole pass is compiled by inductor, whose own random numbers differ from eager's: it draws with
+    eager's generator, so at τ = 1 a seed gives plain compiled `generate()`'s sampled tokens, and in lossless mode
+    the loop's."""
+    from transformers import CompileConfig
+
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama", hidden_size=40, num_attention_heads=2), tok, block_size=3)
+    config = CompileConfig(backend="inductor")
+    config._compile_all_devices = True
+    enc = toy_prompts(tok, n=3, seed=2)
+    sampled = dict(max_new_tokens=12, do_sample=True, temperature=0.7, top_k=20, repetition_penalty=1.3)
+
+    def seeded(call, **kwargs):
+        torch.manual_seed(0)
+        return call(**enc, **sampled, **kwargs)
+
+    compiled = dict(compile_config=config, cache_implementation="static")
+    plain = seeded(functools.partial(GenerationMixin.generate, model), **compiled)
+    assert torch.equal(seeded(model.generate, mars_tau=1.0, **compiled), plain)
+    lossless = dict(mars_verify=True, mars_lookup=2)
+    in_graph = seeded(model.generate, **lossless, **compiled)
+    torch.manual_seed(0)
+    assert torch.equal(in_graph, generate(model, enc, False, **sampled, **lossless).sequences)
 
 
 BY_RULE = {  # lossless passes verified by `verify.verify` (not the greedy match of raw logits)

@@ -533,13 +533,18 @@ def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories
 
 def _compiled(function, config, mode=None):
     """`function` compiled with `generate()`'s `CompileConfig` (its backend; inductor's `mode` if given, which here
-    means no CUDA graphs of its own), once per function and config, allowed `RECOMPILE_LIMIT` shapes."""
-    key = (function, config.backend, mode or config.mode)
+    means no CUDA graphs of its own), once per function and config, allowed `RECOMPILE_LIMIT` shapes. Inductor draws
+    random numbers with eager's generator (`fallback_random`): its own draw others, so a seed would not give the
+    loop's (and at τ = 1 `generate()`'s) tokens."""
+    mode = mode or config.mode
+    key = (function, config.backend, mode)
     if key not in _COMPILED:
-        inductor = config.backend == "inductor"
-        compiled = torch.compile(
-            function, backend=config.backend, mode=(mode or config.mode) if inductor else None, dynamic=False
-        )
+        options = None
+        if config.backend == "inductor":  # the mode's options (torch.compile takes a mode or options, not both)
+            from torch._inductor import list_mode_options  # loaded where a pass compiles, not on import
+
+            options = {**(list_mode_options(mode) if mode else {}), "fallback_random": True}
+        compiled = torch.compile(function, backend=config.backend, options=options, dynamic=False)
         _COMPILED[key] = many_shapes(compiled)
     return _COMPILED[key]
 
