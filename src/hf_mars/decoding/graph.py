@@ -201,16 +201,17 @@ class GraphPass:
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self.processors = processors
         self.ids = {}  # `Histories.no_ids`' columns, made once
-        self.vocab = model.get_output_embeddings().weight.shape[0]
         # Per repetition penalty, `(batch, vocab + 1)`: the tokens each row's history holds (`Histories.seen`), found
         # when rows are loaded (`find_held`), then added to by each pass (`_commit`), not found anew every pass
         penalties = [p for p in processors or () if isinstance(p, SET_BASED)]
+        sampled_drafts = shape.verify and shape.sampled and shape.typical is None
+        self.vocab = model.get_output_embeddings().weight.shape[0] if penalties or sampled_drafts else None
         self.held = [torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties]
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
-        if shape.verify and shape.sampled and shape.typical is None:
+        if sampled_drafts:
             self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, self.vocab, device=device)
             self.proposed = self.proposals[:, : shape.masks]  # what `propose` writes; the position after stays 0
         self.graph, self.eager_runs = None, 0
