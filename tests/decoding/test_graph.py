@@ -245,6 +245,19 @@ def test_the_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():
     assert rows["plain generate()"]["ratio"] == 1.0
 
 
+def test_a_lossless_pass_with_prompt_lookup_dispatches_at_most_one_and_three_quarters_plain_steps_of_ops():
+    """Prompt lookup's branch (the shipped trees carry it) in a graph pass: its search in a fixed number of ops, from
+    column tables the pass made once, written into the tree's slots; with the verification of a tree, not a chain,
+    within 1.75x a plain step's ops, and under half the loop's."""
+    from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
+
+    model, tokenizer = host_bound_model(layers=2, hidden=32)
+    rows = {row["method"]: row for row in host_ops(model, tokenizer, (2,), max_new_tokens=24, decodings=("greedy",))}
+    graph, loop = rows["lossless, prompt lookup 4, one graph"], rows["lossless, prompt lookup 4, loop"]
+    assert graph["ops"] < loop["ops"] / 2, (graph, loop)
+    assert graph["ratio"] <= 1.75, graph
+
+
 def test_the_loop_on_a_dynamic_cache_dispatches_at_most_three_plain_steps_of_ops_at_tau_1():
     """`generate()`'s default cache runs the loop: at τ = 1 (one token a pass, plain decoding's tokens) its books per
     pass (the rows' counts and text, positions, stopping) stay within 3x the ops of plain's own dynamic step, every

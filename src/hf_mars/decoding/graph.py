@@ -17,7 +17,7 @@ repetition penalty, minimum lengths);
 each row uses those its schedule offers) and lossless mode's exact verification over a whole draft tree (chain,
 runner-ups, prompt lookup), speculative sampling of a chain, or typical acceptance; sliding-window layers, whose
 windows the pass's masks hold. Choosing, verifying and proposing are the loop's own functions (`scoring.choose`,
-`verify.verify_greedy`, `verify.verify`, `verify.propose`, `verify.add_lookup`), written for few ops; this file adds
+`verify.verify_greedy`, `verify.verify`, `verify.propose`, `tree.lookup`), written for few ops; this file adds
 what a pass of fixed shape needs around them. User stopping criteria, stop strings and a streamer are served by the
 host loop between passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds
 one, and runs everything else itself.
@@ -39,8 +39,8 @@ from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
 from .scoring import SET_BASED, Histories, choose, into, processed, scored_at_once, tau_accepted
-from .tree import DraftTree
-from .verify import Drafts, add_lookup, propose, verify, verify_greedy
+from .tree import DraftTree, lookup, lookup_columns
+from .verify import Drafts, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
 GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
@@ -210,6 +210,7 @@ class GraphPass:
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
+        self.lookup = lookup_columns(shape.batch, shape.slots, shape.lookup, device) if shape.lookup else None
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
         if sampled_drafts:
             self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, self.vocab, device=device)
@@ -229,8 +230,12 @@ class GraphPass:
         self.draft_slots = self.slots[shape.pending : shape.kept]
         self.real_keys = state.real[:, None, None, :]
         self.decoded_column, self.last_column = state.decoded[:, None], state.last_position[:, None]
-        self.text_start = state.write_offsets[:, 0]
+        self.text_start, self.text_end_column = state.write_offsets[:, 0], state.text_end[:, None]
         self.rows = torch.arange(shape.batch, device=state.fed.device)[:, None]
+        lookup = shape.kept - shape.lookup  # where lookup's drafts start
+        masks, looked_up = slice(shape.pending, lookup), slice(lookup, shape.kept)
+        self.from_masks, self.from_masks_real = state.fed[:, masks], state.fed_real[:, masks]  # the drafts, by source
+        self.from_lookup, self.from_lookup_real = state.fed[:, looked_up], state.fed_real[:, looked_up]
 
     def move_to(self, slot: int) -> None:
         """The next pass writes the cache from `slot` on (a run's first pass here, after compaction, after a row
@@ -495,16 +500,15 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
-        tokens, real = _propose(g, logits, end)
-        g.drafts.copy_(tokens)
-        into(g.drafts_real, torch.logical_and, real, g.live_column)
+        _propose(g, logits, end)
 
 
-def _propose(g: GraphPass, logits, end):
-    """The next drafts, as the loop proposes them (`verify.propose` and `add_lookup`) in the full tree's shape: from
-    the masks after each row's `end`, the chain of confident tokens and their runner-ups (greedy or typical
-    acceptance), drawn with the distributions they were drawn from (speculative sampling), then prompt lookup's
-    branch. `(tokens, real)`: a slot that is not real holds any token, which nothing sees."""
+def _propose(g: GraphPass, logits, end) -> None:
+    """The next drafts, as the loop proposes them (`verify.propose`, then `tree.lookup` as `verify.add_lookup` adds
+    its branch), written in the full tree's shape: from the masks after each row's `end`, the chain of confident
+    tokens and their runner-ups (greedy or typical acceptance), drawn with the distributions they were drawn from
+    (speculative sampling), then prompt lookup's branch. A slot that is not real holds any token, which nothing sees;
+    a row that is done feeds none."""
     shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
@@ -512,9 +516,12 @@ def _propose(g: GraphPass, logits, end):
     buffer = None if g.proposals is None else g.proposed
     tau, measure, candidates = state.tau, shape.confidence, shape.candidates
     drafts = propose(followed, None, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer)
+    g.from_masks.copy_(drafts.tokens)
+    into(g.from_masks_real, torch.logical_and, drafts.real, g.live_column)
     if shape.lookup:
-        drafts = add_lookup(drafts, state.sequences, state.text_end, shape.lookup, None, True)
-    return drafts.tokens, drafts.real
+        found, real = lookup(state.sequences, g.text_end_column, shape.lookup, g.lookup)
+        g.from_lookup.copy_(found)
+        into(g.from_lookup_real, torch.logical_and, real, g.live_column)
 
 
 def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories | None]:

@@ -104,9 +104,9 @@ def runner_ups(candidates) -> int:
 
 
 def full_tree(masks: int, candidates, lookup: int) -> DraftTree:
-    """The whole tree that lossless passes on a static cache propose (`verify.propose` and `add_lookup` with
-    `full_tree`): the chain of `masks` drafts, the runner-ups of each depth after the chain's draft above it, then
-    prompt lookup's branch of `lookup` drafts from the root."""
+    """The whole tree that lossless passes on a static cache propose (`verify.propose` with `full_tree`, then
+    `lookup`'s branch): the chain of `masks` drafts, the runner-ups of each depth after the chain's draft above it,
+    then prompt lookup's branch of `lookup` drafts from the root."""
     parents = tuple(range(-1, masks - 1))
     for depth, count in enumerate(depth_candidates(candidates, masks), start=1):
         parents += (depth - 2,) * (count - 1)
@@ -238,24 +238,47 @@ def tree_attention(
     return mask
 
 
-def lookup(sequences, lengths, num_tokens: int, longest_ngram: int = LOOKUP_NGRAM):
+class LookupColumns(NamedTuple):
+    """The column tables `lookup` reads for `rows` texts in a buffer `width` wide (`lookup_columns`), made once by
+    a pass of fixed shape."""
+
+    rows: torch.Tensor  # (rows, 1): 0, 1, ...
+    grams: torch.Tensor  # (width, n): each column's last n columns, latest first (negative ones: before the text)
+    back: torch.Tensor  # (n,): -1, -2, ...: the text's last n columns, counted back from its end
+    after: torch.Tensor  # (width,): 1, 2, ...: the column after each
+    ahead: torch.Tensor  # (num_tokens,): 0, 1, ...
+    # (rows, num_tokens + n - 1) put after the buffer: token 0 where lookup reads past it, then -2, which a negative
+    # column reads (an index wraps), so that an n-gram over the text's start never agrees (the earlier one holds -2
+    # where this one holds a token)
+    tail: torch.Tensor
+
+
+@functools.lru_cache(maxsize=SHAPES)
+def lookup_columns(rows: int, width: int, num_tokens: int, device) -> LookupColumns:
+    """`LookupColumns` for `lookup(sequences, lengths, num_tokens)` of `rows` texts `width` wide, made once per shape
+    (a run's text buffer keeps its width), like the trees' tables."""
+    arange = functools.partial(torch.arange, device=device)
+    after, back = arange(1, width + 1), -1 - arange(LOOKUP_NGRAM)
+    tail = torch.tensor([0] * num_tokens + [-2] * (LOOKUP_NGRAM - 1), device=device).expand(rows, -1)
+    return LookupColumns(arange(rows)[:, None], after[:, None] + back, back, after, arange(num_tokens), tail)
+
+
+def lookup(sequences, lengths, num_tokens: int, columns: LookupColumns | None = None):
     """Prompt lookup: for each row, the `num_tokens` tokens that followed the latest earlier occurrence of its last
-    n tokens (n from `longest_ngram` down to 1, the longest that occurs), `(found, real)`; `real` is False past the
-    row's text and where nothing matched. Rows are `sequences[:, :lengths]`. Every n at once, in a fixed number of
-    ops: each position's last `longest_ngram` tokens against the text's, scored by how many of them agree, then by
-    how late the position is; the best score names both the longest n that occurs and its latest occurrence."""
-    width, k = sequences.shape[1], longest_ngram
-    ends = lengths[:, None]
-    windows = torch.nn.functional.pad(sequences, (k - 1, 0), value=-2).unfold(1, k, 1)  # (batch, width, k)
-    # The text's last k tokens (-2 before its start: an n-gram over the start never agrees, since the earlier one
-    # holds -2 where this one holds the text's first token)
-    last = windows.gather(1, (ends - 1)[..., None].expand(-1, 1, k))
-    agree = torch.cummin((windows == last).flip(2), dim=2).values.sum(dim=2)  # (batch, width): how many last agree
+    n tokens (n from `LOOKUP_NGRAM` down to 1, the longest that occurs), `(found, real)`; `real` is False past the
+    row's text and where nothing matched. Rows are `sequences[:, :lengths]` (`lengths`: `(rows,)`, or a column).
+    Every n at once, in a fixed number of ops: each column's last n tokens against the text's, scored by how many of
+    them agree, then by how late the column is; the best score names both the longest n that occurs and its latest
+    occurrence. `columns`: `lookup_columns`' tables for this shape (made here if not given)."""
+    width = sequences.shape[1]
+    c = columns or lookup_columns(sequences.shape[0], width, num_tokens, sequences.device)
+    ends = lengths if lengths.dim() == 2 else lengths[:, None]
+    text = torch.cat([sequences, c.tail], dim=1)
+    last = text[c.rows, ends + c.back]  # (rows, n): the text's last n tokens, latest first
+    agree = torch.cummin(text[:, c.grams] == last[:, None], dim=2).values.sum(dim=2)  # (rows, width)
     # Where an earlier n-gram ends, plus one, ranked below every longer match, at the columns where an occurrence may
     # end (before the text's last token), else 0; a score above `width` is a match (none: past every text, so
     # nothing read from there is real)
-    after = torch.arange(1, width + 1, device=sequences.device)
-    best = (torch.add(after, agree, alpha=width + 1) * (after < ends)).amax(dim=1, keepdim=True).clamp_(min=width)
-    index = best % (width + 1) + torch.arange(num_tokens, device=sequences.device)
-    found = sequences.gather(1, index.clamp(max=width - 1))
-    return found, index < ends
+    best = (torch.add(c.after, agree, alpha=width + 1) * (c.after < ends)).amax(dim=1, keepdim=True)
+    index = best.clamp_(min=width) % (width + 1) + c.ahead
+    return text.gather(1, index), index < ends
