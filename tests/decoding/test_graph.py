@@ -334,9 +334,10 @@ def test_a_graph_pass_carries_the_tokens_each_history_holds_as_the_text_holds_th
 def test_an_ngram_ban_runs_in_the_graph_pass_with_fewer_ops_than_the_loop():
     """`no_repeat_ngram_size` by MARS's rule (`scoring.NGRAM_BANS`) runs in the graph pass, and each mode's graph
     pass dispatches fewer ops than the loop's pass, which applies the same rule around a dynamic frame. Lossless
-    mode bans for every slot at once (its drafts a chain, each slot's history a prefix of one text): within 1.75x a
-    plain step's ops with the same ban. τ-mode bans slot by slot, from windows made once a pass over a text each
-    chosen token is written into: within 2x."""
+    mode bans for every slot at once (its drafts a chain, each slot's history a prefix of one text): within 1.5x a
+    plain step's ops with the same ban. τ-mode bans slot by slot, from windows made once a pass over a copy of the
+    text that holds the spare id past each history (no window is then checked against it) and each chosen token is
+    written into: within 1.6x."""
     from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
 
     model, tokenizer = host_bound_model(layers=2, hidden=32)
@@ -344,8 +345,8 @@ def test_an_ngram_ban_runs_in_the_graph_pass_with_fewer_ops_than_the_loop():
     rows = {row["method"]: row for row in host_ops(model, tokenizer, (2,), max_new_tokens=24, decodings=(decoding,))}
     for mode in ("MARS τ = 1", "MARS τ = 0.9", "lossless"):
         assert rows[f"{mode}, one graph"]["ops"] < rows[f"{mode}, loop"]["ops"], mode
-    assert rows["lossless, one graph"]["ratio"] <= 1.75, rows["lossless, one graph"]
-    assert rows["MARS τ = 0.9, one graph"]["ratio"] <= 2.0, rows["MARS τ = 0.9, one graph"]
+    assert rows["lossless, one graph"]["ratio"] <= 1.5, rows["lossless, one graph"]
+    assert rows["MARS τ = 0.9, one graph"]["ratio"] <= 1.6, rows["MARS τ = 0.9, one graph"]
 
 
 def test_an_untrained_qwen2_runs_every_mode_through_the_graph_as_the_loop_does():

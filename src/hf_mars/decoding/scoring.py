@@ -213,18 +213,22 @@ class Histories:
                 bans.text.scatter_(1, bans.columns[i], token)
 
     def _slot_bans(self, slots: int, vocab: int) -> _SlotBans | None:
-        """`in_order`'s n-gram bans for each of `slots` slots (None: no bans)."""
+        """`in_order`'s n-gram bans for each of `slots` slots (None: no bans). They read a copy of the text that holds
+        the spare id `vocab` past each history, which each slot's chosen token then overwrites: a window that does
+        not lie within a slot's history ends past it, on the spare id, and bars only the spare column."""
         processors = [p for p in self.processors if isinstance(p, NGRAM_BANS)]
         if not processors:
             return None
-        text = self.text().clamp(max=vocab)  # a copy, which the chosen tokens are written into (`_Ngrams`)
-        ends = self.lengths[:, None] + torch.arange(slots, device=text.device)  # (rows, slots): each slot's history
+        text = self.text()
+        lengths = self.lengths[:, None]
+        text = text.clamp(max=vocab).masked_fill_(self._arange(0, text.shape[1]) >= lengths, vocab)
+        ends = lengths + self._arange(0, slots)  # (rows, slots): each slot's history
         columns = ends[..., None].unbind(1)
         rules = []
         for processor in processors:
             ngrams = _Ngrams(processor.ngram_size, text, vocab)
-            slots_of = zip(ngrams.outside(ends).unbind(1), ngrams.suffixes(ends).unbind(1))
-            rules.append([functools.partial(ngrams.banned, outside=o, suffix=x) for o, x in slots_of])
+            suffixes = ngrams.suffixes(ends, self._arange(1 - ngrams.n, 0)).unbind(1)
+            rules.append([functools.partial(ngrams.banned, suffix=x) for x in suffixes])
         return _SlotBans(text, columns, rules)
 
     def seen(self, vocab: int) -> list[torch.Tensor]:
@@ -235,7 +239,7 @@ class Histories:
             penalties = [p for p in self.processors if isinstance(p, SET_BASED)]
             if penalties:
                 text = self.text()
-                columns = self._columns(text.shape[1])
+                columns = self._arange(0, text.shape[1])
                 past = columns >= self.lengths[:, None]  # past each history's end
                 self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
         return self._seen
@@ -281,11 +285,12 @@ class Histories:
             self._ids[rows] = torch.zeros(rows, 1, dtype=torch.long, device=self.sequences.device)
         return self._ids[rows]
 
-    def _columns(self, width: int) -> torch.Tensor:
-        """`arange(width)`, the text's column indices, made once per width (kept where `no_ids` keeps its own)."""
-        key = ("columns", width)
+    def _arange(self, start: int, end: int) -> torch.Tensor:
+        """`arange(start, end)` (the text's column indices, a pass's slots), made once (kept where `no_ids` keeps its
+        own)."""
+        key = ("arange", start, end)
         if key not in self._ids:
-            self._ids[key] = torch.arange(width, device=self.sequences.device)
+            self._ids[key] = torch.arange(start, end, device=self.sequences.device)
         return self._ids[key]
 
     def after(self, sequences: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor) -> Histories:
@@ -412,14 +417,15 @@ def _ngrams_banned(processor, text: torch.Tensor, ends: torch.Tensor, scores: to
     """An n-gram ban's rule (`_Ngrams`) after histories `ends` long (`(rows,)`; `text`: `(rows, width)`)."""
     vocab = scores.shape[-1]
     ngrams = _Ngrams(processor.ngram_size, text.clamp(max=vocab), vocab)
-    return ngrams.banned(scores, ngrams.outside(ends), ngrams.suffixes(ends))
+    return ngrams.banned(scores, ngrams.suffixes(ends), ngrams.outside(ends))
 
 
 class _Ngrams:
     """An n-gram ban's rule with each row's own history length, where transformers' processor reads the batch's from
     `input_ids.shape[-1]`: every n-gram of the history whose first n - 1 tokens are the history's last n - 1 bars
     its last token. Fixed shapes: every window of the buffer `text` is compared, and those that do not lie within
-    the history count for nothing. The windows are views of `text`, made once: they see tokens written into it
+    the history count for nothing (`outside`; or `text` holds the spare id past the history, where such a window
+    ends). The windows are views of `text`, made once: they see tokens written into it
     later (`Histories.in_order` writes each slot's chosen token before it asks for the next slot's bans). Ids past
     the vocabulary (a pad id no model emits) are clamped to it in `text`, the spare column that bars nothing."""
 
@@ -427,24 +433,29 @@ class _Ngrams:
         self.n, self.text, self.vocab = n, text, vocab
         windows = text.unfold(1, n, 1)  # (rows, width - n + 1, n): the n-gram starting at each column
         self.heads, self.tails = windows[..., :-1], windows[..., -1]
-        self.reach = torch.arange(windows.shape[1], device=text.device) + n  # the history length a window needs
         self.row_texts = text[:, None]  # (rows, 1, width): what a suffix is gathered from
 
-    def suffixes(self, ends: torch.Tensor) -> torch.Tensor:
+    def suffixes(self, ends: torch.Tensor, back: torch.Tensor | None = None) -> torch.Tensor:
         """`(..., 1, n - 1)`: the columns of the last n - 1 tokens of histories `ends` long (`(rows, ...)`; a history
-        shorter than n bans nothing: no window lies within it)."""
-        last = ends.view(*ends.shape, 1, 1) - (self.n - 1) + torch.arange(self.n - 1, device=ends.device)
+        shorter than n bans nothing: no window lies within it). `back`: `arange(1 - n, 0)`, where the caller keeps
+        it."""
+        back = torch.arange(1 - self.n, 0, device=ends.device) if back is None else back
+        last = ends.view(*ends.shape, 1, 1) + back
         return last.clamp(min=0)
 
     def outside(self, ends: torch.Tensor) -> torch.Tensor:
         """`(..., windows)`: the windows that do not lie within histories `ends` long."""
-        return self.reach > ends[..., None]
+        reach = torch.arange(self.n, self.n + self.tails.shape[1], device=ends.device)  # the history a window needs
+        return reach > ends[..., None]
 
-    def banned(self, scores: torch.Tensor, outside: torch.Tensor, suffix: torch.Tensor) -> torch.Tensor:
-        """`scores` `(rows, vocab)` with the tokens barred after the histories that `outside` (`(rows, windows)`)
-        and `suffix` (`(rows, 1, n - 1)`: the columns of their last n - 1 tokens) describe, at -inf."""
+    def banned(self, scores: torch.Tensor, suffix: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+        """`scores` `(rows, vocab)` with the tokens barred after the histories that `suffix` (`(rows, 1, n - 1)`: the
+        columns of their last n - 1 tokens) and `outside` (`(rows, windows)`; None where `text` holds the spare id
+        past every history) describe, at -inf."""
         last = self.row_texts.gather(2, suffix)
-        other = (self.heads != last).any(dim=-1) | outside  # windows that bar nothing
+        other = (self.heads != last).any(dim=-1)  # windows that bar nothing
+        if outside is not None:
+            other |= outside
         barred = self.tails.masked_fill(other, self.vocab)  # the spare column
         return torch.nn.functional.pad(scores, (0, 1)).scatter_(1, barred, -math.inf)[:, : self.vocab]
 
