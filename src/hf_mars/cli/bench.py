@@ -160,7 +160,8 @@ def run_host_bound(args) -> None:
     print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
     print("\naten ops dispatched outside the model's forward (eager; the prompt's pass included; static cache, then")
-    print("greedy on a dynamic cache, generate()'s default, which the loop runs):\n")
+    print("greedy on a dynamic cache, generate()'s default, which the loop runs); 'one more pass': what each further")
+    print("pass adds, a run's set-up cancelled out (the run against one of half its new tokens):\n")
     ops = host_ops(model, tokenizer, args.batch_sizes, args.max_new_tokens, tuple(DECODINGS), dynamic=("greedy",))
     print(format_host_ops(ops))
     if not args.compile:

@@ -187,19 +187,30 @@ def host_ops(
 def _host_ops_rows(model, kwargs: dict, common: dict, static: bool) -> list[dict]:
     """`host_ops`' rows for one decoding, cache and batch: plain's step, then each mode's pass (through the graph
     pass and the loop on a static cache; the loop alone runs a dynamic one)."""
-    plain_call = functools.partial(GenerationMixin.generate, model, **kwargs)
-    plain, plain_kernels = _ops_outside_forward(model, plain_call)
-    step, step_kernels = plain / kwargs["max_new_tokens"], plain_kernels / kwargs["max_new_tokens"]
-    rows = [dict(**common, method="plain generate()", ops=step, ratio=1.0, kernels=step_kernels, kernel_ratio=1.0)]
+    plain = _per_pass(model, functools.partial(GenerationMixin.generate, model), kwargs)
+    rows = [dict(**common, method="plain generate()", **plain, ratio=1.0, kernel_ratio=1.0, steady_ratio=1.0)]
     for name, mars in MODES.items():
-        mars = _resolved(model, common["batch"], mars)
-        call = functools.partial(model.generate, **mars, **kwargs)
+        call = functools.partial(model.generate, **_resolved(model, common["batch"], mars))
         paths = (("one graph", call), ("loop", functools.partial(_loop_only, call))) if static else (("loop", call),)
         for path, run in paths:
-            ops, kernels, passes = _ops_outside_forward(model, run, passes=True)
-            row = dict(**common, method=f"{name}, {path}", ops=ops / passes, kernels=kernels / passes)
-            rows.append(dict(**row, ratio=row["ops"] / step, kernel_ratio=row["kernels"] / step_kernels))
+            row = dict(**common, method=f"{name}, {path}", **_per_pass(model, run, kwargs))
+            row.update(
+                ratio=row["ops"] / plain["ops"],
+                kernel_ratio=row["kernels"] / plain["kernels"],
+                steady_ratio=row["steady"] / plain["steady"],
+            )
+            rows.append(row)
     return rows
+
+
+def _per_pass(model, call, kwargs: dict) -> dict:
+    """aten ops (`ops`; `kernels`: of them not views) per pass of `call(**kwargs)`, over the whole run, and `steady`:
+    what one more pass adds, the difference between the run and one of half its new tokens over the difference of
+    their passes, in which the run's set-up, the prompt's pass and the hand-over to a graph pass cancel out."""
+    half = {**kwargs, "max_new_tokens": kwargs["max_new_tokens"] // 2}
+    ops, kernels, passes = _ops_outside_forward(model, functools.partial(call, **kwargs))
+    fewer, _, fewer_passes = _ops_outside_forward(model, functools.partial(call, **half))
+    return dict(ops=ops / passes, kernels=kernels / passes, steady=(ops - fewer) / max(passes - fewer_passes, 1))
 
 
 class _OpCounter(TorchDispatchMode):
@@ -217,8 +228,9 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops_outside_forward(model, call, passes: bool = False):
-    """aten ops that `call()` dispatches outside `model`'s forward (after one warm-up call), and its passes."""
+def _ops_outside_forward(model, call):
+    """`(ops, not views, passes)`: aten ops that `call()` dispatches outside `model`'s forward (after one warm-up
+    call), of them those not views, and its passes (the model's forwards)."""
     counter = _OpCounter()
 
     def enter(*args, **kwargs):
@@ -237,15 +249,15 @@ def _ops_outside_forward(model, call, passes: bool = False):
         finally:
             for hook in hooks:
                 hook.remove()
-    counts = (counter.outside, counter.outside - counter.views)
-    return (*counts, counter.forwards) if passes else counts
+    return counter.outside, counter.outside - counter.views, counter.forwards
 
 
 def format_host_ops(rows: list[dict]) -> str:
     head = ["decoding", "batch", "method", "aten ops per pass", "/ plain step", "of them not views", "/ plain step"]
+    head += ["one more pass", "/ plain step"]
     cells = [
         [r["decoding"], str(r["batch"]), r["method"], f"{r['ops']:.0f}", f"{r['ratio']:.2f}x"]
-        + [f"{r['kernels']:.0f}", f"{r['kernel_ratio']:.2f}x"]
+        + [f"{r['kernels']:.0f}", f"{r['kernel_ratio']:.2f}x", f"{r['steady']:.0f}", f"{r['steady_ratio']:.2f}x"]
         for r in rows
     ]
     return markdown_table(head, cells)
