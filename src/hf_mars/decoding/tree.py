@@ -21,6 +21,8 @@ from .compat import build_attention_mask
 LOOKUP_NGRAM = 3
 # Tree shapes kept built: chain lengths x the depths with runner-ups fed x lookup's reach
 SHAPES = 1024
+# Prompt lookup's column tables kept built (`lookup_columns`): few, since each is as wide as a text buffer
+LOOKUP_SHAPES = 32
 
 
 @dataclass(frozen=True)
@@ -253,7 +255,7 @@ class LookupColumns(NamedTuple):
     tail: torch.Tensor
 
 
-@functools.lru_cache(maxsize=SHAPES)
+@functools.lru_cache(maxsize=LOOKUP_SHAPES)
 def lookup_columns(rows: int, width: int, num_tokens: int, device) -> LookupColumns:
     """`LookupColumns` for `lookup(sequences, lengths, num_tokens)` of `rows` texts `width` wide, made once per shape
     (a run's text buffer keeps its width), like the trees' tables."""
