@@ -232,8 +232,8 @@ class GraphPass:
         self.decoded_column, self.last_column = state.decoded[:, None], state.last_position[:, None]
         self.text_start, self.text_end_column = state.write_offsets[:, 0], state.text_end[:, None]
         self.rows = torch.arange(shape.batch, device=state.fed.device)[:, None]
-        lookup = shape.kept - shape.lookup  # where lookup's drafts start
-        masks, looked_up = slice(shape.pending, lookup), slice(lookup, shape.kept)
+        split = shape.kept - shape.lookup  # where lookup's drafts start
+        masks, looked_up = slice(shape.pending, split), slice(split, shape.kept)
         self.from_masks, self.from_masks_real = state.fed[:, masks], state.fed_real[:, masks]  # the drafts, by source
         self.from_lookup, self.from_lookup_real = state.fed[:, looked_up], state.fed_real[:, looked_up]
 

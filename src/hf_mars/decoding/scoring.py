@@ -219,9 +219,8 @@ class Histories:
         processors = [p for p in self.processors if isinstance(p, NGRAM_BANS)]
         if not processors:
             return None
-        text = self.text()
-        lengths = self.lengths[:, None]
-        text = text.clamp(max=vocab).masked_fill_(self._arange(0, text.shape[1]) >= lengths, vocab)
+        text, lengths = self.text().clamp(max=vocab), self.lengths[:, None]
+        text.masked_fill_(self._arange(0, text.shape[1]) >= lengths, vocab)
         ends = lengths + self._arange(0, slots)  # (rows, slots): each slot's history
         columns = ends[..., None].unbind(1)
         rules = []
