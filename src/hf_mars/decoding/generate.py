@@ -470,6 +470,7 @@ def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> No
         state.rate[targets], state.last[targets] = run.schedule.rate[rows], run.schedule.last[rows]
         state.passes[targets] = text.passes[rows]
     torch.add(g.text_start, state.decoded, out=state.text_end)
+    torch.sub(state.text_end, 1, out=state.text_last)
     g.find_held()
 
 

@@ -39,7 +39,7 @@ from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
 from .scoring import SET_BASED, Histories, choose, into, processed, scored_at_once, tau_accepted
-from .tree import DraftTree, lookup, lookup_columns
+from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
@@ -109,11 +109,13 @@ class GraphShape:
 class GraphState:
     """What a graph pass reads and writes in place, for every row of the batch (rows stay until all are done)."""
 
-    sequences: torch.Tensor  # (batch, slots): prompt, then the decoded tokens, then pad
+    sequences: torch.Tensor  # (batch, slots): prompt, then the decoded tokens, then pad (a view of `text`)
+    text: torch.Tensor  # (batch, slots + lookup's tail): `sequences`, then the columns prompt lookup reads past it
     write_offsets: torch.Tensor  # (batch, tokens a pass may take) where each row's text starts + 0, 1, ...
     budget: torch.Tensor  # (batch,) new tokens each row may take
     decoded: torch.Tensor  # (batch,) new tokens decoded
     text_end: torch.Tensor  # (batch,) where each row's text ends: where it starts (`write_offsets[:, 0]`) + decoded
+    text_last: torch.Tensor  # (batch,) its last column: `text_end - 1`
     done: torch.Tensor  # (batch,) rows that reached EOS or the length limit
     finished: torch.Tensor  # () every row done
     real: torch.Tensor  # (batch, slots) which cache slots hold real tokens (before the slots the next pass writes)
@@ -135,12 +137,16 @@ class GraphState:
         flag = dict(dtype=torch.bool, device=device)
         fed, fed_real = torch.zeros(batch, shape.width, **long), torch.zeros(batch, shape.width, **flag)
         fed[:, kept:], fed_real[:, kept:] = shape.mask_token_id, True
+        tail = lookup_columns(batch, slots, shape.lookup, device).tail if shape.lookup else fed[:, :0]
+        text = torch.cat([torch.zeros(batch, slots, **long), tail], dim=1)
         return cls(
-            sequences=torch.zeros(batch, slots, **long),
+            sequences=text[:, :slots],
+            text=text,
             write_offsets=torch.zeros(batch, shape.tokens, **long),
             budget=torch.zeros(batch, **long),
             decoded=torch.zeros(batch, **long),
             text_end=torch.zeros(batch, **long),
+            text_last=torch.zeros(batch, **long),
             done=torch.zeros(batch, **flag),
             finished=torch.zeros((), **flag),
             real=torch.zeros(batch, slots, **flag),
@@ -230,7 +236,7 @@ class GraphPass:
         self.draft_slots = self.slots[shape.pending : shape.kept]
         self.real_keys = state.real[:, None, None, :]
         self.decoded_column, self.last_column = state.decoded[:, None], state.last_position[:, None]
-        self.text_start, self.text_end_column = state.write_offsets[:, 0], state.text_end[:, None]
+        self.text_start, self.text_last_column = state.write_offsets[:, 0], state.text_last[:, None]
         self.rows = torch.arange(shape.batch, device=state.fed.device)[:, None]
         split = shape.kept - shape.lookup  # where lookup's drafts start
         masks, looked_up = slice(shape.pending, split), slice(split, shape.kept)
@@ -479,7 +485,7 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
         for held in g.held:
             held.scatter_(1, taken, True)
     torch._foreach_add_(g.counters, g.counter_steps)
-    torch._foreach_add_([state.decoded, state.text_end, state.last_position], [accepted] * 3)
+    torch._foreach_add_([state.decoded, state.text_end, state.text_last, state.last_position], [accepted] * 4)
 
 
 def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
@@ -519,8 +525,7 @@ def _propose(g: GraphPass, logits, end) -> None:
     g.from_masks.copy_(drafts.tokens)
     into(g.from_masks_real, torch.logical_and, drafts.real, g.live_column)
     if shape.lookup:
-        found, real = lookup(state.sequences, g.text_end_column, shape.lookup, g.lookup)
-        g.from_lookup.copy_(found)
+        found, real = lookup_in(state.text, g.text_last_column, g.lookup, out=g.from_lookup)
         into(g.from_lookup_real, torch.logical_and, real, g.live_column)
 
 

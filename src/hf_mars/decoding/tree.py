@@ -246,7 +246,7 @@ class LookupColumns(NamedTuple):
 
     rows: torch.Tensor  # (rows, 1): 0, 1, ...
     grams: torch.Tensor  # (width, n): each column's last n columns, latest first (negative ones: before the text)
-    back: torch.Tensor  # (n,): -1, -2, ...: the text's last n columns, counted back from its end
+    columns: torch.Tensor  # (width,): 0, 1, ...
     after: torch.Tensor  # (width,): 1, 2, ...: the column after each
     ahead: torch.Tensor  # (num_tokens,): 0, 1, ...
     # (rows, num_tokens + n - 1) put after the buffer: token 0 where lookup reads past it, then -2, which a negative
@@ -260,27 +260,32 @@ def lookup_columns(rows: int, width: int, num_tokens: int, device) -> LookupColu
     """`LookupColumns` for `lookup(sequences, lengths, num_tokens)` of `rows` texts `width` wide, made once per shape
     (a run's text buffer keeps its width), like the trees' tables."""
     arange = functools.partial(torch.arange, device=device)
-    after, back = arange(1, width + 1), -1 - arange(LOOKUP_NGRAM)
+    columns, back = arange(width), -arange(LOOKUP_NGRAM)
     tail = torch.tensor([0] * num_tokens + [-2] * (LOOKUP_NGRAM - 1), device=device).expand(rows, -1)
-    return LookupColumns(arange(rows)[:, None], after[:, None] + back, back, after, arange(num_tokens), tail)
+    return LookupColumns(arange(rows)[:, None], columns[:, None] + back, columns, columns + 1, arange(num_tokens), tail)
 
 
 def lookup(sequences, lengths, num_tokens: int, columns: LookupColumns | None = None):
     """Prompt lookup: for each row, the `num_tokens` tokens that followed the latest earlier occurrence of its last
     n tokens (n from `LOOKUP_NGRAM` down to 1, the longest that occurs), `(found, real)`; `real` is False past the
     row's text and where nothing matched. Rows are `sequences[:, :lengths]` (`lengths`: `(rows,)`, or a column).
-    Every n at once, in a fixed number of ops: each column's last n tokens against the text's, scored by how many of
-    them agree, then by how late the column is; the best score names both the longest n that occurs and its latest
-    occurrence. `columns`: `lookup_columns`' tables for this shape (made here if not given)."""
-    width = sequences.shape[1]
-    c = columns or lookup_columns(sequences.shape[0], width, num_tokens, sequences.device)
-    ends = lengths if lengths.dim() == 2 else lengths[:, None]
-    text = torch.cat([sequences, c.tail], dim=1)
-    last = text[c.rows, ends + c.back]  # (rows, n): the text's last n tokens, latest first
-    agree = torch.cummin(text[:, c.grams] == last[:, None], dim=2).values.sum(dim=2)  # (rows, width)
+    `columns`: `lookup_columns`' tables for this shape (made here if not given)."""
+    c = columns or lookup_columns(sequences.shape[0], sequences.shape[1], num_tokens, sequences.device)
+    last = (lengths if lengths.dim() == 2 else lengths[:, None]) - 1
+    return lookup_in(torch.cat([sequences, c.tail], dim=1), last, c)
+
+
+def lookup_in(text, last, c: LookupColumns, out=None):
+    """`lookup` of a text buffer that `c.tail` already follows (a graph pass keeps it there), each row's text ending
+    at column `last` (`(rows, 1)`). Every n at once, in a fixed number of ops: each column's last n tokens against
+    the text's (those of column `last`), scored by how many of them agree, then by how late the column is; the best
+    score names both the longest n that occurs and its latest occurrence. `out`: where to write the tokens found."""
+    width = c.columns.shape[0]
+    grams = text[:, c.grams]  # (rows, width, n)
+    agree = torch.cummin(grams == grams[c.rows, last], dim=2).values.sum(dim=2)  # (rows, width)
     # Where an earlier n-gram ends, plus one, ranked below every longer match, at the columns where an occurrence may
     # end (before the text's last token), else 0; a score above `width` is a match (none: past every text, so
     # nothing read from there is real)
-    best = (torch.add(c.after, agree, alpha=width + 1) * (c.after < ends)).amax(dim=1, keepdim=True)
+    best = (torch.add(c.after, agree, alpha=width + 1) * (c.columns < last)).amax(dim=1, keepdim=True)
     index = best.clamp_(min=width) % (width + 1) + c.ahead
-    return text.gather(1, index), index < ends
+    return torch.gather(text, 1, index, out=out), index <= last
