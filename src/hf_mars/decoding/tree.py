@@ -244,10 +244,12 @@ class LookupColumns(NamedTuple):
     """The column tables `lookup` reads for `rows` texts in a buffer `width` wide (`lookup_columns`), made once by
     a pass of fixed shape."""
 
+    # Each over the buffer's columns, then one more that every row sees, whose n-gram never agrees (it reads only
+    # -2) and which scores `width`: the best score of a row that matches nothing
     rows: torch.Tensor  # (rows, 1): 0, 1, ...
-    grams: torch.Tensor  # (width, n): each column's last n columns, latest first (negative ones: before the text)
-    columns: torch.Tensor  # (width,): 0, 1, ...
-    after: torch.Tensor  # (width,): 1, 2, ...: the column after each
+    grams: torch.Tensor  # (width + 1, n): each column's last n columns, latest first (negative ones: before the text)
+    columns: torch.Tensor  # (width + 1,): 0, 1, ..., then -1
+    after: torch.Tensor  # (width + 1,): 1, 2, ...: the column after each, then `width`
     ahead: torch.Tensor  # (num_tokens,): 0, 1, ...
     # (rows, num_tokens + n - 1) put after the buffer: token 0 where lookup reads past it, then -2, which a negative
     # column reads (an index wraps), so that an n-gram over the text's start never agrees (the earlier one holds -2
@@ -260,9 +262,12 @@ def lookup_columns(rows: int, width: int, num_tokens: int, device) -> LookupColu
     """`LookupColumns` for `lookup(sequences, lengths, num_tokens)` of `rows` texts `width` wide, made once per shape
     (a run's text buffer keeps its width), like the trees' tables."""
     arange = functools.partial(torch.arange, device=device)
-    columns, back = arange(width), -arange(LOOKUP_NGRAM)
+    columns = torch.cat([arange(width), arange(-1, 0)])
+    grams = columns[:, None] - arange(LOOKUP_NGRAM)
+    grams[-1] = -1  # -2 throughout
+    after = torch.cat([arange(1, width + 1), arange(width, width + 1)])
     tail = torch.tensor([0] * num_tokens + [-2] * (LOOKUP_NGRAM - 1), device=device).expand(rows, -1)
-    return LookupColumns(arange(rows)[:, None], columns[:, None] + back, columns, columns + 1, arange(num_tokens), tail)
+    return LookupColumns(arange(rows)[:, None], grams, columns, after, arange(num_tokens), tail)
 
 
 def lookup(sequences, lengths, num_tokens: int, columns: LookupColumns | None = None):
@@ -280,12 +285,12 @@ def lookup_in(text, last, c: LookupColumns, out=None):
     at column `last` (`(rows, 1)`). Every n at once, in a fixed number of ops: each column's last n tokens against
     the text's (those of column `last`), scored by how many of them agree, then by how late the column is; the best
     score names both the longest n that occurs and its latest occurrence. `out`: where to write the tokens found."""
-    width = c.columns.shape[0]
-    grams = text[:, c.grams]  # (rows, width, n)
-    agree = torch.cummin(grams == grams[c.rows, last], dim=2).values.sum(dim=2)  # (rows, width)
+    width = c.columns.shape[0] - 1
+    grams = text[:, c.grams]  # (rows, width + 1, n)
+    agree = torch.cummin(grams == grams[c.rows, last], dim=2).values.sum(dim=2)  # (rows, width + 1)
     # Where an earlier n-gram ends, plus one, ranked below every longer match, at the columns where an occurrence may
-    # end (before the text's last token), else 0; a score above `width` is a match (none: past every text, so
-    # nothing read from there is real)
+    # end (before the text's last token), else 0; a score above `width` is a match (none: `width`, past every text,
+    # so nothing read from there is real)
     best = (torch.add(c.after, agree, alpha=width + 1) * (c.columns < last)).amax(dim=1, keepdim=True)
-    index = best.clamp_(min=width) % (width + 1) + c.ahead
+    index = best % (width + 1) + c.ahead
     return torch.gather(text, 1, index, out=out), index <= last
