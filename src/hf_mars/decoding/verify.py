@@ -139,12 +139,13 @@ def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """`(depth, end, kept)`: the deepest node of the tree (`TreeTensors`) whose path's drafts all `match`, by its
     index among `[root, drafts]` (of equal depths, the first in the tree, the chain's; the root, depth 0, when none),
     and the drafts on its path."""
-    if tree.chain:  # node i sits at depth i, and its path holds the first i drafts: the leading matches
+    if tree.chain or not match.shape[1]:  # node i sits at depth i, its path holds the first i drafts: leading matches
         kept = torch.cummin(match, dim=1).values
         depth = kept.sum(dim=1)
         return depth, depth, kept
-    reached = (match[:, None, :] | tree.outside).all(dim=2)  # (rows, nodes): the root's path has no draft
-    depth, end = (reached * tree.depths).max(dim=1)
+    # (rows, nodes): each node's depth where every draft on its path matches, else 0 (the root's path has none)
+    reached = torch.where(match[:, None, :], tree.depth_grid, tree.depth_off_path).amin(dim=2)
+    depth, end = reached.max(dim=1)
     return depth, end, tree.lineage.index_select(0, end)
 
 
