@@ -593,6 +593,9 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
 
     Processors that read the token history see, for slot i, the history plus the tokens chosen for slots < i: exactly
     what they would see if those slots are accepted (and slot i matters only if they are).
+
+    A greedy token is its scores' argmax, as `generate()`'s; a greedy draft (`with_probs`, `verify.propose`) the
+    argmax of its probabilities, which only a tie that softmax rounds into being tells apart (then the first).
     """
 
     confident = with_probs or logits.shape[1] > 1  # one slot alone is always accepted: no confidence, plain's cost
@@ -601,6 +604,9 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
         if not do_sample and not confident:
             return scores.argmax(dim=-1), None
         probs = torch.softmax(scores, dim=-1)
+        if with_probs and not do_sample and measure == "probability":  # drafts: token and confidence in one reduction
+            confs, tokens = probs.max(dim=-1)
+            return tokens, confs, probs
         tokens = draw(probs) if do_sample else scores.argmax(dim=-1)
     else:  # one slot after another, each seeing the tokens chosen before it
         tokens, probs = _in_order(logits, histories, do_sample, confident)
