@@ -439,36 +439,51 @@ def _load_graph(g, run: Session) -> None:
     state.real.copy_(cache.real)
     state.step.zero_()
     g.eos.copy_(plan.eos)
-    everyone = torch.arange(text.sequences.shape[0], device=text.sequences.device)
-    load_rows(g, run, everyone, everyone)
+    load_rows(g, run)
 
 
-def load_rows(g, run: Session, targets: torch.Tensor, index: torch.Tensor) -> None:
+def load_rows(g, run: Session, targets: torch.Tensor | None = None, index: torch.Tensor | None = None) -> None:
     """What the fed rows `index` of `run` (text rows `run.feed.rows[index]`) decode next, into the graph pass's rows
-    `targets`: budget and count, whether done, the last pending position, the pending tokens and drafts, the mask
-    schedule; then every row's text end and the tokens each history holds, found from the text. The one hand-over
-    of a session's rows to a graph pass: `generate()` moves its whole batch with it, a graph session
-    (`serving/graph_session.py`) each row that joins (its text and K/V placed by the caller)."""
+    `targets` (None, None: every row, in order, copied whole): budget and count, whether done, the last pending
+    position, the pending tokens and drafts, the mask schedule; then every row's text end and the tokens each history
+    holds, found from the text. The one hand-over of a session's rows to a graph pass: `generate()` moves its whole
+    batch with it (a static cache feeds every row in every pass), a graph session (`serving/graph_session.py`) each
+    row that joins (its text and K/V placed by the caller)."""
     plan, text, feed, state = run.plan, run.text, run.feed, g.state
-    rows = feed.rows[index]
-    state.budget[targets], state.decoded[targets] = text.budget[rows], text.decoded[rows]
-    state.done[targets], g.live[targets] = ~text.active[rows], text.active[rows]
-    state.last_position[targets] = run.cache.next_position[index] + feed.pending_real[index].sum(dim=1) - 1
+    whole = targets is None
+    rows = None if whole else feed.rows[index]
+
+    def put(buffer, values, by=None):  # `buffer`'s rows `targets` <- `values`' rows `by`, or a number
+        number = not isinstance(values, torch.Tensor)
+        if not whole:
+            buffer[targets] = values if number else values[by]
+        elif number:
+            buffer.fill_(values)
+        else:
+            buffer.copy_(values)
+
+    put(state.budget, text.budget, rows)
+    put(state.decoded, text.decoded, rows)
+    put(g.live, text.active, rows)
+    put(state.done, ~text.active, rows)
+    put(state.last_position, run.cache.next_position + feed.pending_real.sum(dim=1) - 1, index)
     pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
-    g.pending[targets] = torch.nn.functional.pad(feed.pending[index], (pad, 0), value=plan.pad_token_id)
-    g.pending_real[targets] = torch.nn.functional.pad(feed.pending_real[index], (pad, 0), value=False)
+    put(g.pending, torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id), index)
+    put(g.pending_real, torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False), index)
     if feed.drafts.tree == g.shape.tree:
-        g.drafts[targets], g.drafts_real[targets] = feed.drafts.tokens[index], feed.drafts.real[index]
+        put(g.drafts, feed.drafts.tokens, index)
+        put(g.drafts_real, feed.drafts.real, index)
         if g.proposals is not None:
-            g.proposals[targets] = feed.drafts.proposals[index]
+            put(g.proposals, feed.drafts.proposals, index)
     else:  # drafts of another shape (a dynamic cache's): the next pass verifies none, drawing from the model alone
-        g.drafts_real[targets] = False
+        put(g.drafts_real, False)
         if g.proposals is not None:
-            g.proposals[targets] = 0
+            put(g.proposals, 0)
     if g.shape.scheduled:  # each row's mask schedule, as its last pass left it (every row's costs are the run's)
         state.time.copy_(run.schedule.time)
-        state.rate[targets], state.last[targets] = run.schedule.rate[rows], run.schedule.last[rows]
-        state.passes[targets] = text.passes[rows]
+        put(state.rate, run.schedule.rate, rows)
+        put(state.last, run.schedule.last, rows)
+        put(state.passes, text.passes, rows)
     torch.add(g.text_start, state.decoded, out=state.text_end)
     torch.sub(state.text_end, 1, out=state.text_last)
     g.find_held()
