@@ -76,7 +76,9 @@ def eos_token_ids(generation_config, device) -> torch.Tensor:
 def pad_token(generation_config, eos: torch.Tensor) -> int:
     """The id written after a row ends: `pad_token_id`, else the first EOS id (as `generate()` does), else 0."""
     pad = generation_config.pad_token_id
-    if pad is not None:
+    if isinstance(pad, int):
+        return pad
+    if pad is not None:  # a list, or a tensor
         return int(torch.as_tensor(pad).view(-1)[0])
     return int(eos[0]) if eos.numel() else 0
 
