@@ -274,11 +274,11 @@ def test_a_chain_keeps_the_node_a_tree_would_keep(drafts):
     assert tree.chain
     bits = torch.arange(2**drafts)[:, None] >> torch.arange(drafts) & 1  # every pattern, one a row
     match = bits.bool()
-    chain_depth, chain_end, chain_kept = deepest_kept(match, tree)
-    depth, end, kept = deepest_kept(match, tree._replace(chain=False))
+    chain_taken, chain_end, chain_kept = deepest_kept(match, tree)
+    taken, end, kept = deepest_kept(match, tree._replace(chain=False))
     assert torch.equal(chain_kept, kept)
-    assert torch.equal(chain_depth, depth) and torch.equal(chain_end, end)
-    assert set(depth.tolist()) == set(range(drafts + 1)), "every depth must be some pattern's"
+    assert torch.equal(chain_taken, taken) and torch.equal(chain_end, end)
+    assert set((taken - 1).tolist()) == set(range(drafts + 1)), "every depth must be some pattern's"
 
 
 @pytest.mark.parametrize("family,attention", [("qwen2", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])

@@ -31,6 +31,7 @@ import copy
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -408,8 +409,7 @@ def _slot_attention(g: GraphPass, positions: torch.Tensor):
 
 def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """`(tokens, accepted, path)`: τ's test or exact verification, then EOS and the length limit. `path`: lossless
-    mode's `(end, depth, kept)`: the deepest kept node, its depth (the bonus token's slot in `tokens`) and the drafts
-    on its path; else None."""
+    mode's `KeptPath`; else None."""
     shape, state = g.shape, g.state
     path = None
     offered = _offer(g) if shape.scheduled else None
@@ -446,30 +446,39 @@ def _reschedule(g: GraphPass, offered, accepted, path) -> None:
     if path is None:
         state.rate.copy_(rates_after(state.rate, offered, accepted - 1, state.passes, g.moves))
     else:
-        paid = path[2][:, : g.shape.tree.from_masks].sum(dim=1)
+        paid = path.kept[:, : g.shape.tree.from_masks].sum(dim=1)
         state.rate.copy_(rates_after(state.rate, state.last, paid, state.passes, g.moves))
         state.last.copy_(offered)
     state.passes.add_(~state.done)
 
 
+class KeptPath(NamedTuple):
+    """Lossless mode: the path a pass kept, and where its bonus token (the next pass's pending token) is."""
+
+    end: torch.Tensor  # (batch,) the deepest kept node
+    kept: torch.Tensor  # (batch, drafts) the drafts on its path
+    source: torch.Tensor  # (batch, n) tokens, of which the bonus token is ...
+    column: torch.Tensor  # (batch, 1) ... the one in this column
+
+
 def _verify(g: GraphPass, logits: torch.Tensor):
     """Exact verification of the tree from its (processed) scores (`verify.verify_greedy`, the loop's own):
-    `(tokens, accepted, (end, depth, kept))`. The model's tokens at the tree's nodes alone: the masks' logits are the
-    next drafts' (`_propose`)."""
-    nodes = logits[:, : len(g.shape.tree) + 1]
-    tokens, depth, end, kept = verify_greedy(nodes.argmax(dim=-1), g.drafts, g.drafts_real, g.tree)
-    return tokens, depth + 1, (end, depth[:, None], kept)
+    `(tokens, accepted, KeptPath)`. The model's tokens at the tree's nodes alone: the masks' logits are the next
+    drafts' (`_propose`)."""
+    target = logits[:, : len(g.shape.tree) + 1].argmax(dim=-1)
+    tokens, accepted, end, kept = verify_greedy(target, g.drafts, g.drafts_real, g.tree)
+    return tokens, accepted, KeptPath(end, kept, target, end[:, None])  # the bonus token: the model's at `end`
 
 
 def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
     """Speculative sampling or typical acceptance of the (processed) scores, by `verify.verify` itself (the loop's):
-    `_verify`'s `(tokens, accepted, (end, depth, kept))`."""
+    `_verify`'s `(tokens, accepted, KeptPath)`."""
     shape = g.shape
     drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
     nodes = logits[:, : len(shape.tree) + 1]
     tokens, accepted, kept, end = verify(nodes, drafts, None, shape.sampled, shape.typical, g.tree, g.rows)
     depth = end if g.tree.chain else accepted - 1  # a chain's node is its depth
-    return tokens, accepted, (end, depth.unsqueeze(1), kept)
+    return tokens, accepted, KeptPath(end, kept, tokens, depth.unsqueeze(1))
 
 
 def _commit(g: GraphPass, tokens, accepted, path) -> None:
@@ -477,7 +486,7 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     masks, which the next pass overwrites. The accepted tokens go into the text."""
     state = g.state
     if path is not None:  # lossless: the drafts off the kept path become holes
-        state.real.index_copy_(1, g.draft_slots, path[2])
+        state.real.index_copy_(1, g.draft_slots, path.kept)
     untaken = g.untaken.index_select(0, accepted)
     write_taken(state.sequences, g.rows, g.decoded_column + state.write_offsets, tokens, untaken, g.shape.pad_token_id)
     if g.held:  # the taken tokens, held now (those not taken into the spare column)
@@ -501,12 +510,11 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
             into(g.pending, torch.gather, tokens, 1, g.align.index_select(0, accepted))
         g.pending_real.copy_(g.align_real.index_select(0, accepted))
         return
-    end, depth, _ = path
-    into(g.pending, torch.gather, tokens, 1, depth)  # the bonus token (a row that took fewer is done)
+    into(g.pending, torch.gather, path.source, 1, path.column)  # the bonus token (a row that took fewer is done)
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
-        _propose(g, logits, end)
+        _propose(g, logits, path.end)
 
 
 def _propose(g: GraphPass, logits, end) -> None:

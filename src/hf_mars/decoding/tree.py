@@ -155,9 +155,10 @@ class TreeTensors(NamedTuple):
     lineage: torch.BoolTensor  # (len + 1, len): see `DraftTree.lineage`
     depths: torch.LongTensor  # (len + 1,) each node's among `[root, drafts]`: the root 0, a draft its path's length
     parent_slots: torch.LongTensor  # (len,) each draft's parent's index among `[root, drafts]`
-    # (len + 1, len): each node's depth in every draft's column, and where the draft is off the node's path (else 0)
-    depth_grid: torch.LongTensor
-    depth_off_path: torch.LongTensor
+    # (len + 1, len): the tokens a pass takes when its path ends at each node (its depth + 1) in every draft's
+    # column, and in the columns of the drafts off the node's path (else 0)
+    taken_grid: torch.LongTensor
+    taken_off_path: torch.LongTensor
     path: torch.LongTensor  # (len + 1, depth + 1): the nodes on each node's path, root first, one a depth (then 0)
     chain: bool  # every draft follows the one before it (node i sits at depth i)
 
@@ -172,7 +173,7 @@ def _on_device(tree: DraftTree, device: str) -> TreeTensors:
         while parent >= 0:
             ancestors, parent = [parent + 1] + ancestors, tree.parents[parent]
         path[draft + 1, 1 : len(ancestors) + 1] = torch.tensor(ancestors)
-    grid = depths[:, None].expand(-1, len(tree)).contiguous()
+    grid = (depths[:, None] + 1).expand(-1, len(tree)).contiguous()
     tensors = (tree.lineage, depths, parent_slots, grid, grid * ~tree.lineage, path)
     chain = tree.parents == tuple(range(-1, len(tree) - 1))
     return TreeTensors(*(tensor.to(device) for tensor in tensors), chain=chain)

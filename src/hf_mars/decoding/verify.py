@@ -81,23 +81,23 @@ def verify(
     if do_sample:
         return _verify_sampled(scores, drafts, rows)
     target = scores.argmax(dim=-1)  # (rows, 1 + drafts)
-    tokens, depth, end, kept = verify_greedy(target, drafts.tokens, drafts.real, tree)
-    return tokens, depth + 1, kept, end
+    tokens, accepted, end, kept = verify_greedy(target, drafts.tokens, drafts.real, tree)
+    return tokens, accepted, kept, end
 
 
 def verify_greedy(target, drafts, real, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact verification of greedy drafts: `(tokens, depth, end, kept)`. `target` holds the model's token at each
+    """Exact verification of greedy drafts: `(tokens, accepted, end, kept)`. `target` holds the model's token at each
     node of `[root, drafts]` (first), `drafts`/`real` the drafts fed and which are real, `tree` their `TreeTensors`.
     A node is kept when every draft on its path equals the model's token at its parent; the deepest kept node `end`
-    (of equal depths, the first in the tree) ends the path, at `depth`, and the row's new tokens are the model's own
-    at the root and at each node on that path (`tokens[:, : depth + 1]`: each kept draft, then the bonus token);
-    `kept` marks the drafts on the path."""
+    (of equal depths, the first in the tree) ends the path, and the row's `accepted` new tokens (its depth + 1) are
+    the model's own at the root and at each node on that path (`tokens[:, :accepted]`: each kept draft, then the
+    bonus token, which is also `target`'s at `end`); `kept` marks the drafts on the path."""
     width = drafts.shape[1]
     parents = target[:, :width] if tree.chain else target.index_select(1, tree.parent_slots)  # a chain's: in order
-    depth, end, kept = deepest_kept((drafts == parents) & real, tree)
+    accepted, end, kept = deepest_kept((drafts == parents) & real, tree)
     if tree.chain:  # the path to node d holds the first d drafts: the model's tokens on it are `target`'s first d + 1
-        return target[:, : width + 1], depth, end, kept
-    return target.gather(1, tree.path.index_select(0, end)), depth, end, kept
+        return target[:, : width + 1], accepted, end, kept
+    return target.gather(1, tree.path.index_select(0, end)), accepted, end, kept
 
 
 def _verify_typical(scores, drafts: Drafts, tree, rows, do_sample: bool, epsilon: float, delta: float):
@@ -129,24 +129,24 @@ def _keep_deepest(match, drafts: Drafts, tree, after):
     count = end = torch.zeros(rows, dtype=torch.long, device=match.device)
     if not len(drafts.tree):
         return after(end), count + 1, drafts.real, end
-    count, end, kept = deepest_kept(match, tree)
+    accepted, end, kept = deepest_kept(match, tree)
     path = drafts.tokens.gather(1, (tree.path[end, 1:] - 1).clamp(min=0))  # the drafts on the path, one a depth
-    tokens = torch.nn.functional.pad(path, (0, 1)).scatter_(1, count[:, None], after(end))
-    return tokens, count + 1, kept, end
+    tokens = torch.nn.functional.pad(path, (0, 1)).scatter_(1, accepted[:, None] - 1, after(end))
+    return tokens, accepted, kept, end
 
 
 def deepest_kept(match, tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(depth, end, kept)`: the deepest node of the tree (`TreeTensors`) whose path's drafts all `match`, by its
+    """`(accepted, end, kept)`: the deepest node of the tree (`TreeTensors`) whose path's drafts all `match`, by its
     index among `[root, drafts]` (of equal depths, the first in the tree, the chain's; the root, depth 0, when none),
-    and the drafts on its path."""
+    the tokens a pass whose path ends there takes (its depth + 1), and the drafts on its path."""
     if tree.chain or not match.shape[1]:  # node i sits at depth i, its path holds the first i drafts: leading matches
         kept = torch.cummin(match, dim=1).values
         depth = kept.sum(dim=1)
-        return depth, depth, kept
-    # (rows, nodes): each node's depth where every draft on its path matches, else 0 (the root's path has none)
-    reached = torch.where(match[:, None, :], tree.depth_grid, tree.depth_off_path).amin(dim=2)
-    depth, end = reached.max(dim=1)
-    return depth, end, tree.lineage.index_select(0, end)
+        return depth + 1, depth, kept
+    # (rows, nodes): each node's depth + 1 where every draft on its path matches, else 0 (the root's path has none)
+    reached = torch.where(match[:, None, :], tree.taken_grid, tree.taken_off_path).amin(dim=2)
+    accepted, end = reached.max(dim=1)
+    return accepted, end, tree.lineage.index_select(0, end)
 
 
 def _verify_sampled(scores, drafts: Drafts, rows):
