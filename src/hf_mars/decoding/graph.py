@@ -39,7 +39,7 @@ from .cache import compact_static, pass_positions
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
-from .scoring import SET_BASED, Histories, choose, into, processed, scored_at_once, tau_accepted
+from .scoring import SET_BASED, Histories, choose, into, masks_taken, processed, scored_at_once
 from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
@@ -202,8 +202,8 @@ class GraphPass:
         # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step by one, each
         # layer's write count back over masks
         masks, kept = shape.width - shape.kept, shape.kept
-        self.counters = [self.slots, self.sees_columns, state.step] + (self.lengths if masks else [])
-        self.counter_steps = [kept, -kept, 1] + ([-masks] * len(self.lengths) if masks else [])
+        self.counters = [self.slots, self.sees_columns, state.step, state.passes] + (self.lengths if masks else [])
+        self.counter_steps = [kept, -kept, 1, 1] + ([-masks] * len(self.lengths) if masks else [])
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self.processors = processors
@@ -411,18 +411,19 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """`(tokens, accepted, path)`: τ's test or exact verification, then EOS and the length limit. `path`: lossless
     mode's `KeptPath`; else None."""
     shape, state = g.shape, g.state
-    path = None
+    path = paid = None
     offered = _offer(g) if shape.scheduled else None
     if shape.verify:
         tokens, accepted, path = _verify_by_rule(g, logits) if shape.by_rule else _verify(g, logits)
     else:
         tokens, confs = choose(logits, histories, shape.sampled, shape.confidence)
         if shape.masks:
-            accepted = tau_accepted(confs, state.tau, None if offered is None else g.within)
+            paid = masks_taken(confs, state.tau, None if offered is None else g.within)
+            accepted = paid + 1
         else:  # τ >= 1 throughout: one token a pass, no masks (`cut` makes a new tensor of it)
             accepted = g.one_each
     if offered is not None:
-        _reschedule(g, offered, accepted, path)
+        _reschedule(g, offered, paid, path)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
     state.accepted_log.index_put_((state.step,), accepted)
     state.done.logical_or_(ended)
@@ -438,18 +439,18 @@ def _offer(g: GraphPass) -> torch.Tensor:
     return offered
 
 
-def _reschedule(g: GraphPass, offered, accepted, path) -> None:
+def _reschedule(g: GraphPass, offered, paid, path) -> None:
     """What this pass's masks were worth, into the schedule (`MaskSchedule.update`, as the loop tells it): in
-    τ-mode, the masks accepted of those offered now; in lossless mode, the kept drafts that the last pass's offered
-    masks proposed. Then each row that decoded counts a pass."""
+    τ-mode, the masks taken (`paid`) of those offered now; in lossless mode, the kept drafts that the last pass's
+    offered masks proposed. Each row counts the pass (`_commit` moves `state.passes` with the counters: a row that is
+    done no longer reads its schedule)."""
     state = g.state
     if path is None:
-        state.rate.copy_(rates_after(state.rate, offered, accepted - 1, state.passes, g.moves))
+        rates_after(state.rate, offered, paid, state.passes, g.moves, out=state.rate)
     else:
         paid = path.kept[:, : g.shape.tree.from_masks].sum(dim=1)
-        state.rate.copy_(rates_after(state.rate, state.last, paid, state.passes, g.moves))
+        rates_after(state.rate, state.last, paid, state.passes, g.moves, out=state.rate)
         state.last.copy_(offered)
-    state.passes.add_(~state.done)
 
 
 class KeptPath(NamedTuple):

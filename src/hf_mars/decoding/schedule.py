@@ -95,8 +95,8 @@ def rate_moves(most: int) -> torch.Tensor:
     return torch.stack([scale, shift], dim=3)
 
 
-def rates_after(rate, offered, paid, passes, moves) -> torch.Tensor:
+def rates_after(rate, offered, paid, passes, moves, out=None) -> torch.Tensor:
     """Each row's `rate` once a pass (its `passes`-th) offered it `offered` masks, of which the first `paid` were
-    accepted (`moves`: `rate_moves`' table)."""
+    accepted (`moves`: `rate_moves`' table); written into `out` where given (`rate` itself: element by element)."""
     scale, shift = moves[passes % PROBE_EVERY, offered, paid].unbind(dim=1)
-    return torch.addcmul(shift, rate, scale)
+    return torch.addcmul(shift, rate, scale, out=out)

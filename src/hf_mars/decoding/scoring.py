@@ -222,7 +222,7 @@ class Histories:
         text, lengths = self.text().clamp(max=vocab), self.lengths[:, None]
         text.masked_fill_(self._arange(0, text.shape[1]) >= lengths, vocab)
         ends = lengths + self._arange(0, slots)  # (rows, slots): each slot's history
-        columns = ends[..., None].unbind(1)
+        columns = ends.split(1, dim=1)  # (rows, 1) each
         rules = []
         for processor in processors:
             ngrams = _Ngrams(processor.ngram_size, text, vocab)
@@ -617,14 +617,14 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
     return (tokens, confs, probs) if with_probs else (tokens, confs)
 
 
-def tau_accepted(confs: torch.Tensor, tau, within: torch.Tensor | None = None) -> torch.Tensor:
-    """`(rows,)` tokens τ-mode takes from a pass whose slots scored `confs`: slot 0 always, then each mask's token
-    while it and every one before it are at least `tau` confident (and, with a mask schedule, `within` the masks the
-    row was offered)."""
+def masks_taken(confs: torch.Tensor, tau, within: torch.Tensor | None = None) -> torch.Tensor:
+    """`(rows,)` masks whose tokens τ-mode takes from a pass whose slots scored `confs` (besides slot 0's, which it
+    always takes): each mask's token while it and every one before it are at least `tau` confident (and, with a mask
+    schedule, `within` the masks the row was offered). What the schedule learns from, one less than the tokens."""
     confident = confs[:, 1:] >= tau
     if within is not None:
         confident &= within
-    return confident.cumprod(dim=1).sum(dim=1).add_(1)
+    return confident.cumprod(dim=1).sum(dim=1)
 
 
 def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):

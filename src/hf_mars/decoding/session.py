@@ -41,7 +41,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .cache import KVBook
 from .commit import cut, right_align, write_taken
 from .schedule import MaskSchedule
-from .scoring import Histories, branching, choose, follow_padding, processors_signature, scored_at_once, tau_accepted
+from .scoring import Histories, branching, choose, follow_padding, masks_taken, processors_signature, scored_at_once
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping, stream
 from .tree import tree_attention
@@ -504,10 +504,10 @@ class TauMode:
         """Slot 0 always, then left to right while confident. Tells the mask schedule what its masks were worth."""
         plan, rows = run.plan, run.feed.rows
         tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
-        accepted = tau_accepted(confs, step.tau, step.within) if step.masks else torch.ones_like(tokens[:, 0])
+        paid = masks_taken(confs, step.tau, step.within) if step.masks else torch.zeros_like(tokens[:, 0])
         if not run.schedule.constant:
-            run.schedule.update(rows, step.offered, accepted - 1, run.text.passes[rows])
-        return tokens, accepted
+            run.schedule.update(rows, step.offered, paid, run.text.passes[rows])
+        return tokens, paid + 1
 
     @staticmethod
     def commit(run: Session, step: Pass) -> None:
