@@ -245,19 +245,20 @@ def test_the_graph_pass_dispatches_at_most_one_and_a_half_plain_steps_of_ops():
     assert rows["plain generate()"]["ratio"] == 1.0
 
 
-def test_a_lossless_pass_with_prompt_lookup_dispatches_at_most_one_and_three_quarters_plain_steps_of_ops():
+def test_a_lossless_pass_with_prompt_lookup_dispatches_at_most_one_and_four_tenths_plain_steps_of_ops_a_pass():
     """Prompt lookup's branch (the shipped trees carry it) in a graph pass: its search in a fixed number of ops, from
-    column tables the pass made once, written into the tree's slots; with the verification of a tree, not a chain,
-    within 1.75x a plain step's ops over a run, under half the loop's, and each further pass (the run's set-up,
-    spread over fewer passes than plain's steps, cancelled out) within 1.5x."""
+    column tables the pass made once, over a text buffer that its tail already follows, written into the tree's
+    slots; with the verification of a tree, not a chain. Each further pass (the run's set-up, spread over fewer
+    passes than plain's steps, cancelled out) within 1.4x a plain step's ops, within 1.6x over a short run, and under
+    half the loop's."""
     from hf_mars.tools.measure.hostbound import host_bound_model, host_ops
 
     model, tokenizer = host_bound_model(layers=2, hidden=32)
     rows = {row["method"]: row for row in host_ops(model, tokenizer, (2,), max_new_tokens=24, decodings=("greedy",))}
     graph, loop = rows["lossless, prompt lookup 4, one graph"], rows["lossless, prompt lookup 4, loop"]
     assert graph["ops"] < loop["ops"] / 2, (graph, loop)
-    assert graph["ratio"] <= 1.75, graph
-    assert graph["steady_ratio"] <= 1.5, graph
+    assert graph["ratio"] <= 1.6, graph
+    assert graph["steady_ratio"] <= 1.4, graph
 
 
 def test_the_loop_on_a_dynamic_cache_dispatches_at_most_three_plain_steps_of_ops_at_tau_1():
