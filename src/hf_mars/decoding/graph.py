@@ -138,8 +138,9 @@ class GraphState:
         flag = dict(dtype=torch.bool, device=device)
         fed, fed_real = torch.zeros(batch, shape.width, **long), torch.zeros(batch, shape.width, **flag)
         fed[:, kept:], fed_real[:, kept:] = shape.mask_token_id, True
-        tail = lookup_columns(batch, slots, shape.lookup, device).tail if shape.lookup else fed[:, :0]
-        text = torch.cat([torch.zeros(batch, slots, **long), tail], dim=1)
+        text = torch.zeros(batch, slots, **long)
+        if shape.lookup:  # lookup's tail after the buffer, written once
+            text = torch.cat([text, lookup_columns(batch, slots, shape.lookup, device).tail], dim=1)
         return cls(
             sequences=text[:, :slots],
             text=text,

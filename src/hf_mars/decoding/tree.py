@@ -248,9 +248,9 @@ class LookupColumns(NamedTuple):
     """The column tables `lookup` reads for `rows` texts in a buffer `width` wide (`lookup_columns`), made once by
     a pass of fixed shape."""
 
-    # Each over the buffer's columns, then one more that every row sees, whose n-gram never agrees (it reads only
-    # -2) and which scores `width`: the best score of a row that matches nothing
     rows: torch.Tensor  # (rows, 1): 0, 1, ...
+    # The next three over the buffer's columns, then one more that every row sees, whose n-gram never agrees (it
+    # reads only -2) and which scores `width`: the best score of a row that matches nothing
     grams: torch.Tensor  # (width + 1, n): each column's last n columns, latest first (negative ones: before the text)
     columns: torch.Tensor  # (width + 1,): 0, 1, ..., then -1
     after: torch.Tensor  # (width + 1,): 1, 2, ...: the column after each, then `width`
