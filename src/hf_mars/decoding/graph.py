@@ -200,8 +200,8 @@ class GraphPass:
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
         self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
-        # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step by one, each
-        # layer's write count back over masks
+        # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step and each row's pass
+        # count (which the mask schedule reads) by one, each layer's write count back over masks
         masks, kept = shape.width - shape.kept, shape.kept
         self.counters = [self.slots, self.sees_columns, state.step, state.passes] + (self.lengths if masks else [])
         self.counter_steps = [kept, -kept, 1, 1] + ([-masks] * len(self.lengths) if masks else [])
