@@ -407,8 +407,8 @@ def _replay(g, run: Session, shape: GraphShape) -> tuple[int, int]:
     streamed = int(stopping.new_tokens[0]) if streamer is not None else 0  # a read only to stream
     while True:
         tau = read_tau(run.plan.settings.tau)
-        if tau != last_tau:  # τ >= 1 accepts (or proposes) nothing beyond slot 0, even a probability rounded to 1
-            g.state.tau.fill_(tau if tau < 1.0 else float("inf"))
+        if tau != last_tau:
+            g.aim(tau)
             last_tau = tau
         if slot + shape.width > shape.slots:  # squeeze out the holes, between two replays
             slot = g.compact(slot)

@@ -28,6 +28,7 @@ This file is copied into MARS checkpoints (trust_remote_code).
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from .cache import compact_static, pass_positions
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
-from .scoring import SET_BASED, Histories, choose, into, masks_taken, processed, scored_at_once
+from .scoring import NGRAM_BANS, SET_BASED, Histories, choose, into, masks_taken, processed, scored_at_once
 from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
@@ -124,6 +125,8 @@ class GraphState:
     fed: torch.Tensor  # (batch, width) the pass's input: pending tokens, drafts, then the masks (written once)
     fed_real: torch.Tensor  # (batch, width) which of them are real (the masks always)
     tau: torch.Tensor  # () the τ of the next pass (inf: accept or propose nothing)
+    closed: torch.Tensor  # () τ >= 1: the mask schedule offers no mask
+    limits: torch.Tensor  # (masks + 1, masks) τ-mode: what each mask's token must score, by the row's offer (`aim`)
     step: torch.Tensor  # (1,) passes run
     accepted_log: torch.Tensor  # (slots, batch) tokens each row took in each pass
     rate: torch.Tensor  # (batch, masks) the mask schedule's acceptance rates (`MaskSchedule.rate`)
@@ -156,6 +159,8 @@ class GraphState:
             fed=fed,
             fed_real=fed_real,
             tau=torch.zeros((), dtype=torch.float32, device=device),
+            closed=torch.zeros((), **flag),
+            limits=torch.zeros(shape.masks + 1, shape.masks, dtype=torch.float32, device=device),
             step=torch.zeros(1, **long),
             accepted_log=torch.zeros(slots, batch, **long),
             rate=torch.zeros(batch, shape.masks, dtype=torch.float64, device=device),
@@ -213,11 +218,18 @@ class GraphPass:
         # when rows are loaded (`find_held`), then added to by each pass (`_commit`), not found anew every pass
         penalties = [p for p in processors or () if isinstance(p, SET_BASED)]
         sampled_drafts = shape.verify and shape.sampled and shape.typical is None
-        self.vocab = model.get_output_embeddings().weight.shape[0] if penalties or sampled_drafts else None
+        bans = not shape.verify and any(isinstance(p, NGRAM_BANS) for p in processors or ())
+        needs_vocab = penalties or sampled_drafts or bans
+        self.vocab = model.get_output_embeddings().weight.shape[0] if needs_vocab else None
         self.held = [torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties]
+        # τ-mode's n-gram bans read a copy of the text with the spare id past each history (`Histories.spare_text`),
+        # found when rows are loaded, then written by each pass: its slots' tokens, the spare id where not taken
+        self.spare_text = torch.zeros_like(state.sequences) if bans else None
+        self.ngrams = self.histories(found=False).ngram_windows(self.vocab, self.spare_text) if bans else None
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
+        self.offer_grid = self.depths < torch.arange(shape.masks + 1, device=device)[:, None]  # [k, j]: j of k offered
         self.lookup = lookup_columns(shape.batch, shape.slots, shape.lookup, device) if shape.lookup else None
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
         if sampled_drafts:
@@ -251,16 +263,29 @@ class GraphPass:
         torch.add(self.pass_slots, slot, out=self.slots)
         torch.sub(self.key_columns, slot, out=self.sees_columns)
 
+    def aim(self, tau: float) -> None:
+        """τ for the passes to come, as the state holds it: inf at τ >= 1 (a pass then accepts or proposes nothing past
+        slot 0, even a probability rounded to 1), whether the schedule's masks are closed, and the τ each offer sets
+        each mask's token (inf past the offer), which τ-mode reads with one index a pass."""
+        state = self.state
+        state.tau.fill_(tau if tau < 1.0 else math.inf)
+        state.closed.fill_(tau >= 1.0)
+        state.limits.fill_(math.inf).masked_fill_(self.offer_grid, state.tau)
+
     def histories(self, found: bool = True) -> Histories:
         """What the logits processors read: every row's text as it stands, each history to its decoded tokens, the
-        tokens each holds those of `held` (unless not `found`: then found from the text)."""
-        held = self.held if found and self.held else None
-        return Histories(self.processors, self.state.sequences, None, self.state.text_end, ids=self.ids, seen=held)
+        tokens each holds those of `held` and n-gram bans' windows over `spare_text` (unless not `found`: then found
+        from the text)."""
+        held, ngrams = (self.held or None, self.ngrams) if found else (None, None)
+        text, ends = self.state.sequences, self.state.text_end
+        return Histories(self.processors, text, None, ends, ids=self.ids, seen=held, ngrams=ngrams)
 
     def find_held(self) -> None:
-        """`held` found anew from every row's text, once rows are loaded (`generate.load_rows`)."""
+        """`held` and `spare_text` found anew from every row's text, once rows are loaded (`generate.load_rows`)."""
         if self.held:
             torch._foreach_copy_(self.held, self.histories(found=False).seen(self.vocab))
+        if self.spare_text is not None:
+            self.spare_text.copy_(self.histories(found=False).spare_text(self.vocab))
 
     def load_cache(self, kv) -> None:
         """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
@@ -418,8 +443,8 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
         tokens, accepted, path = _verify_by_rule(g, logits) if shape.by_rule else _verify(g, logits)
     else:
         tokens, confs = choose(logits, histories, shape.sampled, shape.confidence)
-        if shape.masks:
-            paid = masks_taken(confs, state.tau, None if offered is None else g.within)
+        if shape.masks:  # with a schedule, each mask's τ by the row's offer (inf past it)
+            paid = masks_taken(confs, state.tau if offered is None else state.limits.index_select(0, offered))
             accepted = paid + 1
         else:  # τ >= 1 throughout: one token a pass, no masks (`cut` makes a new tensor of it)
             accepted = g.one_each
@@ -433,10 +458,11 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
 
 def _offer(g: GraphPass) -> torch.Tensor:
     """`(batch,)` masks the schedule offers each row in this pass (none at τ >= 1), as the loop's `MaskSchedule`
-    offers them; `g.within` marks them. The pass still feeds every mask (its shape stays), as a static cache does
-    in the loop: a row ignores the masks past its offer."""
-    offered = offers(g.state.rate, g.state.time).masked_fill_(g.state.tau >= 1.0, 0)
-    torch.lt(g.depths, offered[:, None], out=g.within)
+    offers them; in lossless mode `g.within` marks them (τ-mode reads them in `state.limits`). The pass still feeds
+    every mask (its shape stays), as a static cache does in the loop: a row ignores the masks past its offer."""
+    offered = offers(g.state.rate, g.state.time).masked_fill_(g.state.closed, 0)
+    if g.shape.verify:
+        torch.lt(g.depths, offered[:, None], out=g.within)
     return offered
 
 
@@ -490,11 +516,14 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     if path is not None:  # lossless: the drafts off the kept path become holes
         state.real.index_copy_(1, g.draft_slots, path.kept)
     untaken = g.untaken.index_select(0, accepted)
-    write_taken(state.sequences, g.rows, g.decoded_column + state.write_offsets, tokens, untaken, g.shape.pad_token_id)
-    if g.held:  # the taken tokens, held now (those not taken into the spare column)
+    columns = g.decoded_column + state.write_offsets
+    write_taken(state.sequences, g.rows, columns, tokens, untaken, g.shape.pad_token_id)
+    if g.held or g.spare_text is not None:  # the spare id where a row did not take it
         taken = tokens.masked_fill(untaken, g.vocab)
-        for held in g.held:
+        for held in g.held:  # the taken tokens, held now (those not taken into the spare column)
             held.scatter_(1, taken, True)
+        if g.spare_text is not None:  # over the tokens that this pass's slots wrote after each history
+            g.spare_text.index_put_((g.rows, columns), taken)
     torch._foreach_add_(g.counters, g.counter_steps)
     torch._foreach_add_([state.decoded, state.text_end, state.text_last, state.last_position], [accepted] * 4)
 

@@ -116,17 +116,21 @@ class Histories:
     position-aware processors (n-gram bans) and those with per-row state exact.
     """
 
-    def __init__(self, processors, sequences, rows, lengths, joined=None, ids: dict | None = None, seen=None):
+    def __init__(
+        self, processors, sequences, rows, lengths, joined=None, ids: dict | None = None, seen=None, ngrams=None
+    ):
         """`sequences`: `(batch, width)` every row's text; `rows`: the active rows' indices in it (None: all);
         `lengths`: `(active rows,)` how far each one's history reaches; `joined`: `(active rows,)` the columns of
         left padding in each one's prompt that are not its own batch's (`Text.joined`: added by rows that joined
         later; None: none), which a `min_length` does not count. `ids`: where `no_ids` keeps its columns and `seen`
         the text's column indices, for a caller that makes histories every pass (a graph pass: each tensor made is an
         op of every pass). `seen`: what `seen()` would find, where the caller keeps it (a graph pass adds each
-        pass's tokens to it); None: found from the text when first asked."""
+        pass's tokens to it); None: found from the text when first asked. `ngrams`: what `ngram_windows` would make
+        for the n-gram bans, where the caller keeps it (a graph pass in τ-mode writes each pass's tokens into its
+        text); None: made from the text when a pass asks."""
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
         self.joined = joined
-        self._seen, self._ids = seen, {} if ids is None else ids
+        self._seen, self._ids, self._ngrams = seen, {} if ids is None else ids, ngrams
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:
@@ -194,15 +198,18 @@ class Histories:
         first = next((i for i, p in enumerate(self.processors) if isinstance(p, reads)), len(self.processors))
         head, tail = self.processors[:first], self.processors[first:]
         ends = self._ends(slots, torch.arange(slots, device=logits.device)) if self._reads_lengths() else None
-        seen = [s[:, :vocab] for s in self.seen(vocab)]  # no sink column: a chosen token is in the vocab
         scores = self.apply(logits, [], ends, head)
         lead = int(bool(tail) and isinstance(tail[0], SET_BASED))  # a leading penalty: 1, its place in `seen` too
         rest, penalised = tail[lead:], _penalised(scores, tail[0].penalty) if lead else None
         while lead and slots > 1 and rest and isinstance(rest[0], SCALING):  # both sides of the penalty's choice
             scores, penalised = (scores_only(rest[0], both, self.no_ids) for both in (scores, penalised))
             rest = rest[1:]
+        spare = bool(rest) and isinstance(rest[0], NGRAM_BANS)  # the first ban's spare column, added once (`banned`)
+        if spare:
+            scores, penalised = (x if x is None else torch.nn.functional.pad(x, (0, 1)) for x in (scores, penalised))
+        seen = self.seen(vocab) if spare else [s[:, :vocab] for s in self.seen(vocab)]  # the slots' width
         penalised = penalised.unbind(1) if lead else None
-        bans = self._slot_bans(slots, vocab)
+        bans = self._slot_bans(slots, vocab, spare)
         for i, slot in enumerate(scores.unbind(1)):
             if lead:
                 slot = torch.where(seen[0], penalised[i], slot)
@@ -212,23 +219,32 @@ class Histories:
             if bans is not None and i + 1 < slots:
                 bans.text.scatter_(1, bans.columns[i], token)
 
-    def _slot_bans(self, slots: int, vocab: int) -> _SlotBans | None:
+    def _slot_bans(self, slots: int, vocab: int, spare: bool = False) -> _SlotBans | None:
         """`in_order`'s n-gram bans for each of `slots` slots (None: no bans). They read a copy of the text that holds
         the spare id `vocab` past each history, which each slot's chosen token then overwrites: a window that does
         not lie within a slot's history ends past it, on the spare id, and bars only the spare column."""
-        processors = [p for p in self.processors if isinstance(p, NGRAM_BANS)]
-        if not processors:
+        if not any(isinstance(p, NGRAM_BANS) for p in self.processors):
             return None
-        text, lengths = self.text().clamp(max=vocab), self.lengths[:, None]
-        text.masked_fill_(self._arange(0, text.shape[1]) >= lengths, vocab)
-        ends = lengths + self._arange(0, slots)  # (rows, slots): each slot's history
+        windows = self._ngrams or self.ngram_windows(vocab)
+        ends = self.lengths[:, None] + self._arange(0, slots)  # (rows, slots): each slot's history
         columns = ends.split(1, dim=1)  # (rows, 1) each
         rules = []
-        for processor in processors:
-            ngrams = _Ngrams(processor.ngram_size, text, vocab)
+        for ngrams in windows:
             suffixes = ngrams.suffixes(ends, self._arange(1 - ngrams.n, 0)).unbind(1)
-            rules.append([functools.partial(ngrams.banned, suffix=x) for x in suffixes])
-        return _SlotBans(text, columns, rules)
+            rules.append([functools.partial(ngrams.banned, suffix=x, spare=spare and not rules) for x in suffixes])
+        return _SlotBans(windows[0].text, columns, rules)
+
+    def ngram_windows(self, vocab: int, text: torch.Tensor | None = None) -> list[_Ngrams]:
+        """Each n-gram ban's windows (`_Ngrams`) over `text`, made here as `spare_text` (None), or one the caller
+        keeps so (a graph pass: made once, views of its buffer)."""
+        text = self.spare_text(vocab) if text is None else text
+        return [_Ngrams(p.ngram_size, text, vocab) for p in self.processors if isinstance(p, NGRAM_BANS)]
+
+    def spare_text(self, vocab: int) -> torch.Tensor:
+        """`(rows, width)`: a copy of every row's text that holds the spare id `vocab` past its history (and for ids
+        past the vocabulary), which n-gram bans read slot by slot."""
+        text = self.text().clamp(max=vocab)
+        return text.masked_fill_(self._arange(0, text.shape[1]) >= self.lengths[:, None], vocab)
 
     def seen(self, vocab: int) -> list[torch.Tensor]:
         """For each `SET_BASED` processor, `(active rows, vocab + 1)`: whether each token is in the row's history
@@ -251,10 +267,11 @@ class Histories:
         with a history of its own. n-gram bans: `bans`, one rule per ban for the one slot scored (`in_order`);
         `chain`: over `(rows, slots, vocab)` scores, each slot's text, one row per slot, `(texts, lengths)`; neither:
         one slot, `(rows, vocab)`, after the history."""
-        vocab, held, banned = scores.shape[-1], iter(seen), iter(bans or ())
+        held, banned = iter(seen), iter(bans or ())
         for processor in self.processors if processors is None else processors:
-            if isinstance(processor, SET_BASED):
-                scores = torch.where(next(held)[..., :vocab], _penalised(scores, processor.penalty), scores)
+            if isinstance(processor, SET_BASED):  # `seen` as wide as the scores (a ban may have cut a spare column)
+                penalised = _penalised(scores, processor.penalty)
+                scores = torch.where(next(held)[..., : scores.shape[-1]], penalised, scores)
             elif isinstance(processor, BY_LENGTH):
                 scores = _by_length(processor, ends, scores, self.joined)
             elif isinstance(processor, NGRAM_BANS) and bans is not None:
@@ -262,7 +279,7 @@ class Histories:
             elif isinstance(processor, NGRAM_BANS) and chain is None:
                 scores = _ngrams_banned(processor, self.text(), self.lengths, scores)
             elif isinstance(processor, NGRAM_BANS):
-                scores = _ngrams_banned(processor, *chain, scores.reshape(-1, vocab)).view_as(scores)
+                scores = _ngrams_banned(processor, *chain, scores.reshape(-1, scores.shape[-1])).view_as(scores)
             else:  # reads only the scores
                 scores = scores_only(processor, scores, self.no_ids)
         return scores
@@ -447,16 +464,18 @@ class _Ngrams:
         reach = torch.arange(self.n, self.n + self.tails.shape[1], device=ends.device)  # the history a window needs
         return reach > ends[..., None]
 
-    def banned(self, scores: torch.Tensor, suffix: torch.Tensor, outside: torch.Tensor | None = None) -> torch.Tensor:
+    def banned(self, scores, suffix: torch.Tensor, outside: torch.Tensor | None = None, spare: bool = False):
         """`scores` `(rows, vocab)` with the tokens barred after the histories that `suffix` (`(rows, 1, n - 1)`: the
         columns of their last n - 1 tokens) and `outside` (`(rows, windows)`; None where `text` holds the spare id
-        past every history) describe, at -inf."""
+        past every history) describe, at -inf. `spare`: `scores` come with the spare column (`(rows, vocab + 1)`,
+        added once for every slot of a pass), barred in place."""
         last = self.row_texts.gather(2, suffix)
         other = (self.heads != last).any(dim=-1)  # windows that bar nothing
         if outside is not None:
             other |= outside
         barred = self.tails.masked_fill(other, self.vocab)  # the spare column
-        return torch.nn.functional.pad(scores, (0, 1)).scatter_(1, barred, -math.inf)[:, : self.vocab]
+        scores = scores if spare else torch.nn.functional.pad(scores, (0, 1))
+        return scores.scatter_(1, barred, -math.inf)[:, : self.vocab]
 
 
 # Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,

@@ -132,7 +132,7 @@ class GraphSession:
         g, state = self.graph, self.graph.state
         tau = read_tau(self.plan.settings.tau)
         if tau != self.tau:
-            state.tau.fill_(tau if tau < 1.0 else float("inf"))
+            g.aim(tau)
             self.tau = tau
         if self.slot + self.shape.width > self.shape.slots:
             state.real[[row for row, label in enumerate(self.held) if label is None]] = False
