@@ -40,7 +40,7 @@ from .cache import compact_static, pass_positions
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
-from .scoring import NGRAM_BANS, SET_BASED, Histories, choose, into, masks_taken, processed, scored_at_once
+from .scoring import NGRAM_BANS, SET_BASED, Histories, choose, into, kept_noise, masks_taken, processed, scored_at_once
 from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
@@ -125,11 +125,11 @@ class GraphState:
     fed: torch.Tensor  # (batch, width) the pass's input: pending tokens, drafts, then the masks (written once)
     fed_real: torch.Tensor  # (batch, width) which of them are real (the masks always)
     tau: torch.Tensor  # () the τ of the next pass (inf: accept or propose nothing)
-    closed: torch.Tensor  # () τ >= 1: the mask schedule offers no mask
     limits: torch.Tensor  # (masks + 1, masks) τ-mode: what each mask's token must score, by the row's offer (`aim`)
     step: torch.Tensor  # (1,) passes run
     accepted_log: torch.Tensor  # (slots, batch) tokens each row took in each pass
-    rate: torch.Tensor  # (batch, masks) the mask schedule's acceptance rates (`MaskSchedule.rate`)
+    rates: torch.Tensor  # (batch, masks + 1) ones (zeros at τ >= 1: no offer), then the schedule's acceptance rates
+    rate: torch.Tensor  # (batch, masks) those rates (`MaskSchedule.rate`), a view
     time: torch.Tensor  # (masks + 1,) what a pass with 0, 1, ... masks costs (`MaskSchedule.time`)
     last: torch.Tensor  # (batch,) lossless mode: masks offered in the last pass
     passes: torch.Tensor  # (batch,) passes each row decoded in (the schedule probes every few)
@@ -142,6 +142,7 @@ class GraphState:
         fed, fed_real = torch.zeros(batch, shape.width, **long), torch.zeros(batch, shape.width, **flag)
         fed[:, kept:], fed_real[:, kept:] = shape.mask_token_id, True
         text = torch.zeros(batch, slots, **long)
+        rates = torch.ones(batch, shape.masks + 1, dtype=torch.float64, device=device)
         if shape.lookup:  # lookup's tail after the buffer, written once
             text = torch.cat([text, lookup_columns(batch, slots, shape.lookup, device).tail], dim=1)
         return cls(
@@ -159,11 +160,11 @@ class GraphState:
             fed=fed,
             fed_real=fed_real,
             tau=torch.zeros((), dtype=torch.float32, device=device),
-            closed=torch.zeros((), **flag),
             limits=torch.zeros(shape.masks + 1, shape.masks, dtype=torch.float32, device=device),
             step=torch.zeros(1, **long),
             accepted_log=torch.zeros(slots, batch, **long),
-            rate=torch.zeros(batch, shape.masks, dtype=torch.float64, device=device),
+            rates=rates,
+            rate=rates[:, 1:],
             time=torch.zeros(shape.masks + 1, dtype=torch.float64, device=device),
             last=torch.zeros(batch, **long),
             passes=torch.zeros(batch, **long),
@@ -219,8 +220,10 @@ class GraphPass:
         penalties = [p for p in processors or () if isinstance(p, SET_BASED)]
         sampled_drafts = shape.verify and shape.sampled and shape.typical is None
         bans = not shape.verify and any(isinstance(p, NGRAM_BANS) for p in processors or ())
-        needs_vocab = penalties or sampled_drafts or bans
+        drawn_in_order = not shape.verify and shape.sampled and shape.reads_text  # τ-mode's slots, one by one
+        needs_vocab = penalties or sampled_drafts or bans or drawn_in_order
         self.vocab = model.get_output_embeddings().weight.shape[0] if needs_vocab else None
+        self.noise = kept_noise(shape.masks + 1, shape.batch, self.vocab, device) if drawn_in_order else None
         self.held = [torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties]
         # τ-mode's n-gram bans read a copy of the text with the spare id past each history (`Histories.spare_text`),
         # found when rows are loaded, then written by each pass: its slots' tokens, the spare id where not taken
@@ -265,11 +268,12 @@ class GraphPass:
 
     def aim(self, tau: float) -> None:
         """τ for the passes to come, as the state holds it: inf at τ >= 1 (a pass then accepts or proposes nothing past
-        slot 0, even a probability rounded to 1), whether the schedule's masks are closed, and the τ each offer sets
-        each mask's token (inf past the offer), which τ-mode reads with one index a pass."""
+        slot 0, even a probability rounded to 1), where the schedule's rates start (at τ >= 1 from 0, so that every
+        offer is worth nothing and the first, no mask, is made: `schedule.offers`), and the τ each offer sets each
+        mask's token (inf past the offer), which τ-mode reads with one index a pass."""
         state = self.state
         state.tau.fill_(tau if tau < 1.0 else math.inf)
-        state.closed.fill_(tau >= 1.0)
+        state.rates[:, 0] = float(tau < 1.0)
         state.limits.fill_(math.inf).masked_fill_(self.offer_grid, state.tau)
 
     def histories(self, found: bool = True) -> Histories:
@@ -353,15 +357,15 @@ def _tables(shape: GraphShape, dtype) -> dict:
     sees = torch.cat(
         [torch.ones(width, slots, dtype=torch.bool), visible, torch.zeros(width, slots - width, dtype=torch.bool)], 1
     )
+    open_, shut = torch.zeros((), dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     tables = dict(
-        sees=sees[None, None],
+        sees=torch.where(sees, open_, shut)[None, None],  # as the additive mask's values
         key_columns=torch.arange(slots) + slots,
         pass_slots=torch.arange(width),
         relative=_relative_positions(shape),
         offsets=torch.arange(shape.tokens),
         untaken=torch.arange(shape.tokens) >= torch.arange(shape.tokens + 1)[:, None],  # by tokens taken: the rest
-        open=torch.zeros((), dtype=dtype),  # the additive mask's two values
-        shut=torch.tensor(torch.finfo(dtype).min, dtype=dtype),
+        shut=shut,  # the additive mask's value where a query sees nothing
     )
     if shape.scheduled:
         tables.update(moves=rate_moves(shape.masks))
@@ -423,13 +427,12 @@ def _slot_attention(g: GraphPass, positions: torch.Tensor):
     the pass and, within it, the real ones the tree's visibility allows. With sliding-window layers, theirs also
     hides the keys `window` positions or more behind a query, counted in positions, not slots (holes push slots
     apart): a real slot before the pass holds the row's token of its rank, the pass's own slots their fed positions."""
-    allowed = g.sees.index_select(3, g.sees_columns) & g.real_keys
-    full = torch.where(allowed, g.open, g.shut)
+    full = torch.where(g.real_keys, g.sees.index_select(3, g.sees_columns), g.shut)
     if not g.shape.window:
         return full
     keys = (g.state.real.cumsum(dim=1) - 1).index_copy_(1, g.slots, positions)
     near = keys[:, None, None, :] > (positions - g.shape.window)[:, None, :, None]
-    sliding = torch.where(allowed & near, g.open, g.shut)
+    sliding = torch.where(near, full, g.shut)
     return sliding if g.shape.sliding_only else {"full_attention": full, "sliding_attention": sliding}
 
 
@@ -442,7 +445,7 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     if shape.verify:
         tokens, accepted, path = _verify_by_rule(g, logits) if shape.by_rule else _verify(g, logits)
     else:
-        tokens, confs = choose(logits, histories, shape.sampled, shape.confidence)
+        tokens, confs = choose(logits, histories, shape.sampled, shape.confidence, noise=g.noise)
         if shape.masks:  # with a schedule, each mask's τ by the row's offer (inf past it)
             paid = masks_taken(confs, state.tau if offered is None else state.limits.index_select(0, offered))
             accepted = paid + 1
@@ -460,7 +463,7 @@ def _offer(g: GraphPass) -> torch.Tensor:
     """`(batch,)` masks the schedule offers each row in this pass (none at τ >= 1), as the loop's `MaskSchedule`
     offers them; in lossless mode `g.within` marks them (τ-mode reads them in `state.limits`). The pass still feeds
     every mask (its shape stays), as a static cache does in the loop: a row ignores the masks past its offer."""
-    offered = offers(g.state.rate, g.state.time).masked_fill_(g.state.closed, 0)
+    offered = offers(g.state.rates, g.state.time)
     if g.shape.verify:
         torch.lt(g.depths, offered[:, None], out=g.within)
     return offered
@@ -539,7 +542,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
             g.pending.copy_(tokens)
         else:
             into(g.pending, torch.gather, tokens, 1, g.align.index_select(0, accepted))
-        g.pending_real.copy_(g.align_real.index_select(0, accepted))
+        into(g.pending_real, torch.index_select, g.align_real, 0, accepted)
         return
     into(g.pending, torch.gather, path.source, 1, path.column)  # the bonus token (a row that took fewer is done)
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass

@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from .scoring import into
+
 # EMA weight of each observed acceptance; pull of an unoffered mask's rate back toward 1 (every PROBE_EVERY-th pass
 # of a row), which is how a row that stopped offering a mask tries it again.
 RATE_START, RATE_STEP, RECOVER, PROBE_EVERY = 0.5, 0.25, 0.05, 8
@@ -48,7 +50,7 @@ class MaskSchedule:
         """`(len(rows),)` masks each row may use in this pass."""
         if self.constant:
             return torch.full_like(rows, self.most)
-        return offers(self.rate[rows], self.time)
+        return offers(torch.nn.functional.pad(self.rate[rows], (1, 0), value=1.0), self.time)
 
     def width(self, offered: torch.Tensor) -> int:
         """Masks to feed for these offers: the cheapest count that covers the largest."""
@@ -69,10 +71,11 @@ class MaskSchedule:
         self.rate, self.last = self.rate[keep], self.last[keep]
 
 
-def offers(rate: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+def offers(rates: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
     """`(rows,)` masks each row is offered: the count that maximises its expected tokens per unit of `time`, from
-    its acceptance `rate` of each mask. Tensors alone, so that the loop and the graph pass (`graph.py`) share it."""
-    reach = torch.nn.functional.pad(rate.cumprod(dim=1), (1, 0), value=1.0)  # 1 (slot 0), then R_j: mask j's tokens
+    its acceptance rate of each mask after a first column of ones (slot 0's token, always taken; a graph pass keeps
+    its rates so, the loop pads them). Tensors alone, so that the loop and the graph pass (`graph.py`) share it."""
+    reach = rates.cumprod(dim=1)  # 1 (slot 0), then R_j: mask j's tokens
     return reach.cumsum(dim=1).div_(time).argmax(dim=1)  # tokens with k masks; the first maximum: fewer masks
 
 
@@ -95,8 +98,11 @@ def rate_moves(most: int) -> torch.Tensor:
     return torch.stack([scale, shift], dim=3)
 
 
-def rates_after(rate, offered, paid, passes, moves, out=None) -> torch.Tensor:
+def rates_after(rate, offered, paid, passes, moves, out=None) -> torch.Tensor | None:
     """Each row's `rate` once a pass (its `passes`-th) offered it `offered` masks, of which the first `paid` were
     accepted (`moves`: `rate_moves`' table); written into `out` where given (`rate` itself: element by element)."""
     scale, shift = moves[passes % PROBE_EVERY, offered, paid].unbind(dim=1)
-    return torch.addcmul(shift, rate, scale, out=out)
+    if out is None:
+        return torch.addcmul(shift, rate, scale)
+    into(out, torch.addcmul, shift, rate, scale)
+    return None

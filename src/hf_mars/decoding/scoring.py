@@ -131,6 +131,7 @@ class Histories:
         self.processors, self.sequences, self.rows, self.lengths = processors, sequences, rows, lengths
         self.joined = joined
         self._seen, self._ids, self._ngrams = seen, {} if ids is None else ids, ngrams
+        self._kept = seen is not None  # the caller's: views of it last as long as `ids`
 
     def __call__(self, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed `scores` (active rows, vocab) of the token after each row's history plus `prefix` (None:
@@ -186,13 +187,14 @@ class Histories:
             chain = (texts, (self.lengths[:, None] + depths).view(-1))
         return self.apply(logits, seen, self._ends(slots, depths), chain=chain)
 
-    def in_order(self, logits: torch.Tensor):
+    def in_order(self, logits: torch.Tensor, wide: bool = False):
         """`by_rules` processors slot by slot, each slot after the history and the tokens chosen before it: a
         generator that yields slot i's processed scores `(rows, vocab)` and is then sent the token chosen there
         (`(rows, 1)`). What does not depend on those tokens is computed once for every slot: the processors before
         the first that reads the history, a leading repetition penalty's penalised scores (a slot picks them where
         its history holds the token) and a temperature right after it, and an n-gram ban's windows over a copy of
-        the text, into which each chosen token is written (`_Ngrams`)."""
+        the text, into which each chosen token is written (`_Ngrams`). `wide`: where a ban is the last processor,
+        slots may keep its spare column (`(rows, vocab + 1)`, at -inf: never a greedy choice)."""
         slots, vocab = logits.shape[1:]
         reads = SET_BASED + NGRAM_BANS
         first = next((i for i, p in enumerate(self.processors) if isinstance(p, reads)), len(self.processors))
@@ -205,11 +207,12 @@ class Histories:
             scores, penalised = (scores_only(rest[0], both, self.no_ids) for both in (scores, penalised))
             rest = rest[1:]
         spare = bool(rest) and isinstance(rest[0], NGRAM_BANS)  # the first ban's spare column, added once (`banned`)
-        if spare:
-            scores, penalised = (x if x is None else torch.nn.functional.pad(x, (0, 1)) for x in (scores, penalised))
-        seen = self.seen(vocab) if spare else [s[:, :vocab] for s in self.seen(vocab)]  # the slots' width
+        if spare:  # at -inf: a score that no choice takes
+            pad = functools.partial(torch.nn.functional.pad, pad=(0, 1), value=-math.inf)
+            scores, penalised = pad(scores), None if penalised is None else pad(penalised)
+        seen = self.seen(vocab) if spare else self._in_vocab(vocab)  # as wide as the slots' scores
         penalised = penalised.unbind(1) if lead else None
-        bans = self._slot_bans(slots, vocab, spare)
+        bans = self._slot_bans(slots, vocab, spare, cut=not (wide and spare and len(rest) == 1))
         for i, slot in enumerate(scores.unbind(1)):
             if lead:
                 slot = torch.where(seen[0], penalised[i], slot)
@@ -219,7 +222,7 @@ class Histories:
             if bans is not None and i + 1 < slots:
                 bans.text.scatter_(1, bans.columns[i], token)
 
-    def _slot_bans(self, slots: int, vocab: int, spare: bool = False) -> _SlotBans | None:
+    def _slot_bans(self, slots: int, vocab: int, spare: bool = False, cut: bool = True) -> _SlotBans | None:
         """`in_order`'s n-gram bans for each of `slots` slots (None: no bans). They read a copy of the text that holds
         the spare id `vocab` past each history, which each slot's chosen token then overwrites: a window that does
         not lie within a slot's history ends past it, on the spare id, and bars only the spare column."""
@@ -231,7 +234,8 @@ class Histories:
         rules = []
         for ngrams in windows:
             suffixes = ngrams.suffixes(ends, self._arange(1 - ngrams.n, 0)).unbind(1)
-            rules.append([functools.partial(ngrams.banned, suffix=x, spare=spare and not rules) for x in suffixes])
+            first = spare and not rules
+            rules.append([functools.partial(ngrams.banned, suffix=x, spare=first, cut=cut) for x in suffixes])
         return _SlotBans(windows[0].text, columns, rules)
 
     def ngram_windows(self, vocab: int, text: torch.Tensor | None = None) -> list[_Ngrams]:
@@ -258,6 +262,15 @@ class Histories:
                 past = columns >= self.lengths[:, None]  # past each history's end
                 self._seen = [_held(text, self._skipped(p, columns, past), vocab) for p in penalties]
         return self._seen
+
+    def _in_vocab(self, vocab: int) -> list[torch.Tensor]:
+        """`seen()` less its last column, as wide as the scores: views, kept in `ids` where the caller keeps `seen`."""
+        if not self._kept:
+            return [s[:, :vocab] for s in self.seen(vocab)]
+        key = ("in vocab", vocab)
+        if key not in self._ids:
+            self._ids[key] = [s[:, :vocab] for s in self.seen(vocab)]
+        return self._ids[key]
 
     def apply(self, scores, seen: list, ends: torch.Tensor | None, processors=None, bans=None, chain=None):
         """`processors` (default: all), in order, on `scores` (`(..., vocab)`), by `generate()`'s rules: `seen`
@@ -464,18 +477,19 @@ class _Ngrams:
         reach = torch.arange(self.n, self.n + self.tails.shape[1], device=ends.device)  # the history a window needs
         return reach > ends[..., None]
 
-    def banned(self, scores, suffix: torch.Tensor, outside: torch.Tensor | None = None, spare: bool = False):
+    def banned(self, scores, suffix: torch.Tensor, outside=None, spare: bool = False, cut: bool = True):
         """`scores` `(rows, vocab)` with the tokens barred after the histories that `suffix` (`(rows, 1, n - 1)`: the
         columns of their last n - 1 tokens) and `outside` (`(rows, windows)`; None where `text` holds the spare id
         past every history) describe, at -inf. `spare`: `scores` come with the spare column (`(rows, vocab + 1)`,
-        added once for every slot of a pass), barred in place."""
+        added once for every slot of a pass), barred in place; unless `cut`, returned with it."""
         last = self.row_texts.gather(2, suffix)
         other = (self.heads != last).any(dim=-1)  # windows that bar nothing
         if outside is not None:
             other |= outside
         barred = self.tails.masked_fill(other, self.vocab)  # the spare column
         scores = scores if spare else torch.nn.functional.pad(scores, (0, 1))
-        return scores.scatter_(1, barred, -math.inf)[:, : self.vocab]
+        scores.scatter_(1, barred, -math.inf)
+        return scores[:, : self.vocab] if cut else scores
 
 
 # Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,
@@ -606,9 +620,10 @@ def into(out: torch.Tensor, op, *args) -> None:
         op(*args, out=out)
 
 
-def choose(logits, histories: Histories | None, do_sample: bool, measure: str, with_probs: bool = False):
+def choose(logits, histories: Histories | None, do_sample: bool, measure: str, with_probs: bool = False, noise=None):
     """Pick a token for every slot of a pass and score its confidence: `(tokens, confidences)`, each `(batch, slots)`,
-    plus the `(batch, slots, vocab)` distributions they were drawn from when `with_probs`.
+    plus the `(batch, slots, vocab)` distributions they were drawn from when `with_probs`. `noise`: where slots are
+    drawn one by one, a buffer for their random numbers that the caller keeps (`kept_noise`; None: made here).
 
     Processors that read the token history see, for slot i, the history plus the tokens chosen for slots < i: exactly
     what they would see if those slots are accepted (and slot i matters only if they are).
@@ -628,7 +643,7 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
             return tokens, confs, probs
         tokens = draw(probs) if do_sample else scores.argmax(dim=-1)
     else:  # one slot after another, each seeing the tokens chosen before it
-        tokens, probs = _in_order(logits, histories, do_sample, confident)
+        tokens, probs = _in_order(logits, histories, do_sample, confident, noise)
     if not confident:
         return tokens, None
     # A greedy token's probability is the largest one, exactly: one reduction instead of a gather
@@ -646,16 +661,25 @@ def masks_taken(confs: torch.Tensor, tau, within: torch.Tensor | None = None) ->
     return confident.cumprod(dim=1).sum(dim=1)
 
 
-def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
+def kept_noise(slots: int, rows: int, vocab: int, device, dtype=torch.float32) -> tuple:
+    """`(buffer, its slots)`: where `choose` draws the random numbers of slots drawn one by one, for a caller that
+    keeps it (a graph pass: made once, its views too, drawn anew each pass)."""
+    buffer = torch.empty(slots, rows, vocab, device=device, dtype=dtype)
+    return buffer, buffer.unbind(0)
+
+
+def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool, kept=None):
     """`choose`'s tokens for processors that read the history, slot by slot: `(tokens, probs)`, probs only
     `with_probs`. Each slot's processed scores are what `generate()`'s next step would see after the tokens chosen
     before it (`Histories.in_order`). Sampling draws every slot's random numbers at once, in the order that draws
-    slot by slot take them (`draw`'s rule)."""
+    slot by slot take them (`draw`'s rule), into `kept` (`kept_noise`) where given."""
     processors = histories.processors
     one_by_one = order_free(processors) or (by_rules(processors) and logits.shape[1] > 1)  # else: its own call
-    scored = histories.in_order(logits) if one_by_one else _by_calls(logits, histories)
+    scored = histories.in_order(logits, wide=not do_sample) if one_by_one else _by_calls(logits, histories)
     rows, width, vocab = logits.shape
-    noise = logits.new_empty(width, rows, vocab).exponential_(1).unbind(0) if do_sample else None  # as `draw`'s
+    if do_sample:  # as `draw`'s
+        buffer, noise = kept or kept_noise(width, rows, vocab, logits.device, logits.dtype)
+        buffer.exponential_(1)
     chosen, slots = [], []
     for i in range(width):
         scores = scored.send(chosen[-1] if chosen else None)
@@ -666,6 +690,8 @@ def _in_order(logits, histories: Histories, do_sample: bool, with_probs: bool):
     if not with_probs:
         return tokens, None
     stacked = torch.stack(slots, dim=1)  # greedy: every slot's distribution in one softmax
+    if stacked.shape[-1] > vocab:  # a ban's spare column (`Histories.in_order`'s `wide`)
+        stacked = stacked[..., :vocab]
     return tokens, stacked if do_sample else torch.softmax(stacked, dim=-1)
 
 
