@@ -267,12 +267,12 @@ class StaticMARSCache:
         """The slot map as attention mask, and position ids, for a pass (see `MARSCache.step_inputs`)."""
         width = new_real.shape[1] + (len(tree) + 1) * num_masks
         if self.length + width > self.size:
-            self.real[:, self.length :] = False  # the last pass's masks
+            self.real[:, self.length :].fill_(False)  # the last pass's masks
             self.length = int(compact_static(self.kv, self.real))
         if self.length + width > self.size:
             raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
-        self.real[:, self.length + new_real.shape[1] : self.length + width] = True
+        self.real[:, self.length + new_real.shape[1] : self.length + width].fill_(True)
         return self.real, pass_positions(self.next_position, new_real, num_masks, tree)
 
     def kv_length(self, width: int) -> int:
@@ -330,14 +330,14 @@ def compact_static(kv, real: torch.Tensor, stacked: torch.Tensor | None = None) 
     are set there). Positions are untouched: rotary embeddings are already in the keys. The same fixed shapes every
     time, and no read of the device: a graph pass can run it between two replays. `stacked`: one tensor that every
     layer's keys and values are views of, gathered at once."""
-    order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # real slots first, each row in order
-    count = real.sum(dim=1)
+    order = torch.sort(real.to(torch.uint8), dim=1, descending=True, stable=True).indices  # real first, in order
+    count = real.sum(dim=1, keepdim=True)
     if stacked is not None:
         stacked.copy_(_gather_slots(stacked, order))
     else:
         tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
         torch._foreach_copy_(tensors, [_gather_slots(t, order) for t in tensors])
-    real.copy_(torch.arange(real.shape[1], device=real.device) < count[:, None])
+    torch.lt(torch.arange(real.shape[1], device=real.device), count, out=real)
     used = count.max()
     if counts_static_writes(kv):
         torch._foreach_copy_([layer.cumulative_length for layer in kv.layers], [used] * len(kv.layers))
@@ -356,7 +356,7 @@ def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> Dynami
     rank = tokens_at.long().cumsum(dim=1) - 1  # which real slot each position's token is
     reach = (rank < real.sum(dim=1, keepdim=True)).long().cumprod(dim=1).sum(dim=1)  # positions a row's slots cover
     length = int(torch.minimum(reach, limits).min())
-    order = torch.sort((~real).to(torch.uint8), dim=1, stable=True).indices  # each row's real slots first, in order
+    order = torch.sort(real.to(torch.uint8), dim=1, descending=True, stable=True).indices  # each row's real first
     slots = order.gather(1, rank[:, :length].clamp(min=0, max=real.shape[1] - 1))
     tensors = [t for pair in kv for t in pair]
     gathered = _gather_all(tensors, slots)
@@ -384,10 +384,10 @@ def pass_positions(next_position, new_real, num_masks: int, tree: DraftTree):
     if not len(tree) and not num_masks:  # τ = 1's one-token pass: no more to place
         return pending_positions.clamp(min=0)
     root = pending_positions[:, -1:]
-    draft_positions = root + tree.on(root.device).depths[1:]
-    anchors = torch.cat([root, draft_positions], dim=1)  # (batch, groups): the token each group follows
+    drafts = [root + tree.on(root.device).depths[1:]] if len(tree) else []  # each its depth past the root
+    anchors = torch.cat([root, *drafts], dim=1) if drafts else root  # (batch, groups): the token each group follows
     mask_positions = (anchors[:, :, None] + torch.arange(1, num_masks + 1, device=root.device)).reshape(batch, -1)
-    return torch.cat([pending_positions, draft_positions, mask_positions], dim=1).clamp(min=0)
+    return torch.cat([pending_positions, *drafts, mask_positions], dim=1).clamp(min=0)
 
 
 def _pad_slots(states: torch.Tensor, holes: int, dim: int = 2) -> torch.Tensor:

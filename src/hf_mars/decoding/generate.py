@@ -498,7 +498,7 @@ def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
     text.passes.add_((taken > 0).sum(dim=0))
     g.store_cache(cache.kv)  # the output's cache is copied from the run's own
     cache.real.copy_(state.real)
-    cache.real[:, slot:] = False  # the last pass's masks
+    cache.real[:, slot:].fill_(False)  # the last pass's masks
     cache.next_position = state.last_position - g.pending_real.sum(dim=1) + 1
     cache.length = slot
     if run.stopping.per_row:  # EOS and the length limit alone: each row's own count (else the criteria kept theirs)

@@ -233,6 +233,7 @@ class GraphPass:
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
         self.offer_grid = self.depths < torch.arange(shape.masks + 1, device=device)[:, None]  # [k, j]: j of k offered
+        self.rates_first, self.unreachable = state.rates[:, 0], torch.tensor(math.inf, device=device)  # for `aim`
         self.lookup = lookup_columns(shape.batch, shape.slots, shape.lookup, device) if shape.lookup else None
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
         if sampled_drafts:
@@ -273,8 +274,9 @@ class GraphPass:
         mask's token (inf past the offer), which τ-mode reads with one index a pass."""
         state = self.state
         state.tau.fill_(tau if tau < 1.0 else math.inf)
-        state.rates[:, 0] = float(tau < 1.0)
-        state.limits.fill_(math.inf).masked_fill_(self.offer_grid, state.tau)
+        if self.shape.scheduled:
+            self.rates_first.fill_(float(tau < 1.0))
+            torch.where(self.offer_grid, state.tau, self.unreachable, out=state.limits)
 
     def histories(self, found: bool = True) -> Histories:
         """What the logits processors read: every row's text as it stands, each history to its decoded tokens, the
@@ -303,7 +305,7 @@ class GraphPass:
     def compact(self, slot: int) -> int:
         """Squeeze the holes out of this pass's cache between two passes (`compact_static`): the slot the next pass
         writes. Slots from `slot` on held the last pass's masks, which the next pass writes again: nothing real."""
-        self.state.real[:, slot:] = False
+        self.state.real[:, slot:].fill_(False)
         used = int(compact_static(self.kv, self.state.real, self.stacked))
         self.move_to(used)
         return used
