@@ -317,6 +317,26 @@ def test_a_sampled_penalised_graph_pass_dispatches_at_most_one_and_a_half_plain_
         assert rows[f"{mode}, one graph"]["ratio"] <= 1.5, rows[f"{mode}, one graph"]
 
 
+def test_a_mask_schedule_over_a_penalty_or_an_ngram_ban_dispatches_at_most_one_and_a_half_plain_steps_of_ops(
+    monkeypatch,
+):
+    """A mask schedule (a fixed `mars_mask_cost`, so that every machine schedules) on top of the processors that τ-mode
+    applies slot by slot: sampling with a repetition penalty, and an n-gram ban. Its books (offers, each mask's τ by
+    the row's offer, the rates' moves) and the slots' (a kept text copy for the bans, the random numbers drawn into a
+    kept buffer) stay within 1.5x a plain step's ops over a 48-token run, and each further pass within 1.45x."""
+    from hf_mars.tools.measure import hostbound
+
+    monkeypatch.setattr(hostbound, "MODES", {"scheduled": dict(mars_tau=0.9, mars_mask_cost=0.3)})
+    model, tokenizer = hostbound.host_bound_model(layers=2, hidden=32)
+    for decoding in ("sampled, repetition penalty 1.2", "greedy, no_repeat_ngram_size 3"):
+        counts = hostbound.host_ops(model, tokenizer, (2,), max_new_tokens=48, decodings=(decoding,))
+        rows = {row["method"]: row for row in counts}
+        graph, loop = rows["scheduled, one graph"], rows["scheduled, loop"]
+        assert graph["ops"] < loop["ops"], (decoding, graph, loop)
+        assert graph["ratio"] <= 1.5, (decoding, graph)
+        assert graph["steady_ratio"] <= 1.45, (decoding, graph)
+
+
 def test_a_graph_pass_carries_the_tokens_each_history_holds_as_the_text_holds_them(trained_toy):
     """A graph pass finds which tokens each row's history holds when rows are loaded, then adds each pass's taken
     tokens (`GraphPass.held`): after a run, what it carries equals what the text it wrote holds, found anew."""
