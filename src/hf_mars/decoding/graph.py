@@ -213,22 +213,7 @@ class GraphPass:
         self.counter_steps = [kept, -kept, 1, 1] + ([-masks] * len(self.lengths) if masks else [])
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
-        self.processors = processors
-        self.ids = {}  # `Histories.no_ids`' columns, made once
-        # Per repetition penalty, `(batch, vocab + 1)`: the tokens each row's history holds (`Histories.seen`), found
-        # when rows are loaded (`find_held`), then added to by each pass (`_commit`), not found anew every pass
-        penalties = [p for p in processors or () if isinstance(p, SET_BASED)]
-        sampled_drafts = shape.verify and shape.sampled and shape.typical is None
-        bans = not shape.verify and any(isinstance(p, NGRAM_BANS) for p in processors or ())
-        drawn_in_order = not shape.verify and shape.sampled and shape.reads_text  # τ-mode's slots, one by one
-        needs_vocab = penalties or sampled_drafts or bans or drawn_in_order
-        self.vocab = model.get_output_embeddings().weight.shape[0] if needs_vocab else None
-        self.noise = kept_noise(shape.masks + 1, shape.batch, self.vocab, device) if drawn_in_order else None
-        self.held = [torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties]
-        # τ-mode's n-gram bans read a copy of the text with the spare id past each history (`Histories.spare_text`),
-        # found when rows are loaded, then written by each pass: its slots' tokens, the spare id where not taken
-        self.spare_text = torch.zeros_like(state.sequences) if bans else None
-        self.ngrams = self.histories(found=False).ngram_windows(self.vocab, self.spare_text) if bans else None
+        self._processor_buffers(model, shape, processors, device)
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
@@ -236,12 +221,33 @@ class GraphPass:
         self.rates_first, self.unreachable = state.rates[:, 0], torch.tensor(math.inf, device=device)  # for `aim`
         self.lookup = lookup_columns(shape.batch, shape.slots, shape.lookup, device) if shape.lookup else None
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
-        if sampled_drafts:
+        if shape.verify and shape.sampled and shape.typical is None:
             self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, self.vocab, device=device)
             self.proposed = self.proposals[:, : shape.masks]  # what `propose` writes; the position after stays 0
         self.graph, self.eager_runs = None, 0
         self.leased = False  # lent to one caller (`graph_pass_for`)
         self.move_to(0)
+
+    def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
+        """What the logits processors read that a pass keeps, rather than finding it anew every pass (`processors`:
+        the run's, `scoring.order_free` or `by_rules`): per repetition penalty, `(batch, vocab + 1)`, the tokens each
+        row's history holds (`Histories.seen`), found when rows are loaded (`find_held`), then added to by each pass
+        (`_commit`); for τ-mode's n-gram bans, a copy of the text with the spare id past each history
+        (`Histories.spare_text`) and its windows, found when rows are loaded, then written by each pass (its slots'
+        tokens, the spare id where a row took none); for τ-mode's slots sampled one by one, their random numbers'
+        buffer (`scoring.kept_noise`)."""
+        self.processors = processors
+        self.ids = {}  # `Histories.no_ids`' columns, made once
+        penalties = [p for p in processors or () if isinstance(p, SET_BASED)]
+        bans = not shape.verify and any(isinstance(p, NGRAM_BANS) for p in processors or ())
+        drawn_in_order = not shape.verify and shape.sampled and shape.reads_text
+        sampled_drafts = shape.verify and shape.sampled and shape.typical is None  # `proposals`
+        needs_vocab = penalties or sampled_drafts or bans or drawn_in_order
+        self.vocab = model.get_output_embeddings().weight.shape[0] if needs_vocab else None
+        self.held = [torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties]
+        self.spare_text = torch.zeros_like(self.state.sequences) if bans else None
+        self.ngrams = self.histories(found=False).ngram_windows(self.vocab, self.spare_text) if bans else None
+        self.noise = kept_noise(shape.masks + 1, shape.batch, self.vocab, device) if drawn_in_order else None
 
     def _views(self, shape: GraphShape, state: GraphState) -> None:
         """Views of the state's buffers that a pass reads or writes, made once (a view made in a pass is an op)."""
