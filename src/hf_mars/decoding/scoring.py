@@ -225,7 +225,8 @@ class Histories:
     def _slot_bans(self, slots: int, vocab: int, spare: bool = False, cut: bool = True) -> _SlotBans | None:
         """`in_order`'s n-gram bans for each of `slots` slots (None: no bans). They read a copy of the text that holds
         the spare id `vocab` past each history, which each slot's chosen token then overwrites: a window that does
-        not lie within a slot's history ends past it, on the spare id, and bars only the spare column."""
+        not lie within a slot's history ends past it, on the spare id, and bars only the spare column. `spare`: the
+        first ban's scores come with that column (`in_order` adds it once); unless `cut`, its scores keep it."""
         if not any(isinstance(p, NGRAM_BANS) for p in self.processors):
             return None
         windows = self._ngrams or self.ngram_windows(vocab)
