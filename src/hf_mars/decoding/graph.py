@@ -294,10 +294,11 @@ class GraphPass:
 
     def find_held(self) -> None:
         """`held` and `spare_text` found anew from every row's text, once rows are loaded (`generate.load_rows`)."""
+        fresh = self.histories(found=False)
         if self.held:
-            torch._foreach_copy_(self.held, self.histories(found=False).seen(self.vocab))
+            torch._foreach_copy_(self.held, fresh.seen(self.vocab))
         if self.spare_text is not None:
-            self.spare_text.copy_(self.histories(found=False).spare_text(self.vocab))
+            self.spare_text.copy_(fresh.spare_text(self.vocab))
 
     def load_cache(self, kv) -> None:
         """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
