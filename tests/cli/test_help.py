@@ -3,6 +3,7 @@ transformers (they took seconds to import before the first line of help)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -73,3 +74,58 @@ def test_help_lists_every_command_with_a_one_line_description():
     listed = [line.split(None, 1) for line in lines[1:]]
     assert [name for name, _ in listed] == COMMANDS  # one line each: a wrapped description would add a line
     assert all(len(help.split()) >= 4 for _, help in listed)
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser, by name, as `hf-mars` builds them (train, recipe and distill: only the arguments
+    argparse reads; TRL's parser reads their dataclass options inside `run`)."""
+    from hf_mars.cli import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices
+
+
+def has_default(action: argparse.Action) -> bool:
+    return not any(action.default is none for none in (None, False, argparse.SUPPRESS))  # 0 == False: `is`
+
+
+def test_every_option_has_help_and_every_default_is_shown():
+    commands = command_parsers()
+    assert sorted(commands) == sorted(COMMANDS)
+    undocumented, silent = [], []
+    for name, command in commands.items():
+        command.format_help()  # renders (a stray % in a help string would raise)
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            if not (action.help or "").strip():
+                undocumented.append(flag)
+            elif has_default(action):
+                shown = formatter._expand_help(action)  # the action's help as --help prints it
+                if "default" not in shown.lower() and str(action.default) not in shown:
+                    silent.append(flag)
+    assert undocumented == [], f"options without help: {undocumented}"
+    assert silent == [], f"options whose --help does not show their default: {silent}"
+
+
+def rendered(command: str) -> str:
+    return " ".join(command_parsers()[command].format_help().split())  # whitespace as wrapping left it, one space
+
+
+def test_help_shows_defaults_once():
+    from hf_mars.cli.generate import DEFAULT_PROMPT
+
+    serve, generate = rendered("serve"), rendered("generate")
+    assert "port to listen on (default: 8000)" in serve
+    assert "drafts per step, K (default 3;" in serve and "(default: 3)" not in serve  # said by the help already
+    assert f"in the chat template unless --raw (default: {DEFAULT_PROMPT})" in generate
+    assert "most tokens to generate, each run (default: 256)" in generate
+    assert "(default: 0.0)" in generate  # --mask-cost: a default equal to False is still shown
+    assert "(default: 1 4 8 16)" in rendered("bench")  # lists as they are typed
+
+
+def test_help_keeps_the_api_key_from_the_environment_out(monkeypatch):
+    monkeypatch.setenv("HF_MARS_API_KEY", "sk-not-for-the-screen")
+    assert "sk-not-for-the-screen" not in rendered("serve")

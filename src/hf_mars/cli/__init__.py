@@ -8,6 +8,7 @@ a command's `--help` and a mistyped option answer at once.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 
@@ -53,11 +54,33 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         self._action_max_length = 18  # the indent of command names (4) + "export-delta" + 2
 
 
+class _CommandHelpFormatter(argparse.HelpFormatter):
+    """A command's `--help`: an option's default after its help, where it has one (not None or False) and the help
+    does not say it already (argparse's ArgumentDefaultsHelpFormatter appends it even to a "default: ..." help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        default = action.default
+        unset = any(default is none for none in (None, False, argparse.SUPPRESS))  # `is`: 0 == False is shown
+        if not action.option_strings or unset or "default" in help.lower():
+            return help
+        if isinstance(default, (list, tuple)):
+            default = " ".join(map(str, default))
+        shown = str(default).replace("%", "%%") or "none"  # help strings are %-formatted
+        return f"{help} (default: {shown})" if help else f"default: {shown}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-mars", description=DESCRIPTION, epilog=EPILOG, formatter_class=_HelpFormatter
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    subparsers = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        title="commands",
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_CommandHelpFormatter),
+    )
     for name in COMMANDS:
         importlib.import_module(f".{name}", __name__).add_parser(subparsers)
     return parser

@@ -46,8 +46,8 @@ def add_parser(subparsers) -> None:
         default=None,
         help=f"τ values to run (default: {' '.join(map(str, TAUS))}; lossless mode at its own default, 0, too)",
     )
-    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16], help="batch sizes to run")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate per prompt")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported")
     bench.add_argument(
         "--prompt-lookup", type=int, default=10, help="prompt_lookup_num_tokens of the peer (0: skip it)"

@@ -8,8 +8,8 @@ DESCRIPTION = "Convert an authors' MARS checkpoint (model_type a2d-qwen2)."
 
 def add_parser(subparsers) -> None:
     conv = subparsers.add_parser("convert", help=HELP, description=DESCRIPTION)
-    conv.add_argument("src")
-    conv.add_argument("dst")
+    conv.add_argument("src", help="folder of the authors' checkpoint")
+    conv.add_argument("dst", help="folder to write the hf_mars checkpoint to")
     conv.add_argument(
         "--block-size", type=int, help="B the checkpoint was trained with (default: from its config, else 4)"
     )

@@ -8,10 +8,10 @@ DESCRIPTION = "Train a toy MARS model on CPU (minutes, offline), then decode and
 
 def add_parser(subparsers) -> None:
     demo = subparsers.add_parser("demo", help=HELP, description=DESCRIPTION)
-    demo.add_argument("--steps", type=int, default=800)
-    demo.add_argument("--block-size", type=int, default=4)
+    demo.add_argument("--steps", type=int, default=800, help="training steps")
+    demo.add_argument("--block-size", type=int, default=4, help="mars_block_size: at most B tokens per pass")
     demo.add_argument("--tau", type=float, default=0.9, help="τ of the wall-clock comparison (default 0.9)")
-    demo.add_argument("--output-dir", default="outputs/mars-demo")
+    demo.add_argument("--output-dir", default="outputs/mars-demo", help="folder the toy checkpoint is saved to")
     demo.set_defaults(run=run)
 
 

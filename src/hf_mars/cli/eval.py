@@ -21,15 +21,15 @@ DESCRIPTION = (
 def add_parser(subparsers) -> None:
     ev = subparsers.add_parser("eval", help=HELP, description=DESCRIPTION)
     ev.add_argument("model", nargs="?", help="MARS checkpoint (default: the shipped one)")
-    ev.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7])
+    ev.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.95, 0.9, 0.8, 0.7], help="τ values to run")
     ev.add_argument("--gsm8k", type=int, default=100, help="first N GSM8K test problems")
     ev.add_argument("--humaneval", type=int, default=50, help="first N HumanEval problems")
     ev.add_argument(
         "--base", action="store_true", help="also score the base model (the shipped base) with plain generate()"
     )
-    ev.add_argument("--batch-size", type=int, default=16)
-    ev.add_argument("--max-new-tokens", type=int, default=256)
-    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ev.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    ev.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate per answer")
+    ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype to load the models in")
     ev.add_argument("--device", help="e.g. cuda (default: where the model loads)")
     ev.add_argument("--output", default="outputs/eval", help="folder for eval.md, eval.json and eval.png")
     frontier = ev.add_argument_group("the quality-speed frontier of every rule (--frontier)")

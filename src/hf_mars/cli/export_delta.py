@@ -9,7 +9,9 @@ DESCRIPTION = "Recipe step 3: store a LoRA MARS run as the shipped delta (float1
 def add_parser(subparsers) -> None:
     exp = subparsers.add_parser("export-delta", help=HELP, description=DESCRIPTION)
     exp.add_argument("trained", help="output folder of `hf-mars train --use_peft ...`")
-    exp.add_argument("--output", help="default: the package's checkpoints/smollm2-135m-mars")
+    exp.add_argument(
+        "--output", help="folder to write the delta to (default: the package's checkpoints/smollm2-135m-mars)"
+    )
     exp.set_defaults(run=run)
 
 

@@ -38,7 +38,7 @@ def add_model(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
 
 def add_machine(parser: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
     """Where and how `bench` and `tune` load the model: revision, dtype, device."""
-    parser.add_argument("--revision")
+    parser.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
     parser.add_argument(
         "--dtype",
         default="float32",

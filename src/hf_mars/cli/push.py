@@ -26,7 +26,7 @@ def _add_push(subparsers) -> None:
     push.add_argument("--license", help="card metadata, e.g. apache-2.0 (default: from the folder's README.md)")
     push.add_argument("--dataset", action="append", help="card metadata; repeat for several datasets")
     push.add_argument("--tau-table", help="JSON file of measured rows {tau, tokens_per_forward, ...} for the card")
-    push.add_argument("--commit-message")
+    push.add_argument("--commit-message", help="the Hub commit's message (default: Upload MARS checkpoint)")
     push.set_defaults(run=run)
 
 
@@ -39,7 +39,7 @@ def _add_push_space(subparsers) -> None:
     )
     space.add_argument("--folder", help="the Space's files (default: the project's spaces_demo/)")
     space.add_argument("--private", action="store_true", help="create the Space private")
-    space.add_argument("--commit-message")
+    space.add_argument("--commit-message", help="the Hub commit's message (default: MARS demo for MODEL)")
     space.set_defaults(run=run)
 
 

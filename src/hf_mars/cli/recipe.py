@@ -25,7 +25,7 @@ def add_command(subparsers, name: str, help: str, description: str, run) -> None
     """Register a command whose arguments all go to `run` as `args.argv`: `prefix_chars` other than "-" makes
     argparse take `--output-dir` and `--help` as plain words, left to TRL's parser."""
     command = subparsers.add_parser(name, help=help, description=description, add_help=False, prefix_chars="+")
-    command.add_argument("argv", nargs="*")
+    command.add_argument("argv", nargs="*", help=f"options for TRL's parser (`hf-mars {name} --help` lists them)")
     command.set_defaults(run=run)
 
 
