@@ -113,31 +113,99 @@ def test_reading_costs_never_times(cache_dir, monkeypatch):
     assert "perf_counter" not in shipped and "def measure_" not in shipped
 
 
-def test_costs_timed_beside_other_work_are_timed_again_by_the_next_process(cache_dir, monkeypatch, caplog):
-    """Figures timed while another process held part of the CPU are used, said to be off, and timed again once by the
-    next process; figures timed alone are kept."""
+def test_costs_timed_beside_other_work_are_never_chosen_from_and_timed_again_on_an_idle_machine(
+    cache_dir, monkeypatch, caplog
+):
+    """Figures timed while another process held part of the CPU are saved marked busy, said to be off, and no choice
+    rests on them, not even in the process that timed them (it chooses from what is known of this kind of device);
+    the next process that finds the machine idle times them again, and figures timed alone are kept."""
     calls = counting(monkeypatch)
     model = make_model("llama")
-    monkeypatch.setattr(passes, "_cpu_share", lambda started: 0.4)  # another process had more than half the CPU
-    with caplog.at_level("WARNING", logger=passes.__name__):
-        busy = pass_costs(model, 1, [4])
+    monkeypatch.setattr(passes, "cpu_share", lambda started: 0.4)  # another process had more than half the CPU
+    with caplog.at_level("WARNING", logger=passes.__name__), pytest.raises(NotMeasured):
+        pass_costs(model, 1, [4])
     saved = json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
-    assert saved["busy"] == 0.4 and "other work was running" in caplog.text
-    assert pass_costs(model, 1, [4]) == busy and len(calls) == 1  # this process does not time them twice
-    assert cost_model.pass_costs(model, 1, [4]) == busy  # and decodes with them
-    monkeypatch.setattr(passes, "_cpu_share", lambda started: 0.97)  # the other work ends
-    pass_costs(model, 1, [4, 8])  # a width timed alone does not clear the entry's old figures
-    assert json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]["busy"] == 0.4
+    assert saved["busy"] == 0.4 and "other work was running" in caplog.text and "not used" in caplog.text
+    with pytest.raises(NotMeasured):
+        pass_costs(model, 1, [4])  # this process does not time them twice, nor use them
+    assert len(calls) == 1
+    with pytest.raises(NotMeasured):
+        cost_model.pass_costs(model, 1, [4])  # the checkpoint's code does not decode with them either
 
-    monkeypatch.setattr(os, "getpid", lambda: -1)  # the next process, on an idle machine
-    with pytest.raises(NotMeasured):  # which does not decode with figures timed busy by another
-        cost_model.pass_costs(model, 1, [4])
-    pass_costs(model, 1, [4])
-    assert calls[-1][2] == (1, 4) and len(calls) == 3  # every width again
+    passes._DECLINED.clear()  # the next process, on an idle machine
+    monkeypatch.setattr(passes, "cpu_share", lambda started: 0.97)
+    timed = pass_costs(model, 1, [4])
+    assert calls[-1][2] == (1, 4) and len(calls) == 2  # every width again
     assert "busy" not in json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
-    monkeypatch.setattr(os, "getpid", lambda: -2)
+    assert cost_model.pass_costs(model, 1, [4]) == timed
     pass_costs(model, 1, [4])
-    assert len(calls) == 3  # figures timed alone stay
+    assert len(calls) == 2  # figures timed alone stay
+
+
+def test_a_busy_machine_is_not_timed_and_auto_chooses_from_what_is_known_of_its_kind(
+    auto_model, cache_dir, monkeypatch, caplog
+):
+    """Where other work holds cores torch's threads would use, timing declines before it starts (said once, and not
+    probed again in this process); `"auto"` then chooses from the prior for this kind of device, and the output is
+    greedy `generate()`'s all the same."""
+    calls = counting(monkeypatch)
+    model, tok = auto_model
+    enc = toy_prompts(tok, n=2, seed=5)
+    probes = []
+    monkeypatch.setattr(passes, "busy_cores", lambda threads=None: probes.append(1) or 1)
+    with caplog.at_level("WARNING", logger=passes.__name__):
+        measured = hf_mars.measure(model, [1], mars_verify=True)[1]
+        hf_mars.measure(model, [1], mars_verify=True)
+    assert calls == [] and len(probes) == 1 and "not timed now" in caplog.text
+    assert not (cache_dir / "pass_costs.json").exists()
+    prior = cost_model.prior_costs(model, 1, WIDTHS)
+    expected = choose_tree(ACCEPTANCE, prior) or (1, 1, 0)
+    assert measured["mars_block_size"] == expected[0] == model.mars_settings(mars_verify=True)["mars_block_size"]
+    out = model.generate(**enc, mars_verify=True, max_new_tokens=12)
+    assert torch.equal(out, GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=12))
+    with pytest.raises(NotMeasured):
+        cost_model.pass_costs(model, 1, [4])
+    passes._DECLINED.clear()
+
+
+def test_the_prior_drafts_where_drafting_is_known_to_pay_and_not_where_it_is_known_not_to(monkeypatch):
+    """Untimed, `"auto"` still drafts on a GPU and on a CPU that computes bfloat16 natively (a wide pass costs little
+    more than a one-token one there), and in float32 on any CPU at batch 1, but not in bfloat16 emulated on a CPU
+    without AVX512-BF16, where each further token costs about a quarter of a one-token pass. The shipped checkpoint's
+    trees."""
+    from hf_mars.tools.checkpoints.shipped import ACCEPTANCE as SHIPPED
+
+    model = make_model("llama")
+    widths = [pass_width(*parse_tree(name)) for name in SHIPPED]
+
+    def chosen(kind: str, dtype, batch: int = 1):
+        monkeypatch.setattr(cost_model, "device_kind", lambda m: kind)
+        return choose_tree(SHIPPED, cost_model.prior_costs(model.to(dtype), batch, widths))
+
+    assert chosen("cuda", torch.bfloat16) is not None and chosen("cuda", torch.bfloat16, 8) is not None
+    assert chosen("cpu, native bfloat16", torch.bfloat16) is not None
+    assert chosen("cpu, float32", torch.float32) is not None
+    assert chosen("cpu, emulated 16-bit", torch.bfloat16) is None
+    # Cost grows with the pass's tokens over all rows: a batch of 8 leaves a GPU less room than a batch of 1
+    monkeypatch.setattr(cost_model, "device_kind", lambda m: "cuda")
+    one, eight = (cost_model.prior_costs(model, b, [16]) for b in (1, 8))
+    assert one.forward[16] / one.forward[1] < eight.forward[16] / eight.forward[1]
+    # bfloat16 reads half the bytes of float32: its one-token pass is the cheaper in the prior's units
+    assert cost_model.prior_costs(model.to(torch.bfloat16), 1, [4]).forward[1] < cost_model.prior_costs(
+        model.to(torch.float32), 1, [4]
+    ).forward[1]
+
+
+def test_the_device_kind_reads_the_device_the_dtype_and_the_cpu_s_flags(monkeypatch):
+    model = make_model("llama")
+    assert cost_model.device_kind(model) == "cpu, float32"
+    monkeypatch.setattr(cost_model, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert cost_model.device_kind(model.to(torch.bfloat16)) == "cpu, native bfloat16"
+    monkeypatch.setattr(cost_model, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cost_model.device_kind(model.to(torch.bfloat16)) == "cpu, emulated 16-bit"
+    assert cost_model.prior_cost("cpu, float32", 1) == 1.0
+    assert cost_model.prior_cost("cpu, float32", 3) == pytest.approx((1.7 + 1.9) / 2)  # between two points
+    assert cost_model.prior_cost("cpu, float32", 96) > cost_model.prior_cost("cpu, float32", 64)  # past the last
 
 
 def test_cpu_share_tells_work_from_waiting():
@@ -145,14 +213,16 @@ def test_cpu_share_tells_work_from_waiting():
     0 while it sleeps, as it would while another process holds the CPU."""
     import time
 
-    started = passes._clocks()
+    from hf_mars.tools.measure import cpu_load
+
+    started = cpu_load.clocks()
     end = time.perf_counter() + 0.2
     while time.perf_counter() < end:
         pass
-    assert passes._cpu_share(started) > 0.5 * (1 / torch.get_num_threads())
-    started = passes._clocks()
+    assert cpu_load.cpu_share(started) > 0.5 * (1 / torch.get_num_threads())
+    started = cpu_load.clocks()
     time.sleep(0.2)
-    assert passes._cpu_share(started) < 0.2
+    assert cpu_load.cpu_share(started) < 0.2
 
 
 def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatch):
@@ -300,7 +370,8 @@ def test_a_dear_prompt_forward_counts_in_the_dtype_choice(auto_model, cache_dir,
     steps save: the choice weighs the call's prompt against its new tokens, and the prompt's cost is cached."""
     model, _ = auto_model
     step = {torch.float32: 0.010, torch.bfloat16: 0.008}  # bfloat16 steps faster; no tree pays in either
-    prompt = {torch.float32: 0.5, torch.bfloat16: 5.0}  # seconds to read 256 prompt tokens
+    tokens = passes.PREFILL_TOKENS  # the prompt measure_prefill times
+    prompt = {torch.float32: 0.5 * tokens / 256, torch.bfloat16: 5.0 * tokens / 256}  # 0.5 s and 5 s per 256 tokens
     prefills = []
     monkeypatch.setattr(
         passes, "measure_pass_costs", lambda m, b, ws, **_: {w: step[m.dtype] + 0.01 * (w - 1) for w in ws}
@@ -313,8 +384,28 @@ def test_a_dear_prompt_forward_counts_in_the_dtype_choice(auto_model, cache_dir,
     summary = hf_mars.choose_dtype(model, prompt_tokens=1024, new_tokens=32)  # a long prompt, a short answer
     assert summary.dtype == torch.float32 and summary.fastest_plain == torch.float32
     assert "1024-token prompt, 32 new tokens" in summary.reason() and "prompt 20.0 s" in summary.reason()
+    assert summary.prior is None and "not timed" not in summary.reason()
     assert prefills == [torch.float32, torch.bfloat16]  # measured once per dtype, then read from the cache
     assert all("prefill" in entry for entry in json.loads((cache_dir / "pass_costs.json").read_text()).values())
+
+
+def test_on_a_busy_machine_the_dtype_is_chosen_from_what_is_known_of_the_cpu(auto_model, cache_dir, monkeypatch):
+    """Nothing is timed on a busy machine: every dtype is weighed by the prior of its kind, in the same units (one
+    float32 one-token pass), and the reason says the costs were not timed. Emulated bfloat16 makes wide passes dear,
+    native bfloat16 does not."""
+    model, _ = auto_model
+    calls = counting(monkeypatch)
+    monkeypatch.setattr(passes, "busy_cores", lambda threads=None: 1)
+    try:
+        for flags, tree_in_bfloat16 in ((frozenset({"avx2"}), False), (frozenset({"avx512_bf16"}), True)):
+            monkeypatch.setattr(cost_model, "cpu_flags", lambda: flags)
+            choice = hf_mars.choose_dtype(model, prompt_tokens=64, new_tokens=256)
+            assert calls == [] and choice.prior is not None and "not timed" in choice.reason()
+            assert (choice.lossless[torch.bfloat16][0] is not None) == tree_in_bfloat16
+            assert choice.dtype == max(choice.lossless, key=lambda d: choice.lossless[d][1])
+            assert "against plain float32" in choice.reason() and "tokens/s" not in choice.reason()  # no seconds
+    finally:
+        passes._DECLINED.clear()
 
 
 def test_real_prefill_measurement(cache_dir):
@@ -404,21 +495,23 @@ def test_compiled_costs_time_only_the_trees_that_could_win_and_choose_as_if_all_
 
 
 def test_resolving_settings_never_times_and_says_how_to_measure(auto_model, cache_dir, monkeypatch, caplog):
-    """`generate()`, `mars_settings` and a session time nothing: `"auto"` settings not measured yet decode as if
-    nothing paid (lossless: plainly; mask cost: every mask), with one warning per setting and batch size that names
-    the explicit call, `hf_mars.measure`; after it, calls run the tree it chose."""
+    """`generate()`, `mars_settings` and a session time nothing: `"auto"` settings not timed yet choose from what is
+    known of this kind of device (`prior_costs`: lossless mode's tree, the masks' cost), with one warning per setting
+    and batch size that names the explicit call, `hf_mars.measure`; after it, calls run the tree it chose."""
     model, tok = auto_model
     calls = counting(monkeypatch, table(0.0))
     monkeypatch.setattr(cost_model, "_WARNED", set())  # once per process: this test's warnings are new
     enc = toy_prompts(tok, n=2, seed=3)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=12)
+    prior = cost_model.prior_costs(model, 2, [*WIDTHS, 2, 3])
     with caplog.at_level("WARNING"):
-        assert hf_mars.mars_settings(model, None, 2, mars_verify=True)["mars_block_size"] == 1
+        tree = hf_mars.mars_settings(model, None, 2, mars_verify=True)["mars_block_size"]
+        assert tree == (choose_tree(ACCEPTANCE, prior) or (1,))[0]
         out = model.generate(**enc, mars_verify=True, max_new_tokens=12, return_dict_in_generate=True)
         masks = hf_mars.mars_settings(model, None, 2, mars_tau=0.9, mars_mask_cost="auto")["mars_mask_cost"]
-        assert masks == [0.0] * 3  # every mask fed
+        assert masks == cost_model.mask_shares(prior.forward, 4) and masks[0] > 0.0  # the prior's CPU: not free
         model.mars_session(enc.input_ids, attention_mask=enc.attention_mask, mars_verify=True, max_new_tokens=4)
-    assert calls == [] and torch.equal(out.sequences, reference) and out.mars_stats.mean_tokens_per_forward == 1.0
+    assert calls == [] and torch.equal(out.sequences, reference)
     warned = [r.getMessage() for r in caplog.records if "hf_mars.measure(model" in r.getMessage()]
     assert len(warned) == 2 and 'mars_lossless="auto"' in warned[0] and 'mars_mask_cost="auto"' in warned[1]
     assert hf_mars.measure(model, [2], mars_verify=True)[2]["mars_block_size"] == 4 and calls

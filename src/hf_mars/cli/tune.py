@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
         help="batch size to tune for; --save keeps other batch sizes' trees (a batch uses the entry of "
         "the largest size it reaches)",
     )
-    tune.add_argument("--max-new-tokens", type=int, default=96)
+    tune.add_argument("--max-new-tokens", type=int, default=96, help="most tokens to generate per prompt")
     tune.add_argument("--repeats", type=int, default=1, help="timed repeats; the median is reported")
     _add_output_options(tune)
     tune.set_defaults(run=run)
@@ -67,7 +67,7 @@ def _add_output_options(tune) -> None:
         action="store_true",
         help="measure this machine's pass costs again (they are cached per device, dtype, batch and model shape)",
     )
-    tune.add_argument("--revision")
+    tune.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
     tune.add_argument(
         "--dtype",
         default="float32",
@@ -174,11 +174,12 @@ def _costs(model, args, trees):
     """This machine's pass costs for `trees`, of the path tune timed them on: eager forwards, or compiled passes."""
     from ..decoding.costs import pass_width
     from ..decoding.settings import compiles
-    from ..tools.measure.passes import compiled_pass_costs, pass_costs
+    from ..tools.measure.passes import PassTimer, compiled_pass_costs, pass_costs
     from ..tools.measure.tuning import compiled_call
 
-    if not args.compile:
-        return pass_costs(model, args.batch_size, [pass_width(*tree) for tree in trees], args.refresh_costs)
+    if not args.compile:  # asked for by a person: timed busy or not (a busy timing says so), overheads too
+        widths, timer = [pass_width(*tree) for tree in trees], PassTimer(overheads=True, busy_ok=True)
+        return pass_costs(model, args.batch_size, widths, args.refresh_costs, timer=timer)
     call = compiled_call(model, args.max_new_tokens, args.batch_size, trees)
     config = compiles(model, [model.generation_config], call)
     return compiled_pass_costs(model, args.batch_size, trees, config, refresh=args.refresh_costs)

@@ -11,6 +11,11 @@ compiled passes compile. A tree runs only if it beats plain decoding, one token 
 otherwise the call is plain `generate()`, which lossless mode's output equals. So lossless mode is never meaningfully
 slower than plain decoding in the same dtype, and wide trees run where a wide pass is nearly free (a GPU at small
 batch, a CPU with native bfloat16 matrix units).
+
+Where this machine's costs are not in the table (not timed yet, or timed while other work held the CPU, which can put
+them off by tens of times), the choice is made from `prior_costs`: how a pass's cost grows with its width on this
+kind of device, as measured on such devices (docs/benchmarks.md). So `"auto"` drafts from the first call where
+drafting is known to pay (a GPU, a CPU with native bfloat16), and never rests on a timing known to be unreliable.
 """
 
 from __future__ import annotations
@@ -98,33 +103,96 @@ class Costs:
 
 
 class NotMeasured(LookupError):
-    """Pass costs that are not in the table yet, where no timer was given to time them."""
+    """Pass costs that are not in the table (or not trusted), where no timer was given to time them, or the timer
+    would not (the machine is busy)."""
+
+
+# How a forward's cost grows with the tokens it holds (all rows' together), in one-token forwards, by kind of device:
+# (tokens, cost) points, linear between them and past the last. Read off passes timed on such devices
+# (docs/benchmarks.md, "What auto chooses before it has timed anything"); a prior, used only where this machine's own
+# costs are missing or untrusted.
+PRIOR_CURVES = {
+    "cuda": ((1, 1.0), (16, 1.4), (64, 1.8), (256, 3.0), (2048, 16.0)),
+    "cpu, native bfloat16": ((1, 1.0), (4, 1.3), (8, 1.55), (16, 2.1), (64, 5.4)),
+    "cpu, float32": ((1, 1.0), (2, 1.7), (4, 1.9), (8, 2.0), (16, 2.1), (32, 2.4), (64, 3.2)),
+    "cpu, emulated 16-bit": ((1, 1.0), (2, 1.25), (4, 1.8), (8, 3.0), (16, 5.2), (32, 9.6), (64, 18.0)),
+}
+# A one-token forward's cost by dtype, in float32 one-token forwards: half the bytes to read per weight
+PRIOR_STEP = {torch.float32: 1.0, torch.bfloat16: 0.6, torch.float16: 0.6}
+
+
+def device_kind(model) -> str:
+    """The kind of device whose `PRIOR_CURVES` stands for this model's passes: a GPU, or a CPU by how it computes
+    the model's dtype (bfloat16 natively with AVX512-BF16 or AMX, else emulated)."""
+    if model.device.type == "cuda":
+        return "cuda"
+    if model.dtype == torch.float32:
+        return "cpu, float32"
+    native = model.dtype == torch.bfloat16 and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    return "cpu, native bfloat16" if native else "cpu, emulated 16-bit"
+
+
+@functools.cache
+def cpu_flags() -> frozenset:
+    """The CPU's feature flags (`/proc/cpuinfo`; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((line for line in info if line.startswith(("flags", "Features"))), ":")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def prior_cost(kind: str, tokens: float) -> float:
+    """A forward over `tokens` tokens on a device of this `kind`, in one-token forwards (`PRIOR_CURVES`)."""
+    points = PRIOR_CURVES[kind]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if tokens <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+    return points[0][1]
+
+
+def prior_costs(model, batch_size: int, widths) -> Costs:
+    """`Costs` from what is known of this kind of device (`device_kind`), not timed: each width's forward over the
+    batch's tokens, in this dtype's one-token forwards (`PRIOR_STEP`, so dtypes compare), and the prompt's forward per
+    token from a 256-token one. No overheads: `MARGIN` stands for them."""
+    kind, step = device_kind(model), PRIOR_STEP.get(model.dtype, 1.0)
+    rows = cost_batch(batch_size)
+    forward = {w: step * prior_cost(kind, rows * w) / prior_cost(kind, rows) for w in sorted({1, *widths})}
+    return Costs(forward, prefill=step * prior_cost(kind, 256) / 256)
 
 
 def mask_costs(model, batch_size: int, block_size: int, timer=None) -> list[float]:
-    """`mars_mask_cost="auto"`: what 1 .. B-1 masks add to a one-token pass here, from the cached pass costs (0
-    while they are not measured, unless a `timer` times them: `pass_costs`)."""
+    """`mars_mask_cost="auto"`: what 1 .. B-1 masks add to a one-token pass here, from the cached pass costs (where
+    they are missing and no `timer` times them, from `prior_costs`)."""
+    costs = costs_or_prior(model, batch_size, range(1, block_size + 1), 'mars_mask_cost="auto"', timer=timer)
+    return mask_shares(costs.forward, block_size)
+
+
+def costs_or_prior(model, batch_size: int, widths, setting: str, limit=None, timer=None) -> Costs:
+    """`pass_costs`, or `prior_costs` where this machine's are missing or untrusted (said once per setting and batch
+    size)."""
     try:
-        widths = range(1, block_size + 1)
-        return mask_shares(pass_costs(model, batch_size, widths, timer=timer).forward, block_size)
+        return pass_costs(model, batch_size, widths, limit, timer=timer)
     except NotMeasured:
-        warn_not_measured('mars_mask_cost="auto"', batch_size, "feeds every mask")
-        return [0.0] * (block_size - 1)
+        warn_not_measured(setting, model, batch_size)
+        return prior_costs(model, batch_size, widths)
 
 
-def warn_not_measured(setting: str, batch_size: int, meanwhile: str) -> None:
-    """Say once per setting and batch size that an `"auto"` setting found no pass costs: resolving settings never
-    times (it would stall a `generate()` call, or a server's request, for seconds to minutes); the user does."""
+def warn_not_measured(setting: str, model, batch_size: int) -> None:
+    """Say once per setting and batch size that an `"auto"` setting chose from `prior_costs`: resolving settings
+    never times (it would stall a `generate()` call, or a server's request); hf_mars's tools do, once per machine."""
     if (setting, batch_size) in _WARNED:
         return
     _WARNED.add((setting, batch_size))
     logger.warning(
-        "MARS: %s needs this machine's pass costs at batch %d, not measured yet: until they are, it %s. With hf_mars "
-        "installed, `hf_mars.measure(model, batch_sizes=[%d])` times them once (give it the call's "
-        "cache_implementation and compile_config, for a compiled path), cached per machine; `hf-mars tune` too.",
+        "MARS: %s at batch %d chose from what is known of %s (%s), this machine's pass costs being untimed or "
+        "untrusted. With hf_mars installed, `hf_mars.measure(model, batch_sizes=[%d])` times them (seconds, once per "
+        "machine, skipped while other work holds the CPU); `hf-mars tune` too.",
         setting,
         batch_size,
-        meanwhile,
+        "GPUs" if device_kind(model) == "cuda" else "CPUs",
+        device_kind(model),
         batch_size,
     )
 
@@ -226,7 +294,8 @@ def pass_costs(model, batch_size: int, widths, limit: float | None = None, prefi
     batch = cost_batch(batch_size)
     key, wanted = machine_key(model, batch), sorted({1, OVERHEAD_TREE_WIDTH, *widths})
     entry = trusted(read_table(costs_path()).get(key, {}))
-    if any(missing_costs(entry, wanted, limit, prefill)):
+    widths_missing, _, prefill_missing = missing_costs(entry, wanted, limit, prefill)
+    if widths_missing or prefill_missing:
         if timer is None:
             raise NotMeasured(f"pass costs of {key} are not measured yet")
         entry = timer.time_passes(model, batch, key, entry, wanted, limit, prefill)
@@ -251,9 +320,9 @@ def forward_costs(entry: dict) -> dict[int, float]:
 
 
 def trusted(entry: dict) -> dict:
-    """The entry, or {} where another process timed it while other work held part of the CPU (`busy`): its figures
-    can be off by tens of times, and the next measurement times them again. The process that timed it uses it."""
-    return {} if "busy" in entry and entry.get("timed_by") != os.getpid() else entry
+    """The entry, or {} where it was timed while other work held part of the CPU (`busy`): its figures can be off by
+    tens of times. A choice never rests on it; a process that finds the machine idle times it again."""
+    return {} if "busy" in entry else entry
 
 
 def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, acceptance=None, timer=None) -> Costs:

@@ -26,6 +26,7 @@ from .costs import (
     pass_costs,
     pass_width,
     pay_limit,
+    prior_costs,
     warn_not_measured,
 )
 from .tree import runner_ups
@@ -264,7 +265,8 @@ def auto_tree(model, configs, batch_size: int, compile_config=None, timer=None) 
     """The tree of the checkpoint's `mars_acceptance` with the most tokens per second at this batch size on this
     machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding. With the
     `compile_config` of a call whose passes are compiled, the costs are those of compiled passes
-    (`compiled_pass_costs`), not eager ones."""
+    (`compiled_pass_costs`), not eager ones. Where this machine's are not timed (or not trusted), what is known of
+    this kind of device (`prior_costs`) chooses."""
     acceptance = _first_set(*(getattr(c, "mars_acceptance", None) for c in configs))
     if acceptance is None:
         raise ValueError(
@@ -278,10 +280,10 @@ def auto_tree(model, configs, batch_size: int, compile_config=None, timer=None) 
             costs = compiled_pass_costs(model, batch_size, trees, compile_config, acceptance, timer)
         else:
             costs = pass_costs(model, batch_size, widths, limit=limit, timer=timer)
-    except NotMeasured:  # not measured yet, and no timer: plain decoding until it is
-        warn_not_measured('mars_lossless="auto"', batch_size, "decodes plainly")
-        costs = None
-    tree = (choose_tree(acceptance, costs) if costs is not None else None) or (1, 1, 0)
+    except NotMeasured:  # not timed yet (or untrusted), and not timed now: what is known of this kind of device
+        warn_not_measured('mars_lossless="auto"', model, batch_size)
+        costs = prior_costs(model, batch_size, widths)
+    tree = choose_tree(acceptance, costs) or (1, 1, 0)
     return dict(zip(TREE_KEYS, tree), mars_tau=0.0)
 
 

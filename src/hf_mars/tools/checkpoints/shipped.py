@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -163,6 +162,8 @@ def merge_delta(base: str | Path, delta: str | Path):
             f"The delta was trained with <|mask|> = {mars['mars_mask_token_id']}, the base gives "
             f"{model.config.mars_mask_token_id}."
         )
+    from peft import PeftModel  # seconds to import: only where a checkpoint is built, not each time it is found
+
     with _quiet():
         model = PeftModel.from_pretrained(model, delta, torch_dtype=torch.float32).merge_and_unload()
     return model, tokenizer

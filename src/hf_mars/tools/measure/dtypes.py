@@ -4,7 +4,8 @@ Plain bfloat16 decoding is faster than float32 on most CPUs (half the bytes to r
 cheap only where the CPU computes bfloat16 natively (AVX512-BF16, AMX) or on a GPU; elsewhere it is emulated, and a
 draft tree can lose what the dtype gained, as can the prompt's forward, the widest pass of all. So the choice is made
 from the same pass costs, per dtype (timed here: `passes.py`), the prompt's cost and the checkpoint's
-`mars_acceptance`, for a call of a given prompt length and number of new tokens.
+`mars_acceptance`, for a call of a given prompt length and number of new tokens. Where the machine is too busy to
+time, from what is known of this kind of device (`costs.prior_costs`), for every dtype alike.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ...decoding.costs import best_rate, check_acceptance, parse_tree, pass_width, pay_limit, tree_key
+from ...decoding.costs import (
+    NotMeasured,
+    best_rate,
+    check_acceptance,
+    device_kind,
+    parse_tree,
+    pass_width,
+    pay_limit,
+    prior_costs,
+    tree_key,
+)
 from .passes import pass_costs
 
 PROMPT_TOKENS, NEW_TOKENS = 256, 256  # the call `choose_dtype` plans for when it is not told
@@ -28,21 +39,31 @@ class DtypeChoice:
     prefill: dict[torch.dtype, float]  # expected seconds of the prompt's forward, by dtype
     prompt_tokens: int = PROMPT_TOKENS
     new_tokens: int = NEW_TOKENS
+    prior: str | None = None  # the kind of device whose known costs chose (`costs.prior_costs`); None: timed here
 
     @property
     def fastest_plain(self) -> torch.dtype:
         return max(self.plain, key=self.plain.get)
 
     def reason(self) -> str:
-        """One line: what was chosen, and the expected rates that chose it."""
+        """One line: what was chosen, and the expected rates that chose it (from a prior: relative to plain
+        float32, since no second was timed)."""
+        unit = self.plain.get(torch.float32, 1.0) if self.prior else 1.0
 
         def rate(dtype):
             tree, tokens = self.lossless[dtype]
             how = f"tree {tree_key(*tree)}" if tree else "plain, no tree pays"
+            if self.prior:
+                return f"{_name(dtype)} {tokens / unit:.2f}x ({how})"
             plain, prompt = self.plain[dtype], self.prefill[dtype]
             return f"{_name(dtype)} {tokens:.1f} tokens/s ({how}; plain {plain:.1f}; prompt {prompt:.1f} s)"
 
         call = f"{self.prompt_tokens}-token prompt, {self.new_tokens} new tokens"
+        if self.prior:
+            return (
+                f"dtype {_name(self.dtype)}, from what is known of {self.prior} (this machine's pass costs not timed): "
+                f"expected lossless for a {call}, against plain float32: " + ", ".join(map(rate, self.lossless))
+            )
         return f"dtype {_name(self.dtype)}: expected lossless for a {call}: " + ", ".join(map(rate, self.lossless))
 
 
@@ -58,22 +79,27 @@ def choose_dtype(
 ) -> DtypeChoice:
     """The dtype of the highest expected lossless tokens per second at `batch_size` for a call that reads a
     `prompt_tokens`-long prompt and writes `new_tokens` (a plain one-token pass where the checkpoint has no
-    `mars_acceptance`): the prompt's forward, then the steps. Costs seconds per dtype the first time on a machine."""
+    `mars_acceptance`): the prompt's forward, then the steps. Costs seconds per dtype the first time on a machine
+    (none on a busy one, which `prior_costs` stands for)."""
     acceptance = getattr(model.generation_config, "mars_acceptance", None)
     acceptance = check_acceptance(acceptance) if acceptance else {}
     widths = [pass_width(*parse_tree(name)) for name in acceptance]
     limit = pay_limit(acceptance) if acceptance else None
+    copies = {dtype: in_dtype(model, dtype) for dtype in candidate_dtypes(model)}
+    try:  # a busy machine declines: then every dtype from what is known, in the same units
+        found = {d: pass_costs(m, batch_size, widths, limit=limit, prefill=True) for d, m in copies.items()}
+        prior = None
+    except NotMeasured:
+        found = {d: prior_costs(m, batch_size, widths) for d, m in copies.items()}
+        prior = " and ".join(sorted({device_kind(m) for m in copies.values()}))
     plain, lossless, prefill = {}, {}, {}
-    for dtype in candidate_dtypes(model):
-        copied = in_dtype(model, dtype)
-        costs = pass_costs(copied, batch_size, widths, limit=limit, prefill=True)
+    for dtype, costs in found.items():
         prefill[dtype] = seconds = costs.prefill * prompt_tokens
         tree, rate = best_rate(acceptance, costs)
         plain[dtype] = new_tokens / (seconds + new_tokens / costs.plain_rate())
         lossless[dtype] = (tree, new_tokens / (seconds + new_tokens / rate))
-        del copied
     best = max(lossless, key=lambda d: lossless[d][1])
-    return DtypeChoice(best, plain, lossless, prefill, prompt_tokens, new_tokens)
+    return DtypeChoice(best, plain, lossless, prefill, prompt_tokens, new_tokens, prior)
 
 
 def in_dtype(model, dtype: torch.dtype):

@@ -1,12 +1,16 @@
 """Timing this machine's pass costs: what `mars_lossless="auto"` and `mars_mask_cost="auto"` read.
 
 A checkpoint's code (`decoding/costs.py`) reads the cost table and chooses from it, and never times: a `generate()`
-call or a server's request must not stall for seconds while a model is timed, and the code a checkpoint carries stays
-what decoding needs. Timing lives here and runs when a user asks: `measure(model, ...)` (`hf_mars.measure`), `hf-mars
-tune`, the server's start, the bench. `PassTimer` is what the reading code calls where a cost is missing: it times
-the passes (`measure_pass_costs`, `measure_overheads`, `measure_prefill`, `measure_compiled_passes`) and saves them
-in the table, marking figures timed while other work held the CPU (`BUSY_SHARE`) so that the next process times them
-again.
+call or a server's request must not stall while a model is timed, and the code a checkpoint carries stays what
+decoding needs. Timing lives here and runs when a user asks: `measure(model, ...)` (`hf_mars.measure`), `hf-mars
+tune`, `hf-mars generate`, the server's start, the bench. `PassTimer` is what the reading code calls where a cost is
+missing: it times the passes (`measure_pass_costs`, `measure_prefill`; the steps' overheads `measure_overheads` and
+compiled passes `measure_compiled_passes` where asked) in seconds, with a progress bar, and saves them in the table.
+
+A busy machine is not timed: where other work holds cores torch's threads would use, figures are off by up to tens of
+times (`cpu_load.py`), so the timer declines (`NotMeasured`), and the choice is made from what is known of this kind
+of device (`costs.prior_costs`) until a process finds the machine idle. Figures timed while other work came and went
+are saved marked `busy`, which no choice reads, and timed again by the next process that finds the machine idle.
 """
 
 from __future__ import annotations
@@ -15,42 +19,43 @@ import copy
 import functools
 import json
 import logging
-import os
-import statistics
 import time
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache, GenerationMixin
 
 from ...decoding import costs
 from ...decoding.compat import CACHE_ARG, supports_logits_to_keep
 from ...decoding.settings import CALL_KEYS, resolve_settings
+from .cpu_load import BUSY_SHARE, busy_cores, clocks, cpu_share
 
 logger = logging.getLogger(__name__)
 
-PREFILL_TOKENS = 256  # the prompt `measure_prefill` times; a prompt's cost is taken as proportional to its length
-# Timed with less than this share of its threads' CPU time, a process was not alone on the CPU: its figures can be
-# off by tens of times (OpenMP threads of two processes spin against each other), so they are measured again.
-BUSY_SHARE = 0.75
+PREFILL_TOKENS = 128  # the prompt `measure_prefill` times; a prompt's cost is taken as proportional to its length
+_DECLINED: set = set()  # cost-table keys this process found the machine too busy to time: not probed again
 
 
-def measure(model, batch_sizes=(1,), generation_config=None, **kwargs) -> dict:
+def measure(model, batch_sizes=(1,), generation_config=None, overheads: bool = False, **kwargs) -> dict:
     """Time on this machine what `"auto"` settings read (lossless mode's tree, `mars_mask_cost`), for calls of these
     batch sizes made with `kwargs` (with `cache_implementation="static"` and, off a GPU, a `compile_config`, the
     compiled passes those calls run), and cache it per machine. `generate()` never times: until this runs (or
-    `hf-mars tune`), `"auto"` settings decode as if nothing paid. Takes seconds to minutes (each compiled tree width
-    compiles once). Returns `{batch size: the settings calls of that size now run with}` (`None`: plain)."""
+    `hf-mars tune`), `"auto"` settings choose from what is known of this kind of device. Takes seconds (compiled
+    passes: minutes, each tree width compiles once); a busy machine is not timed. `overheads`: also time what a step
+    adds to its forward (`measure_overheads`: about as long again; `MARGIN` stands for it otherwise). Returns
+    `{batch size: the settings calls of that size now run with}` (`None`: plain)."""
     call = {name: kwargs.pop(name) for name in CALL_KEYS if name in kwargs}
-    resolved = {b: resolve_settings(model, generation_config, b, call, PassTimer(), **kwargs) for b in batch_sizes}
+    timer = PassTimer(overheads=overheads)
+    resolved = {b: resolve_settings(model, generation_config, b, call, timer, **kwargs) for b in batch_sizes}
     return {b: None if settings is None else settings.as_kwargs() for b, settings in resolved.items()}
 
 
-def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit=None, prefill: bool = False):
+def pass_costs(model, batch_size: int, widths, refresh: bool = False, limit=None, prefill: bool = False, timer=None):
     """`costs.pass_costs`, timing what the table misses (`refresh`: everything again, `hf-mars tune
-    --refresh-costs`)."""
+    --refresh-costs`); `timer`: a `PassTimer` (default: one that declines on a busy machine)."""
     if refresh:
         save(costs.machine_key(model, costs.cost_batch(batch_size)), None)
-    return costs.pass_costs(model, batch_size, widths, limit, prefill, timer=PassTimer())
+    return costs.pass_costs(model, batch_size, widths, limit, prefill, timer=timer or PassTimer())
 
 
 def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refresh: bool = False, acceptance=None):
@@ -61,32 +66,65 @@ def compiled_pass_costs(model, batch_size: int, trees, compile_config=None, refr
 
 
 class PassTimer:
-    """Times the pass costs that `costs.pass_costs` and `costs.compiled_pass_costs` find missing, and saves them."""
+    """Times the pass costs that `costs.pass_costs` and `costs.compiled_pass_costs` find missing, and saves them.
+
+    `overheads`: also time what a step adds to its bare forward (`measure_overheads`). `busy_ok`: time on a busy
+    machine too, and use what it gives (`hf-mars tune`, asked for by a person who sees the warning); otherwise a busy
+    machine is declined (`NotMeasured`) and figures found timed busy are saved for no one's choice."""
+
+    def __init__(self, overheads: bool = False, busy_ok: bool = False):
+        self.overheads, self.busy_ok = overheads, busy_ok
 
     def time_passes(self, model, batch: int, key: str, entry: dict, wanted, limit, prefill: bool) -> dict:
-        """`entry` (the table's, as far as it is trusted) completed with what `wanted` widths, the step overheads and
-        (with `prefill`) the prompt's forward miss; saved under `key`."""
-        logger.warning("MARS: measuring pass costs on this machine (once; cached in %s)", costs.costs_path())
-        started, forward, untimed = _clocks(), costs.forward_costs(entry), entry.get("untimed")
+        """`entry` (the table's, as far as it is trusted) completed with what `wanted` widths, the steps' overheads
+        (if asked) and (with `prefill`) the prompt's forward miss; saved under `key`."""
+        self._check_idle(model, key)
+        started, forward, untimed = clocks(), costs.forward_costs(entry), entry.get("untimed")
         widths, _, _ = costs.missing_costs(entry, wanted, limit, prefill)
+        what = f"{str(model.dtype).removeprefix('torch.')}, batch {batch}"
+        logger.warning("MARS: timing pass costs on this machine (%s; once, cached in %s)", what, costs.costs_path())
         if widths:
-            forward.update(measure_pass_costs(model, batch, widths, limit=limit, one=forward.get(1)))
+            forward.update(measure_pass_costs(model, batch, widths, limit=limit, one=forward.get(1), label=what))
             left_out = [w for w in widths if w not in forward]
             untimed = [min(left_out), limit] if left_out else untimed
         overhead, per_token = entry.get("overhead"), entry.get("prefill")
-        if overhead is None and not costs.past_limit(forward, costs.OVERHEAD_TREE_WIDTH + 1, limit):
+        if self.overheads and overhead is None and not costs.past_limit(forward, costs.OVERHEAD_TREE_WIDTH + 1, limit):
             overhead = measure_overheads(model, batch, forward)
         if prefill and per_token is None:
             per_token = measure_prefill(model, batch) / PREFILL_TOKENS
-        timed = {"forward": {str(w): s for w, s in sorted(forward.items())}, "overhead": overhead}
+        timed = {"forward": {str(w): s for w, s in sorted(forward.items())}}
+        timed.update({"overhead": overhead} if overhead is not None else {})
         timed.update({"untimed": untimed} if untimed else {})
         timed.update({"prefill": per_token} if per_token is not None else {})
-        _mark_busy(timed, _cpu_share(started) if model.device.type == "cpu" else 1.0, entry.get("busy"))
+        share = cpu_share(started) if model.device.type == "cpu" else 1.0
+        _mark_busy(timed, share, entry.get("busy"))
         save(key, timed)
+        if share < BUSY_SHARE and not self.busy_ok:
+            _DECLINED.add(key)
+            raise costs.NotMeasured(f"pass costs of {key} were timed while other work held the CPU")
         return timed
+
+    def _check_idle(self, model, key: str) -> None:
+        """Decline (`NotMeasured`) where other work holds cores torch's threads would use: said once per key."""
+        if self.busy_ok or model.device.type != "cpu":
+            return
+        if key in _DECLINED:
+            raise costs.NotMeasured(f"pass costs of {key}: the machine was busy")
+        busy = busy_cores()
+        if busy:
+            _DECLINED.add(key)
+            logger.warning(
+                "MARS: other work holds %d of the %d cores torch uses, which puts timings off by up to tens of times: "
+                "pass costs not timed now (a later run on an idle machine times them, in seconds); choosing from "
+                "what is known of this kind of device.",
+                busy,
+                torch.get_num_threads(),
+            )
+            raise costs.NotMeasured(f"pass costs of {key}: the machine is busy")
 
     def time_compiled(self, model, batch: int, key: str, forward: dict, tree, compile_config) -> dict:
         """`forward` with the compiled pass of `tree` (None: the plain compiled step) timed; saved under `key`."""
+        self._check_idle(model, key)
         if not forward:
             logger.warning(
                 "MARS: measuring compiled pass costs on this machine (once; cached in %s)", costs.costs_path()
@@ -111,28 +149,18 @@ def save(key: str, entry: dict | None) -> None:
 
 def _mark_busy(entry: dict, share: float, before: float | None) -> None:
     """Mark a cache entry timed with `share` of the CPU as busy, below `BUSY_SHARE` (an entry timed busy before stays
-    marked as it grows), and say so: the next process times it again."""
+    marked as it grows), and say so: no choice reads it, and the next process that finds the machine idle times it
+    again."""
     busy = min(share, 1.0 if before is None else before)
     if busy < BUSY_SHARE:
-        entry["busy"], entry["timed_by"] = round(busy, 2), os.getpid()  # this process trusts it: `costs.trusted`
+        entry["busy"] = round(busy, 2)
     if share < BUSY_SHARE:
         logger.warning(
             "MARS: other work was running while the pass costs were timed (this process had %.0f%% of its threads' "
-            "CPU time), so they may be far off. The next process times them again; or run `hf-mars tune "
-            "--refresh-costs` when the machine is idle.",
+            "CPU time), so they may be far off: not used. A later run on an idle machine times them again (or "
+            "`hf-mars tune --refresh-costs`).",
             100 * share,
         )
-
-
-def _clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
-def _cpu_share(started: tuple[float, float]) -> float:
-    """CPU time this process got since `started` (`_clocks`), as a share of the wall time its threads span: near 1
-    alone on the CPU (waiting OpenMP threads spin, which counts), about 1/2 or less beside another busy process."""
-    wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
-    return cpu / max(wall * torch.get_num_threads(), 1e-9)
 
 
 @torch.no_grad()
@@ -166,16 +194,25 @@ def measure_compiled_passes(model, batch_size: int, trees, compile_config=None, 
 
 @torch.no_grad()
 def measure_pass_costs(
-    model, batch_size: int, widths, context: int = 256, repeats: int = 7, limit: float | None = None, one=None
+    model,
+    batch_size: int,
+    widths,
+    context: int = 256,
+    repeats: int = 1,
+    limit: float | None = None,
+    one=None,
+    label: str | None = None,
 ) -> dict[int, float]:
-    """Median seconds of a forward over each of `widths` new tokens after `context` cached ones, at `batch_size`.
+    """Seconds of a forward over each of `widths` new tokens after `context` cached ones, at `batch_size`: the
+    fastest of a first round and `repeats` more (a pause of the machine, or a cold first run, lengthens a pass,
+    never shortens it).
 
-    Widths are taken in turn, `repeats` times after one warm-up round, so that drift (clock, other load) falls on all
+    Widths are taken in turn, round after round, so that drift (clock, other load) falls on all
     of them alike; `torch.utils.benchmark` times one statement at a time, which would not. At batch > 1 the passes
     carry an attention mask with holes, as batched decoding's do (left-padded prompts): attention without a mask
     takes another path at another speed. `limit` (see `pass_costs`; `one`: a one-token pass's seconds where width 1
-    is not among `widths`): the warm-up goes from narrow to wide and stops at the first width clearly past it; the
-    wider ones are left out.
+    is not among `widths`): the first round goes from narrow to wide and stops at the first width clearly past it;
+    the wider ones are left out. `label`: a progress bar, so named, over the rounds.
     """
     ids, real = _random_batch(model, batch_size, context + max(widths), context)
     keep = supports_logits_to_keep(model)
@@ -200,19 +237,22 @@ def measure_pass_costs(
 
     prefill_mask = real[:, :context] if batch_size > 1 else None
     model(input_ids=ids[:, :context], attention_mask=prefill_mask, **{CACHE_ARG: cache}, use_cache=True)
-    kept = []
-    for width in sorted(widths):  # the warm-up round
+    rounds = tqdm(total=repeats + 1, desc=f"MARS: pass costs ({label})", disable=label is None, leave=False)
+    times = {}
+    for width in sorted(widths):  # the first round
         seconds = timed(width)
         one = seconds if width == 1 else one
-        kept.append(width)
+        times[width] = [seconds]
         # 1.25: a margin for a cold first run
         if limit is not None and width > 1 and one is not None and seconds > 1.25 * limit * one:
             break
-    times = {w: [] for w in kept}
+    rounds.update()
     for _ in range(repeats):
-        for width in kept:
-            times[width].append(timed(width))
-    return {w: statistics.median(t) for w, t in times.items()}
+        for width, seconds in times.items():
+            seconds.append(timed(width))
+        rounds.update()
+    rounds.close()
+    return {w: min(t) for w, t in times.items()}
 
 
 @torch.no_grad()

@@ -1,0 +1,89 @@
+"""How much of this machine's CPU other work holds, and what that means for timing and decoding here.
+
+Torch runs its operators on a team of OpenMP threads, one per core by default, that wait for each other at every
+operator. When another process holds one of those cores, the team waits for a thread that is not running: on a
+2-core machine with one core busy, a forward over the shipped checkpoint takes 2 to 3 times what it takes on the one
+free core alone (docs/benchmarks.md). So the commands that decode for a person (`hf-mars generate`) use the cores
+that are free, and timing pass costs on a busy machine is skipped: its figures would be off by tens of times.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+# Timed with less than this share of its threads' CPU time, a process was not alone on the CPU: its figures can be
+# off by tens of times (OpenMP threads of two processes spin against each other), so they are not trusted.
+BUSY_SHARE = 0.75
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) CPU time of the whole machine so far, in clock ticks (`/proc/stat`); None where there is none."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [float(x) for x in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle and iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def free_cores(seconds: float = 0.25) -> float | None:
+    """How many cores other processes left idle over the next `seconds` (this process's own use counts as free);
+    None where the machine does not say (no `/proc/stat`)."""
+    before, own = _cpu_times(), time.process_time()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after, own = _cpu_times(), time.process_time() - own
+    busy, total = after[0] - before[0], after[1] - before[1]
+    if total <= 0:
+        return None
+    ticks_per_second = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    share_of_others = max(0.0, busy - own * ticks_per_second) / total
+    return cores() * (1.0 - share_of_others)
+
+
+def busy_cores(threads: int | None = None) -> int:
+    """How many of torch's `threads` (default: its current count) would wait on cores other work holds now: 0 on an
+    idle machine."""
+    threads = threads or torch.get_num_threads()
+    free = free_cores()
+    return 0 if free is None else max(0, threads - max(1, round(free)))
+
+
+def decode_on_free_cores() -> str | None:
+    """Give torch one thread per free core where other work holds some of the cores its threads would use, and say
+    so (None: nothing changed). For a command that decodes for a person on a shared machine, not for a server, whose
+    load comes and goes."""
+    threads = torch.get_num_threads()
+    busy = busy_cores(threads)
+    if not busy:
+        return None
+    torch.set_num_threads(threads - busy)
+    return (
+        f"other work holds {busy} of the {threads} cores torch would use: decoding on {threads - busy} "
+        f"thread{'s' * (threads - busy > 1)} (a team of threads waits for its slowest member)"
+    )
+
+
+def clocks() -> tuple[float, float]:
+    """Wall and CPU clocks now, for `cpu_share`."""
+    return time.perf_counter(), time.process_time()
+
+
+def cpu_share(started: tuple[float, float]) -> float:
+    """CPU time this process got since `started` (`clocks`), as a share of the wall time its threads span: near 1
+    alone on the CPU (waiting OpenMP threads spin, which counts), about 1/2 or less beside another busy process."""
+    wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
+    return cpu / max(wall * torch.get_num_threads(), 1e-9)
