@@ -274,6 +274,14 @@ def shortened(calls: dict, new_tokens: int) -> dict:
     }
 
 
+def split_run(long: tuple[float, int], short: tuple[float, int]) -> tuple[float, float]:
+    """`(fixed, steady)` seconds of a run from two runs of it, `(seconds, passes)` each: the steady cost of one more
+    pass is the slope between them, the fixed cost what the longer run took besides its passes."""
+    (seconds, passes), (short_seconds, short_passes) = long, short
+    steady = (seconds - short_seconds) / max(passes - short_passes, 1)
+    return seconds - steady * passes, steady
+
+
 def print_steady(calls: dict, timed: dict, short: dict, args) -> None:
     """Each method's run split by the two lengths timed: the steady cost of one more pass (the slope between them)
     and what a run costs besides its passes (the prompt's forward, setting up, handing back), against plain's."""
@@ -281,9 +289,7 @@ def print_steady(calls: dict, timed: dict, short: dict, args) -> None:
     costs = {}
     for label, short_label in zip(calls, short):
         (seconds, passes), (short_seconds, short_passes) = timed[label], timed[short_label]
-        passes, short_passes = passes or args.new_tokens, short_passes or args.short
-        steady = (seconds - short_seconds) / max(passes - short_passes, 1)
-        costs[label] = (seconds - steady * passes, steady)
+        costs[label] = split_run((seconds, passes or args.new_tokens), (short_seconds, short_passes or args.short))
     for label, (fixed, steady) in costs.items():
         step = costs[list(PLAIN)[int("sampled" in label)]][1]
         print(f"| {label} | {1000 * fixed:.2f} | {1000 * steady:.2f} | {steady / step:.2f}x |", flush=True)

@@ -64,8 +64,8 @@ def test_generate_streams_and_compares_with_ar(checkpoint):
         *F32,
     )
     assert result.returncode == 0, result.stderr
-    costs = result.stderr.split("mask cost [")[1].split("]")[0].split(", ")  # measured on this machine: 3 numbers
-    assert len(costs) == 3 and all(0.0 <= float(c) < 10.0 for c in costs)
+    costs = result.stderr.split("mask cost [")[1].split("]")[0].split(", ")  # timed here, or the prior's: 3 numbers
+    assert len(costs) == 3 and all(float(c) >= 0.0 for c in costs)  # what they are is a benchmark's to say
     assert "output identical to AR: True" in result.stderr
     result = hf_mars_cli(
         "generate",
@@ -95,7 +95,7 @@ def test_generate_defaults_to_lossless_and_says_what_tau_costs(checkpoint):
     result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "[MARS lossless τ=0.0" in result.stderr
-    chosen = result.stderr.split("[dtype ")[1].split(":")[0]  # the fastest dtype here, measured and said
+    chosen = result.stderr.split("[dtype ")[1].split(":")[0].split(",")[0]  # the fastest dtype here, and why
     assert chosen in ("float32", "bfloat16") and "expected lossless for a" in result.stderr
     if chosen == "float32":
         assert "output identical to AR: True]" in result.stderr
@@ -107,6 +107,7 @@ def test_generate_defaults_to_lossless_and_says_what_tau_costs(checkpoint):
     typical = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "16", "--typical")
     assert typical.returncode == 0 and "[MARS typical-acceptance τ=0.0" in typical.stderr
     assert "--tau 0.9" in result.stderr and "the text can change" in result.stderr
+    assert "[MARS speed-up, median of 3 interleaved runs: against plain " in result.stderr  # each side 3 times
     result = hf_mars_cli("generate", str(checkpoint), "--prompt", "hello", "--tau", "0.9", "--max-new-tokens", "16")
     assert "[MARS τ=0.9" in result.stderr and "--tau 0.9" not in result.stderr  # τ-mode when asked, no note
 
@@ -323,3 +324,23 @@ def test_serve_takes_its_api_key_from_the_environment_unless_given(monkeypatch):
     assert parse() is None
     monkeypatch.setenv("HF_MARS_API_KEY", "from-env")
     assert parse() == "from-env" and parse("--api-key", "given") == "given"
+
+
+def test_the_comparison_reports_medians_with_their_spread_and_says_what_makes_them_mean_less():
+    """`hf-mars generate`'s figures, from given rates (the timings themselves are a benchmark's): the median of the
+    rounds' ratios with their range; a busy machine, a wide spread and one token a pass are each said."""
+    from types import SimpleNamespace
+
+    from hf_mars.cli.generate import SPREAD, _caveats, _spread
+    from hf_mars.tools.measure.cpu_load import BUSY_SHARE
+
+    assert _spread([1.2, 1.0, 1.1]) == "1.10x (1.00x to 1.20x)" and _spread([1.3]) == "1.30x"
+    drafting = SimpleNamespace(forward_passes=10, mean_tokens_per_forward=1.8)
+    assert _caveats(drafting, [1.0, 1.05, 1.1], 0.95) == []
+    busy = _caveats(drafting, [1.0, 1.05, 1.1], BUSY_SHARE / 2)
+    assert len(busy) == 1 and "noise" in busy[0] and f"{100 * BUSY_SHARE / 2:.0f}%" in busy[0]
+    wide = _caveats(drafting, [1.0, 1.0 + 2 * SPREAD, 1.1], 0.95)
+    assert len(wide) == 1 and "rough" in wide[0]
+    plain = _caveats(SimpleNamespace(forward_passes=10, mean_tokens_per_forward=1.0), [0.97, 0.99, 1.01], 0.95)
+    assert len(plain) == 1 and "one token a pass" in plain[0]
+

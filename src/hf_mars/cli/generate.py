@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 from .options import DTYPES, add_decoding, add_model, decoding_kwargs, describe_decoding, mask_cost
+
+# Speed-ups whose runs spread over more than this share of their median are said to be rough
+SPREAD = 0.25
+# Plain decoding in another dtype expected at under this share of this dtype's is not run for the comparison
+SLOWER = 0.67
 
 # A request the shipped 135M checkpoint answers correctly and without looping (a looping answer would also flatter
 # prompt lookup, which drafts from repeated text)
@@ -33,14 +40,14 @@ SAMPLED = ("sampled: each side draws its own text", " (this mode's is distribute
 def add_parser(subparsers) -> None:
     gen = subparsers.add_parser("generate", help=HELP, description=DESCRIPTION)
     add_model(gen)
-    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT, help="the request, in the chat template unless --raw")
     gen.add_argument(
         "--tau",
         type=float,
         help="τ-mode: confidence threshold in [0, 1], 1 = plain AR (default: lossless mode; with --lossless, τ sets "
         "how many drafts, default the checkpoint's)",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate, each run")
     gen.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
     gen.add_argument(
         "--dtype",
@@ -51,7 +58,20 @@ def add_parser(subparsers) -> None:
         "generate() whatever the ties",
     )
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
-    gen.add_argument("--no-compare", action="store_true", help="skip the plain AR run")
+    gen.add_argument("--no-compare", action="store_true", help="skip the plain AR runs")
+    gen.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each side (MARS, and plain generate() in each dtype that may be the fastest), taking turns, "
+        "the streamed answer first: the median speed-up and its spread are printed",
+    )
+    gen.add_argument(
+        "--compare-tokens",
+        type=int,
+        default=32,
+        help="most new tokens of each run after the first (the streamed answer and plain decoding of its length)",
+    )
     _add_mars_options(gen)
     add_decoding(
         gen,
@@ -103,6 +123,7 @@ def _add_mars_options(gen) -> None:
 
 def run(args) -> None:
     from ..tools.checkpoints.loading import load_checkpoint
+    from ..tools.measure.cpu_load import clocks, cpu_share, decode_on_free_cores
     from ..tools.measure.passes import measure
 
     by_default = args.tau is None and not args.lossless
@@ -111,21 +132,31 @@ def run(args) -> None:
         raise SystemExit("--draft-candidates and --lookup shape lossless drafts: add --lossless.")
     if args.typical and args.tau is not None and not args.lossless:
         raise SystemExit("--typical verifies lossless mode's drafts: drop --tau or add --lossless.")
+    if args.repeats < 1 or args.compare_tokens < 1:
+        raise SystemExit(f"--repeats and --compare-tokens must be at least 1, got {args.repeats}, {args.compare_tokens}")
     sampling = decoding_kwargs(args)
+    shared = decode_on_free_cores()  # a busy machine's cores would hold every thread of a team back
+    if shared:
+        print(f"[{shared}]", file=sys.stderr)
     model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
+    expected = None  # plain tokens/s per dtype, where timed pass costs expect them
     if args.dtype == "auto":
-        model = _auto_dtype(model, inputs["input_ids"].shape[1], args.max_new_tokens)
+        model, expected = _auto_dtype(model, inputs["input_ids"].shape[1], args.max_new_tokens)
     mars = _mars_arguments(args)
-    measure(model, [1], **mars)  # what "auto" settings read (once per machine; generate() never times)
+    measure(model, [1], **mars)  # what "auto" settings read (seconds, once per machine; none on a busy one)
     run = {"max_new_tokens": args.max_new_tokens, "do_sample": False, **sampling}  # both sides decode so
     if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
         _warm_up(model, inputs, mars, run)
     _print_settings(model, mars, args.lossless, describe_decoding(args))
-    out, seconds = _stream(model, tokenizer, inputs, mars, run, args.seed)
+    started = clocks()
+    out, rate = _stream(model, tokenizer, inputs, mars, run, args.seed)
     if not args.no_compare:
         exact = (args.lossless and not args.typical) or (args.tau is not None and args.tau >= 1.0)
-        _compare_with_ar(model, inputs, out, seconds, run, args.seed, exact)
+        short = {**run, "max_new_tokens": min(args.compare_tokens, args.max_new_tokens)}
+        dtypes = _contenders(model, expected)
+        runs = _interleaved(model, inputs, mars, run, short, args.seed, args.repeats, dtypes, rate)
+        _report(model, out, runs, run["do_sample"], exact, cpu_share(started))
     if by_default:
         print(TAU_NOTE.format("distribution" if sampling.get("do_sample") else "text"), file=sys.stderr)
 
@@ -135,7 +166,27 @@ def _auto_dtype(model, prompt_tokens: int, new_tokens: int):
 
     choice = choose_dtype(model, 1, prompt_tokens, new_tokens)
     print(f"[{choice.reason()}]", file=sys.stderr)
-    return in_dtype(model, choice.dtype)
+    return in_dtype(model, choice.dtype), None if choice.prior else choice.plain
+
+
+def _contenders(model, expected: dict | None) -> list:
+    """The dtypes whose plain `generate()` MARS is set against: this one first, then each other this machine runs
+    unless timed pass costs expect its plain decoding at under `SLOWER` of this dtype's (it cannot be the fastest
+    plain decoder here, and would double the comparison's time; said)."""
+    from ..tools.measure.dtypes import candidate_dtypes
+
+    dtypes = sorted(candidate_dtypes(model), key=lambda d: d != model.dtype)
+    if not expected:
+        return dtypes
+    kept = [d for d in dtypes if expected[d] >= SLOWER * expected[model.dtype]]
+    for dtype in dtypes:
+        if dtype not in kept:
+            print(
+                f"[plain generate() in {_name(dtype)} not run: the pass costs timed here expect "
+                f"{expected[dtype]:.1f} tokens/s, against {expected[model.dtype]:.1f} in {_name(model.dtype)}]",
+                file=sys.stderr,
+            )
+    return kept
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
@@ -193,8 +244,8 @@ def _print_settings(model, mars: dict, lossless: bool, decoding: str) -> None:
 
 
 def _stream(model, tokenizer, inputs, mars: dict, run: dict, seed: int):
-    """Decode with MARS (`run`: how tokens are chosen, sampled from `seed`), streaming the text to stdout:
-    `(output, seconds)`."""
+    """Decode with MARS (`run`: how tokens are chosen, sampled from `seed`), streaming the text to stdout, and say
+    its tokens per forward and rate."""
     import torch
     from transformers import TextStreamer
 
@@ -210,44 +261,111 @@ def _stream(model, tokenizer, inputs, mars: dict, run: dict, seed: int):
         f"tokens/forward, {new / seconds:.1f} tokens/s]",
         file=sys.stderr,
     )
-    return out, seconds
+    return out, new / seconds
 
 
-def _compare_with_ar(model, inputs, out, mars_seconds: float, run: dict, seed: int, exact: bool) -> None:
-    """The reference is transformers' own generate() (with its KV cache), not the MARS loop at τ = 1, decoding as
-    `run` says (sampled: from the same `seed`): in this dtype, and in the others this machine runs, so that MARS is
-    also set against the fastest plain decoding here. `exact`: the mode keeps plain's text (lossless verification,
-    τ = 1), so a greedy difference outside float32 is said to be rounding; sampled texts are drawn apart, so no
-    identity is claimed."""
+@dataclass
+class Runs:
+    """Tokens per second of each run, round by round: MARS's and plain `generate()`'s in each dtype (this one
+    first), each side's run of a round beside the others'. The first round is the streamed answer and plain decoding
+    of the same length (`plain_out`: their outputs, whose texts are compared); the others are shorter."""
+
+    mars: list[float]
+    plain: dict  # dtype -> [tokens/s]
+    plain_out: dict  # dtype -> token ids of the first round
+
+
+def _interleaved(model, inputs, mars: dict, run: dict, short: dict, seed: int, repeats: int, dtypes, streamed: float):
+    """Plain `generate()` in each of `dtypes` as long as the streamed answer (`run`; that answer ran at `streamed`
+    tokens/s), then `repeats - 1` more rounds of each side decoding as `short` says, taking turns, so that a machine
+    that slows down or speeds up weighs on both alike. The reference is transformers' own `generate()` (its KV cache,
+    not the MARS loop at τ = 1), in this dtype and the others given, so that MARS is also set against the fastest
+    plain decoding here; each run starts from `seed` (sampled runs draw alike)."""
     import torch
     from transformers import GenerationMixin
 
-    from ..tools.measure.dtypes import candidate_dtypes, in_dtype
+    from ..tools.measure.dtypes import in_dtype
 
-    new = int(out.mars_stats.new_tokens[0])
-    rates = {}
-    for dtype in sorted(candidate_dtypes(model), key=lambda d: d != model.dtype):  # this dtype first
-        plain = in_dtype(model, dtype)
+    prompt = inputs["input_ids"].shape[1]
+    plains = {d: in_dtype(model, d) for d in dtypes}
+    for plain in plains.values():
         if plain is not model:
             GenerationMixin.generate(plain, **inputs, **{**run, "max_new_tokens": 4})  # warm-up
-        torch.manual_seed(seed)
-        start = time.perf_counter()
-        ar = GenerationMixin.generate(plain, **inputs, **run)
-        ar_new = ar.shape[1] - inputs["input_ids"].shape[1]
-        rates[dtype] = ar_new / (time.perf_counter() - start)
-        if dtype == model.dtype:
-            same = torch.equal(ar[0], out.sequences[0])
-            rounded = not same and exact and dtype != torch.float32
-            why = NEAR_TIE.format(str(dtype).removeprefix("torch.")) if rounded else ""
-            said = SAMPLED[0] + SAMPLED[1] * exact if run["do_sample"] else f"output identical to AR: {same}{why}"
-            print(
-                f"[plain AR generate(): {ar_new} tokens, {rates[dtype]:.1f} tokens/s; "
-                f"MARS speed-up {(new / mars_seconds) / rates[dtype]:.2f}x; {said}]",
-                file=sys.stderr,
-            )
-    fastest = max(rates, key=rates.get)
+    runs = Runs([streamed], {d: [] for d in plains}, {})
+    for round_ in range(repeats):
+        if round_:
+            torch.manual_seed(seed)
+            start = time.perf_counter()
+            out = model.generate(**inputs, **short, **mars, return_dict_in_generate=True)
+            runs.mars.append(int(out.mars_stats.new_tokens[0]) / (time.perf_counter() - start))
+        for dtype, plain in plains.items():
+            torch.manual_seed(seed)
+            start = time.perf_counter()
+            ar = GenerationMixin.generate(plain, **inputs, **(short if round_ else run))
+            runs.plain[dtype].append((ar.shape[1] - prompt) / (time.perf_counter() - start))
+            runs.plain_out.setdefault(dtype, ar)
+    return runs
+
+
+def _report(model, out, runs: Runs, sampled: bool, exact: bool, share: float) -> None:
+    """Plain decoding's rate beside the streamed answer's and whether the texts are identical (`exact`: the mode keeps
+    plain's text, so a greedy difference outside float32 is said to be rounding; sampled texts are drawn apart, so no
+    identity is claimed); the speed-up against plain decoding in each dtype (the median of the rounds' ratios, with
+    their range); and what would make the figures mean less: a machine busy with other work, wide spread, one token
+    a pass."""
+    import torch
+
+    name, prompt = _name(model.dtype), out.sequences.shape[1] - int(out.mars_stats.new_tokens[0])
+    ar = runs.plain_out[model.dtype]
+    same = torch.equal(ar[0], out.sequences[0])
+    why = NEAR_TIE.format(name) if not same and exact and model.dtype != torch.float32 else ""
+    said = SAMPLED[0] + SAMPLED[1] * exact if sampled else f"output identical to AR: {same}{why}"
     print(
-        f"[fastest plain generate() here: {str(fastest).removeprefix('torch.')}, {rates[fastest]:.1f} tokens/s; "
-        f"MARS ({str(model.dtype).removeprefix('torch.')}) {(new / mars_seconds) / rates[fastest]:.2f}x it]",
+        f"[plain AR generate() ({name}): {ar.shape[1] - prompt} tokens, {runs.plain[model.dtype][0]:.1f} tokens/s; "
+        f"{said}]",
         file=sys.stderr,
     )
+    ratios = {d: [m / p for m, p in zip(runs.mars, rates)] for d, rates in runs.plain.items()}
+    against = "; ".join(f"against plain {_name(d)} {_spread(r)}" for d, r in ratios.items())
+    print(f"[MARS speed-up, median of {len(runs.mars)} interleaved runs: {against}]", file=sys.stderr)
+    fastest = max(runs.plain, key=lambda d: statistics.median(runs.plain[d]))
+    print(
+        f"[fastest plain generate() here: {_name(fastest)}; MARS ({name}) {statistics.median(ratios[fastest]):.2f}x "
+        "it]",
+        file=sys.stderr,
+    )
+    for caveat in _caveats(out.mars_stats, ratios[model.dtype], share):
+        print(f"[{caveat}]", file=sys.stderr)
+
+
+def _spread(ratios: list[float]) -> str:
+    """`median` and, over several runs, `(min to max)`."""
+    middle = f"{statistics.median(ratios):.2f}x"
+    return middle if len(ratios) < 2 else f"{middle} ({min(ratios):.2f}x to {max(ratios):.2f}x)"
+
+
+def _caveats(stats, ratios: list[float], share: float) -> list[str]:
+    """What makes the speed-up mean less than it says."""
+    from ..tools.measure.cpu_load import BUSY_SHARE
+
+    said = []
+    if share < BUSY_SHARE:
+        said.append(
+            f"other work held the CPU during these runs (this process had {100 * share:.0f}% of its threads' CPU "
+            "time): the speed-ups are noise; run again on an idle machine"
+        )
+    elif len(ratios) > 1 and (max(ratios) - min(ratios)) > SPREAD * statistics.median(ratios):
+        said.append(
+            f"the runs' speed-ups spread over {max(ratios) - min(ratios):.2f}x: the machine's own variation is that "
+            "large; take the median as rough"
+        )
+    if stats.forward_passes and stats.mean_tokens_per_forward < 1.005:
+        said.append(
+            "MARS made one token a pass here, as plain decoding does (no draft tree pays on this machine, or τ kept "
+            "no guess): its speed-up is only what each pass costs beside a plain step, and the machine's spread"
+        )
+    return said
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
