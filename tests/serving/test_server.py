@@ -217,6 +217,30 @@ def test_a_request_that_admission_fails_on_is_answered_and_the_next_is_served(se
     assert reply.choices[0].message.content is not None
 
 
+def test_the_model_is_listed_and_answered_under_its_folder_s_name_not_its_path(server):
+    """`/v1/models` names a local checkpoint as a user would (its folder's name); requests may ask for it by that name
+    or by the path transformers serve takes, and answers name it by that name."""
+    from pathlib import Path
+
+    from hf_mars.serving.server import served_model_name
+
+    name = Path(server["path"]).name
+    assert served_model_name(server["path"]) == name and served_model_name("someone/model") == "someone/model"
+    listed = httpx.get(server["url"] + "/v1/models", timeout=30).json()["data"]
+    assert [entry["id"] for entry in listed] == [name]
+    for asked in (name, server["path"]):
+        reply = _client(server).chat.completions.create(
+            model=asked, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert reply.model == name
+    refused = httpx.post(
+        server["url"] + "/v1/chat/completions",
+        json={"model": "someone/else", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=30,
+    )
+    assert refused.status_code == 400
+
+
 def test_completions_read_mars_settings_from_the_generation_config_string(server):
     prompt = "<|im_start|>user\ncount 3 to 9<|im_end|>\n<|im_start|>assistant\n"
     reply = _client(server).completions.create(

@@ -28,7 +28,11 @@ def add_parser(subparsers) -> None:
     serve = subparsers.add_parser("serve", help=HELP, description=DESCRIPTION)
     add_model(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--served-model-name",
+        help="the model's name in /v1/models and in answers (default: a Hub repo id as given, a folder by its name)",
+    )
     serve.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default: the checkpoint's")
     serve.add_argument("--device", default="auto", help="e.g. cpu, cuda, cuda:1 (default: accelerate's choice)")
     serve.add_argument(
@@ -60,7 +64,9 @@ def add_parser(subparsers) -> None:
         "requests that set no MARS field decode in τ-mode with τ chosen from the load within [LO, HI], before every "
         'pass (HI while one request runs and none waits); a request opts in itself with "mars_tau": [lo, hi]',
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="how much the server logs"
+    )
     vllm = serve.add_argument_group("vLLM (--engine vllm)")
     vllm.add_argument(
         "--engine",
@@ -99,7 +105,7 @@ def run(args) -> None:
     import uvicorn
     from transformers.utils import logging as hf_logging
 
-    from ..serving.server import build_app
+    from ..serving.server import build_app, served_model_name
 
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
@@ -113,9 +119,11 @@ def run(args) -> None:
         cache_slots=slots,
         api_key=args.api_key,
         tau_range=args.tau_range,
+        served_name=args.served_model_name,
     )
     key = "API key required" if args.api_key else "no API key: open to anyone who reaches the port"
-    print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {model}; {key})", flush=True)
+    name = args.served_model_name or served_model_name(str(model))
+    print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {name}; {key})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
@@ -147,7 +155,7 @@ def run_vllm(args, model: str) -> None:
         port=args.port,
         dtype=args.dtype,
         max_num_seqs=args.max_batch_size,
-        extra=shlex.split(args.vllm_args),
+        extra=shlex.split(args.vllm_args) + ["--served-model-name", args.served_model_name] * bool(args.served_model_name),
     )
     print("hf-mars serve: " + shlex.join(command), flush=True)
     if args.api_key:  # vLLM reads it from its environment: the key stays out of the command line printed above

@@ -9,8 +9,9 @@
 - Generation: one `MARSEngine` (engine.py) decodes every request in one running MARS session, which requests join
   between passes and leave the moment they stop (continuous batching; transformers' own runs a paged-cache decoder
   where MARS does not run).
-- Start: the server answers at once. Lossless mode's pass costs (`mars_lossless="auto"`) are measured in a thread
-  of their own; until a batch size is measured its requests decode plainly, exactly as they would otherwise.
+- Start: the server answers at once. Lossless mode's pass costs (`mars_lossless="auto"`) are timed in a thread of
+  their own; until a batch size is timed its requests draft as what is known of this kind of device says
+  (`costs.prior_costs`), their text the same either way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from pathlib import Path
 
 import torch
 
@@ -51,6 +53,14 @@ class MARSModelManager(ModelManager):
     """transformers serve's model manager, loading a MARS checkpoint as the `hf-mars` commands do: its weights as the
     plain base class, which becomes this hf_mars's MARS class (the checkpoint's own remote code is not run, so one
     saved by an older hf_mars serves with every feature of this one: docs/remote-code.md)."""
+
+    def __init__(self, *args, served_name: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.served_name = served_name or served_model_name(self.force_model)
+
+    def list_models(self, cache_dir: str | None = None) -> list[dict]:
+        """`/v1/models`: the served model under the name its clients use (`served_name`), not its path."""
+        return [{**entry, "id": self.served_name} for entry in super().list_models(cache_dir)]
 
     def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None, gguf_file=None):
         if gguf_file is not None:
@@ -132,6 +142,15 @@ class MARSRequests:
         super().__init__(*args, **kwargs)
         self.model, self.engine = model, engine
         self.max_tokens = getattr(model.config, "max_position_embeddings", None) or 32768
+
+    def _resolve_model(self, body: dict):
+        """The served model, asked for by its served name (or, as transformers serve takes it, its path); answers
+        name it by its served name."""
+        manager = self.model_manager
+        if body.get("model") == manager.served_name:
+            body["model"] = manager.force_model
+        _, model, processor = super()._resolve_model(body)
+        return manager.served_name, model, processor
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request({key: value for key, value in body.items() if key not in SETTING_KEYS})
@@ -269,6 +288,12 @@ class MARSCompletionHandler(MARSRequests, TokenPrompts, CompletionHandler):
         return JSONResponse(answer)
 
 
+def served_model_name(model: str) -> str:
+    """The name clients ask for a model by: a Hub repo id as it is, a local folder by its own name (not its path)."""
+    path = Path(model)
+    return path.name if path.is_dir() else model
+
+
 def build_app(
     model: str,
     dtype: str = "auto",
@@ -278,12 +303,14 @@ def build_app(
     cache_slots: int | None = None,
     api_key: str | None = None,
     tau_range: tuple[float, float] | None = None,
+    served_name: str | None = None,
 ):
     """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
     one graph over a static cache of that many slots per row (`GraphSession`), compiled if `compile`. `api_key`:
     every endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
-    the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py)."""
-    manager = MARSModelManager(device=device, dtype=dtype, force_model=model)
+    the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py).
+    `served_name`: the model's name in `/v1/models` and in answers (default `served_model_name(model)`)."""
+    manager = MARSModelManager(device=device, dtype=dtype, force_model=str(model), served_name=served_name)
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
     compile_config = CompileConfig() if compile and cache_slots else None
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
