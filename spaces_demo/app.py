@@ -595,7 +595,7 @@ def build_demo(model, tokenizer) -> gr.Blocks:
         gr.Markdown(
             "# MARS: Mask AutoRegression\n"
             "The model appends `<|mask|>` tokens and keeps the predictions it is at least "
-            "τ sure of: several tokens per forward pass. **τ = 1 is the plain autoregressive model**; move the slider "
+            "τ sure of: several tokens per forward pass. **τ = 1 is this checkpoint's own one-token decoding**; move the slider "
             "while an answer is written and watch the passes change."
             f" *{str(model.dtype).removeprefix('torch.')} on {model.device.type}.*"
         )
@@ -689,7 +689,8 @@ def warm_up(model, tokenizer) -> None:
     if tools is not None:  # what lossless "auto" reads, timed once per machine (generate() never times)
         tools.measure(model, [1], mars_verify=True)
     else:
-        print(f'lossless "auto" decodes plainly until pass costs are measured: {NO_TIMING}', file=sys.stderr)
+        said = 'lossless "auto" chooses from what is known of this kind of device until pass costs are timed'
+        print(f"{said}: {NO_TIMING}", file=sys.stderr)
     model.generate(**inputs, max_new_tokens=2, mars_tau=0.5, do_sample=False)
     GenerationMixin.generate(model, **inputs, max_new_tokens=2, do_sample=False)
 

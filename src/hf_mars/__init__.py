@@ -2,7 +2,7 @@
 
 A MARS model is an ordinary causal LM fine-tuned so that `<|mask|>` tokens appended to the text predict the tokens
 after the next one. `generate(mars_tau=τ)` then accepts several tokens per forward pass while their confidence is
-at least τ; τ = 1 is exactly the original autoregressive model.
+at least τ; τ = 1 is exactly the checkpoint's own one-token decoding (the fine-tuned model's, not its base's).
 """
 
 __version__ = "0.1.0"

@@ -133,12 +133,12 @@ def run(args) -> None:
     if args.typical and args.tau is not None and not args.lossless:
         raise SystemExit("--typical verifies lossless mode's drafts: drop --tau or add --lossless.")
     if args.repeats < 1 or args.compare_tokens < 1:
-        raise SystemExit(f"--repeats and --compare-tokens must be at least 1, got {args.repeats}, {args.compare_tokens}")
+        raise SystemExit(f"--repeats and --compare-tokens must be at least 1: {args.repeats}, {args.compare_tokens}")
     sampling = decoding_kwargs(args)
+    model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
     shared = decode_on_free_cores()  # a busy machine's cores would hold every thread of a team back
     if shared:
         print(f"[{shared}]", file=sys.stderr)
-    model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
     inputs = _encode(tokenizer, args.prompt, not args.raw)
     expected = None  # plain tokens/s per dtype, where timed pass costs expect them
     if args.dtype == "auto":

@@ -155,10 +155,15 @@ def run_vllm(args, model: str) -> None:
         port=args.port,
         dtype=args.dtype,
         max_num_seqs=args.max_batch_size,
-        extra=shlex.split(args.vllm_args) + ["--served-model-name", args.served_model_name] * bool(args.served_model_name),
+        extra=shlex.split(args.vllm_args) + _named(args.served_model_name),
     )
     print("hf-mars serve: " + shlex.join(command), flush=True)
     if args.api_key:  # vLLM reads it from its environment: the key stays out of the command line printed above
         os.environ["VLLM_API_KEY"] = args.api_key
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *command[2:]]
     os.execv(sys.executable, server)
+
+
+def _named(name: str | None) -> list[str]:
+    """vLLM's own flag for the served model's name, where one is given."""
+    return ["--served-model-name", name] if name else []
