@@ -58,3 +58,29 @@ def test_a_fresh_machine_answers_at_once_and_drafts_while_pass_costs_are_timed(t
     monkeypatch.setattr(passes, "measure_pass_costs", None)  # the sessions' batch size is measured: none times again
     chosen = model.mars_settings(batch_size=2, mars_verify=True)  # a session's size (--max-batch-size), read
     assert passes.measure(model, [2], mars_verify=True)[2] == chosen
+
+
+def test_a_server_started_on_a_busy_machine_times_its_costs_once_it_and_the_machine_are_idle(tmp_path, monkeypatch):
+    """The timer declines while other work holds the CPU; the server's timing thread tries again after a pause, at a
+    moment the server decodes nothing, and stops once every batch size is timed."""
+    from hf_mars.serving.engine import measure_in_background
+
+    monkeypatch.setenv("HF_MARS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(passes, "measure_pass_costs", lambda m, b, widths, **_: {w: 0.01 * w for w in widths})
+    busy, idle_asked = [1, 1], []  # busy at the first probes, then idle
+    monkeypatch.setattr(passes, "busy_cores", lambda threads=None: busy.pop() if busy else 0)
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.generation_config.mars_lossless, model.generation_config.mars_acceptance = "auto", ACCEPTANCE
+    serving_rows = [True, False]  # the server decodes at the first look, then not
+
+    def idle() -> bool:
+        idle_asked.append(1)
+        return not serving_rows.pop(0) if serving_rows else True
+
+    thread = measure_in_background(model, 2, idle=idle, retry_s=0.05)
+    thread.join(timeout=300)
+    assert not thread.is_alive() and not busy and len(idle_asked) >= 2
+    assert passes.declined() == set()
+    for rows in (1, 2):  # every band timed, none marked busy
+        costs.pass_costs(model, rows, [1, 4])

@@ -35,7 +35,7 @@ from ..decoding.costs import NotMeasured, cost_batch, pass_costs, tree_key
 from ..decoding.generate import session_settings
 from ..decoding.session import Session
 from ..decoding.settings import TauController
-from ..tools.measure.passes import measure
+from ..tools.measure.passes import declined, forget_declined, measure
 from ..tools.measure.passes import pass_costs as time_pass_costs
 from .graph_session import GraphSession
 from .load import TauPolicy, check_tau_range
@@ -46,6 +46,7 @@ logger = logging.getLogger("hf_mars.serve")
 
 # A request's own limits; these keys of its generation config are the engine's to judge, per row
 _PER_ROW_KEYS = ("max_new_tokens", "stop_strings")
+RETRY_S = 60.0  # how often a server started on a busy machine tries to time its pass costs again
 
 
 @dataclass(eq=False)  # a request is itself (a session's label), whatever its fields
@@ -254,6 +255,10 @@ class MARSEngine(BaseGenerateManager):
 
     def _queued(self) -> int:
         return len(self._waiting) + self._queue.qsize()
+
+    def idle(self) -> bool:
+        """No row decoding and none waiting."""
+        return (self.session is None or not self.session.labels) and not self._queued()
 
     def _arrivals(self, wait: bool) -> bool:
         """Move what has arrived into `_waiting` (blocking for the first one if `wait`); False once stopped."""
@@ -497,26 +502,41 @@ def _tree_name(settings) -> str:
     return tree_key(settings.block_size, settings.draft_candidates, settings.lookup)
 
 
-def measure_in_background(model, max_batch_size: int) -> threading.Thread:
+def _time_every_band(model, max_batch_size: int) -> bool:
+    """`measure_in_background`'s timing, once: False where the timer declined some of it (the machine was busy)."""
+    forget_declined()
+    measure(model, [max_batch_size], mars_verify=True)
+    bands = [1 << k for k in range(cost_batch(max_batch_size).bit_length())][::-1]
+    measure(model, bands, mars_verify=True)
+    block = getattr(model.config, "mars_block_size", None)
+    try:
+        for rows in bands if block else []:
+            time_pass_costs(model, rows, [1, block])
+    except NotMeasured:
+        return False
+    return not declined()
+
+
+def measure_in_background(model, max_batch_size: int, idle=lambda: True, retry_s: float = RETRY_S):
     """Resolve lossless mode's tree for `max_batch_size` rows, the size every session's settings are chosen for, in
     a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
-    them (in seconds; not while other work holds the CPU), while the server already answers (its lossless requests
-    draft as what is known of this kind of device says until then: `costs.prior_costs`), then at every smaller
-    batch size the running rows meet (powers of two: the engine re-chooses the tree as rows join and leave), and
-    there the one-token and B-token passes that the τ policy of requests with a τ range reads."""
+    them (in seconds), while the server already answers (its lossless requests draft as what is known of this kind
+    of device says until then: `costs.prior_costs`), then at every smaller batch size the running rows meet (powers
+    of two: the engine re-chooses the tree as rows join and leave), and there the one-token and B-token passes that
+    the τ policy of requests with a τ range reads. Where other work held the CPU (the timer declined), it tries
+    again every `retry_s` seconds at which the server is `idle` (no row decoding: its own work would disturb the
+    timing as another process's does), until the costs are timed: the work a long-running server is started for
+    pays for the timing once."""
 
     def run() -> None:
         started = time.monotonic()
         logger.info("pass costs at batch %d: timing in the background (a prior chooses until then)", max_batch_size)
-        measure(model, [max_batch_size], mars_verify=True)
-        bands = [1 << k for k in range(cost_batch(max_batch_size).bit_length())][::-1]
-        measure(model, bands, mars_verify=True)
-        block = getattr(model.config, "mars_block_size", None)
-        try:
-            for rows in bands if block else []:
-                time_pass_costs(model, rows, [1, block])
-        except NotMeasured:  # a busy machine: what is known of this kind of device stands in (said once)
-            return
+        while not _time_every_band(model, max_batch_size):
+            logger.info("pass costs: the machine is busy; trying again in %.0f s once the server is idle", retry_s)
+            time.sleep(retry_s)
+            while not idle():
+                time.sleep(retry_s)
+            forget_declined()
         logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 
     thread = threading.Thread(target=run, name="mars-costs", daemon=True)

@@ -134,6 +134,16 @@ class PassTimer:
         return forward
 
 
+def declined() -> set:
+    """The cost-table keys this process's timers declined (the machine was busy), since `forget_declined`."""
+    return set(_DECLINED)
+
+
+def forget_declined() -> None:
+    """Let timers probe the machine again for the keys they declined (a long-running process, later)."""
+    _DECLINED.clear()
+
+
 def save(key: str, entry: dict | None) -> None:
     """Write one entry of the cost table, or drop it (`None`: timed again next), into the table as it is on disk now
     (another process may have added others)."""
