@@ -430,6 +430,7 @@ SPACE_TIMING = (
     "tools/__init__.py",
     "tools/measure/__init__.py",
     "tools/measure/passes.py",
+    "tools/measure/cpu_load.py",
     "tools/measure/dtypes.py",
 )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -107,7 +108,7 @@ def _ask(url: str, model: str, content: str, delay: float = 0.0, max_tokens: int
 
 
 def test_lists_the_model_and_is_healthy(server):
-    assert [m.id for m in _client(server).models.list().data] == [server["path"]]
+    assert [m.id for m in _client(server).models.list().data] == [Path(server["path"]).name]
     assert httpx.get(server["url"] + "/health").json() == {"status": "ok"}
 
 
@@ -220,8 +221,6 @@ def test_a_request_that_admission_fails_on_is_answered_and_the_next_is_served(se
 def test_the_model_is_listed_and_answered_under_its_folder_s_name_not_its_path(server):
     """`/v1/models` names a local checkpoint as a user would (its folder's name); requests may ask for it by that name
     or by the path transformers serve takes, and answers name it by that name."""
-    from pathlib import Path
-
     from hf_mars.serving.server import served_model_name
 
     name = Path(server["path"]).name

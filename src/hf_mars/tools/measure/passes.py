@@ -19,6 +19,7 @@ import copy
 import functools
 import json
 import logging
+import os
 import time
 
 import torch
@@ -32,6 +33,8 @@ from .cpu_load import BUSY_SHARE, busy_cores, clocks, cpu_share
 
 logger = logging.getLogger(__name__)
 
+# Set to 1: time pass costs even while other work holds the CPU, and use them (figures may be far off; said)
+TIME_BUSY_ENV = "HF_MARS_TIME_BUSY"
 PREFILL_TOKENS = 128  # the prompt `measure_prefill` times; a prompt's cost is taken as proportional to its length
 _DECLINED: set = set()  # cost-table keys this process found the machine too busy to time: not probed again
 
@@ -69,11 +72,13 @@ class PassTimer:
     """Times the pass costs that `costs.pass_costs` and `costs.compiled_pass_costs` find missing, and saves them.
 
     `overheads`: also time what a step adds to its bare forward (`measure_overheads`). `busy_ok`: time on a busy
-    machine too, and use what it gives (`hf-mars tune`, asked for by a person who sees the warning); otherwise a busy
-    machine is declined (`NotMeasured`) and figures found timed busy are saved for no one's choice."""
+    machine too, and use what it gives (`hf-mars tune`, asked for by a person who sees the warning; default: the
+    `HF_MARS_TIME_BUSY=1` environment variable); otherwise a busy machine is declined (`NotMeasured`) and figures
+    found timed busy are saved for no one's choice."""
 
-    def __init__(self, overheads: bool = False, busy_ok: bool = False):
-        self.overheads, self.busy_ok = overheads, busy_ok
+    def __init__(self, overheads: bool = False, busy_ok: bool | None = None):
+        self.overheads = overheads
+        self.busy_ok = os.environ.get(TIME_BUSY_ENV) == "1" if busy_ok is None else busy_ok
 
     def time_passes(self, model, batch: int, key: str, entry: dict, wanted, limit, prefill: bool) -> dict:
         """`entry` (the table's, as far as it is trusted) completed with what `wanted` widths, the steps' overheads
