@@ -171,7 +171,7 @@ def _auto_dtype(model, prompt_tokens: int, new_tokens: int):
 
 def _contenders(model, expected: dict | None) -> list:
     """The dtypes whose plain `generate()` MARS is set against: this one first, then each other this machine runs
-    unless timed pass costs expect its plain decoding at under `SLOWER` of this dtype's (it cannot be the fastest
+    unless timed pass costs expect its plain decoding at under `SLOWER` of this dtype's (unlikely to be the fastest
     plain decoder here, and would double the comparison's time; said)."""
     from ..tools.measure.dtypes import candidate_dtypes
 
