@@ -110,15 +110,17 @@ class PassTimer:
         return timed
 
     def _check_idle(self, model, key: str) -> None:
-        """Decline (`NotMeasured`) where other work holds cores torch's threads would use: said once per key."""
+        """Decline (`NotMeasured`) where other work holds cores torch's threads would use: said once, until
+        `forget_declined`."""
         if self.busy_ok or model.device.type != "cpu":
             return
         if key in _DECLINED:
             raise costs.NotMeasured(f"pass costs of {key}: the machine was busy")
         busy = busy_cores()
         if busy:
+            log = logger.info if _DECLINED else logger.warning  # said once: the other keys quietly
             _DECLINED.add(key)
-            logger.warning(
+            log(
                 "MARS: other work holds %d of the %d cores torch uses, which puts timings off by up to tens of times: "
                 "pass costs not timed now (a later run on an idle machine times them, in seconds); choosing from "
                 "what is known of this kind of device.",
