@@ -389,6 +389,24 @@ def test_a_dear_prompt_forward_counts_in_the_dtype_choice(auto_model, cache_dir,
     assert all("prefill" in entry for entry in json.loads((cache_dir / "pass_costs.json").read_text()).values())
 
 
+def test_a_tree_must_beat_another_dtype_s_plain_decoding_by_the_margin_too(auto_model, cache_dir, monkeypatch):
+    """A tree's expected rate rests on tokens per forward measured on other prompts: float32 with a tree expected 5%
+    faster than bfloat16's plain decoding is not chosen over it (it must promise `MARGIN` more, as against plain
+    decoding in its own dtype); 20% faster is."""
+    model, _ = auto_model
+    monkeypatch.setattr(passes, "measure_prefill", lambda *a, **k: 0.0)
+    for lead, expected in ((1.05, torch.bfloat16), (1.2, torch.float32)):
+        # float32: every pass 10 ms, wide or narrow (its widest tree pays most); bfloat16: plain decoding that tree's
+        # rate over `lead`, and width as dear as a pass a token (no tree pays)
+        tree_rate = max(ACCEPTANCE.values()) / 0.010
+        step = {torch.float32: {w: 0.010 for w in WIDTHS}, torch.bfloat16: {w: lead / tree_rate * w for w in WIDTHS}}
+        monkeypatch.setattr(passes, "measure_pass_costs", lambda m, b, ws, **_: {w: step[m.dtype][w] for w in ws})
+        (cache_dir / "pass_costs.json").unlink(missing_ok=True)
+        choice = hf_mars.choose_dtype(model, prompt_tokens=16, new_tokens=256)
+        assert choice.lossless[torch.float32][0] is not None and choice.lossless[torch.bfloat16][0] is None
+        assert choice.dtype == expected, choice.reason()
+
+
 def test_on_a_busy_machine_the_dtype_is_chosen_from_what_is_known_of_the_cpu(auto_model, cache_dir, monkeypatch):
     """Nothing is timed on a busy machine: every dtype is weighed by the prior of its kind, in the same units (one
     float32 one-token pass), and the reason says the costs were not timed. Emulated bfloat16 makes wide passes dear,
@@ -402,7 +420,8 @@ def test_on_a_busy_machine_the_dtype_is_chosen_from_what_is_known_of_the_cpu(aut
             choice = hf_mars.choose_dtype(model, prompt_tokens=64, new_tokens=256)
             assert calls == [] and choice.prior is not None and "not timed" in choice.reason()
             assert (choice.lossless[torch.bfloat16][0] is not None) == tree_in_bfloat16
-            assert choice.dtype == max(choice.lossless, key=lambda d: choice.lossless[d][1])
+            margin = {d: cost_model.MARGIN if tree else 1.0 for d, (tree, _) in choice.lossless.items()}
+            assert choice.dtype == max(choice.lossless, key=lambda d: choice.lossless[d][1] / margin[d])
             assert "against plain float32" in choice.reason() and "tokens/s" not in choice.reason()  # no seconds
     finally:
         passes._DECLINED.clear()

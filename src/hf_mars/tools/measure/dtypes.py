@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...decoding.costs import (
+    MARGIN,
     NotMeasured,
     best_rate,
     check_acceptance,
@@ -98,7 +99,9 @@ def choose_dtype(
         tree, rate = best_rate(acceptance, costs)
         plain[dtype] = new_tokens / (seconds + new_tokens / costs.plain_rate())
         lossless[dtype] = (tree, new_tokens / (seconds + new_tokens / rate))
-    best = max(lossless, key=lambda d: lossless[d][1])
+    # A tree's rate rests on tokens per forward measured on other prompts: across dtypes, as within one
+    # (`costs.choose_tree`), it must beat plain decoding by the margin
+    best = max(lossless, key=lambda d: lossless[d][1] / (MARGIN if lossless[d][0] else 1.0))
     return DtypeChoice(best, plain, lossless, prefill, prompt_tokens, new_tokens, prior)
 
 
