@@ -536,7 +536,6 @@ def measure_in_background(model, max_batch_size: int, idle=lambda: True, retry_s
             time.sleep(retry_s)
             while not idle():
                 time.sleep(retry_s)
-            forget_declined()
         logger.info("pass costs ready (%.0f s)", time.monotonic() - started)
 
     thread = threading.Thread(target=run, name="mars-costs", daemon=True)
