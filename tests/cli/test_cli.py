@@ -112,6 +112,19 @@ def test_generate_defaults_to_lossless_and_says_what_tau_costs(checkpoint):
     assert "[MARS τ=0.9" in result.stderr and "--tau 0.9" not in result.stderr  # τ-mode when asked, no note
 
 
+def test_generate_runs_no_comparison_where_lossless_mode_is_plain_decoding(tmp_path):
+    """Where `"auto"` finds no draft tree that pays (here: no tree gains a token per forward), lossless mode is plain
+    `generate()` itself: the run says so instead of timing plain decoding against itself, and takes no more time."""
+    model, tok = auto_lossless_model({"2x1": 1.0, "4x3+8": 1.0})
+    model.save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    result = hf_mars_cli("generate", str(tmp_path / "ckpt"), "--prompt", "hello", "--max-new-tokens", "8", *F32)
+    assert result.returncode == 0, result.stderr
+    assert "block size 1," in result.stderr and "lossless mode ran plain generate() itself" in result.stderr
+    assert "MARS speed-up" not in result.stderr and "plain AR generate()" not in result.stderr
+    assert "8 tokens in 8 forward passes" in result.stderr
+
+
 def test_generate_samples_both_sides_from_the_seed(checkpoint):
     """`--temperature` samples MARS and plain AR alike, each from `--seed`: the run says how it sampled, claims no
     identity of drawn texts, and the same seed streams the same text again."""

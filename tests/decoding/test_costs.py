@@ -225,6 +225,27 @@ def test_cpu_share_tells_work_from_waiting():
     assert cpu_load.cpu_share(started) < 0.2
 
 
+def test_a_core_is_busy_only_where_every_probe_finds_it_so(monkeypatch):
+    """A burst of other work (the kernel writing back a checkpoint just saved) is not a process that stays: the
+    machine counts as busy only where a second look still finds the core held, and a look is spared where the first
+    finds the cores free."""
+    from hf_mars.tools.measure import cpu_load
+
+    def looks(*free):
+        seen = list(free)
+        monkeypatch.setattr(cpu_load, "free_cores", lambda seconds=0.25: seen.pop(0))
+        return seen
+
+    seen = looks(1.0, 2.0)
+    assert cpu_load.busy_cores(2) == 0 and not seen  # busy, then free: a burst
+    seen = looks(1.0, 1.1)
+    assert cpu_load.busy_cores(2) == 1 and not seen  # held in both looks
+    seen = looks(2.0, 1.0)
+    assert cpu_load.busy_cores(2) == 0 and seen == [1.0]  # free at once: no second look
+    looks(None, None)
+    assert cpu_load.busy_cores(2) == 0  # a machine that does not say
+
+
 def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatch):
     model = make_model("llama")
     key = machine_key(model, 1)

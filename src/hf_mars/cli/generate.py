@@ -33,6 +33,11 @@ NEAR_TIE = (
     " ({}: a pass over several tokens sums in another order than a one-token step and rounds differently, so where "
     "two tokens nearly tie the texts can part; --dtype float32 keeps them identical)"
 )
+# Said where lossless mode ran no tree, in place of a comparison of plain decoding with itself
+PLAINLY = (
+    "[lossless mode ran plain generate() itself: no draft tree pays in {} on this machine (its pass costs), so its "
+    "tokens and its speed are plain decoding's and there is nothing to compare; --tau 0.9 drafts without checking]"
+)
 # Said instead of the texts' identity where both sides sample (and, where the mode keeps plain's text, the second part)
 SAMPLED = ("sampled: each side draws its own text", " (this mode's is distributed as plain sampling's)")
 
@@ -146,12 +151,15 @@ def run(args) -> None:
     mars = _mars_arguments(args)
     measure(model, [1], **mars)  # what "auto" settings read (seconds, once per machine; none on a busy one)
     run = {"max_new_tokens": args.max_new_tokens, "do_sample": False, **sampling}  # both sides decode so
-    if not args.no_compare:  # warm both paths up, so that neither timing pays for first-call set-up
+    plainly = _print_settings(model, mars, args.lossless, describe_decoding(args))
+    compare = not (args.no_compare or plainly)
+    if compare:  # warm both paths up, so that neither timing pays for first-call set-up
         _warm_up(model, inputs, mars, run)
-    _print_settings(model, mars, args.lossless, describe_decoding(args))
     started = clocks()
     out, rate = _stream(model, tokenizer, inputs, mars, run, args.seed)
-    if not args.no_compare:
+    if plainly and not args.no_compare:
+        print(PLAINLY.format(_name(model.dtype)), file=sys.stderr)
+    if compare:
         exact = (args.lossless and not args.typical) or (args.tau is not None and args.tau >= 1.0)
         short = {**run, "max_new_tokens": min(args.compare_tokens, args.max_new_tokens)}
         dtypes = _contenders(model, expected)
@@ -225,8 +233,10 @@ def _warm_up(model, inputs, mars: dict, run: dict) -> None:
     model.generate(**inputs, **mars, **{**run, "max_new_tokens": 4})
 
 
-def _print_settings(model, mars: dict, lossless: bool, decoding: str) -> None:
-    """What generate() runs with, defaults resolved, so that a run says which tree and τ it measured."""
+def _print_settings(model, mars: dict, lossless: bool, decoding: str) -> bool:
+    """What generate() runs with, defaults resolved, so that a run says which tree and τ it measured. True where that
+    is plain `generate()` itself: lossless mode with no tree (`"auto"` found none that pays), whose tokens and costs
+    are plain decoding's, so that a comparison would time plain decoding against itself."""
     from ..decoding.generate import mars_settings
 
     settings = mars_settings(model, **mars)
@@ -241,6 +251,7 @@ def _print_settings(model, mars: dict, lossless: bool, decoding: str) -> None:
         f"mask cost {settings['mars_mask_cost']}{', ' + decoding if decoding else ''}]",
         file=sys.stderr,
     )
+    return lossless and settings["mars_block_size"] == 1 and not settings["mars_lookup"]
 
 
 def _stream(model, tokenizer, inputs, mars: dict, run: dict, seed: int):

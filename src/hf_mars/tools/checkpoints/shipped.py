@@ -10,6 +10,7 @@ them into the base and saves a full MARS checkpoint in a cache folder, once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -58,9 +59,10 @@ def _build_base(dst: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"Reading the base model needs the `gguf` package: {INSTALL_HINT}")
     src = gguf_path()
-    logger.warning("Building the base model from %s (once, about a minute)...", src.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    logger.warning("Building the base model from %s (once, about 15 seconds)...", src.name)
+    with _gguf_read_once():
+        gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     # transformers refuses to save a model that carries a quantization_config: rebuild a plain Llama from the config.
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
@@ -72,6 +74,31 @@ def _build_base(dst: Path) -> None:
     model.tie_weights()
     model.generation_config = gguf_model.generation_config
     save_checkpoint(dst, model, tokenizer)
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers reads a GGUF anew for its config, its weights and its tokenizer, and gguf's reader parses each
+    of the file's 49k vocabulary strings and 48k merges in Python; it also builds gguf's tensor-name map anew for
+    each of the model's 400 modules. Within this block each file is read once and each map built once, which takes
+    the base's build from about 35 s to 15 s on a 2-core CPU (docs/benchmarks.md). Both are looked up on the `gguf`
+    module where transformers calls them, so a transformers that imports them otherwise reads as it did."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def read_once(path, mode="r"):
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def base_checkpoint() -> Path:

@@ -54,12 +54,18 @@ def free_cores(seconds: float = 0.25) -> float | None:
     return cores() * (1.0 - share_of_others)
 
 
-def busy_cores(threads: int | None = None) -> int:
+def busy_cores(threads: int | None = None, probes: int = 2) -> int:
     """How many of torch's `threads` (default: its current count) would wait on cores other work holds now: 0 on an
-    idle machine."""
+    idle machine. Busy in each of `probes` looks (a quarter of a second each, the next only where the last found
+    work): a burst of the kernel's own (writing back a checkpoint just saved) is not a process that stays."""
     threads = threads or torch.get_num_threads()
-    free = free_cores()
-    return 0 if free is None else max(0, threads - max(1, round(free)))
+    busy = threads
+    for _ in range(probes):
+        free = free_cores()
+        busy = 0 if free is None else min(busy, max(0, threads - max(1, round(free))))
+        if not busy:
+            break
+    return busy
 
 
 def decode_on_free_cores() -> str | None:
