@@ -24,6 +24,7 @@ from .compat import TESTED_TRANSFORMERS, warn_if_untested
 from .costs import choose_tree
 from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
 from .graph import GraphPass
+from .ordered_attention import ordered_attention
 from .schedule import MaskSchedule
 from .scoring import STATELESS
 from .session import Session
@@ -37,6 +38,7 @@ __all__ = [
     "DraftTree",
     "Drafts",
     "GraphPass",
+    "ordered_attention",
     "MARSCache",
     "MARSGenerateOutput",
     "MARSGenerationMixin",

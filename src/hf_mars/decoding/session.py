@@ -48,7 +48,7 @@ from .tree import tree_attention
 from .verify import Drafts, add_lookup, propose, verify
 
 # Attention implementations that take the 4D masks of lossless passes (a tree of drafts), built once per pass
-BRANCHING = ("sdpa", "eager")
+BRANCHING = ("sdpa", "eager", "ordered")
 # Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
 _COMPACT_AT = 0.5
 _COMPACT_EVERY = 8  # passes between checks (each one a device-to-host transfer)
