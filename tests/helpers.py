@@ -146,3 +146,13 @@ def sliding_mars_model(family, attention="sdpa", window=8):
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     return hf_mars.to_mars(model, tok, block_size=4), tok
+
+
+def rows_invariant_linear(dtype) -> bool:
+    """Whether this CPU's matrix kernels give a row the same bits at 1 and at 8 rows in `dtype`: the premise, beside
+    the attention, of a model's token being the same in a wide pass (bfloat16 on the AVX2 and AVX-512 CPUs tried;
+    not float32, whose one-row products take another kernel)."""
+    numbers = torch.Generator().manual_seed(2)  # not the global generator: the caller's seeds stay as they were
+    weight, x = (torch.randn(*shape, generator=numbers).to(dtype) for shape in ((96, 64), (8, 64)))
+    many = torch.nn.functional.linear(x, weight)
+    return torch.equal(many, torch.cat([torch.nn.functional.linear(x[i : i + 1], weight) for i in range(8)]))

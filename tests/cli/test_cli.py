@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import auto_lossless_model, make_model, make_tokenizer
+from helpers import auto_lossless_model, make_model, make_tokenizer, rows_invariant_linear
 
 import hf_mars
 
@@ -123,6 +123,17 @@ def test_generate_runs_no_comparison_where_lossless_mode_is_plain_decoding(tmp_p
     assert "block size 1," in result.stderr and "lossless mode ran plain generate() itself" in result.stderr
     assert "MARS speed-up" not in result.stderr and "plain AR generate()" not in result.stderr
     assert "8 tokens in 8 forward passes" in result.stderr
+
+
+def test_generate_with_ordered_attention_keeps_the_ar_text_in_bfloat16(checkpoint):
+    """`--attention ordered` loads MARS and plain AR alike with it: lossless mode with a draft tree, in bfloat16,
+    then gives the AR text (where this CPU's bfloat16 linear layers are row-invariant, which the run checks)."""
+    if not rows_invariant_linear(torch.bfloat16):
+        pytest.skip("this CPU's bfloat16 matrix kernels round a row by the rows beside it")
+    args = ("--prompt", "hello", "--max-new-tokens", "24", "--lossless", "--tau", "0.0", "--dtype", "bfloat16")
+    result = hf_mars_cli("generate", str(checkpoint), *args, "--draft-candidates", "3", "--attention", "ordered")
+    assert result.returncode == 0, result.stderr
+    assert "3 draft candidates" in result.stderr and "output identical to AR: True]" in result.stderr
 
 
 def test_generate_samples_both_sides_from_the_seed(checkpoint):

@@ -263,6 +263,13 @@ def test_another_device_or_thread_count_is_another_machine(cache_dir, monkeypatc
     finally:
         torch.set_num_threads(threads)
     assert machine_key(model, 1) == key
+    import hf_mars.decoding.ordered_attention  # noqa: F401 (registers `ordered`, as a MARS checkpoint's code does)
+
+    attention = model.config._attn_implementation
+    model.set_attn_implementation("ordered")  # other attention, other costs
+    assert machine_key(model, 1) != key and "attention ordered" in machine_key(model, 1)
+    model.set_attn_implementation(attention)
+    assert machine_key(model, 1) == key
 
 
 def test_real_measurement_times_every_width_with_the_batch_mask(cache_dir):

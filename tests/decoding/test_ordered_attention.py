@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from helpers import make_model, make_tokenizer, toy_prompts
+from helpers import make_model, make_tokenizer, rows_invariant_linear, toy_prompts
 from transformers import DynamicCache, GenerationMixin
 
 import hf_mars
@@ -71,26 +71,15 @@ def test_a_fully_masked_row_stays_finite():
     assert torch.isfinite(out).all()
 
 
-def _rows_invariant_linear(dtype) -> bool:
-    """Whether this CPU's matrix kernels give a row the same bits at 1 and at 8 rows in `dtype`: the premise, beside
-    the attention, of a model's token being the same in a wide pass (bfloat16 on the AVX2 and AVX-512 CPUs tried;
-    not float32, whose one-row products take another kernel)."""
-    torch.manual_seed(2)
-    layer = torch.nn.Linear(64, 96, bias=False).to(dtype)
-    x = torch.randn(8, 64).to(dtype)
-    with torch.no_grad():
-        return torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(8)]))
-
-
 def test_a_model_with_ordered_attention_computes_a_wide_pass_as_one_token_steps():
     """bfloat16, a random Llama: the logits of 7 tokens fed at once (and with 4 more after them, unseen) are the
     bits of 7 one-token steps over the same cache, and a row's are its own in a left-padded batch. This rests on the
-    CPU's bfloat16 linear layers being row-invariant too, which the run checks first (`_rows_invariant_linear`)."""
+    CPU's bfloat16 linear layers being row-invariant too, which the run checks first (`rows_invariant_linear`)."""
     torch.manual_seed(3)
     model = make_model("llama").to(torch.bfloat16)
     model.set_attn_implementation("ordered")
     ids = torch.randint(3, model.config.vocab_size, (1, 40))
-    if not _rows_invariant_linear(torch.bfloat16):
+    if not rows_invariant_linear(torch.bfloat16):
         pytest.skip("this CPU's bfloat16 matrix kernels round a row by the rows beside it")
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
@@ -124,7 +113,7 @@ def test_lossless_and_tau_one_give_plain_greedys_tokens_in_bfloat16_alone_and_ba
     """With `ordered` attention, lossless mode (chains, runner-ups, per-depth candidates, prompt lookup, at τ = 0
     and 0.7, dynamic and static cache) and τ = 1 give plain greedy `generate()`'s tokens bit for bit in bfloat16, and
     every row of a left-padded batch gets its own batch-1 text, plain decoding included."""
-    if not _rows_invariant_linear(torch.bfloat16):
+    if not rows_invariant_linear(torch.bfloat16):
         pytest.skip("this CPU's bfloat16 matrix kernels round a row by the rows beside it")
     model, tok = flat_bf16
     enc = toy_prompts(tok, n=6, seed=7)

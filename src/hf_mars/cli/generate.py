@@ -31,7 +31,7 @@ TAU_NOTE = (
 # Said where a mode that keeps greedy's text did not, outside float32
 NEAR_TIE = (
     " ({}: a pass over several tokens sums in another order than a one-token step and rounds differently, so where "
-    "two tokens nearly tie the texts can part; --dtype float32 keeps them identical)"
+    "two tokens nearly tie the texts can part; --attention ordered or --dtype float32 keeps them identical)"
 )
 # Said where lossless mode ran no tree, in place of a comparison of plain decoding with itself
 PLAINLY = (
@@ -61,6 +61,12 @@ def add_parser(subparsers) -> None:
         help="`auto` (default): the dtype where lossless decoding is expected fastest on this machine, from pass "
         "costs measured here (once, cached; said with the reason); float32: lossless output identical to float32 "
         "generate() whatever the ties",
+    )
+    gen.add_argument(
+        "--attention",
+        choices=["sdpa", "eager", "ordered"],
+        help="attention implementation, MARS and plain AR alike (default: transformers' own, sdpa); ordered: "
+        "lossless output identical to generate()'s in bfloat16 too, at a cost (docs/decoding.md)",
     )
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR runs")
@@ -140,7 +146,8 @@ def run(args) -> None:
     if args.repeats < 1 or args.compare_tokens < 1:
         raise SystemExit(f"--repeats and --compare-tokens must be at least 1: {args.repeats}, {args.compare_tokens}")
     sampling = decoding_kwargs(args)
-    model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if args.dtype == "auto" else args.dtype)
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    model, tokenizer = load_checkpoint(args.model, args.revision, dtype, attention=args.attention)
     shared = decode_on_free_cores()  # a busy machine's cores would hold every thread of a team back
     if shared:
         print(f"[{shared}]", file=sys.stderr)

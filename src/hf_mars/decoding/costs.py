@@ -241,8 +241,9 @@ def check_acceptance(acceptance) -> dict:
 
 def machine_key(model, batch_size: int, compiled: bool = False) -> str:
     """What a pass's cost depends on: device (GPU name, or CPU model and the instruction set torch uses), threads,
-    dtype, batch size, the model's shape, torch's version; how it was measured (`MEASUREMENT`); and whether the
-    passes are compiled (`compiled_pass_costs`) or eager."""
+    dtype, batch size, the model's shape, torch's version; how it was measured (`MEASUREMENT`); whether the passes
+    are compiled (`compiled_pass_costs`) or eager; and the attention implementation where it is not `sdpa` (`ordered`
+    costs a wide pass more: the key of `sdpa`'s costs, timed before others were told apart, stays as it was)."""
     device = model.device
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
@@ -251,6 +252,8 @@ def machine_key(model, batch_size: int, compiled: bool = False) -> str:
     shape = {key: getattr(model.config, key, None) for key in _SHAPE_KEYS}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:12]
     key = f"{device.type}: {where} | {model.dtype} | batch {batch_size} | model {digest} | torch {torch.__version__}"
+    attention = getattr(model.config, "_attn_implementation", None)
+    key += f" | attention {attention}" if attention not in (None, "sdpa") else ""
     return f"{key} | measured {MEASUREMENT}" + (" | compiled passes" if compiled else "")
 
 

@@ -142,13 +142,15 @@ def check_mars_config(config: dict, name: str) -> None:
         )
 
 
-def load_checkpoint(model: str | None = None, revision: str | None = None, dtype="float32"):
+def load_checkpoint(model: str | None = None, revision: str | None = None, dtype="float32", attention=None):
     """Load a MARS checkpoint with this installed hf_mars's decoding code: `(model, tokenizer)`, model in eval mode.
 
     `model` is a local folder, a Hub repo id, or None for the shipped checkpoint (see `resolve_checkpoint`); `dtype`
-    a torch dtype or its name. The checkpoint's own remote-code files are not run: its weights load as the plain base
-    class, which then becomes the MARS class of this package. So no `trust_remote_code` is needed, and a checkpoint
-    saved by an older hf_mars decodes with every feature of this one.
+    a torch dtype or its name; `attention` an attention implementation (None: transformers' default; `"ordered"`:
+    `decoding/ordered_attention.py`, registered by importing `decoding.modeling` here). The checkpoint's own
+    remote-code files are not run: its weights load as the plain base class, which then becomes the MARS class of
+    this package. So no `trust_remote_code` is needed, and a checkpoint saved by an older hf_mars decodes with every
+    feature of this one.
     """
     path = resolve_checkpoint(model, revision)  # before torch loads: a wrong name is answered at once
     import torch
@@ -161,6 +163,7 @@ def load_checkpoint(model: str | None = None, revision: str | None = None, dtype
     check_mars_config(config, model or path)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-    loaded = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype).eval()
+    chosen = {"attn_implementation": attention} if attention else {}
+    loaded = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype, **chosen).eval()
     loaded.__class__ = mars_class(type(loaded))
     return loaded, tokenizer
