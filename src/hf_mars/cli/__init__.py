@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from_shell = argv is None  # the `hf-mars` command itself, not a caller in a longer-lived process
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:  # TRL's own parser takes the rest (argparse would claim --help and friends)
         from .train import run
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"hf-mars: {err}") from err
     # The interpreter's collections at exit walk every object torch and transformers made (2 s of a short command on
     # a 2-core CPU); frozen, they are freed with the process. atexit hooks still run.
-    gc.freeze()
+    if from_shell:
+        gc.freeze()
 
 
 if __name__ == "__main__":
