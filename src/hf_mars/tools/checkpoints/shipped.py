@@ -225,7 +225,7 @@ def save_checkpoint(dst: Path, model, tokenizer, extra: dict[str, str] | None = 
 def default_checkpoint(rebuild: bool = False) -> Path:
     """Local path of the shipped MARS checkpoint (SmolLM2-135M-Instruct, B = 4), built on first use.
 
-    The build (about a minute) dequantizes the base GGUF, merges the shipped delta and saves a float32 checkpoint
+    The build (about 25 s on a 2-core CPU) dequantizes the base GGUF, merges the shipped delta and saves a float32 checkpoint
     under `cache_dir()`; later calls return at once. A new delta or new decoding code (a new hf_mars release) triggers
     a rebuild.
     `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it.
