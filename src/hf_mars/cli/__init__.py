@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         args.run(args)
     except (ValueError, FileNotFoundError) as err:  # bad or missing input named by the library: one line, no traceback
         raise SystemExit(f"hf-mars: {err}") from err
-    # The interpreter's collections at exit walk every object torch and transformers made (2 s of a short command on
-    # a 2-core CPU); frozen, they are freed with the process. atexit hooks still run.
+    # The interpreter's collections at exit walk every object torch and transformers made, seconds of a short
+    # command on a small CPU; frozen, they are freed with the process. atexit hooks still run.
     if from_shell:
         gc.freeze()
 

@@ -59,7 +59,7 @@ def _build_base(dst: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"Reading the base model needs the `gguf` package: {INSTALL_HINT}")
     src = gguf_path()
-    logger.warning("Building the base model from %s (once, about 15 seconds)...", src.name)
+    logger.warning("Building the base model from %s (once, seconds)...", src.name)
     with _gguf_read_once():
         gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
@@ -80,9 +80,9 @@ def _build_base(dst: Path) -> None:
 def _gguf_read_once():
     """transformers reads a GGUF anew for its config, its weights and its tokenizer, and gguf's reader parses each
     of the file's 49k vocabulary strings and 48k merges in Python; it also builds gguf's tensor-name map anew for
-    each of the model's 400 modules. Within this block each file is read once and each map built once, which takes
-    the base's build from about 35 s to 15 s on a 2-core CPU (docs/benchmarks.md). Both are looked up on the `gguf`
-    module where transformers calls them, so a transformers that imports them otherwise reads as it did."""
+    each of the model's modules. Within this block each file is read once and each map built once, which takes more
+    than half of the base's build away (docs/benchmarks.md). Both are looked up on the `gguf` module where
+    transformers calls them, so a transformers that imports them otherwise reads as it did."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
@@ -225,7 +225,7 @@ def save_checkpoint(dst: Path, model, tokenizer, extra: dict[str, str] | None = 
 def default_checkpoint(rebuild: bool = False) -> Path:
     """Local path of the shipped MARS checkpoint (SmolLM2-135M-Instruct, B = 4), built on first use.
 
-    The build (about 25 s on a 2-core CPU) dequantizes the base GGUF, merges the shipped delta and saves a float32 checkpoint
+    The build (seconds; docs/benchmarks.md) dequantizes the base GGUF, merges the shipped delta and saves a float32 checkpoint
     under `cache_dir()`; later calls return at once. A new delta or new decoding code (a new hf_mars release) triggers
     a rebuild.
     `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it.
