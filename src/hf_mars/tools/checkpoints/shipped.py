@@ -59,7 +59,7 @@ def _build_base(dst: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"Reading the base model needs the `gguf` package: {INSTALL_HINT}")
     src = gguf_path()
-    logger.warning("Building the base model from %s (once, seconds)...", src.name)
+    logger.warning("Building the base model from %s (once)...", src.name)
     with _gguf_read_once():
         gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
@@ -225,9 +225,9 @@ def save_checkpoint(dst: Path, model, tokenizer, extra: dict[str, str] | None = 
 def default_checkpoint(rebuild: bool = False) -> Path:
     """Local path of the shipped MARS checkpoint (SmolLM2-135M-Instruct, B = 4), built on first use.
 
-    The build (seconds; docs/benchmarks.md) dequantizes the base GGUF, merges the shipped delta and saves a float32 checkpoint
-    under `cache_dir()`; later calls return at once. A new delta or new decoding code (a new hf_mars release) triggers
-    a rebuild.
+    The build dequantizes the base GGUF, merges the shipped delta and saves a float32 checkpoint under `cache_dir()`
+    (its time: docs/benchmarks.md); later calls return at once. A new delta or new decoding code (a new hf_mars
+    release) triggers a rebuild.
     `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it.
     """
     if not (DELTA_DIR / "adapter_model.safetensors").is_file():
