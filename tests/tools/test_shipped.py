@@ -127,8 +127,12 @@ def test_cli_generate_defaults_to_the_shipped_checkpoint(built):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip()  # the streamed answer
-    assert "tokens/forward" in result.stderr and "MARS speed-up" in result.stderr
+    assert "tokens/forward" in result.stderr
     assert "[MARS lossless" in result.stderr and "expected lossless for a" in result.stderr  # the dtype, and why
+    if "lossless mode ran plain generate() itself" in result.stderr:  # no tree pays here: nothing to compare
+        assert "block size 1," in result.stderr and "MARS speed-up" not in result.stderr
+        return
+    assert "MARS speed-up" in result.stderr
     said = result.stderr.split("output identical to AR: ")[1]  # the honest default: exact, or why not
     assert said.startswith("True]") or said.startswith("False (bfloat16: a pass over several tokens"), said
 
