@@ -244,9 +244,10 @@ def _print_settings(model, mars: dict, lossless: bool, decoding: str) -> bool:
     """What generate() runs with, defaults resolved, so that a run says which tree and τ it measured. True where that
     is plain `generate()` itself: lossless mode with no tree (`"auto"` found none that pays), whose tokens and costs
     are plain decoding's, so that a comparison would time plain decoding against itself."""
-    from ..decoding.generate import mars_settings
+    from ..decoding.settings import resolve_settings
 
-    settings = mars_settings(model, **mars)
+    resolved = resolve_settings(model, **mars)
+    settings = resolved.as_kwargs()
     mode = ("typical-acceptance " if settings["mars_accept"] == "typical" else "lossless ") if lossless else ""
     tree = ""
     if lossless:
@@ -258,7 +259,7 @@ def _print_settings(model, mars: dict, lossless: bool, decoding: str) -> bool:
         f"mask cost {settings['mars_mask_cost']}{', ' + decoding if decoding else ''}]",
         file=sys.stderr,
     )
-    return lossless and settings["mars_block_size"] == 1 and not settings["mars_lookup"]
+    return resolved.plain
 
 
 def _stream(model, tokenizer, inputs, mars: dict, run: dict, seed: int):
