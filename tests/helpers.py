@@ -14,6 +14,7 @@ from transformers import StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import hf_mars
+from hf_mars.decoding.ordered_linear import OrderedLinear
 from hf_mars.tools.checkpoints.toy import counting_dataset, toy_model, toy_tokenizer
 
 
@@ -149,10 +150,14 @@ def sliding_mars_model(family, attention="sdpa", window=8):
 
 
 def rows_invariant_linear(dtype) -> bool:
-    """Whether this CPU's matrix kernels give a row the same bits at 1 and at 8 rows in `dtype`: the premise, beside
-    the attention, of a model's token being the same in a wide pass (bfloat16 on the AVX2 and AVX-512 CPUs tried;
-    not float32, whose one-row products take another kernel)."""
+    """Whether an `ordered` model's linear layers (`OrderedLinear`) give a row the same bits at 1 and at 2 to 24 rows
+    in `dtype` on this CPU: the premise, beside the attention, of a model's token being the same in a wide pass (true
+    on the AVX2 CPU of docs/benchmarks.md in bfloat16 and float32; plain float32 products are not)."""
     numbers = torch.Generator().manual_seed(2)  # not the global generator: the caller's seeds stay as they were
-    weight, x = (torch.randn(*shape, generator=numbers).to(dtype) for shape in ((96, 64), (8, 64)))
-    many = torch.nn.functional.linear(x, weight)
-    return torch.equal(many, torch.cat([torch.nn.functional.linear(x[i : i + 1], weight) for i in range(8)]))
+    layer = OrderedLinear(64, 96, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64, generator=numbers))
+        layer.to(dtype)
+        x = torch.randn(24, 64, generator=numbers).to(dtype)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(24)])
+        return all(torch.equal(layer(x[:rows]), alone[:rows]) for rows in range(2, 25))

@@ -18,6 +18,7 @@ from transformers import DynamicCache, GenerationMixin
 import hf_mars
 from hf_mars.decoding.compat import CACHE_ARG
 from hf_mars.decoding.ordered_attention import ordered_attention
+from hf_mars.decoding.ordered_linear import OrderedLinear
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
@@ -71,16 +72,18 @@ def test_a_fully_masked_row_stays_finite():
     assert torch.isfinite(out).all()
 
 
-def test_a_model_with_ordered_attention_computes_a_wide_pass_as_one_token_steps():
-    """bfloat16, a random Llama: the logits of 7 tokens fed at once (and with 4 more after them, unseen) are the
-    bits of 7 one-token steps over the same cache, and a row's are its own in a left-padded batch. This rests on the
-    CPU's bfloat16 linear layers being row-invariant too, which the run checks first (`rows_invariant_linear`)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_model_with_ordered_attention_computes_a_wide_pass_as_one_token_steps(dtype):
+    """A random MARS Llama: the logits of 7 tokens fed at once (and with 4 more after them, unseen) are the bits of 7
+    one-token steps over the same cache, and a row's are its own in a left-padded batch. This rests on the CPU's
+    products giving a row the same bits in an `ordered` model's linear layers, which the run checks first
+    (`rows_invariant_linear`); in float32 those layers pad their rows where plain products would not."""
     torch.manual_seed(3)
-    model = make_model("llama").to(torch.bfloat16)
+    model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=4).to(dtype)
     model.set_attn_implementation("ordered")
     ids = torch.randint(3, model.config.vocab_size, (1, 40))
-    if not rows_invariant_linear(torch.bfloat16):
-        pytest.skip("this CPU's bfloat16 matrix kernels round a row by the rows beside it")
+    if not rows_invariant_linear(dtype):
+        pytest.skip(f"this CPU's {dtype} matrix kernels round a row by the rows beside it, padded or not")
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         model(input_ids=ids[:, :29], **{CACHE_ARG: cache}, use_cache=True)
@@ -98,24 +101,46 @@ def test_a_model_with_ordered_attention_computes_a_wide_pass_as_one_token_steps(
         assert torch.equal(batched[1, 4:], model(input_ids=ids[:, 4:30]).logits[0])
 
 
-@pytest.fixture(scope="module")
-def flat_bf16():
-    """A random MARS Llama in bfloat16 whose next-token scores lie close together (initializer_range 0.05), so that
-    rounding flips choices: with `sdpa` on the AVX2 CPU of docs/benchmarks.md, 3 of these 6 rows' lossless texts
+def test_ordered_attention_orders_the_linear_layers_and_sdpa_gives_them_back():
+    """The MARS classes swap `nn.Linear` for `OrderedLinear` (same parameters, same state dict) at the first forward
+    after the attention becomes `ordered`, and back after it leaves; whatever made the model (here `to_mars`)."""
+    model = hf_mars.to_mars(make_model("llama"), make_tokenizer(), block_size=4)
+    keys = set(model.state_dict())
+    ids = torch.tensor([[5, 6, 7]])
+
+    def kinds():
+        return {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+
+    with torch.no_grad():
+        model(input_ids=ids)
+        assert kinds() == {torch.nn.Linear}
+        model.set_attn_implementation("ordered")
+        before = model(input_ids=ids).logits
+        assert kinds() == {OrderedLinear} and set(model.state_dict()) == keys
+        model.set_attn_implementation("sdpa")
+        model(input_ids=ids)
+        assert kinds() == {torch.nn.Linear}
+    assert torch.isfinite(before).all()
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def flat(request):
+    """A random MARS Llama whose next-token scores lie close together (initializer_range 0.05), so that rounding
+    flips choices: with `sdpa` in bfloat16 on the AVX2 CPU of docs/benchmarks.md, 3 of these 6 rows' lossless texts
     and 2 of their plain batched texts part from their batch-1 texts. `ordered` attention."""
     tok = make_tokenizer()
-    model = hf_mars.to_mars(make_model("llama", initializer_range=0.05), tok, block_size=4).to(torch.bfloat16)
+    model = hf_mars.to_mars(make_model("llama", initializer_range=0.05), tok, block_size=4).to(request.param)
     model.set_attn_implementation("ordered")
     return model, tok
 
 
-def test_lossless_and_tau_one_give_plain_greedys_tokens_in_bfloat16_alone_and_batched(flat_bf16):
+def test_lossless_and_tau_one_give_plain_greedys_tokens_alone_and_batched(flat):
     """With `ordered` attention, lossless mode (chains, runner-ups, per-depth candidates, prompt lookup, at τ = 0
-    and 0.7, dynamic and static cache) and τ = 1 give plain greedy `generate()`'s tokens bit for bit in bfloat16, and
-    every row of a left-padded batch gets its own batch-1 text, plain decoding included."""
-    if not rows_invariant_linear(torch.bfloat16):
-        pytest.skip("this CPU's bfloat16 matrix kernels round a row by the rows beside it")
-    model, tok = flat_bf16
+    and 0.7, dynamic and static cache) and τ = 1 give plain greedy `generate()`'s tokens bit for bit, in bfloat16
+    and float32, and every row of a left-padded batch gets its own batch-1 text, plain decoding included."""
+    model, tok = flat
+    if not rows_invariant_linear(model.dtype):
+        pytest.skip(f"this CPU's {model.dtype} matrix kernels round a row by the rows beside it, padded or not")
     enc = toy_prompts(tok, n=6, seed=7)
     alone = []
     for row in range(6):

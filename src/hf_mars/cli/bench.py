@@ -200,7 +200,9 @@ def run_serve(args) -> None:
             raise SystemExit("--serve runs the server in one dtype: pass --dtype float32 or bfloat16.")
         model = args.model or resolve_checkpoint(None)
         slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
-        url, server = start_server(model, args.dtype, args.device or "auto", args.max_batch_size, args.compile, slots)
+        url, server = start_server(
+            model, args.dtype, args.device or "auto", args.max_batch_size, args.compile, slots, args.attention
+        )
         modes = ramp_modes(*args.tau_range) if args.tau_range else MODES
         try:
             rows = run_serve_bench(
@@ -208,7 +210,8 @@ def run_serve(args) -> None:
             )
         finally:
             server.should_exit = True
-        served = f"hf-mars serve on {device_name(args.device)}, {args.dtype}, max batch {args.max_batch_size}"
+        served = f"hf-mars serve on {device_name(args.device)}, {args.dtype}, {args.attention or 'sdpa'} attention"
+        served += f", max batch {args.max_batch_size}"
         if slots:
             served += f", one graph pass over {slots} cache slots" + (", compiled" if args.compile else ", eager")
     print(f"\n{served}, streaming clients:\n")
@@ -332,7 +335,7 @@ def load_on_device(args):
     from ..tools.checkpoints.loading import load_checkpoint
 
     auto = args.dtype == "auto"
-    model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if auto else args.dtype)
+    model, tokenizer = load_checkpoint(args.model, args.revision, "float32" if auto else args.dtype, args.attention)
     if args.device:
         model.to(args.device)
     if auto:

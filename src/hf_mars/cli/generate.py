@@ -7,7 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .options import DTYPES, add_decoding, add_model, decoding_kwargs, describe_decoding, mask_cost
+from .options import DTYPES, add_attention, add_decoding, add_model, decoding_kwargs, describe_decoding, mask_cost
 
 # Speed-ups whose runs spread over more than this share of their median are said to be rough
 SPREAD = 0.25
@@ -62,12 +62,7 @@ def add_parser(subparsers) -> None:
         "costs measured here (once, cached; said with the reason); float32: lossless output identical to float32 "
         "generate() whatever the ties",
     )
-    gen.add_argument(
-        "--attention",
-        choices=["sdpa", "eager", "ordered"],
-        help="attention implementation, MARS and plain AR alike (default: transformers' own, sdpa); ordered: "
-        "lossless output identical to generate()'s in bfloat16 too, at a cost (docs/decoding.md)",
-    )
+    add_attention(gen)
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     gen.add_argument("--no-compare", action="store_true", help="skip the plain AR runs")
     gen.add_argument(

@@ -6,6 +6,12 @@ from __future__ import annotations
 import argparse
 
 DTYPES = ["float32", "bfloat16", "float16"]
+ATTENTIONS = ["sdpa", "eager", "ordered"]
+ATTENTION_HELP = (
+    "attention implementation, MARS and plain decoding alike (default: the checkpoint's, sdpa); ordered: a token's "
+    "bits whatever the pass or batch holds, so lossless output is generate()'s in bfloat16 too, at a cost "
+    "(docs/decoding.md)"
+)
 MODEL_HELP = "MARS checkpoint: a local folder or a Hub repo id (default: the shipped one)"
 
 
@@ -36,8 +42,12 @@ def add_model(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
     parser.add_argument("model", nargs="?", help=help)
 
 
+def add_attention(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention", choices=ATTENTIONS, help=ATTENTION_HELP)
+
+
 def add_machine(parser: argparse.ArgumentParser, dtype_help: str | None = None) -> None:
-    """Where and how `bench` and `tune` load the model: revision, dtype, device."""
+    """Where and how `bench` and `tune` load the model: revision, dtype, attention, device."""
     parser.add_argument("--revision", help="pin a Hub revision: remote code runs on your machine")
     parser.add_argument(
         "--dtype",
@@ -45,6 +55,7 @@ def add_machine(parser: argparse.ArgumentParser, dtype_help: str | None = None) 
         choices=["auto", *DTYPES],
         help=dtype_help or "default float32; `auto`: where lossless decoding is expected fastest here (says why)",
     )
+    add_attention(parser)
     parser.add_argument("--device", help="e.g. cuda (default: where the model loads)")
 
 

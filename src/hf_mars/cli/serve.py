@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 
-from .options import DTYPES, add_model, add_tau_range
+from .options import DTYPES, add_attention, add_model, add_tau_range
 
 HELP = "serve a MARS checkpoint over an OpenAI-compatible HTTP API"
 DEFAULT_CACHE_SLOTS = 2048  # static cache slots per row with --compile
@@ -34,6 +34,7 @@ def add_parser(subparsers) -> None:
         help="the model's name in /v1/models and in answers (default: a Hub repo id as given, a folder by its name)",
     )
     serve.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default: the checkpoint's")
+    add_attention(serve)
     serve.add_argument("--device", default="auto", help="e.g. cpu, cuda, cuda:1 (default: accelerate's choice)")
     serve.add_argument(
         "--compile",
@@ -120,6 +121,7 @@ def run(args) -> None:
         api_key=args.api_key,
         tau_range=args.tau_range,
         served_name=args.served_model_name,
+        attention=args.attention,
     )
     key = "API key required" if args.api_key else "no API key: open to anyone who reaches the port"
     name = args.served_model_name or served_model_name(str(model))
@@ -141,6 +143,7 @@ def run_vllm(args, model: str) -> None:
         ("--cache-slots", args.cache_slots),
         ("--device", args.device != "auto"),
         ("--tau-range", args.tau_range is not None),
+        ("--attention", args.attention is not None),
     )
     for flag, given in ours:
         if given:

@@ -11,6 +11,7 @@ This file is copied into MARS checkpoints (trust_remote_code): it imports transf
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -24,7 +25,9 @@ from .compat import TESTED_TRANSFORMERS, warn_if_untested
 from .costs import choose_tree
 from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
 from .graph import GraphPass
+from .ordered_attention import NAME as ORDERED
 from .ordered_attention import ordered_attention
+from .ordered_linear import OrderedLinear, order_linears
 from .schedule import MaskSchedule
 from .scoring import STATELESS
 from .session import Session
@@ -39,6 +42,7 @@ __all__ = [
     "Drafts",
     "GraphPass",
     "ordered_attention",
+    "OrderedLinear",
     "MARSCache",
     "MARSGenerateOutput",
     "MARSGenerationMixin",
@@ -88,6 +92,21 @@ class SavedAsBase:
         self.config.save_pretrained(save_directory)
 
 
+def ordering_linears(forward):
+    """`forward`, whose model's linear layers are `OrderedLinear`s while its attention is `ordered`: however the model
+    was made (loaded, converted, its attention set later), its first forward after a change of attention swaps them."""
+
+    @functools.wraps(forward)
+    def ordered_forward(self, *args, **kwargs):
+        ordered = self.config._attn_implementation == ORDERED
+        if getattr(self, "_mars_ordered_linears", False) != ordered:
+            order_linears(self, ordered)
+            self._mars_ordered_linears = ordered
+        return forward(self, *args, **kwargs)
+
+    return ordered_forward
+
+
 def mars_class(base: type) -> type:
     """The MARS subclass of a transformers causal-LM class (created once, registered for `AutoModelForCausalLM`)."""
     if issubclass(base, MARSGenerationMixin):
@@ -97,6 +116,7 @@ def mars_class(base: type) -> type:
         warn_if_untested()
         bases = (SavedAsBase, MARSGenerationMixin, base)
         names = {"__module__": __name__, "__doc__": f"{base.__name__} + MARS.", "_mars_base": base}
+        names["forward"] = ordering_linears(base.forward)
         cls = type(name, bases, names)
         cls.register_for_auto_class("AutoModelForCausalLM")
         _classes[name] = cls

@@ -304,14 +304,19 @@ def build_app(
     api_key: str | None = None,
     tau_range: tuple[float, float] | None = None,
     served_name: str | None = None,
+    attention: str | None = None,
 ):
     """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
     one graph over a static cache of that many slots per row (`GraphSession`), compiled if `compile`. `api_key`:
     every endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
     the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py).
-    `served_name`: the model's name in `/v1/models` and in answers (default `served_model_name(model)`)."""
+    `served_name`: the model's name in `/v1/models` and in answers (default `served_model_name(model)`). `attention`:
+    the attention implementation (default: the checkpoint's; `"ordered"`: a row's tokens whatever rows share its
+    batch, `decoding/ordered_attention.py`)."""
     manager = MARSModelManager(device=device, dtype=dtype, force_model=str(model), served_name=served_name)
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
+    if attention is not None:
+        loaded.set_attn_implementation(attention)
     compile_config = CompileConfig() if compile and cache_slots else None
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     engine = MARSEngine(

@@ -64,11 +64,20 @@ class Timing:
 
 
 def start_server(
-    model: str, dtype: str, device: str, max_batch_size: int, compile: bool = False, cache_slots=None, port: int = 0
+    model: str,
+    dtype: str,
+    device: str,
+    max_batch_size: int,
+    compile: bool = False,
+    cache_slots=None,
+    attention: str | None = None,
+    port: int = 0,
 ):
     """The app on a loopback port in a background thread: `(url, server)`; `server.should_exit = True` stops it."""
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
-    app, engine = build_app(model, dtype, device, compile, max_batch_size, cache_slots=cache_slots)
+    app, engine = build_app(
+        model, dtype, device, compile, max_batch_size, cache_slots=cache_slots, attention=attention
+    )
     print("measuring this machine's pass costs (once; cached) before the clients start", flush=True)
     engine.measuring.join()  # lossless "auto" and the τ policy read them: the bench times what they choose
     if not port:
