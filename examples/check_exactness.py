@@ -42,7 +42,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--modes", nargs="+", default=["lookup", "tau-1"], choices=list(MODES))
+    parser.add_argument("--modes", nargs="*", default=["lookup", "tau-1"], choices=list(MODES), help="none: costs only")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--caches", nargs="+", default=["dynamic"], choices=["dynamic", "static"])
     parser.add_argument("--cost-rounds", type=int, default=2, help="rounds of the cost comparison (0: none)")
@@ -51,7 +51,7 @@ def main():
     model, tok = load_checkpoint(args.model, dtype=args.dtype)
     tok.padding_side = "left"
     prompts = [p["text"] for p in load_prompts("heldout", tok, limit=args.prompts)]
-    for attention in args.attention:
+    for attention in args.attention if args.modes else []:
         model.set_attn_implementation(attention)
         start = time.perf_counter()
         reference = [decode(model, tok, [p], None, args.max_new_tokens)[0] for p in prompts]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import make_model, make_tokenizer, serving
+from helpers import make_model, make_tokenizer, rows_invariant_linear, serving
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 from tokenizers.decoders import DecodeStream
 from transformers import AutoModelForCausalLM
@@ -764,3 +764,34 @@ def test_metrics_show_the_tau_and_tree_of_the_rows_decoding(server):
         assert time.monotonic() < deadline, "the client that left must count as cancelled"
         time.sleep(0.05)
     assert math.isnan(_scrape(server)[("hf_mars_tau", ())])  # nothing decoding
+
+
+def test_with_ordered_attention_in_bfloat16_every_row_under_load_gets_its_batch_1_text(tmp_path):
+    """`hf-mars serve --attention ordered --dtype bfloat16`: twelve streams at once, plain, τ = 1 and lossless, rows
+    joining and leaving the running batch, each get the text plain greedy `generate()` gives their prompt alone, in
+    bfloat16 (a flat random model, whose close scores let rounding flip choices: with `sdpa` on the AVX2 CPU of
+    docs/benchmarks.md a row's text parts from its own). This rests on the CPU's products giving a row the same bits
+    in `ordered`'s linear layers, which the run checks first."""
+    attention = "ordered"
+    from hf_mars.serving.server import build_app
+
+    if not rows_invariant_linear(torch.bfloat16):
+        pytest.skip("this CPU's bfloat16 matrix kernels round a row by the rows beside it, padded or not")
+    tok, model = make_tokenizer(), make_model("llama", initializer_range=0.05)
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    path = str(tmp_path)
+    app, engine = build_app(path, dtype="bfloat16", device="cpu", max_batch_size=12, attention=attention)
+    assert engine.model.config._attn_implementation == attention
+    offline = AutoModelForCausalLM.from_pretrained(
+        path, trust_remote_code=True, dtype=torch.bfloat16, attn_implementation=attention
+    ).eval()
+    modes = [{}, MODES["tau=1"], MODES["lossless"]]
+    jobs = [(f"count {i} to {i + 9}", modes[i % 3]) for i in range(12)]
+    server = {"url": None, "engine": engine, "tok": tok, "offline": offline}
+    with serving(app) as url:
+        server["url"] = url
+        results = _batched(server, [_ask(url, path, c, 0.01 * i, 64, **mode) for i, (c, mode) in enumerate(jobs)])
+    for (content, mode), (text, usage) in zip(jobs, results):
+        assert (text, usage.completion_tokens) == _offline(server, content, {}, 64), (content, mode)

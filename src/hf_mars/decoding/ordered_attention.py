@@ -2,10 +2,11 @@
 
 Lossless mode promises greedy `generate()`'s tokens. It verifies drafts in one forward over several tokens, and a
 token's logits are only the same as a one-token step's where every operator computes a row the same way whatever
-else its tensor holds. In bfloat16 on CPUs the linear layers do (a row is bitwise the same at 1 and at many rows), but
-`sdpa` does not: its kernel splits the keys into blocks and rescales partial sums between them, so a query's result
-changes with the number of queries beside it and with masked keys its tensor holds beyond its own (a pass's later
-tokens, a static cache's empty slots, a batch's padding). docs/decoding.md ("Exact in bfloat16") has the findings.
+else its tensor holds. The linear layers are `ordered_linear.py`'s (in bfloat16 on CPUs a row is bitwise the same
+at 1 and at many rows already; in float32 it is where products take blocks of one shape). `sdpa` does not: its
+kernel splits the keys into blocks and rescales partial sums between them, so a query's result changes with the
+number of queries beside it and with masked keys its tensor holds beyond its own (a pass's later tokens, a static
+cache's empty slots, a batch's padding). docs/decoding.md ("Exact bits") has the findings.
 
 `ordered` computes each query alone, in float32: scores as products summed over the head dimension (a fixed length),
 the softmax's maximum (exact in any order), then the exponentials and the weighted values added by a running sum
