@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..tools.measure.trees import TUNE_TREES
 from .bench import load_on_device
-from .options import DTYPES, add_model, draft_tree
+from .options import DTYPES, add_attention, add_model, draft_tree
 
 HELP = "find the fastest lossless draft tree on this machine"
 DESCRIPTION = "Measure lossless draft trees against plain generate() and pick the fastest."
@@ -74,6 +74,7 @@ def _add_output_options(tune) -> None:
         choices=DTYPES,
         help="tune in the dtype you decode in: the fastest tree depends on it",
     )
+    add_attention(tune)
     tune.add_argument("--device", help="e.g. cuda (default: where the model loads)")
     tune.add_argument(
         "--compile",
