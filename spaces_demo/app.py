@@ -35,9 +35,11 @@ MAX_NEW_TOKENS = int(os.environ.get("MARS_MAX_NEW_TOKENS", 512))
 CONCURRENCY = int(os.environ.get("MARS_CONCURRENCY", 2))  # generations at once; the model is shared, read-only
 # MARS_DTYPE: auto (default): where lossless decoding is expected fastest here; float32: lossless text always AR's
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+# MARS_ATTENTION: the checkpoint's (sdpa) by default; ordered: a token's bits whatever the pass holds, at a cost
+ATTENTIONS = ("sdpa", "eager", "ordered")
 NEAR_TIE = (
     "rounds a pass over several tokens differently from a one-token step, so where two tokens nearly tie the texts "
-    "can part; MARS_DTYPE=float32 keeps them identical"
+    "can part; MARS_ATTENTION=ordered or MARS_DTYPE=float32 keeps them identical"
 )
 COLORS = ["#eef0f3", "#fef08a", "#fdba74", "#fb923c", "#f87171", "#f472b6", "#c084fc", "#818cf8"]  # by tokens/pass
 DECODERS = ["MARS", "AR generate()"]
@@ -632,10 +634,15 @@ def load_model(path: str | None = None, revision: str | None = None):
     dtype = os.environ.get("MARS_DTYPE", "auto")
     if dtype not in DTYPES:
         raise SystemExit(f"MARS_DTYPE must be one of {', '.join(DTYPES)}, not {dtype!r}.")
+    attention = os.environ.get("MARS_ATTENTION") or None
+    if attention not in (None, *ATTENTIONS):
+        raise SystemExit(f"MARS_ATTENTION must be one of {', '.join(ATTENTIONS)}, not {attention!r}.")
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     model = AutoModelForCausalLM.from_pretrained(
         path, revision=revision, trust_remote_code=True, dtype=getattr(torch, dtype, torch.float32)
     ).eval()
+    if attention is not None:  # "ordered" is registered by the checkpoint's code, imported just now
+        model.set_attn_implementation(attention)
     if (
         getattr(model.config, "mars_block_size", None) is None
         or getattr(model.config, "mars_mask_token_id", None) is None

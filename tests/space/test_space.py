@@ -271,6 +271,26 @@ def test_model_dtype_from_the_environment(tmp_path, monkeypatch, capsys):
         app.load_model()
 
 
+def test_model_attention_from_the_environment(tmp_path, monkeypatch):
+    """MARS_ATTENTION=ordered loads the checkpoint with `ordered` attention (its linear layers follow at the first
+    forward), so the Space's lossless answer is plain AR's in bfloat16 too; unset, the checkpoint's; a name that is
+    not an implementation stops with the list."""
+    app = load_app()
+    monkeypatch.setenv("MARS_MODEL", str(save_checkpoint(tmp_path / "ckpt")))
+    monkeypatch.setenv("MARS_DTYPE", "bfloat16")
+    model, _ = app.load_model()
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setenv("MARS_ATTENTION", "ordered")
+    model, _ = app.load_model()
+    assert model.config._attn_implementation == "ordered"
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert {type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)} == {"OrderedLinear"}
+    monkeypatch.setenv("MARS_ATTENTION", "flash")
+    with pytest.raises(SystemExit, match="MARS_ATTENTION must be one of sdpa, eager, ordered"):
+        app.load_model()
+
+
 def test_auto_dtype_is_measured_here_and_said(tmp_path, monkeypatch, capsys):
     """MARS_DTYPE=auto: hf_mars's timing tools measure pass costs in float32 and bfloat16 on this machine (in a
     fresh cache), loads the model in the dtype it chose, says why, and the page and the lossless control say so."""
