@@ -500,6 +500,8 @@ def test_cache_slots_are_checked_and_belong_to_the_hf_mars_engine():
 
 
 def test_serve_bench_measures_plain_and_mars_side_by_side(server):
+    """Plain and lossless rows per client count, and the share of each row's answers equal to its prompt's plain
+    answer alone (float32 here: all of them)."""
     from hf_mars.tools.measure.serve_bench import run_serve_bench, serve_table
 
     rows = run_serve_bench(server["url"] + "/v1", server["path"], clients=(1, 3), per_client=1, max_tokens=6, rounds=1)
@@ -510,8 +512,10 @@ def test_serve_bench_measures_plain_and_mars_side_by_side(server):
         (3, "MARS lossless"),
     ]
     assert all(r["requests"] == r["clients"] and r["tokens_per_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
+    assert all(r["same_as_alone"] == 1.0 for r in rows)
     table = serve_table(rows)
     assert table.count("\n") == 5 and "1.00x" in table  # a plain row against itself
+    assert "= alone" in table and table.count("| 100% |") == 4
 
 
 def test_serve_bench_ramps_the_tau_policy_against_tau_1_and_plain(server, tmp_path):

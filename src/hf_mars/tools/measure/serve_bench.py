@@ -151,11 +151,13 @@ def _summary(mode: str, clients: int, timings: list[Timing], wall: float) -> dic
 
 
 def run_serve_bench(url, model, clients=(1, 4, 16), per_client=2, max_tokens=64, rounds=2, modes=MODES) -> list[dict]:
-    """Every (clients, mode) measured over `rounds` interleaved rounds, after one untimed warm-up request per mode."""
+    """Every (clients, mode) measured over `rounds` interleaved rounds, after one untimed warm-up request per mode;
+    then each prompt once more alone, plain, untimed: every row says the share of its answers equal to that (greedy
+    decoding's text at batch 1, which a batch must not change: `same_as_alone`)."""
 
     for fields in modes.values():
         asyncio.run(_round(url, model, fields, 1, 1, 8))
-    rows = []
+    rows, answered = [], []
     steps = tqdm(total=len(clients) * rounds * len(modes), desc="serve bench", unit="round")
     for count in clients:
         gathered = {mode: ([], 0.0) for mode in modes}
@@ -167,11 +169,21 @@ def run_serve_bench(url, model, clients=(1, 4, 16), per_client=2, max_tokens=64,
         answers = {t.prompt: t.text for t in gathered.get(REFERENCE, ([], 0))[0]}
         for mode in modes:
             rows.append(_summary(mode, count, *gathered[mode]))
+            answered.append(gathered[mode][0])
             if answers:  # the share of its answers equal to τ = 1's on the same prompts
                 timings = gathered[mode][0]
                 rows[-1]["same_as_tau_1"] = statistics.fmean(t.text == answers[t.prompt] for t in timings)
     steps.close()
+    alone = asyncio.run(_alone(url, model, {t.prompt for timings in answered for t in timings}, max_tokens))
+    for row, timings in zip(rows, answered):
+        row["same_as_alone"] = statistics.fmean(t.text == alone[t.prompt] for t in timings)
     return rows
+
+
+async def _alone(url: str, model: str, prompts: set[str], max_tokens: int) -> dict[str, str]:
+    """Each prompt's plain greedy answer with no other request running: `{prompt: text}`."""
+    async with AsyncOpenAI(base_url=url, api_key="-", max_retries=0, timeout=600) as client:
+        return {p: (await _one_request(client, model, p, {}, max_tokens)).text for p in sorted(prompts)}
 
 
 def serve_table(rows: list[dict]) -> str:
@@ -180,7 +192,7 @@ def serve_table(rows: list[dict]) -> str:
     plain = {r["clients"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
     one = {r["clients"]: r["tokens_per_s"] for r in rows if r["mode"] == REFERENCE}
     ramp = bool(one)
-    head = ["clients", "mode", "req/s", "tok/s", "vs plain", "TTFT p50/p95 ms", "per-token p50/p95 ms"]
+    head = ["clients", "mode", "req/s", "tok/s", "vs plain", "TTFT p50/p95 ms", "per-token p50/p95 ms", "= alone"]
     head += ["vs τ = 1", "τ mean (min)", "= τ 1 text"] if ramp else []
     body = []
     for r in rows:
@@ -192,6 +204,7 @@ def serve_table(rows: list[dict]) -> str:
             _ratio(r["tokens_per_s"], plain.get(r["clients"])),
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f}",
             f"{r['token_p50_ms']:.1f} / {r['token_p95_ms']:.1f}",
+            f"{r['same_as_alone']:.0%}" if "same_as_alone" in r else "-",
         ]
         if ramp:
             tau = "-" if r.get("tau_mean") is None else f"{r['tau_mean']:.2f} ({r['tau_min']:.2f})"
