@@ -304,6 +304,8 @@ def pass_costs(model, batch_size: int, widths, limit: float | None = None, prefi
         entry = timer.time_passes(model, batch, key, entry, wanted, limit, prefill)
     forward = forward_costs(entry)
     known = {w: forward[w] if w in forward else _floor(forward, w, limit) for w in wanted}
+    for narrower, wider in zip(wanted, wanted[1:]):  # a wider forward costs no less: a timing that says so is noise
+        known[wider] = max(known[wider], known[narrower])
     overhead = entry.get("overhead") or dict(plain_overhead=0.0, mars_overhead=0.0)
     return Costs(known, **overhead, prefill=entry.get("prefill"))
 
