@@ -1,14 +1,15 @@
 """Does lossless mode give plain greedy `generate()`'s tokens bit for bit? Per attention implementation and dtype.
 
     python examples/check_exactness.py [MODEL] [--attention sdpa eager ordered] [--dtype bfloat16]
-        [--prompts 8] [--max-new-tokens 64] [--modes chain runner-ups per-depth lookup auto tau-1]
-        [--batches 1 4] [--caches dynamic static] [--cost-rounds 2]
+        [--prompts 8] [--max-new-tokens 64] [--modes runner-ups+lookup tau-1] [--batches 1 4]
+        [--caches dynamic] [--cost-rounds 2]
 
 For each attention implementation, plain greedy `generate()` decodes each held-out prompt alone (the reference), then
 each mode decodes them alone and in left-padded batches (`--batches`), on each cache: lossless mode with a chain of
 drafts (B = 4), runner-ups (B = 2, 3 candidates), candidates per depth (B = 4, 3, 2, 2), prompt lookup (B = 2, 4
-tokens), the checkpoint's lossless preset (the shipped one's `mars_lossless="auto"`: the tree this machine's pass
-costs choose, or none), and MARS at τ = 1; plain `generate()` in the same batches too. Each line counts the rows whose
+tokens), both (`runner-ups+lookup`: B = 2, 3 candidates, 4 lookup tokens), the checkpoint's lossless preset (the
+shipped one's `mars_lossless="auto"`: the tree this machine's pass costs choose, or none), and MARS at τ = 1; plain
+`generate()` in the same batches too. Each line counts the rows whose
 tokens equal the reference's, and the seconds each took. `--cost-rounds` then times plain `generate()` (32 new tokens,
 batch 1 and 4) with each implementation against the first, in interleaved rounds: the median ratio and its range.
 """
@@ -30,6 +31,7 @@ MODES = {
     "runner-ups": {**LOSSLESS, "mars_block_size": 2, "mars_draft_candidates": 3},
     "per-depth": {**LOSSLESS, "mars_block_size": 4, "mars_draft_candidates": [3, 2, 2]},
     "lookup": {**LOSSLESS, "mars_block_size": 2, "mars_lookup": 4},
+    "runner-ups+lookup": {**LOSSLESS, "mars_block_size": 2, "mars_draft_candidates": 3, "mars_lookup": 4},
     "auto": {"mars_verify": True},  # the checkpoint's `mars_lossless` preset: "auto" in the shipped one
     "tau-1": {"mars_tau": 1.0},
 }
@@ -42,7 +44,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--modes", nargs="*", default=["lookup", "tau-1"], choices=list(MODES), help="none: costs only")
+    parser.add_argument("--modes", nargs="*", default=["runner-ups+lookup", "tau-1"], choices=list(MODES), help="none: costs only")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--caches", nargs="+", default=["dynamic"], choices=["dynamic", "static"])
     parser.add_argument("--cost-rounds", type=int, default=2, help="rounds of the cost comparison (0: none)")

@@ -50,7 +50,7 @@ def test_check_exactness_counts_rows_equal_to_plain_greedy_per_attention(toy_fol
     for cache in ("dynamic", "static"):
         line = next(line for line in out.splitlines() if line.startswith(f"ordered (bfloat16, {cache} cache): "))
         counts = [part.split(" (")[0].rsplit(" ", 1)[1] for part in line.split(": ", 1)[1].split("; ")]
-        assert len(counts) == 5 and set(counts) == {"4/4"}, line  # lookup and τ = 1 at batch 1 and 4, plain batched
+        assert len(counts) == 5 and set(counts) == {"4/4"}, line  # a tree and τ = 1 at batch 1 and 4, plain batched
     assert out.count("plain generate(), batch ") == 2 and "sdpa" in out and "1.00x" in out
 
 
