@@ -44,7 +44,9 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--modes", nargs="*", default=["runner-ups+lookup", "tau-1"], choices=list(MODES), help="none: costs only")
+    parser.add_argument(
+        "--modes", nargs="*", default=["runner-ups+lookup", "tau-1"], choices=list(MODES), help="none: costs only"
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--caches", nargs="+", default=["dynamic"], choices=["dynamic", "static"])
     parser.add_argument("--cost-rounds", type=int, default=2, help="rounds of the cost comparison (0: none)")
