@@ -23,7 +23,7 @@ REMOTE_FILES = (
     "commit.py",  # what a pass keeps: the tokens each row takes (EOS, length), its text, the next pending tokens
     "stopping.py",  # stopping criteria called exactly as generate() calls them
     "ordered_attention.py",  # attention that adds key by key: a token's logits whatever the pass's shape
-    "ordered_linear.py",  # linear layers padded to whole row tiles where a machine's kernels round a row by its rows
+    "ordered_linear.py",  # linear layers in blocks of one row count where a machine's kernels round a row by its rows
     "compat.py",  # the transformers names that are not stable public API, each behind one function
 )
 REMOTE_DIR = Path(__file__).parent
