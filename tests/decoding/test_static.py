@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -159,3 +162,42 @@ def test_a_static_cache_squeezes_out_its_holes_and_keeps_the_tokens(trained_toy,
     written = out.mars_stats.forward_passes * (1 + resolve_settings(model, None, 4, {}, **mode).drafts_per_pass)
     assert enc.input_ids.shape[1] + written > size, "the passes must write more slots than the cache has"
     assert calls, "the cache must have been compacted"
+
+
+def _live_tensor_bytes(model) -> int:
+    """Bytes of every tensor storage alive in this process (each storage once), the model's own excepted."""
+    gc.collect()
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    storages = {}
+    with warnings.catch_warnings():  # some objects warn when asked their type (deprecated torch names)
+        warnings.simplefilter("ignore")
+        # plain tensors only: compiled tests leave fake ones behind, which hold no memory
+        tensors = [obj for obj in gc.get_objects() if type(obj) in (torch.Tensor, torch.nn.Parameter)]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in own:
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree"])
+def test_a_static_run_leaves_no_more_memory_behind_than_plain_static_generate(mode):
+    """The graph pass decodes on the run's own static cache: its K/V are held once while it decodes, and after the
+    call no more stays alive than after a plain static `generate()` (which keeps nothing) but the pass's small
+    buffers and tables, kept on the model for the next call of its shape."""
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=4), tok)
+    enc = toy_prompts(tok, n=2, seed=7)
+    kwargs = dict(max_new_tokens=48, cache_implementation="static", **MODES[mode])
+    GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=48, cache_implementation="static")
+    before = _live_tensor_bytes(model)
+    GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=48, cache_implementation="static")
+    plain = _live_tensor_bytes(model) - before
+    out = model.generate(**enc, return_dict_in_generate=True, **kwargs)
+    assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
+    slots = next(key[0].slots for key in model._mars_graphs)
+    config = model.config
+    kv_bytes = 2 * config.num_hidden_layers * 2 * config.num_key_value_heads * slots * config.head_dim * 4
+    del out
+    left = _live_tensor_bytes(model) - before - plain
+    assert left < kv_bytes / 4, f"{left} bytes left behind, the run's K/V were {kv_bytes}"

@@ -383,9 +383,10 @@ def _compile_config(generation_config) -> CompileConfig:
 
 
 def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> None:
-    """Decode until every row is done with `graph.py`'s pass: the run's state goes into the graph pass's buffers,
-    then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass,
-    then the state comes back. The pass is this call's alone while it decodes (`graph_pass_for`).
+    """Decode until every row is done with `graph.py`'s pass, on the run's own static cache: the run's rows go into
+    the graph pass's buffers, then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read
+    of `finished` per pass, then the rows come back. The pass is this call's alone while it decodes
+    (`graph_pass_for`).
 
     What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
     length limit are called as the loop calls them (on the graph's text; the rows they stop take nothing more), and
@@ -496,7 +497,6 @@ def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
     text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
     text.decoded.copy_(state.decoded)
     text.passes.add_((taken > 0).sum(dim=0))
-    g.store_cache(cache.kv)  # the output's cache is copied from the run's own
     cache.real.copy_(state.real)
     cache.real[:, slot:].fill_(False)  # the last pass's masks
     cache.next_position = state.last_position - g.pending_real.sum(dim=1) + 1

@@ -27,7 +27,6 @@ This file is copied into MARS checkpoints (trust_remote_code).
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 from contextlib import contextmanager
@@ -45,7 +44,7 @@ from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
-GRAPHS_KEPT = 8  # graph passes kept per model (each holds a static cache, its buffers and, on CUDA, its graph)
+GRAPHS_KEPT = 8  # graph passes kept per model (each holds its buffers and tables; no K/V between calls)
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
 ENABLED = True
@@ -188,8 +187,6 @@ class GraphPass:
         tree's tables are made here): compiled, it would copy them to the device in every pass, which capture
         refuses. `processors`: the run's logits processors (`scoring.order_free`; `shape.processors` names them)."""
         self.model, self.shape = model, shape
-        self.kv = copy.deepcopy(kv)  # its own cache, at fixed addresses: each run's K/V are copied in (`load_cache`)
-        self.stacked = _stack_layers(self.kv)
         device = kv.layers[0].keys.device
         self.state = state = GraphState.empty(shape, device)
         on_cuda = compile_config is not None and device.type == "cuda"
@@ -199,18 +196,11 @@ class GraphPass:
             self.forward = _compiled(model.__call__, compile_config, "default")
         elif compile_config is not None:  # the whole pass compiled as one function (on CUDA, then captured whole)
             self.step = _compiled(graph_pass, compile_config, "default" if on_cuda else None)
-        self.lengths = [layer.cumulative_length for layer in self.kv.layers]
-        self.tensors = _cache_tensors(self.kv)
         self.eos = torch.zeros(shape.eos, dtype=torch.long, device=device)
         self._views(shape, state)
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
         self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
-        # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step and each row's pass
-        # count (which the mask schedule reads) by one, each layer's write count back over masks
-        masks, kept = shape.width - shape.kept, shape.kept
-        self.counters = [self.slots, self.sees_columns, state.step, state.passes] + (self.lengths if masks else [])
-        self.counter_steps = [kept, -kept, 1, 1] + ([-masks] * len(self.lengths) if masks else [])
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self._processor_buffers(model, shape, processors, device)
@@ -224,9 +214,30 @@ class GraphPass:
         if shape.verify and shape.sampled and shape.typical is None:
             self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, self.vocab, device=device)
             self.proposed = self.proposals[:, : shape.masks]  # what `propose` writes; the position after stays 0
-        self.graph, self.eager_runs = None, 0
+        self.kv = self.graph = None
+        self.bind(kv)
         self.leased = False  # lent to one caller (`graph_pass_for`)
         self.move_to(0)
+
+    def bind(self, kv) -> None:
+        """Decode on `kv`, a run's own static cache of this shape: each pass writes its K/V there, so nothing is
+        copied in or out and the K/V are held once. A CUDA graph records the addresses of the cache it was captured
+        on, so another cache means another capture (after the warm-up passes)."""
+        if kv is self.kv:
+            return
+        self.kv, self.stacked = kv, stacked_layers(kv)
+        self.lengths = [layer.cumulative_length for layer in kv.layers]
+        # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step and each row's pass
+        # count (which the mask schedule reads) by one, each layer's write count back over masks
+        state, masks, kept = self.state, self.shape.width - self.shape.kept, self.shape.kept
+        self.counters = [self.slots, self.sees_columns, state.step, state.passes] + (self.lengths if masks else [])
+        self.counter_steps = [kept, -kept, 1, 1] + ([-masks] * len(self.lengths) if masks else [])
+        self.graph, self.eager_runs = None, 0
+
+    def unbind(self) -> None:
+        """Let go of the run's cache once it has decoded: a pass kept for later calls holds no K/V."""
+        self.kv = self.stacked = self.lengths = self.graph = None
+        self.counters, self.counter_steps = [], []
 
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
         """What the logits processors read that a pass keeps, rather than finding it anew every pass (`processors`:
@@ -300,15 +311,6 @@ class GraphPass:
         if self.spare_text is not None:
             self.spare_text.copy_(fresh.spare_text(self.vocab))
 
-    def load_cache(self, kv) -> None:
-        """Copy a run's K/V and write positions (a static cache of this shape) into this pass's own cache."""
-        torch._foreach_copy_(self.tensors, _cache_tensors(kv))
-
-    def store_cache(self, kv) -> None:
-        """Copy this pass's K/V and write positions back into a run's cache (`load_cache`'s inverse), so that the
-        run's output reads its own cache once the pass is lent to another caller."""
-        torch._foreach_copy_(_cache_tensors(kv), self.tensors)
-
     def compact(self, slot: int) -> int:
         """Squeeze the holes out of this pass's cache between two passes (`compact_static`): the slot the next pass
         writes. Slots from `slot` on held the last pass's masks, which the next pass writes again: nothing real."""
@@ -337,17 +339,13 @@ class GraphPass:
             self.step(self)
 
 
-def _cache_tensors(kv) -> list:
-    """A static cache's keys and values, layer by layer, then each layer's write count."""
-    return [t for layer in kv.layers for t in (layer.keys, layer.values)] + [l.cumulative_length for l in kv.layers]
-
-
-def _stack_layers(kv):
-    """Every layer's keys and values made views of one `(2 x layers, batch, heads, slots, dim)` tensor, so that a
-    compaction gathers once, not once per layer; None where the layers differ in shape or dtype (left as they are)."""
+def stack_layers(kv):
+    """Every layer's keys and values of a static cache just allocated made views of one `(2 x layers, batch, heads,
+    slots, dim)` tensor, so that a compaction gathers once, not once per layer (`stacked_layers` finds it); left as
+    they are where the layers differ in shape or dtype."""
     tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
     if len({(t.shape, t.dtype) for t in tensors}) != 1:
-        return None
+        return
     stacked = torch.stack(tensors)
     for layer, (keys, values) in zip(kv.layers, stacked.view(len(kv.layers), 2, *stacked.shape[1:])):
         static = hasattr(layer.keys, "_dynamo_static_input_type")  # as transformers marks them for torch.compile
@@ -355,7 +353,17 @@ def _stack_layers(kv):
         if static:
             torch._dynamo.mark_static_address(keys)
             torch._dynamo.mark_static_address(values)
-    return stacked
+
+
+def stacked_layers(kv) -> torch.Tensor | None:
+    """The one tensor whose views are every layer's keys and values, in order (`stack_layers`), else None."""
+    tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
+    base = tensors[0]._base
+    if base is None or base.dim() != 5 or base.shape[0] != len(tensors):
+        return None
+    if any(t._base is not base or t.data_ptr() != row.data_ptr() for t, row in zip(tensors, base)):
+        return None
+    return base
 
 
 def _tables(shape: GraphShape, dtype) -> dict:
@@ -652,10 +660,10 @@ _LEASES = threading.Lock()  # guards every model's `_mars_graphs` and each pass'
 
 @contextmanager
 def graph_pass_for(model, kv, shape: GraphShape, compile_config=None, processors=None):
-    """The `GraphPass` of this shape with `kv`'s K/V loaded, held by this caller alone until the block ends. A pass
-    kept on the model is lent where one is free (a server's calls, each with a static cache of its own, reuse its
-    buffers and its captured graph); a caller that finds every one lent (threads decoding the same shape at once)
-    builds another, kept as a spare, so that concurrent generations on one model never share a pass's state."""
+    """A `GraphPass` of this shape decoding on `kv` (the run's own static cache), held by this caller alone until the
+    block ends. Passes are kept on the model without their K/V, and lent where one is free, so that calls reuse their
+    tables and buffers; a caller that finds every one lent (threads decoding the same shape at once) builds another,
+    kept as a spare, so that concurrent generations on one model never share a pass's state."""
     graphs = model.__dict__.setdefault("_mars_graphs", _Graphs())
     compiling = None if compile_config is None else (compile_config.backend, compile_config.mode)
     key = (shape, compiling, FUSED, model.dtype, str(kv.layers[0].keys.device))
@@ -667,8 +675,9 @@ def graph_pass_for(model, kv, shape: GraphShape, compile_config=None, processors
         with _LEASES:
             graphs.keep(key, g)
     try:
-        g.load_cache(kv)
+        g.bind(kv)
         yield g
     finally:
+        g.unbind()
         with _LEASES:
             g.leased = False
