@@ -104,6 +104,9 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
         penalised = GraphSession(model, _opened(model, prompt, "e", 4, penalty), 2, 200)
         with pytest.raises(ValueError, match="other settings"):
             penalised.admit(_opened(model, prompt, "f", 4, dict(mars_tau=1.0, repetition_penalty=1.2)))
+        padded_otherwise = dict(mars_tau=1.0, pad_token_id=first.plan.pad_token_id + 1)  # the pass pads with its own
+        with pytest.raises(ValueError, match="other settings"):
+            rows.admit(_opened(model, prompt, "g", 4, padded_otherwise))
 
 
 @pytest.mark.parametrize("mode", ["tau=1", "lossless tree"])

@@ -14,12 +14,14 @@ The engine (`engine.py`) drives it as it drives a `Session`: `admit`, `step`, `r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers import StaticCache
 
 from ..decoding.compat import full_attention_config
 from ..decoding.generate import graph_shape, load_rows
-from ..decoding.graph import GraphPass
+from ..decoding.graph import GraphPass, stack_layers
 from ..decoding.scoring import follow_padding, processors_signature
 from ..decoding.settings import read_tau
 from ..decoding.tree import NO_DRAFTS, full_tree
@@ -39,7 +41,7 @@ class GraphSession:
                 "these settings decode in the loop, not as one graph (logits processors that only transformers "
                 "applies, such as bad words or sequence biases of several tokens): serve them without --compile"
             )
-        self.plan, self.shape = plan, shape
+        self.model, self.plan, self.shape = model, plan, shape
         self.processors = processors_signature(plan.processors, layout=False)
         self.graph = GraphPass(model, _static_cache(model, max_rows, slots), shape, compile_config, plan.processors)
         no_padding = torch.ones(max_rows, 1, dtype=torch.bool, device=self.graph.state.done.device)
@@ -70,12 +72,16 @@ class GraphSession:
     joins, retrees = True, False  # rows join free rows between passes; the tree keeps the graph's shape
 
     def decodes_like(self, other) -> bool:
-        """Whether `other`'s rows decode with these settings, sampling and processors (and stop at the same EOS
-        tokens)."""
+        """Whether `other`'s rows decode with these settings, sampling and processors, stop at the same EOS tokens, and
+        make the same graph pass (`generate.graph_shape`: the pad id, windows, tree and schedule too)."""
         mine, theirs = self.plan, other.plan
         same = (theirs.settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
         processed = processors_signature(theirs.processors, layout=False) == self.processors
-        return same and processed and torch.equal(theirs.eos, mine.eos)
+        if not (same and processed and torch.equal(theirs.eos, mine.eos)):
+            return False
+        shape = graph_shape(self.model, other, self.shape.batch, self.shape.slots, self.shape.tree)
+        # the processors' row layout (where each text starts) is each row's own; the rest must be equal
+        return shape is not None and replace(shape, processors=()) == replace(self.shape, processors=())
 
     def refusal(self, other) -> str | None:
         """Why `other`'s rows cannot join (None: they can)."""
@@ -171,4 +177,5 @@ def _static_cache(model, rows: int, slots: int) -> StaticCache:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv = StaticCache(config=full_attention_config(model.config), max_cache_len=slots)  # the pass builds the windows
     kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
+    stack_layers(kv)
     return kv
