@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, StaticCache
 
-from .compat import CACHE_ARG, counts_static_writes, rewind_static_layers, static_cache_size
+from .compat import CACHE_ARG, counts_static_writes, rewind_static_layers, static_cache_size, static_init_shape
 from .tree import NO_DRAFTS, DraftTree
 
 
@@ -246,6 +246,7 @@ class StaticMARSCache:
 
     Attributes:
         kv (`StaticCache`): what the model's forward reads and writes.
+        stacked (`torch.Tensor` or None): the one tensor its layers' K/V are views of, if they are (`allocate_stacked`).
         real (`torch.BoolTensor` of shape `(batch, max_cache_len)`): which slots hold real tokens (or this pass's).
         next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
         length (`int`): slots committed so far.
@@ -254,7 +255,7 @@ class StaticMARSCache:
     fixed_shapes = True
 
     def __init__(self, cache: StaticCache, batch_size: int, device: torch.device | str):
-        self.kv = cache
+        self.kv, self.stacked = cache, stacked_layers(cache)
         self.size = static_cache_size(cache)
         self.real = torch.zeros(batch_size, self.size, dtype=torch.bool, device=device)
         self.counts_writes = counts_static_writes(cache)  # else each pass says where it writes (`compat`)
@@ -268,7 +269,7 @@ class StaticMARSCache:
         width = new_real.shape[1] + (len(tree) + 1) * num_masks
         if self.length + width > self.size:
             self.real[:, self.length :].fill_(False)  # the last pass's masks
-            self.length = int(compact_static(self.kv, self.real))
+            self.length = int(compact_static(self.kv, self.real, self.stacked))
         if self.length + width > self.size:
             raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
@@ -342,6 +343,45 @@ def compact_static(kv, real: torch.Tensor, stacked: torch.Tensor | None = None) 
     if counts_static_writes(kv):
         torch._foreach_copy_([layer.cumulative_length for layer in kv.layers], [used] * len(kv.layers))
     return used
+
+
+def allocate_stacked(kv, model, rows: int) -> None:
+    """Allocate a static cache's layers now (transformers allocates each at its first forward), every layer's keys and
+    values views of one `(2 x layers, rows, heads, slots, dim)` tensor, so that a compaction gathers once, not once per
+    layer (`stacked_layers` finds it). Left as it is where a layer is allocated already, where the layers differ in
+    shape, or where transformers cannot allocate it early (layers on several devices). Each layer is allocated by
+    transformers (`early_initialization`, one layer at a time), then its tensors replaced by the stack's views: at no
+    time are more than the stack and one layer held."""
+    shape = static_init_shape(model)
+    if shape is None or not all(isinstance(n, int) for n in shape) or not counts_static_writes(kv):
+        return
+    if any(layer.is_initialized for layer in kv.layers) or len({layer.max_cache_len for layer in kv.layers}) != 1:
+        return
+    heads, head_dim = shape
+    layers, size = kv.layers, static_cache_size(kv)
+    stacked = torch.zeros(2 * len(layers), rows, heads, size, head_dim, dtype=model.dtype, device=model.device)
+    try:
+        for layer, keys, values in zip(layers, stacked[0::2], stacked[1::2]):
+            kv.layers = [layer]
+            kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
+            static = hasattr(layer.keys, "_dynamo_static_input_type")  # as transformers marks them for torch.compile
+            layer.keys, layer.values = keys, values
+            if static:
+                torch._dynamo.mark_static_address(keys)
+                torch._dynamo.mark_static_address(values)
+    finally:
+        kv.layers = layers
+
+
+def stacked_layers(kv) -> torch.Tensor | None:
+    """The one tensor whose views are every layer's keys and values, in order (`allocate_stacked`), else None."""
+    tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
+    base = tensors[0]._base
+    if base is None or base.dim() != 5 or base.shape[0] != len(tensors):
+        return None
+    if any(t._base is not base or t.data_ptr() != row.data_ptr() for t, row in zip(tensors, base)):
+        return None
+    return base
 
 
 def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> DynamicCache:

@@ -135,6 +135,13 @@ def new_static_cache(model, generation_config, batch_size: int, size: int, model
     return cache
 
 
+def static_init_shape(model):
+    """`(kv heads, head dim)` to allocate a static cache's layers before its first forward (each an int, or a list by
+    layer), or None where transformers cannot (layers on several devices) or has no such helper (before 5.x)."""
+    shape = getattr(model, "_get_static_cache_init_shape", None)
+    return shape() if shape is not None else None
+
+
 def full_attention_config(config):
     """A copy of a model's (text) config whose every layer is full attention, for a cache that keeps every slot."""
     config = copy.deepcopy(config.get_text_config(decoder=True))

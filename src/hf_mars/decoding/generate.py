@@ -31,7 +31,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache, prefix_cache
+from .cache import MARSCache, StaticMARSCache, allocate_stacked, prefix_cache
 from .compat import (
     CACHE_ARG,
     compiled_forward,
@@ -575,6 +575,7 @@ def _cache(model, generation_config, settings, model_kwargs, prompt_real, candid
         if user_defined_cache(cache):
             raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
         cache = new_static_cache(model, generation_config, batch, size, model_kwargs, full_layers=not full)
+    allocate_stacked(cache, model, batch)
     compiled = compiled_forward(model, generation_config, model_kwargs)
     return StaticMARSCache(cache, batch, device), compiled
 

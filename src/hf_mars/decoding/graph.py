@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cache import compact_static, pass_positions
+from .cache import compact_static, pass_positions, stacked_layers
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes
 from .schedule import offers, rate_moves, rates_after
@@ -337,33 +337,6 @@ class GraphPass:
             self.eager_runs += 1
         else:
             self.step(self)
-
-
-def stack_layers(kv):
-    """Every layer's keys and values of a static cache just allocated made views of one `(2 x layers, batch, heads,
-    slots, dim)` tensor, so that a compaction gathers once, not once per layer (`stacked_layers` finds it); left as
-    they are where the layers differ in shape or dtype."""
-    tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
-    if len({(t.shape, t.dtype) for t in tensors}) != 1:
-        return
-    stacked = torch.stack(tensors)
-    for layer, (keys, values) in zip(kv.layers, stacked.view(len(kv.layers), 2, *stacked.shape[1:])):
-        static = hasattr(layer.keys, "_dynamo_static_input_type")  # as transformers marks them for torch.compile
-        layer.keys, layer.values = keys, values
-        if static:
-            torch._dynamo.mark_static_address(keys)
-            torch._dynamo.mark_static_address(values)
-
-
-def stacked_layers(kv) -> torch.Tensor | None:
-    """The one tensor whose views are every layer's keys and values, in order (`stack_layers`), else None."""
-    tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
-    base = tensors[0]._base
-    if base is None or base.dim() != 5 or base.shape[0] != len(tensors):
-        return None
-    if any(t._base is not base or t.data_ptr() != row.data_ptr() for t, row in zip(tensors, base)):
-        return None
-    return base
 
 
 def _tables(shape: GraphShape, dtype) -> dict:

@@ -21,7 +21,8 @@ from transformers import StaticCache
 
 from ..decoding.compat import full_attention_config
 from ..decoding.generate import graph_shape, load_rows
-from ..decoding.graph import GraphPass, stack_layers
+from ..decoding.cache import allocate_stacked
+from ..decoding.graph import GraphPass
 from ..decoding.scoring import follow_padding, processors_signature
 from ..decoding.settings import read_tau
 from ..decoding.tree import NO_DRAFTS, full_tree
@@ -171,11 +172,12 @@ class GraphSession:
 
 
 def _static_cache(model, rows: int, slots: int) -> StaticCache:
-    """transformers' `StaticCache` of `rows` rows and `slots` slots, its layers allocated now."""
-    config = model.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """transformers' `StaticCache` of `rows` rows and `slots` slots, its layers allocated now, stacked."""
     kv = StaticCache(config=full_attention_config(model.config), max_cache_len=slots)  # the pass builds the windows
-    kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
-    stack_layers(kv)
+    allocate_stacked(kv, model, rows)
+    if not all(layer.is_initialized for layer in kv.layers):  # layers of several shapes: each allocated alone
+        config = model.config.get_text_config()
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
     return kv
