@@ -201,3 +201,25 @@ def test_a_static_run_leaves_no_more_memory_behind_than_plain_static_generate(mo
     del out
     left = _live_tensor_bytes(model) - before - plain
     assert left < kv_bytes / 4, f"{left} bytes left behind, the run's K/V were {kv_bytes}"
+
+
+def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(trained_toy, monkeypatch):
+    """On CUDA under the compile path a pass is a captured graph, which writes the addresses it was captured on: there
+    a run's cache is kept on the model and lent to the next call of its size (`graph.keeps_caches`), emptied, so that
+    the pass replays its graph rather than capturing anew. Forced on here (no GPU): the second call decodes on the
+    first's cache object, held by one call at a time, and every call gives the tokens it gives on a cache of its own."""
+    from hf_mars.decoding import generate as mars_generate
+
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=3, seed=7)
+    want = run(model, enc, True, **MODES["lossless tree"]).sequences
+    monkeypatch.setattr(mars_generate, "keeps_caches", lambda device, compiled: True)
+    model.__dict__.pop("_mars_caches", None)
+    first = run(model, enc, True, **MODES["lossless tree"]).sequences
+    (kept,) = [kv for caches in model._mars_caches.values() for kv in caches]
+    second = run(model, enc, True, **MODES["lossless tree"]).sequences
+    assert [kv for caches in model._mars_caches.values() for kv in caches] == [kept], "the same cache, lent again"
+    assert torch.equal(first, want) and torch.equal(second, want)
+    other = run(model, toy_prompts(tok, n=2, seed=7), True, **MODES["lossless tree"])  # another size: its own cache
+    assert other.sequences.shape[0] == 2 and len(model._mars_caches) == 2
+    model.__dict__.pop("_mars_caches", None)

@@ -47,7 +47,7 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .graph import GraphShape, enabled, graph_pass_for
+from .graph import GraphShape, enabled, graph_pass_for, keep_cache, keeps_caches, lend_cache
 from .schedule import MaskSchedule
 from .scoring import by_rules, check_stateless, history_free, processors_signature, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
@@ -288,13 +288,18 @@ def mars_decode(
     run = _prepare(model, input_ids, logits_processor, criteria, generation_config, settings, streamer, model_kwargs)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    while run.live:
-        shape = _graph_shape(model, run) if run.stats.forward_passes else None
-        if shape is not None:  # the rest of the generation as one graph per pass (`graph.py`)
-            _decode_in_graph(model, run, shape, _compile_config(generation_config) if run.plan.compiled else None)
-            break
-        run.step(model)
-    return _finish(run, generation_config)
+    try:
+        while run.live:
+            shape = _graph_shape(model, run) if run.stats.forward_passes else None
+            if shape is not None:  # the rest of the generation as one graph per pass (`graph.py`)
+                compile_config = _compile_config(generation_config) if run.plan.compiled else None
+                _decode_in_graph(model, run, shape, compile_config)
+                break
+            run.step(model)
+        return _finish(run, generation_config)
+    finally:
+        if getattr(run.cache, "kept_as", None):  # lent for this call: the next call of its size takes it
+            keep_cache(model, run.cache.kept_as, run.cache.kv)
 
 
 def open_session(
@@ -571,13 +576,23 @@ def _cache(model, generation_config, settings, model_kwargs, prompt_real, candid
         raise ValueError("MARS decoding takes a static cache of full-attention layers only (it builds the windows).")
     budget = generation_config.max_length - prompt_length
     size = static_cache_length(settings, prompt_length, budget, candidates, lookup)
-    if static_cache_size(cache) < size or not full:  # sliding layers keep a window of slots: MARS needs them all
-        if user_defined_cache(cache):
-            raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
+    compiled = compiled_forward(model, generation_config, model_kwargs)
+    made = static_cache_size(cache) < size or not full  # sliding layers keep a window of slots: MARS needs them all
+    if made and user_defined_cache(cache):
+        raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
+    kept_as = None  # where a captured pass needs the same cache call after call, it is lent (`graph.keeps_caches`)
+    if not user_defined_cache(cache) and keeps_caches(device, compiled is not None):
+        kept_as = (batch, size if made else static_cache_size(cache), model.dtype, str(device))
+        lent = lend_cache(model, kept_as)
+        if lent is not None:
+            cache, made = lent, False
+            model_kwargs[CACHE_ARG] = lent
+    if made:
         cache = new_static_cache(model, generation_config, batch, size, model_kwargs, full_layers=not full)
     allocate_stacked(cache, model, batch)
-    compiled = compiled_forward(model, generation_config, model_kwargs)
-    return StaticMARSCache(cache, batch, device), compiled
+    static = StaticMARSCache(cache, batch, device)
+    static.kept_as = kept_as
+    return static, compiled
 
 
 def _continued(cache, prompt_real, keep_retired: bool) -> MARSCache:

@@ -235,8 +235,12 @@ class GraphPass:
         self.graph, self.eager_runs = None, 0
 
     def unbind(self) -> None:
-        """Let go of the run's cache once it has decoded: a pass kept for later calls holds no K/V."""
-        self.kv = self.stacked = self.lengths = self.graph = None
+        """Let go of the run's cache once it has decoded: a pass kept for later calls holds no K/V, except a captured
+        one, whose graph writes that cache's addresses: it keeps it, and the cache is lent to the next call of its
+        size (`lent_cache`), whose pass then replays the same graph."""
+        if self.graph is not None:
+            return
+        self.kv = self.stacked = self.lengths = None
         self.counters, self.counter_steps = [], []
 
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
@@ -628,7 +632,33 @@ class _Graphs(dict):
         return _Graphs()
 
 
-_LEASES = threading.Lock()  # guards every model's `_mars_graphs` and each pass's `leased` flag
+_LEASES = threading.Lock()  # guards every model's `_mars_graphs` and `_mars_caches`, and each pass's `leased` flag
+
+
+def keeps_caches(device, compiled: bool) -> bool:
+    """Whether a run's static cache outlives the run, lent to the next call of its size: where its pass is captured as
+    a CUDA graph (`compiled`, on CUDA), which writes the addresses it was captured on (a fresh cache per call would be
+    a capture per call). Elsewhere a call's cache is its own, and nothing of it stays once the call returns."""
+    return compiled and torch.device(device).type == "cuda"
+
+
+def lend_cache(model, key):
+    """A static cache kept on the model for `key` (its rows, slots, layers, dtype and device) that no call holds,
+    emptied and now held; None where there is none."""
+    with _LEASES:
+        free = model.__dict__.setdefault("_mars_caches", _Graphs()).setdefault(key, [])
+        kv = free.pop() if free else None
+    if kv is not None:
+        kv.reset()
+    return kv
+
+
+def keep_cache(model, key, kv) -> None:
+    """Keep a run's static cache for the next call of `key` (up to `SPARES_KEPT` + 1 a key)."""
+    with _LEASES:
+        free = model.__dict__.setdefault("_mars_caches", _Graphs()).setdefault(key, [])
+        if len(free) <= SPARES_KEPT:
+            free.append(kv)
 
 
 @contextmanager
