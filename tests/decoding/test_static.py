@@ -207,7 +207,7 @@ def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(tr
     """On CUDA under the compile path a pass is a captured graph, which writes the addresses it was captured on: there
     a run's cache is kept on the model and lent to the next call of its size (`graph.keeps_caches`), emptied, so that
     the pass replays its graph rather than capturing anew. Forced on here (no GPU): the second call decodes on the
-    first's cache object, held by one call at a time, and every call gives the tokens it gives on a cache of its own."""
+    first's cache object, held by one call at a time, and every call gives the tokens of a cache of its own."""
     from hf_mars.decoding import generate as mars_generate
 
     model, tok = trained_toy

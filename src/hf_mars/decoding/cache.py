@@ -246,7 +246,7 @@ class StaticMARSCache:
 
     Attributes:
         kv (`StaticCache`): what the model's forward reads and writes.
-        stacked (`torch.Tensor` or None): the one tensor its layers' K/V are views of, if they are (`allocate_stacked`).
+        stacked (`torch.Tensor` or None): the one tensor its layers' K/V are views of, if so (`allocate_stacked`).
         real (`torch.BoolTensor` of shape `(batch, max_cache_len)`): which slots hold real tokens (or this pass's).
         next_position (`torch.LongTensor` of shape `(batch,)`): the position id of each row's next real token.
         length (`int`): slots committed so far.
