@@ -19,9 +19,9 @@ from dataclasses import replace
 import torch
 from transformers import StaticCache
 
+from ..decoding.cache import allocate_stacked
 from ..decoding.compat import full_attention_config
 from ..decoding.generate import graph_shape, load_rows
-from ..decoding.cache import allocate_stacked
 from ..decoding.graph import GraphPass
 from ..decoding.scoring import follow_padding, processors_signature
 from ..decoding.settings import read_tau
