@@ -11,7 +11,6 @@ from helpers import auto_lossless_model, make_model, make_tokenizer, rows_invari
 
 import hf_mars
 
-
 F32 = ("--dtype", "float32")  # lossless mode's text is greedy generate()'s exactly in float32
 
 

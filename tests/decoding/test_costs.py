@@ -5,7 +5,6 @@ and what invalidates it, and the output, which stays greedy `generate()`'s."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

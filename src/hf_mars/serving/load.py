@@ -109,8 +109,8 @@ class TauPolicy:
         need = MARGIN * wide / one
         pays = earns >= need
         return pays, (
-            f"at {rows} rows a {self.block_size}-token pass costs {wide / one:.2f}x a one-token pass; τ = {tau:g} takes "
-            f"{earns:.2f} tokens a pass ({'measured' if measured else 'not run yet'}), "
+            f"at {rows} rows a {self.block_size}-token pass costs {wide / one:.2f}x a one-token pass; "
+            f"τ = {tau:g} takes {earns:.2f} tokens a pass ({'measured' if measured else 'not run yet'}), "
             + (f"so τ = {tau:g}" if pays else f"short of {need:.2f}: the highest τ")
         )
 

@@ -22,7 +22,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from transformers import AutoModelForCausalLM, CompileConfig, PretrainedConfig
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler

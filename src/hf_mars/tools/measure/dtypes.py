@@ -63,7 +63,8 @@ class DtypeChoice:
         if self.prior:
             return (
                 f"dtype {_name(self.dtype)}, from what is known of {self.prior} (this machine's pass costs not "
-                f"timed): expected lossless for a {call}, against plain float32: " + ", ".join(map(rate, self.lossless))
+                f"timed): expected lossless for a {call}, against plain float32: "
+                + ", ".join(map(rate, self.lossless))
             )
         return f"dtype {_name(self.dtype)}: expected lossless for a {call}: " + ", ".join(map(rate, self.lossless))
 
