@@ -427,7 +427,8 @@ def test_a_tree_must_beat_another_dtype_s_plain_decoding_by_the_margin_too(auto_
         # rate over `lead`, and width as dear as a pass a token (no tree pays)
         tree_rate = max(ACCEPTANCE.values()) / 0.010
         step = {torch.float32: {w: 0.010 for w in WIDTHS}, torch.bfloat16: {w: lead / tree_rate * w for w in WIDTHS}}
-        monkeypatch.setattr(passes, "measure_pass_costs", lambda m, b, ws, **_: {w: step[m.dtype][w] for w in ws})
+        timed = lambda m, b, ws, step=step, **_: {w: step[m.dtype][w] for w in ws}  # noqa: E731 - as patched below
+        monkeypatch.setattr(passes, "measure_pass_costs", timed)
         (cache_dir / "pass_costs.json").unlink(missing_ok=True)
         choice = hf_mars.choose_dtype(model, prompt_tokens=16, new_tokens=256)
         assert choice.lossless[torch.float32][0] is not None and choice.lossless[torch.bfloat16][0] is None
@@ -443,7 +444,7 @@ def test_on_a_busy_machine_the_dtype_is_chosen_from_what_is_known_of_the_cpu(aut
     monkeypatch.setattr(passes, "busy_cores", lambda threads=None: 1)
     try:
         for flags, tree_in_bfloat16 in ((frozenset({"avx2"}), False), (frozenset({"avx512_bf16"}), True)):
-            monkeypatch.setattr(cost_model, "cpu_flags", lambda: flags)
+            monkeypatch.setattr(cost_model, "cpu_flags", lambda flags=flags: flags)
             choice = hf_mars.choose_dtype(model, prompt_tokens=64, new_tokens=256)
             assert calls == [] and choice.prior is not None and "not timed" in choice.reason()
             assert (choice.lossless[torch.bfloat16][0] is not None) == tree_in_bfloat16
