@@ -44,7 +44,7 @@ from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
-GRAPHS_KEPT = 8  # graph passes kept per model (each holds its buffers and tables; no K/V between calls)
+GRAPHS_KEPT = 8  # graph passes kept per model (their buffers and tables; K/V only where captured: `keeps_caches`)
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
 ENABLED = True
@@ -237,7 +237,7 @@ class GraphPass:
     def unbind(self) -> None:
         """Let go of the run's cache once it has decoded: a pass kept for later calls holds no K/V, except a captured
         one, whose graph writes that cache's addresses: it keeps it, and the cache is lent to the next call of its
-        size (`lent_cache`), whose pass then replays the same graph."""
+        size (`lend_cache`), whose pass then replays the same graph."""
         if self.graph is not None:
             return
         self.kv = self.stacked = self.lengths = None
@@ -603,7 +603,8 @@ _COMPILED: dict = {}
 
 class _Graphs(dict):
     """A model's graph passes, by shape, and `spares`: more of a shape, built for calls that found it lent (threads
-    decoding at once). A copy of the model (`copy.deepcopy`) starts with none and builds its own."""
+    decoding at once); also the static caches kept for later calls (`keep_cache`). A copy of the model
+    (`copy.deepcopy`) starts with none and builds its own."""
 
     def __init__(self):
         super().__init__()
@@ -643,8 +644,8 @@ def keeps_caches(device, compiled: bool) -> bool:
 
 
 def lend_cache(model, key):
-    """A static cache kept on the model for `key` (its rows, slots, layers, dtype and device) that no call holds,
-    emptied and now held; None where there is none."""
+    """A static cache kept on the model for `key` (its rows, slots, dtype and device) that no call holds, emptied and
+    now held; None where there is none."""
     with _LEASES:
         free = model.__dict__.setdefault("_mars_caches", _Graphs()).setdefault(key, [])
         kv = free.pop() if free else None
