@@ -361,8 +361,10 @@ def allocate_stacked(kv, model, rows: int) -> None:
     heads, head_dim = shape
     layers, size = kv.layers, static_cache_size(kv)
     stacked = torch.zeros(2 * len(layers), rows, heads, size, head_dim, dtype=model.dtype, device=model.device)
+    with torch.enable_grad():  # views made under no_grad could not be written by a forward run with grad on
+        views = [stacked[i] for i in range(len(stacked))]
     try:
-        for layer, keys, values in zip(layers, stacked[0::2], stacked[1::2]):
+        for layer, keys, values in zip(layers, views[0::2], views[1::2]):
             kv.layers = [layer]
             kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
             static = hasattr(layer.keys, "_dynamo_static_input_type")  # as transformers marks them for torch.compile
@@ -372,17 +374,18 @@ def allocate_stacked(kv, model, rows: int) -> None:
                 torch._dynamo.mark_static_address(values)
     finally:
         kv.layers = layers
+    kv.mars_stacked = stacked
 
 
 def stacked_layers(kv) -> torch.Tensor | None:
     """The one tensor whose views are every layer's keys and values, in order (`allocate_stacked`), else None."""
+    stacked = getattr(kv, "mars_stacked", None)
+    if stacked is None:
+        return None
     tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
-    base = tensors[0]._base
-    if base is None or base.dim() != 5 or base.shape[0] != len(tensors):
-        return None
-    if any(t._base is not base or t.data_ptr() != row.data_ptr() for t, row in zip(tensors, base)):
-        return None
-    return base
+    if len(tensors) != len(stacked) or any(t.data_ptr() != row.data_ptr() for t, row in zip(tensors, stacked)):
+        return None  # the layers were given other tensors since
+    return stacked
 
 
 def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> DynamicCache:

@@ -191,8 +191,10 @@ class Session:
     labels: list = field(default_factory=list)
     log: bool = True
 
+    @torch.no_grad()
     def step(self, model) -> None:
-        """One forward pass for every row still decoding: its tokens are in `text` when it returns."""
+        """One forward pass for every row still decoding: its tokens are in `text` when it returns. Without autograd,
+        as `generate()` decodes (the session was prepared by it), whatever mode the caller is in."""
         step = _forward(model, self, read_tau(self.plan.settings.tau))
         tokens, accepted = _accept(self, step)
         _commit(self, step, tokens, accepted)
