@@ -207,7 +207,8 @@ def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(tr
     """On CUDA under the compile path a pass is a captured graph, which writes the addresses it was captured on: there
     a run's cache is kept on the model and lent to the next call of its size (`graph.keeps_caches`), emptied, so that
     the pass replays its graph rather than capturing anew. Forced on here (no GPU): the second call decodes on the
-    first's cache object, held by one call at a time, and every call gives the tokens of a cache of its own."""
+    first's cache object, held by one call at a time, as does a call that needs fewer slots, and every call gives the
+    tokens of a cache of its own."""
     from hf_mars.decoding import generate as mars_generate
 
     model, tok = trained_toy
@@ -220,6 +221,9 @@ def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(tr
     second = run(model, enc, True, **MODES["lossless tree"]).sequences
     assert [kv for caches in model._mars_caches.values() for kv in caches] == [kept], "the same cache, lent again"
     assert torch.equal(first, want) and torch.equal(second, want)
+    shorter = model.generate(**enc, max_new_tokens=20, cache_implementation="static", **MODES["lossless tree"])
+    assert [kv for caches in model._mars_caches.values() for kv in caches] == [kept], "a larger cache serves"
+    assert torch.equal(shorter, want[:, : shorter.shape[1]])
     other = run(model, toy_prompts(tok, n=2, seed=7), True, **MODES["lossless tree"])  # another size: its own cache
     assert other.sequences.shape[0] == 2 and len(model._mars_caches) == 2
     model.__dict__.pop("_mars_caches", None)

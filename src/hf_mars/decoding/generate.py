@@ -582,8 +582,8 @@ def _cache(model, generation_config, settings, model_kwargs, prompt_real, candid
         raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
     kept_as = None  # where a captured pass needs the same cache call after call, it is lent (`graph.keeps_caches`)
     if not user_defined_cache(cache) and keeps_caches(device, compiled is not None):
-        kept_as = (batch, size if made else static_cache_size(cache), model.dtype, str(device))
-        lent = lend_cache(model, kept_as)
+        kept_as = (batch, model.dtype, str(device))
+        lent = lend_cache(model, kept_as, size)
         if lent is not None:
             cache, made = lent, False
             model_kwargs[CACHE_ARG] = lent

@@ -37,7 +37,7 @@ import torch
 
 from .cache import compact_static, pass_positions, stacked_layers
 from .commit import cut, right_align, write_taken
-from .compat import CACHE_ARG, many_shapes
+from .compat import CACHE_ARG, many_shapes, static_cache_size
 from .schedule import offers, rate_moves, rates_after
 from .scoring import NGRAM_BANS, SET_BASED, Histories, choose, into, kept_noise, masks_taken, processed, scored_at_once
 from .tree import DraftTree, lookup_columns, lookup_in
@@ -643,23 +643,28 @@ def keeps_caches(device, compiled: bool) -> bool:
     return compiled and torch.device(device).type == "cuda"
 
 
-def lend_cache(model, key):
-    """A static cache kept on the model for `key` (its rows, slots, dtype and device) that no call holds, emptied and
-    now held; None where there is none."""
+def lend_cache(model, key, slots: int):
+    """The smallest static cache of at least `slots` slots kept on the model for `key` (its rows, dtype and device)
+    that no call holds, emptied and now held; None where there is none. A larger one serves: the run's pass then has
+    its shape, whose graph was captured on it, as transformers' own reused cache only ever grew."""
     with _LEASES:
         free = model.__dict__.setdefault("_mars_caches", _Graphs()).setdefault(key, [])
-        kv = free.pop() if free else None
+        fits = [kv for kv in free if static_cache_size(kv) >= slots]
+        kv = min(fits, key=static_cache_size) if fits else None
+        if kv is not None:
+            free.remove(kv)
     if kv is not None:
         kv.reset()
     return kv
 
 
 def keep_cache(model, key, kv) -> None:
-    """Keep a run's static cache for the next call of `key` (up to `SPARES_KEPT` + 1 a key)."""
+    """Keep a run's static cache for later calls of `key`: at most `SPARES_KEPT` + 1 a key, the smallest let go."""
     with _LEASES:
         free = model.__dict__.setdefault("_mars_caches", _Graphs()).setdefault(key, [])
-        if len(free) <= SPARES_KEPT:
-            free.append(kv)
+        free.append(kv)
+        if len(free) > SPARES_KEPT + 1:
+            free.remove(min(free, key=static_cache_size))
 
 
 @contextmanager
