@@ -205,7 +205,7 @@ def test_a_static_run_leaves_no_more_memory_behind_than_plain_static_generate(mo
 
 def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(trained_toy, monkeypatch):
     """On CUDA under the compile path a pass is a captured graph, which writes the addresses it was captured on: there
-    a run's cache is kept on the model and lent to the next call of its size (`graph.keeps_caches`), emptied, so that
+    a run's cache is kept on the model and lent to the next call of its size (`graph.captured`), emptied, so that
     the pass replays its graph rather than capturing anew. Forced on here (no GPU): the second call decodes on the
     first's cache object, held by one call at a time, as does a call that needs fewer slots, and every call gives the
     tokens of a cache of its own."""
@@ -214,7 +214,7 @@ def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(tr
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=7)
     want = run(model, enc, True, **MODES["lossless tree"]).sequences
-    monkeypatch.setattr(mars_generate, "keeps_caches", lambda device, compiled: True)
+    monkeypatch.setattr(mars_generate, "captured", lambda device, compiled: True)
     model.__dict__.pop("_mars_caches", None)
     first = run(model, enc, True, **MODES["lossless tree"]).sequences
     (kept,) = [kv for caches in model._mars_caches.values() for kv in caches]

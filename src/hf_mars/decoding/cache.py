@@ -256,7 +256,7 @@ class StaticMARSCache:
 
     def __init__(self, cache: StaticCache, batch_size: int, device: torch.device | str):
         self.kv, self.stacked = cache, stacked_layers(cache)
-        self.kept_as = None  # the key it is kept on the model by, where it outlives its run (`graph.keeps_caches`)
+        self.kept_as = None  # the key it is kept on the model by, where it outlives its run (`graph.captured`)
         self.size = static_cache_size(cache)
         self.real = torch.zeros(batch_size, self.size, dtype=torch.bool, device=device)
         self.counts_writes = counts_static_writes(cache)  # else each pass says where it writes (`compat`)

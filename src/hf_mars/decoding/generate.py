@@ -47,7 +47,7 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .graph import GraphShape, enabled, graph_pass_for, keep_cache, keeps_caches, lend_cache
+from .graph import GraphShape, captured, enabled, graph_pass_for, keep_cache, lend_cache
 from .schedule import MaskSchedule
 from .scoring import by_rules, check_stateless, history_free, processors_signature, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
@@ -580,8 +580,8 @@ def _cache(model, generation_config, settings, model_kwargs, prompt_real, candid
     made = static_cache_size(cache) < size or not full  # sliding layers keep a window of slots: MARS needs them all
     if made and user_defined_cache(cache):
         raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
-    kept_as = None  # where a captured pass needs the same cache call after call, it is lent (`graph.keeps_caches`)
-    if not user_defined_cache(cache) and keeps_caches(device, compiled is not None):
+    kept_as = None  # where a captured pass needs the same cache call after call, it is lent (`graph.captured`)
+    if not user_defined_cache(cache) and captured(device, compiled is not None):
         kept_as = (batch, model.dtype, str(device))
         lent = lend_cache(model, kept_as, size)
         if lent is not None:

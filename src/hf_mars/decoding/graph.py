@@ -44,7 +44,7 @@ from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
-GRAPHS_KEPT = 8  # graph passes kept per model (their buffers and tables; K/V only where captured: `keeps_caches`)
+GRAPHS_KEPT = 8  # graph passes kept per model (their buffers and tables; K/V only where `captured`)
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
 ENABLED = True
@@ -189,7 +189,7 @@ class GraphPass:
         self.model, self.shape = model, shape
         device = kv.layers[0].keys.device
         self.state = state = GraphState.empty(shape, device)
-        on_cuda = compile_config is not None and device.type == "cuda"
+        on_cuda = captured(device, compile_config is not None)
         self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
         self.forward, self.step = model, graph_pass
         if on_cuda and not FUSED:  # the forward compiled without CUDA graphs of its own; the pass around it captured
@@ -636,10 +636,11 @@ class _Graphs(dict):
 _LEASES = threading.Lock()  # guards every model's `_mars_graphs` and `_mars_caches`, and each pass's `leased` flag
 
 
-def keeps_caches(device, compiled: bool) -> bool:
-    """Whether a run's static cache outlives the run, lent to the next call of its size: where its pass is captured as
-    a CUDA graph (`compiled`, on CUDA), which writes the addresses it was captured on (a fresh cache per call would be
-    a capture per call). Elsewhere a call's cache is its own, and nothing of it stays once the call returns."""
+def captured(device, compiled: bool) -> bool:
+    """Whether a pass on `device` is captured as a CUDA graph: under the compile path (`compiled`) on CUDA. A captured
+    pass writes the addresses it was captured on, so there a run's static cache outlives the run, lent to the next
+    call that fits in it (`lend_cache`), rather than a capture per call. Elsewhere a call's cache is its own, and
+    nothing of it stays once the call returns."""
     return compiled and torch.device(device).type == "cuda"
 
 
