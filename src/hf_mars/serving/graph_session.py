@@ -175,7 +175,7 @@ def _static_cache(model, rows: int, slots: int) -> StaticCache:
     """transformers' `StaticCache` of `rows` rows and `slots` slots, its layers allocated now, stacked."""
     kv = StaticCache(config=full_attention_config(model.config), max_cache_len=slots)  # the pass builds the windows
     allocate_stacked(kv, model, rows)
-    if not all(layer.is_initialized for layer in kv.layers):  # layers of several shapes: each allocated alone
+    if not all(layer.is_initialized for layer in kv.layers):  # not stackable here: each layer allocated alone
         config = model.config.get_text_config()
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
