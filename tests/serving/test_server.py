@@ -650,7 +650,7 @@ def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_tex
     """A lossless preset by batch size (as `hf-mars tune` saves one, and as `"auto"` chooses from the pass costs):
     one row decodes with its 4-token tree, four rows with the 2-token chain: the long row's tree changes as three
     others join it and again when they leave; every text is greedy `generate()`'s. (A graph pass has its tree's shape
-    and keeps it: test_graph_session.py.)"""
+    and keeps it: test_runner.py.)"""
     from hf_mars.serving.server import build_app
 
     tok, model = make_tokenizer(), make_model("llama")

@@ -13,6 +13,7 @@ REMOTE_FILES = (
     "generate.py",  # MARSGenerationMixin.generate: a session over the batch, stepped until every row stops
     "session.py",  # Session: the rows decoded together and the pass (step), rows joining and leaving (admit, release)
     "graph.py",  # the pass as one fixed-shape function: a CUDA graph on a GPU (static cache)
+    "runner.py",  # Runner: fixed rows over one graph pass and its static cache, rows joining (admit) and leaving
     "settings.py",  # MARSSettings: the validated mars_* arguments of one call
     "costs.py",  # mars_lossless="auto": this machine's pass costs, read (hf_mars's tools time them); the best tree
     "scoring.py",  # logits processors, token choice, confidence

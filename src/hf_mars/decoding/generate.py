@@ -47,13 +47,13 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .graph import GraphShape, captured, enabled, graph_pass_for, keep_cache, lend_cache
+from .graph import GraphShape, captured, graph_pass_for, keep_cache, lend_cache
+from .runner import Runner, graph_shape, runner_tree
 from .schedule import MaskSchedule
-from .scoring import by_rules, check_stateless, history_free, processors_signature, without_implied_minimum
+from .scoring import check_stateless, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
-from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, read_tau, resolve_settings
+from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, resolve_settings
 from .stopping import Stopping, stream
-from .tree import DraftTree, full_tree
 from .verify import Drafts
 
 # Passes' width of slots a static cache keeps past the text: it compacts at most once in that many passes
@@ -289,12 +289,11 @@ def mars_decode(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
-        while run.live:
-            shape = _graph_shape(model, run) if run.stats.forward_passes else None
-            if shape is not None:  # the rest of the generation as one graph per pass (`graph.py`)
-                compile_config = _compile_config(generation_config) if run.plan.compiled else None
-                _decode_in_graph(model, run, shape, compile_config)
-                break
+        shape = _runner_shape(model, run)
+        if shape is not None:  # every pass in the runner's graph pass (`runner.py`), the prompt's first
+            compile_config = _compile_config(generation_config) if run.plan.compiled else None
+            _decode_in_runner(model, run, shape, compile_config)
+        while run.live and shape is None:
             run.step(model)
         return _finish(run, generation_config)
     finally:
@@ -333,53 +332,13 @@ def open_session(
     return session
 
 
-def _graph_shape(model, run: Session) -> GraphShape | None:
-    """The `GraphShape` that continues this run as one graph per pass, or None where the loop here must run: it needs
-    a static cache that counts its writes and, in lossless mode, a full draft tree (the first pass proposed one), then
-    what `graph_shape` needs."""
-    cache, tree, plan = run.cache, run.feed.drafts.tree, run.plan
+def _runner_shape(model, run: Session) -> GraphShape | None:
+    """The `GraphShape` of a runner that decodes this run, or None where the loop here must run: it needs a static
+    cache that counts its writes, then what `graph_shape` needs."""
+    cache = run.cache
     if not (isinstance(cache, StaticMARSCache) and cache.counts_writes):
         return None
-    if plan.settings.verify and tree != full_tree(plan.settings.block_size - 1, plan.candidates, plan.lookup):
-        return None
-    return graph_shape(model, run, run.text.sequences.shape[0], cache.size, tree)
-
-
-def graph_shape(model, run: Session, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
-    """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where only the loop can: logits processors that transformers alone applies (bans and biases of
-    several tokens, forced tokens; warpers, single-token bans and biases, repetition penalties, minimum lengths and
-    n-gram bans run in the pass: `scoring.by_rules`). A mask cost's schedule runs in the pass too, which feeds every
-    mask, as the loop does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer,
-    are served from the host after each pass."""
-    plan, settings = run.plan, run.plan.settings
-    if not (enabled() and plan.logits_to_keep and by_rules(plan.processors)):
-        return None
-    if model.config._attn_implementation not in BRANCHING:
-        return None
-    verify = settings.verify
-    masks = 0 if not verify and not callable(settings.tau) and settings.tau >= 1.0 else settings.block_size - 1
-    return GraphShape(
-        batch=batch,
-        slots=slots,
-        verify=verify,
-        pending=1 if verify or not masks else settings.block_size,
-        tree=tree,
-        masks=masks,
-        confidence=settings.confidence,
-        candidates=plan.candidates,
-        lookup=plan.lookup,
-        mask_token_id=settings.mask_token_id,
-        pad_token_id=plan.pad_token_id,
-        eos=plan.eos.numel(),
-        sampled=plan.do_sample,
-        typical=plan.typical,
-        processors=processors_signature(plan.processors),
-        reads_text=not history_free(plan.processors),
-        window=plan.window.size if plan.window else 0,
-        sliding_only=bool(plan.window and plan.window.everywhere),
-        scheduled=bool(masks) and not run.schedule.constant,
-    )
+    return graph_shape(model, run, run.text.sequences.shape[0], cache.size, runner_tree(run.plan))
 
 
 def _compile_config(generation_config) -> CompileConfig:
@@ -387,41 +346,34 @@ def _compile_config(generation_config) -> CompileConfig:
     return generation_config.compile_config or CompileConfig()
 
 
-def _decode_in_graph(model, run: Session, shape: GraphShape, compile_config) -> None:
-    """Decode until every row is done with `graph.py`'s pass, on the run's own static cache: the run's rows go into
-    the graph pass's buffers, then one pass (one graph replay under `generate()`'s compile path on CUDA) and one read
-    of `finished` per pass, then the rows come back. The pass is this call's alone while it decodes
-    (`graph_pass_for`).
+def _decode_in_runner(model, run: Session, shape: GraphShape, compile_config) -> None:
+    """Decode every row with a `Runner` over the run's own static cache: its prompt's pass (`Runner.admit`), then one
+    graph pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass, then
+    what the passes decided back into the run. The pass is this call's alone while it decodes (`graph_pass_for`).
 
     What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
-    length limit are called as the loop calls them (on the graph's text; the rows they stop take nothing more), and
+    length limit are called as the loop calls them (on the runner's text; the rows they stop take nothing more), and
     a streamer gets each pass's tokens. Each reads the device once or twice a pass."""
     with graph_pass_for(model, run.cache.kv, shape, compile_config, run.plan.processors) as g:
-        _load_graph(g, run)
-        passes, slot = _replay(g, run, shape)
-        _unload_graph(g, run, passes, slot)
+        runner = Runner(run.plan, g, log=True)
+        runner.admit(run)
+        passes = _replay(runner, run) if run.live else 0  # the prompt's pass may have ended every row
+        _unload(runner, run, passes)
 
 
-def _replay(g, run: Session, shape: GraphShape) -> tuple[int, int]:
-    """Graph passes until every row is done, the host serving τ, compaction, stopping criteria and the streamer
-    between them: `(passes, the slot the next pass would write)`."""
-    passes, last_tau, stopping, streamer = 0, None, run.stopping, run.plan.streamer
-    slot = run.cache.length  # where the next pass writes: each pass moves it `shape.kept` on, compaction back
+def _replay(runner: Runner, run: Session) -> int:
+    """Runner passes until every row is done, the host serving stopping criteria and the streamer between them:
+    the passes run."""
+    g, passes, stopping, streamer = runner.graph, 0, run.stopping, run.plan.streamer
     judging = not stopping.per_row
     if judging:
         stopping.sequences = g.state.sequences  # the criteria read (and pad) the text the graph writes
     streamed = int(stopping.new_tokens[0]) if streamer is not None else 0  # a read only to stream
     while True:
-        tau = read_tau(run.plan.settings.tau)
-        if tau != last_tau:
-            g.aim(tau)
-            last_tau = tau
-        if slot + shape.width > shape.slots:  # squeeze out the holes, between two replays
-            slot = g.compact(slot)
-        g.run()
-        passes, slot = passes + 1, slot + shape.kept
-        run.stats.tau_per_step.append(tau)
-        run.stats.masks_per_step.append(shape.masks)
+        runner.step()
+        passes += 1
+        run.stats.tau_per_step.append(runner.tau)
+        run.stats.masks_per_step.append(runner.shape.masks)
         if judging:
             stopping.judge(g.state.decoded, g.state.done)
             g.state.done.logical_or_(stopping.settled)
@@ -430,81 +382,20 @@ def _replay(g, run: Session, shape: GraphShape) -> tuple[int, int]:
             kept = stopping.new_tokens[0] if judging else g.state.decoded[0]
             streamed = stream(streamer, g.state.sequences, run.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
-            return passes, slot
+            return passes
 
 
-def _load_graph(g, run: Session) -> None:
-    """The run's state, as its first pass left it, into the graph pass's buffers: its static cache and text as they
-    stand (the same slots and columns), then every row's next pass (`load_rows`)."""
-    plan, text, cache, state = run.plan, run.text, run.cache, g.state
-    width = text.sequences.shape[1]
-    state.sequences[:, :width].copy_(text.sequences)
-    state.sequences[:, width:].fill_(plan.pad_token_id)
-    state.write_offsets.copy_(g.offsets + text.prompt_length)
-    g.move_to(cache.length)
-    state.real.copy_(cache.real)
-    state.step.zero_()
-    g.eos.copy_(plan.eos)
-    load_rows(g, run)
-
-
-def load_rows(g, run: Session, targets: torch.Tensor | None = None, index: torch.Tensor | None = None) -> None:
-    """What the fed rows `index` of `run` (text rows `run.feed.rows[index]`) decode next, into the graph pass's rows
-    `targets` (None, None: every row, in order, copied whole): budget and count, whether done, the last pending
-    position, the pending tokens and drafts, the mask schedule; then every row's text end and the tokens each history
-    holds, found from the text. The one hand-over of a session's rows to a graph pass: `generate()` moves its whole
-    batch with it (a static cache feeds every row in every pass), a graph session (`serving/graph_session.py`) each
-    row that joins (its text and K/V placed by the caller)."""
-    plan, text, feed, state = run.plan, run.text, run.feed, g.state
-    whole = targets is None
-    rows = None if whole else feed.rows[index]
-
-    def put(buffer, values, by=None):  # `buffer`'s rows `targets` <- `values`' rows `by`, or a number
-        number = not isinstance(values, torch.Tensor)
-        if not whole:
-            buffer[targets] = values if number else values[by]
-        elif number:
-            buffer.fill_(values)
-        else:
-            buffer.copy_(values)
-
-    put(state.budget, text.budget, rows)
-    put(state.decoded, text.decoded, rows)
-    put(g.live, text.active, rows)
-    put(state.done, ~text.active, rows)
-    put(state.last_position, run.cache.next_position + feed.pending_real.sum(dim=1) - 1, index)
-    pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
-    put(g.pending, torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id), index)
-    put(g.pending_real, torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False), index)
-    if feed.drafts.tree == g.shape.tree:
-        put(g.drafts, feed.drafts.tokens, index)
-        put(g.drafts_real, feed.drafts.real, index)
-        if g.proposals is not None:
-            put(g.proposals, feed.drafts.proposals, index)
-    else:  # drafts of another shape (a dynamic cache's): the next pass verifies none, drawing from the model alone
-        put(g.drafts_real, False)
-        if g.proposals is not None:
-            put(g.proposals, 0)
-    if g.shape.scheduled:  # each row's mask schedule, as its last pass left it (every row's costs are the run's)
-        state.time.copy_(run.schedule.time)
-        put(state.rate, run.schedule.rate, rows)
-        put(state.last, run.schedule.last, rows)
-        put(state.passes, text.passes, rows)
-    torch.add(g.text_start, state.decoded, out=state.text_end)
-    torch.sub(state.text_end, 1, out=state.text_last)
-    g.find_held()
-
-
-def _unload_graph(g, run: Session, passes: int, slot: int) -> None:
-    """What `passes` graph passes decided, back into the run (its cache filled up to `slot`), for `_finish`."""
-    text, cache, stats, state = run.text, run.cache, run.stats, g.state
+def _unload(runner: Runner, run: Session, passes: int) -> None:
+    """What the runner's `passes` passes decided, back into the run (its cache filled up to the runner's slot), for
+    `_finish`."""
+    text, cache, stats, state, slot = run.text, run.cache, run.stats, runner.graph.state, runner.slot
     taken = state.accepted_log[:passes]  # (passes, batch): a row takes a token in every pass it decodes in
     text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
     text.decoded.copy_(state.decoded)
     text.passes.add_((taken > 0).sum(dim=0))
     cache.real.copy_(state.real)
     cache.real[:, slot:].fill_(False)  # the last pass's masks
-    cache.next_position = state.last_position - g.pending_real.sum(dim=1) + 1
+    cache.next_position = state.last_position - runner.graph.pending_real.sum(dim=1) + 1
     cache.length = slot
     if run.stopping.per_row:  # EOS and the length limit alone: each row's own count (else the criteria kept theirs)
         run.stopping.new_tokens = state.decoded.clone()

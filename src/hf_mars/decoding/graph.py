@@ -19,8 +19,8 @@ runner-ups, prompt lookup), speculative sampling of a chain, or typical acceptan
 windows the pass's masks hold. Choosing, verifying and proposing are the loop's own functions (`scoring.choose`,
 `verify.verify_greedy`, `verify.verify`, `verify.propose`, `tree.lookup`), written for few ops; this file adds
 what a pass of fixed shape needs around them. User stopping criteria, stop strings and a streamer are served by the
-host loop between passes. `generate.py` hands a run over after its first pass (the prompt's) where `_graph_shape` finds
-one, and runs everything else itself.
+host loop between passes. A `Runner` (`runner.py`) holds the rows a pass decodes: `generate()` hands its run to one
+where `runner.graph_shape` finds a shape, and runs everything else in its loop.
 
 This file is copied into MARS checkpoints (trust_remote_code).
 """
@@ -308,7 +308,7 @@ class GraphPass:
         return Histories(self.processors, text, None, ends, ids=self.ids, seen=held, ngrams=ngrams)
 
     def find_held(self) -> None:
-        """`held` and `spare_text` found anew from every row's text, once rows are loaded (`generate.load_rows`)."""
+        """`held` and `spare_text` found anew from every row's text, once rows are loaded (`runner.load_rows`)."""
         fresh = self.histories(found=False)
         if self.held:
             torch._foreach_copy_(self.held, fresh.seen(self.vocab))

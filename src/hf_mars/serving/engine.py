@@ -9,8 +9,9 @@ exactly (a row's tokens do not depend on the rows beside it), so a request's tex
 
 Requests decode together when they share a `Request.key`: sampling, MARS mode, τ, tree. A request with another key
 waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
-`--compile` (or `--cache-slots`) the running rows are a `GraphSession` instead (graph_session.py): fixed rows of one
-graph pass over a static cache, which requests join and leave the same way.
+`--compile` (or `--cache-slots`) the running rows are a `Runner` instead (decoding/runner.py): fixed rows of one
+graph pass over a static cache, which requests join and leave the same way; a request's prompt's pass then runs as it
+joins (`Runner.admit`), straight into its row of the runner's cache.
 
 Rows that allow a τ range (`"mars_tau": [lo, hi]`) decode with a `TauController` of that range, which the engine sets
 before every pass from `TauPolicy` (load.py): the load (rows, queue) and the measured pass costs.
@@ -33,11 +34,11 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..decoding.costs import NotMeasured, cost_batch, pass_costs, tree_key
 from ..decoding.generate import session_settings
+from ..decoding.runner import Runner, serving_runner
 from ..decoding.session import Session
 from ..decoding.settings import TauController
 from ..tools.measure.passes import declined, forget_declined, measure
 from ..tools.measure.passes import pass_costs as time_pass_costs
-from .graph_session import GraphSession
 from .load import TauPolicy, check_tau_range
 from .metrics import ServerMetrics
 from .stops import StopQueue, cut_at_stop
@@ -157,7 +158,7 @@ class MARSEngine(BaseGenerateManager):
         compile_config=None,
         tau_range: tuple[float, float] | None = None,
     ):
-        """`cache_slots`: decode in one graph pass over a static cache of that many slots (`GraphSession`, compiled
+        """`cache_slots`: decode in one graph pass over a static cache of that many slots (a `Runner`, compiled
         with `compile_config` if given), as `serve --compile` does; else (None) in a `Session` of a dynamic cache.
         `tau_range`: the τ range of requests that set no MARS field (the handlers give it them)."""
         if max_batch_size < 1:
@@ -165,14 +166,14 @@ class MARSEngine(BaseGenerateManager):
         self.tau_range = check_tau_range(tau_range) if tau_range is not None else None
         self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
         self.cache_slots, self.compile_config = cache_slots, compile_config
-        self._graph: GraphSession | None = None  # kept while idle: its graph is compiled (and captured) once
+        self._graph: Runner | None = None  # kept while idle: its graph is compiled (and captured) once
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.batch_sizes: list[int] = []  # rows decoding in each pass, for tests and logs
         self._usage: OrderedDict[str, dict] = OrderedDict()  # finished rows' passes, until the handler reads them
         self.finished: deque[dict] = deque(maxlen=1024)  # the last rows decoded: what they took, whether cancelled
         self._queue: queue.Queue[Request | None] = queue.Queue()
         self._waiting: list[Request] = []
-        self.session: Session | GraphSession | None = None
+        self.session: Session | Runner | None = None
         self._key: str | None = None  # the running rows' `Request.key`
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
         self._controllers: dict[str, TauController] = {}  # per key with a τ range: the τ its rows decode with
@@ -285,6 +286,8 @@ class MARSEngine(BaseGenerateManager):
             return  # the running rows finish first
         key = self._waiting[0].key
         room = self.max_batch_size - (len(session.labels) if session is not None else 0)
+        if isinstance(session, Runner):  # rows that join together take adjacent free rows
+            room = min(room, session.room)
         group = [r for r in self._waiting if r.key == key][:room]
         if not group:
             return
@@ -299,41 +302,51 @@ class MARSEngine(BaseGenerateManager):
             if session is None:
                 session = self.session = self._graph_for(joining)
                 self._key = key
-            session.admit(joining)
+            session.admit(joining)  # the prompt's pass, into the runner's rows
+            self.metrics.passed(len(joining.labels))
+            self._deliver(session)
         except Exception as error:  # noqa: BLE001 - settings resolved apart, too long, no graph: answered with why
             for request in joining.labels:
                 self._finish(request, error)
         if self.session is not None and not self.session.live:
             self.session = None
 
-    def _graph_for(self, first: Session) -> GraphSession:
-        """The graph session that `first`'s rows decode in: the one kept from earlier rows where their settings are
-        the same, else a new one."""
+    def _graph_for(self, first: Session) -> Runner:
+        """The runner that `first`'s rows decode in: the one kept from earlier rows where their settings are the
+        same, else a new one."""
         graph = self._graph
         if graph is None or not graph.decodes_like(first):
-            graph = self._graph = GraphSession(
+            self._graph = None  # the old one's cache goes before the new one's is allocated
+            graph = self._graph = serving_runner(
                 self.model, first, self.max_batch_size, self.cache_slots, self.compile_config
             )
         return graph
 
     def _open(self, group: list[Request]) -> Session | None:
-        """A session over `group`, after its prompt's pass (its rows' first tokens already sent); None where it
-        failed (its rows are answered with the error; alone where a batch of them failed together)."""
+        """A session over `group`, after its prompt's pass (its rows' first tokens already sent), or, where the rows
+        join a runner, before it (the runner runs it); None where it failed (its rows are answered with the error;
+        alone where a batch of them failed together)."""
+        runs_prompt = self.cache_slots is None
         try:
             session = self._session(group)
-            session.step(self.model)
-            self.metrics.passed(len(group))
+            if runs_prompt:
+                session.step(self.model)
+                self.metrics.passed(len(group))
         except Exception as error:  # noqa: BLE001 - one bad row must not take the others with it
             if len(group) > 1:  # each alone: the bad one is answered with its error, the others decode
                 opened = [s for s in (self._open([request]) for request in group) if s is not None and s.labels]
                 for other in opened[1:]:
-                    opened[0].admit(other)
+                    if runs_prompt:
+                        opened[0].admit(other)
+                    else:  # not run yet: they wait to join the runner on their own
+                        self._waiting[:0] = other.labels
                 return opened[0] if opened else None
             self._finish(group[0], error)
             return None
         if self.session is None:
             self._settings = session.plan.settings.as_kwargs()
-        self._deliver(session)
+        if runs_prompt:
+            self._deliver(session)
         return session
 
     def _session(self, group: list[Request]) -> Session:
@@ -351,7 +364,7 @@ class MARSEngine(BaseGenerateManager):
         config = group[0].generation_config.__class__.from_dict(group[0].generation_config.to_dict())
         config.max_new_tokens = max(r.max_new_tokens for r in group)
         config.stop_strings = None
-        if self.cache_slots is not None:  # the prompt's pass on a cache of its own, whose rows then join the graph's
+        if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager
             config.cache_implementation, config.compile_config = None, None
         device = self.model.device
         settings = self._settings if self.session is not None else {}

@@ -1,5 +1,5 @@
-"""`GraphSession` (serving/graph_session.py): a server's rows decoding in one graph pass over a static cache, joining
-free rows between passes and freeing them the moment they stop."""
+"""`Runner` (decoding/runner.py): a server's rows decoding in one graph pass over a static cache, joining free rows
+between passes (their prompt's pass straight into the runner's cache) and freeing them the moment they stop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers import GenerationMixin
 import hf_mars
 from hf_mars.decoding import graph
 from hf_mars.decoding.tree import full_tree
-from hf_mars.serving.graph_session import GraphSession
+from hf_mars.decoding.runner import serving_runner
 
 MODES = {
     "tau=1": dict(mars_tau=1.0),
@@ -29,10 +29,8 @@ SLOTS = {name: 160 if "lossless" in name else 96 for name in MODES}
 
 
 def _opened(model, prompt, label, budget, mode):
-    """A request's session after its prompt's pass, as the engine opens one."""
-    session = model.mars_session(prompt[None], labels=[label], budgets=[budget], max_new_tokens=30, **mode)
-    session.step(model)
-    return session
+    """A request's session before its prompt's pass, as the engine opens one for a runner to admit."""
+    return model.mars_session(prompt[None], labels=[label], budgets=[budget], max_new_tokens=30, **mode)
 
 
 def _serve(model, prompts, budgets, mode, max_rows: int, slots: int, every: int = 3) -> tuple[dict, list]:
@@ -41,7 +39,7 @@ def _serve(model, prompts, budgets, mode, max_rows: int, slots: int, every: int 
     finished, held = {}, []
     with torch.inference_mode():
         first = _opened(model, prompts[0], 0, budgets[0], mode)
-        rows = GraphSession(model, first, max_rows=max_rows, slots=slots)
+        rows = serving_runner(model, first, max_rows, slots)
         rows.admit(first)
         waiting = list(range(1, len(prompts)))
         for step in range(400):
@@ -91,7 +89,7 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
     prompt = toy_prompts(tok, n=1, seed=1).input_ids[0]
     with torch.inference_mode():
         first = _opened(model, prompt, "a", 30, MODES["tau=1"])
-        rows = GraphSession(model, first, max_rows=2, slots=prompt.numel() + 30)  # one short of the pass
+        rows = serving_runner(model, first, 2, prompt.numel() + 30)  # one short of the pass
         with pytest.raises(ValueError, match="cache slots"):
             rows.admit(first)
         other = _opened(model, prompt, "b", 4, MODES["lossless tree"])
@@ -99,9 +97,9 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
             rows.admit(other)
         loop_only = dict(mars_tau=1.0, bad_words_ids=[[5, 6]])  # a ban of two tokens: transformers applies it
         with pytest.raises(ValueError, match="decode in the loop"):
-            GraphSession(model, _opened(model, prompt, "d", 4, loop_only), 2, 200)
+            serving_runner(model, _opened(model, prompt, "d", 4, loop_only), 2, 200)
         penalty = dict(mars_tau=1.0, repetition_penalty=1.3)
-        penalised = GraphSession(model, _opened(model, prompt, "e", 4, penalty), 2, 200)
+        penalised = serving_runner(model, _opened(model, prompt, "e", 4, penalty), 2, 200)
         with pytest.raises(ValueError, match="other settings"):
             penalised.admit(_opened(model, prompt, "f", 4, dict(mars_tau=1.0, repetition_penalty=1.2)))
         padded_otherwise = dict(mars_tau=1.0, pad_token_id=first.plan.pad_token_id + 1)  # the pass pads with its own
@@ -132,7 +130,7 @@ def test_a_minimum_of_new_tokens_holds_each_row_from_its_own_prompt(trained_toy,
 
 @pytest.mark.parametrize("candidates, lookup", [(1, 0), (3, 0), ((2, 3, 2), 2), (1, 4)])
 def test_the_full_tree_is_the_one_static_passes_propose(candidates, lookup):
-    """A graph session builds its shape before any of its passes: `full_tree` must be the tree a static cache's
+    """A runner builds its shape before any of its passes: `full_tree` must be the tree a static cache's
     first pass proposes, or rows would join with drafts of another shape."""
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)

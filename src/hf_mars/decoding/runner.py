@@ -1,0 +1,351 @@
+"""The runner: a fixed number of rows decoding in one graph pass over one static cache, rows joining and leaving.
+
+A `Runner` holds `capacity` rows, each free or held by a label, over one `GraphPass` (`graph.py`) and the static
+cache it decodes on. `admit` gives a prepared session's rows (`model.mars_session`, or `generate()`'s batch) their
+prompt's pass straight into free rows: the pass writes the prompt's K/V into those rows' slots of the runner's own
+cache (a view of its rows, no copy), and what each row decodes next goes into the pass's state. `step` runs one pass
+for every row (a free row is a done one, and decodes nothing), `rows` reads every held row's tokens, `release` frees
+rows the moment they stop. `generate()` admits its whole batch once and steps until every row is done; a server
+admits requests between passes.
+
+Every row writes the slot the next pass writes; a row that joins ends its prompt just before it (holes before), and
+the cache is compacted when a pass would not fit, between two passes. Rows that join together take adjacent free
+rows, since their prompt's pass writes a view of them: `room` says how many can.
+
+This file is copied into MARS checkpoints (trust_remote_code).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+
+from .cache import StaticMARSCache, allocate_stacked
+from .compat import full_attention_config
+from .graph import GraphPass, GraphShape, enabled
+from .scoring import by_rules, follow_padding, history_free, processors_signature
+from .session import BRANCHING
+from .settings import read_tau
+from .tree import NO_DRAFTS, DraftTree, full_tree
+
+
+class Runner:
+    """Rows decoding in `graph`, a `GraphPass` over a static cache of `graph.shape.batch` rows, with `plan`'s
+    settings (`session.Plan`): `admit`, `step`, `rows`, `release`. `log`: keep every pass's accepted tokens
+    (`graph.state.accepted_log`, what `generate()` reports), else only the last pass's (a server's)."""
+
+    def __init__(self, plan, graph: GraphPass, log: bool = False):
+        self.plan, self.graph, self.shape, self.log = plan, graph, graph.shape, log
+        state, capacity = graph.state, graph.shape.batch
+        self.processors = processors_signature(plan.processors, layout=False)
+        state.done.fill_(True)  # every row free
+        state.sequences.fill_(plan.pad_token_id)
+        state.write_offsets.copy_(graph.offsets + 1)  # a free row's text: one pad (processors read it)
+        state.step.zero_()
+        graph.eos.copy_(plan.eos)
+        graph.move_to(0)
+        long = dict(dtype=torch.long, device=state.done.device)
+        self.lead = torch.zeros(capacity, **long)  # the left padding each row's text keeps
+        self.passes = torch.zeros(capacity, **long)  # the passes each row took part in
+        self.held: list = [None] * capacity  # each row's label, None where free
+        self.slot, self.tau, self.steps = 0, None, 0
+
+    @property
+    def labels(self) -> list:
+        return [label for label in self.held if label is not None]
+
+    @property
+    def live(self) -> bool:
+        return bool(self.labels)
+
+    @property
+    def decoding(self) -> int:
+        """Rows held (a row is freed the moment it stops)."""
+        return len(self.labels)
+
+    @property
+    def room(self) -> int:
+        """The most rows that can join at once: the longest run of adjacent free rows."""
+        longest = run = 0
+        for label in self.held:
+            run = run + 1 if label is None else 0
+            longest = max(longest, run)
+        return longest
+
+    joins, retrees = True, False  # rows join free rows between passes; the tree keeps the graph's shape
+
+    def decodes_like(self, other) -> bool:
+        """Whether `other`'s rows decode with these settings, sampling and processors, stop at the same EOS tokens, and
+        make the same graph pass (`graph_shape`: the pad id, windows, tree and schedule too)."""
+        mine, theirs = self.plan, other.plan
+        same = (theirs.settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
+        processed = processors_signature(theirs.processors, layout=False) == self.processors
+        if not (same and processed and torch.equal(theirs.eos, mine.eos)):
+            return False
+        shape = graph_shape(self.graph.model, other, self.shape.batch, self.shape.slots, self.shape.tree)
+        # the processors' row layout (where each text starts) is each row's own; the rest must be equal
+        return shape is not None and replace(shape, processors=()) == replace(self.shape, processors=())
+
+    def refusal(self, other) -> str | None:
+        """Why `other`'s rows (a prepared session, before its prompt's pass) cannot join (None: they can)."""
+        if other.stats.forward_passes:
+            return "rows join before their prompt's pass, which the runner runs (`admit`)"
+        if not self.decodes_like(other):
+            return "the rows decode with other settings"
+        rows = other.text.sequences.shape[0]
+        if rows > self.room:
+            return f"{rows} rows, {self.room} adjacent free"
+        text, kv = other.text, getattr(other.cache, "kv", None)
+        if kv is self.graph.kv:  # `generate()`'s run, which sized the runner's cache for its rows
+            return None
+        longest = max(int((text.prompt_real.sum(dim=1) + text.budget).max()), text.prompt_length) + self.shape.width
+        if longest > self.shape.slots:
+            return f"a prompt and its max_tokens need {longest} cache slots, more than the {self.shape.slots} served"
+        return None
+
+    def admit(self, other) -> None:
+        """`other`'s rows (a session prepared with the same settings, before any pass) into adjacent free rows: their
+        prompt's pass (the session's own, `Session.step`) writes its K/V straight into those rows of the runner's
+        cache, ending just before the slot the next pass writes; then each row's text and what it decodes next go
+        into the pass's state. `other` is spent afterwards."""
+        reason = self.refusal(other)
+        if reason is not None:
+            raise ValueError(f"These rows cannot join the runner: {reason}.")
+        rows, width = other.text.sequences.shape[0], other.text.prompt_length
+        first = self._free_run(rows)
+        self._open_slots(width)
+        other.cache = self._rows_cache(other, first, rows, self.slot - width)
+        other.step(self.graph.model)  # the prompt's pass
+        for written in self.graph.lengths or []:  # each layer's next write: the runner's slot
+            written.fill_(self.slot)
+        targets = torch.arange(first, first + rows, device=self.graph.state.done.device)
+        self._place(other, targets)
+        self.held[first : first + rows] = list(other.labels or range(rows))  # `generate()`'s rows: by their index
+
+    def _free_run(self, rows: int) -> int:
+        """The first of `rows` adjacent free rows."""
+        run = 0
+        for index, label in enumerate(self.held):
+            run = run + 1 if label is None else 0
+            if run == rows:
+                return index - rows + 1
+        raise ValueError(f"{rows} rows, {self.room} adjacent free")
+
+    def _open_slots(self, width: int) -> None:
+        """Make the next pass write at least `width` slots in, with room for a pass after it: a prompt of `width`
+        columns ends just before that slot. Holes for the other rows where it moves on; compaction where a pass would
+        not fit."""
+        g = self.graph
+        if self.slot + self.shape.width > self.shape.slots:
+            self._compact()
+        if width > self.slot:
+            g.state.real[:, self.slot :] = False
+            self.slot = width
+            g.move_to(width)  # where the pass writes (each layer is set there after the prompt's pass)
+
+    def _rows_cache(self, other, first: int, rows: int, start: int) -> StaticMARSCache:
+        """The cache `other`'s prompt pass writes: rows `first`... of the runner's, from slot `start` on. The whole
+        cache where those rows are all of them and the session holds it already (`generate()`'s); else a view of
+        those rows (each layer's keys and values sliced: writes land in the runner's cache), counting from `start`."""
+        kv, mine = self.graph.kv, other.cache
+        if isinstance(mine, StaticMARSCache) and mine.kv is kv and rows == self.shape.batch and start == 0:
+            for written in self.graph.lengths or []:
+                written.fill_(0)
+            return mine
+        view = copy.copy(kv)
+        view.layers = [copy.copy(layer) for layer in kv.layers]
+        for layer in view.layers:
+            layer.keys, layer.values = layer.keys[first : first + rows], layer.values[first : first + rows]
+            if hasattr(layer, "cumulative_length"):  # transformers >= 5.4: the layer counts its writes
+                layer.cumulative_length = torch.full_like(layer.cumulative_length, start)
+        cache = StaticMARSCache(view, rows, self.graph.state.done.device)
+        cache.stacked, cache.length = None, start
+        return cache
+
+    def _place(self, other, targets: torch.Tensor) -> None:
+        """After the prompt's pass: which of the rows' slots are real, their texts (the padding of rows opened with
+        them, which is not their own batch's, left out: `Text.joined`), the passes they took part in, and what each
+        decodes next (`load_rows`). Nothing read from the device."""
+        g, state, text = self.graph, self.graph.state, other.text
+        state.real[targets] = other.cache.real
+        width = state.sequences.shape[1]
+        source = torch.arange(width, device=targets.device) + text.joined[:, None]  # each row's text, from column 0
+        ends = (text.prompt_length + text.decoded)[:, None]
+        shifted = text.sequences.gather(1, source.clamp(max=text.sequences.shape[1] - 1))
+        state.sequences[targets] = shifted.masked_fill(source >= ends, self.plan.pad_token_id)
+        state.write_offsets[targets] = g.offsets + (text.prompt_length - text.joined)[:, None]
+        self.lead[targets] = (~text.prompt_real).sum(dim=1) - text.joined  # the padding of its own batch
+        self.passes[targets] = text.passes
+        padded = torch.arange(text.prompt_length + 1, device=targets.device) >= self.lead[:, None]
+        follow_padding(self.plan.processors, padded, g.text_start)  # each row's prompt, where its text has it
+        load_rows(g, other, targets, torch.arange(targets.numel(), device=targets.device))
+
+    def step(self, model=None) -> None:
+        """One pass for every row (free rows decode nothing): one launch, or one graph replay. (`model`: the runner's
+        own, as a `Session` is stepped.)"""
+        g, state = self.graph, self.graph.state
+        tau = read_tau(self.plan.settings.tau)
+        if tau != self.tau:
+            g.aim(tau)
+            self.tau = tau
+        if self.slot + self.shape.width > self.shape.slots:
+            self._compact()
+        if not self.log:
+            state.step.zero_()  # each pass's accepted counts are read after it, in row 0
+        g.run()
+        self.slot += self.shape.kept
+        self.steps += 1
+
+    def _compact(self) -> None:
+        """Squeeze the holes out of the cache (free rows hold none)."""
+        free = [row for row, label in enumerate(self.held) if label is None]
+        if free:
+            self.graph.state.real[free] = False
+        self.slot = self.graph.compact(self.slot)
+
+    @property
+    def last_accepted(self) -> torch.Tensor:
+        """`(capacity,)` tokens each row took in the last pass."""
+        state = self.graph.state
+        return state.accepted_log[state.step - 1][0] if self.log else state.accepted_log[0]
+
+    def rows(self) -> list[tuple[object, list[int], bool, int]]:
+        """Every held row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: two
+        reads from the device (the counts, then the tokens they reach). A server reads them after every pass (a row's
+        passes are counted here, from the last pass's tokens)."""
+        state = self.graph.state
+        if self.steps:  # a row takes a token in every pass it decodes in
+            self.passes += self.last_accepted > 0
+            self.steps = 0
+        counts = torch.stack([state.decoded, state.done.long(), self.passes, state.text_end])
+        decoded, done, passes, ends = counts.tolist()
+        text = state.sequences[:, : max(ends)].tolist()
+        return [
+            (label, text[row][ends[row] - decoded[row] : ends[row]], bool(done[row]), passes[row])
+            for row, label in enumerate(self.held)
+            if label is not None
+        ]
+
+    def release(self, labels) -> None:
+        """The rows of these labels stop decoding and are free at once."""
+        for label in labels:
+            row = self.held.index(label)
+            self.held[row] = None
+            self.graph.state.done[row] = True
+
+
+def runner_tree(plan) -> DraftTree:
+    """The draft tree of a runner's passes: lossless mode's full tree (the one a static cache's passes propose), else
+    none."""
+    settings = plan.settings
+    return full_tree(settings.block_size - 1, plan.candidates, plan.lookup) if settings.verify else NO_DRAFTS
+
+
+def graph_shape(model, run, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
+    """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
+    full `tree`, or None where only the loop can: logits processors that transformers alone applies (bans and biases of
+    several tokens, forced tokens; warpers, single-token bans and biases, repetition penalties, minimum lengths and
+    n-gram bans run in the pass: `scoring.by_rules`). A mask cost's schedule runs in the pass too, which feeds every
+    mask, as the loop does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer,
+    are served from the host after each pass."""
+    plan, settings = run.plan, run.plan.settings
+    if not (enabled() and plan.logits_to_keep and by_rules(plan.processors)):
+        return None
+    if model.config._attn_implementation not in BRANCHING:
+        return None
+    verify = settings.verify
+    masks = 0 if not verify and not callable(settings.tau) and settings.tau >= 1.0 else settings.block_size - 1
+    return GraphShape(
+        batch=batch,
+        slots=slots,
+        verify=verify,
+        pending=1 if verify or not masks else settings.block_size,
+        tree=tree,
+        masks=masks,
+        confidence=settings.confidence,
+        candidates=plan.candidates,
+        lookup=plan.lookup,
+        mask_token_id=settings.mask_token_id,
+        pad_token_id=plan.pad_token_id,
+        eos=plan.eos.numel(),
+        sampled=plan.do_sample,
+        typical=plan.typical,
+        processors=processors_signature(plan.processors),
+        reads_text=not history_free(plan.processors),
+        window=plan.window.size if plan.window else 0,
+        sliding_only=bool(plan.window and plan.window.everywhere),
+        scheduled=bool(masks) and not run.schedule.constant,
+    )
+
+
+def serving_runner(model, first, capacity: int, slots: int, compile_config=None) -> Runner:
+    """A runner of `capacity` rows and a static cache of `slots` slots of its own, decoding with the settings of
+    `first` (a prepared session, whose rows it then admits). `compile_config`: `generate()`'s, to compile the pass
+    (and capture it on CUDA), else None (eager)."""
+    shape = graph_shape(model, first, capacity, slots, runner_tree(first.plan))
+    if shape is None:
+        raise ValueError(
+            "these settings decode in the loop, not as one graph (logits processors that only transformers "
+            "applies, such as bad words or sequence biases of several tokens): serve them without --compile"
+        )
+    graph = GraphPass(model, rows_cache(model, capacity, slots), shape, compile_config, first.plan.processors)
+    return Runner(first.plan, graph)
+
+
+def rows_cache(model, rows: int, slots: int):
+    """transformers' `StaticCache` of `rows` rows and `slots` slots, its layers allocated now, stacked."""
+    from transformers import StaticCache
+
+    kv = StaticCache(config=full_attention_config(model.config), max_cache_len=slots)  # the pass builds the windows
+    allocate_stacked(kv, model, rows)
+    if not all(layer.is_initialized for layer in kv.layers):  # not stackable here: each layer allocated alone
+        config = model.config.get_text_config()
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
+    return kv
+
+
+def load_rows(g: GraphPass, run, targets: torch.Tensor, index: torch.Tensor) -> None:
+    """What the fed rows `index` of `run` (a session after its prompt's pass; text rows `run.feed.rows[index]`) decode
+    next, into the graph pass's rows `targets`: budget and count, whether done, the last pending position, the
+    pending tokens and drafts, the mask schedule; then every row's text end and the tokens each history holds, found
+    from the text."""
+    plan, text, feed, state = run.plan, run.text, run.feed, g.state
+    rows = feed.rows[index]
+    whole = targets.numel() == state.done.numel()  # every row, in order: copied whole
+
+    def put(buffer, values, by=None):  # `buffer`'s rows `targets` <- `values`' rows `by`, or a number
+        number = not isinstance(values, torch.Tensor)
+        if whole:
+            buffer.fill_(values) if number else buffer.copy_(values if by is None else values[by])
+        else:
+            buffer[targets] = values if number else values[by]
+
+    put(state.budget, text.budget, rows)
+    put(state.decoded, text.decoded, rows)
+    put(g.live, text.active, rows)
+    put(state.done, ~text.active, rows)
+    put(state.last_position, run.cache.next_position + feed.pending_real.sum(dim=1) - 1, index)
+    pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
+    put(g.pending, torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id), index)
+    put(g.pending_real, torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False), index)
+    if feed.drafts.tree == g.shape.tree:
+        put(g.drafts, feed.drafts.tokens, index)
+        put(g.drafts_real, feed.drafts.real, index)
+        if g.proposals is not None:
+            put(g.proposals, feed.drafts.proposals, index)
+    else:  # drafts of another shape: the next pass verifies none, drawing from the model alone
+        put(g.drafts_real, False)
+        if g.proposals is not None:
+            put(g.proposals, 0)
+    if g.shape.scheduled:  # each row's mask schedule, as its last pass left it (every row's costs are the run's)
+        state.time.copy_(run.schedule.time)
+        put(state.rate, run.schedule.rate, rows)
+        put(state.last, run.schedule.last, rows)
+        put(state.passes, text.passes, rows)
+    torch.add(g.text_start, state.decoded, out=state.text_end)
+    torch.sub(state.text_end, 1, out=state.text_last)
+    g.find_held()
