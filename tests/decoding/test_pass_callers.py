@@ -1,0 +1,99 @@
+"""Which function runs each MARS pass: a forward pre-hook on the model records its caller. Where a runner decodes
+(`generate()` on a static cache, a server's `--cache-slots` rows), every pass after a prompt's is the graph pass's
+forward and each prompt's pass the session's: one function for every pass, one other for prompts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_model, make_tokenizer, toy_prompts
+
+import hf_mars
+from hf_mars.decoding.runner import serving_runner
+
+MODES = {
+    "tau=0.9": dict(mars_tau=0.9),
+    "lossless": dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=2),
+    "sampled lossless": dict(mars_verify=True, do_sample=True, top_k=20),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    tok = make_tokenizer()
+    return hf_mars.to_mars(make_model("llama"), tok, block_size=4).eval(), tok
+
+
+def _caller() -> str:
+    """`file:function` of the innermost hf_mars decoding frame that called the model."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/hf_mars/decoding/" in path:
+            return f"{Path(path).name}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "elsewhere"
+
+
+def _recording(model, calls: list):
+    return model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(_caller()), with_kwargs=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_static_generate_runs_every_pass_after_the_prompts_in_the_graph_pass(model, mode, rows):
+    model, tok = model
+    enc = toy_prompts(tok, n=rows, seed=3)
+    assert rows == 1 or bool((enc.attention_mask == 0).any()), "the premise: a ragged batch"
+    calls = []
+    handle = _recording(model, calls)
+    try:
+        torch.manual_seed(0)
+        out = model.generate(
+            **enc,
+            max_new_tokens=24,
+            min_new_tokens=24,
+            cache_implementation="static",
+            return_dict_in_generate=True,
+            **MODES[mode],
+        )
+    finally:
+        handle.remove()
+    assert len(calls) == out.mars_stats.forward_passes > 2
+    assert calls[0] == "session.py:_forward" and set(calls[1:]) == {"graph.py:_forward"}, calls
+
+
+def test_a_servers_runner_runs_each_prompts_pass_then_every_other_in_the_graph_pass(model):
+    """Requests joining a runner one after another while the others decode, as `hf-mars serve --cache-slots` does."""
+    model, tok = model
+    enc = toy_prompts(tok, n=4, seed=5)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    calls, admitted, steps = [], 0, 0
+
+    def opened(i):
+        return model.mars_session(
+            prompts[i][None], labels=[i], budgets=[12 + 4 * i], max_new_tokens=24, mars_verify=True
+        )
+
+    handle = _recording(model, calls)
+    try:
+        with torch.inference_mode():
+            runner = serving_runner(model, opened(0), 2, 128)
+            waiting = list(range(4))
+            while waiting or runner.live:
+                if waiting and runner.room:
+                    runner.admit(opened(waiting.pop(0)))
+                    admitted += 1
+                    assert calls[-1] == "session.py:_forward"
+                if runner.live:
+                    runner.step()
+                    steps += 1
+                    runner.release([label for label, _, done, _ in runner.rows() if done])
+    finally:
+        handle.remove()
+    assert admitted == 4 and len(calls) == admitted + steps
+    assert calls.count("session.py:_forward") == admitted
+    assert set(calls) == {"session.py:_forward", "graph.py:_forward"}, calls
