@@ -182,3 +182,28 @@ def test_a_mask_schedule_serves_each_row_as_its_request_alone(trained_toy, mode)
                                     return_dict_in_generate=True)
         scheduled |= int(every_mask.mars_stats.passes_per_row[0]) != passes
     assert scheduled, "the schedule must change some request's passes"
+
+
+def test_a_prompts_pass_writes_its_k_v_straight_into_the_runners_rows():
+    """Admission copies no K/V: the prompt's pass writes a view of the runner's own cache (the same storage), and the
+    row's real slots then hold the prompt's keys and values as a forward over the prompt alone makes them."""
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4).eval()
+    enc = toy_prompts(tok, n=2, seed=3)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(2)]
+    with torch.inference_mode():
+        first, second = (_opened(model, p, label, 8, MODES["lossless tree"]) for label, p in enumerate(prompts))
+        rows = serving_runner(model, first, 3, 96)
+        rows.admit(first)
+        rows.step()
+        rows.admit(second)  # into row 1, while row 0 decodes
+        runner_keys = rows.graph.kv.layers[0].keys
+        assert second.cache.kv.layers[0].keys.untyped_storage().data_ptr() == runner_keys.untyped_storage().data_ptr()
+        alone = model(prompts[1][None], use_cache=True).past_key_values
+        real = rows.graph.state.real[1].clone()
+        real[rows.slot :] = False  # the slots the next pass writes (the prompt pass's masks' until then)
+        for layer, mine in zip(alone.layers, rows.graph.kv.layers):
+            written = mine.keys[1][:, real], mine.values[1][:, real]
+            torch.testing.assert_close(written[0], layer.keys[0], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(written[1], layer.values[0], rtol=1e-4, atol=1e-5)
+        assert int(real.sum()) == prompts[1].numel(), "its real slots: the prompt's (its first token is pending)"

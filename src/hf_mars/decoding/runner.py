@@ -116,12 +116,13 @@ class Runner:
         rows, width = other.text.sequences.shape[0], other.text.prompt_length
         first = self._free_run(rows)
         self._open_slots(width)
-        other.cache = self._rows_cache(other, first, rows, self.slot - width)
+        start = self.slot - width
+        other.cache = self._rows_cache(other, first, rows, start, min(self.slot + self.shape.width, self.shape.slots))
         other.step(self.graph.model)  # the prompt's pass
         for written in self.graph.lengths or []:  # each layer's next write: the runner's slot
             written.fill_(self.slot)
         targets = torch.arange(first, first + rows, device=self.graph.state.done.device)
-        self._place(other, targets)
+        self._place(other, targets, start)
         self.held[first : first + rows] = list(other.labels or range(rows))  # `generate()`'s rows: by their index
 
     def _free_run(self, rows: int) -> int:
@@ -145,10 +146,11 @@ class Runner:
             self.slot = width
             g.move_to(width)  # where the pass writes (each layer is set there after the prompt's pass)
 
-    def _rows_cache(self, other, first: int, rows: int, start: int) -> StaticMARSCache:
-        """The cache `other`'s prompt pass writes: rows `first`... of the runner's, from slot `start` on. The whole
-        cache where those rows are all of them and the session holds it already (`generate()`'s); else a view of
-        those rows (each layer's keys and values sliced: writes land in the runner's cache), counting from `start`."""
+    def _rows_cache(self, other, first: int, rows: int, start: int, end: int) -> StaticMARSCache:
+        """The cache `other`'s prompt pass writes: rows `first`... of the runner's, slots `start` to `end` (the
+        prompt, then its pass's masks). The whole cache where those rows are all of them and the session holds it
+        already (`generate()`'s); else a view of those rows and slots (each layer's keys and values sliced: writes
+        land in the runner's cache), a static cache of its own as wide as the pass, whose attention reads no more."""
         kv, mine = self.graph.kv, other.cache
         if isinstance(mine, StaticMARSCache) and mine.kv is kv and rows == self.shape.batch and start == 0:
             for written in self.graph.lengths or []:
@@ -157,19 +159,21 @@ class Runner:
         view = copy.copy(kv)
         view.layers = [copy.copy(layer) for layer in kv.layers]
         for layer in view.layers:
-            layer.keys, layer.values = layer.keys[first : first + rows], layer.values[first : first + rows]
-            if hasattr(layer, "cumulative_length"):  # transformers >= 5.4: the layer counts its writes
-                layer.cumulative_length = torch.full_like(layer.cumulative_length, start)
+            layer.keys = layer.keys[first : first + rows, :, start:end]
+            layer.values = layer.values[first : first + rows, :, start:end]
+            layer.max_cache_len, layer.cumulative_length = end - start, torch.zeros_like(layer.cumulative_length)
         cache = StaticMARSCache(view, rows, self.graph.state.done.device)
-        cache.stacked, cache.length = None, start
+        cache.stacked = None  # the pass fits: never compacted
         return cache
 
-    def _place(self, other, targets: torch.Tensor) -> None:
+    def _place(self, other, targets: torch.Tensor, start: int) -> None:
         """After the prompt's pass: which of the rows' slots are real, their texts (the padding of rows opened with
         them, which is not their own batch's, left out: `Text.joined`), the passes they took part in, and what each
         decodes next (`load_rows`). Nothing read from the device."""
         g, state, text = self.graph, self.graph.state, other.text
-        state.real[targets] = other.cache.real
+        real = other.cache.real  # from slot `start` on
+        state.real[targets] = False
+        state.real[targets, start : start + real.shape[1]] = real
         width = state.sequences.shape[1]
         source = torch.arange(width, device=targets.device) + text.joined[:, None]  # each row's text, from column 0
         ends = (text.prompt_length + text.decoded)[:, None]
@@ -179,7 +183,7 @@ class Runner:
         self.lead[targets] = (~text.prompt_real).sum(dim=1) - text.joined  # the padding of its own batch
         self.passes[targets] = text.passes
         padded = torch.arange(text.prompt_length + 1, device=targets.device) >= self.lead[:, None]
-        follow_padding(self.plan.processors, padded, g.text_start)  # each row's prompt, where its text has it
+        follow_padding(g.processors or (), padded, g.text_start)  # the processors the pass reads: each row's prompt
         load_rows(g, other, targets, torch.arange(targets.numel(), device=targets.device))
 
     def step(self, model=None) -> None:
