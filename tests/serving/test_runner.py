@@ -10,8 +10,8 @@ from transformers import GenerationMixin
 
 import hf_mars
 from hf_mars.decoding import graph
-from hf_mars.decoding.tree import full_tree
 from hf_mars.decoding.runner import serving_runner
+from hf_mars.decoding.tree import full_tree
 
 MODES = {
     "tau=1": dict(mars_tau=1.0),
