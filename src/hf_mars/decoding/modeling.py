@@ -28,6 +28,7 @@ from .graph import GraphPass
 from .ordered_attention import NAME as ORDERED
 from .ordered_attention import ordered_attention
 from .ordered_linear import OrderedLinear, order_linears
+from .runner import Runner
 from .schedule import MaskSchedule
 from .scoring import STATELESS
 from .session import Session
@@ -49,6 +50,7 @@ __all__ = [
     "MARSSettings",
     "MARSStats",
     "MaskSchedule",
+    "Runner",
     "STATELESS",
     "Session",
     "StaticMARSCache",
