@@ -4,9 +4,9 @@
 exactly; plain settings run the base model's `generate()`. Otherwise `generate()`'s own preparation (config,
 processors, stopping criteria, cache) hands its inputs to `mars_decode`, which opens a `Session` over the batch
 (`session.py`: the pass and the rows it decodes), steps it until every row has stopped, and returns what
-`generate()` returns. On a static cache whose pass fits one graph it continues as `graph.py`'s graph pass after the
-first pass. `model.mars_session` opens a session the same way for a caller that steps it itself (a server, whose
-rows join and leave between passes).
+`generate()` returns. On a static cache whose pass fits one graph it decodes through a `Runner` instead
+(`runner.py`: the prompt's pass into the runner's rows, then `graph.py`'s graph pass). `model.mars_session` opens a
+session the same way for a caller that steps it itself (a server, whose rows join and leave between passes).
 
 The loop never asks which cache it has: both answer `cache.KVBook`. With `cache_implementation="static"` the K/V
 live in transformers' `StaticCache` and every pass after the first has the same shape (`StaticMARSCache`), so the
