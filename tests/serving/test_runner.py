@@ -84,6 +84,26 @@ def test_rows_joining_between_passes_get_the_greedy_text_of_each_request_alone(t
     assert processed or not processing, "the processors must change some request's text"
 
 
+def test_a_token_bias_holds_for_rows_that_join_after_its_first_pass(trained_toy):
+    """OpenAI's `logit_bias` (a `sequence_bias` of single tokens) on requests joining one after another: the runner's
+    processor prepares its bias tensor on the first row's pass, and a fresh request with the same bias still decodes
+    with it (each gets biased greedy `generate()`'s text alone). The barred token is one the rows write unbiased."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=3)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    plain = dict(do_sample=False, max_new_tokens=16)
+    written = [t for p in prompts for t in GenerationMixin.generate(model, p[None], **plain)[0, p.numel() :].tolist()]
+    bias = {(max(set(written), key=written.count),): -100.0}
+    finished, held = _serve(model, prompts, [16] * 4, dict(mars_verify=True, sequence_bias=bias), 2, 160)
+    assert sorted(finished) == list(range(4)) and max(held) == 2
+    changed = False
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], **plain, sequence_bias=bias)[0, prompt.numel() :]
+        assert finished[i][0] == alone.tolist(), i
+        changed |= not torch.equal(alone, GenerationMixin.generate(model, prompt[None], **plain)[0, prompt.numel() :])
+    assert changed, "the bias must change some request's text"
+
+
 def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(trained_toy):
     model, tok = trained_toy
     prompt = toy_prompts(tok, n=1, seed=1).input_ids[0]

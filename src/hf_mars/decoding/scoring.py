@@ -497,13 +497,17 @@ class _Ngrams:
 # where a minimum of new tokens starts counting), not what the processor does: `follow_padding` moves them as rows
 # join and leave a batch
 ROW_LAYOUT = ("prompt_ignore_length", "prompt_length_to_skip")
+# What a processor derives from its settings on its first call (a sequence bias's vocabulary-sized tensor of its
+# single-token biases): a processor already called and a fresh one with the same settings do the same
+DERIVED = ("length_1_bias", "multi_token_biases", "prepared_bias_variables")
 
 
 def processors_signature(processors, layout: bool = True) -> tuple:
     """What a run's logits processors are, as a `GraphShape` field: their classes and settings, tensors by value, as a
     digest of their bytes (a pass applies them as they were when it was built, so runs share a pass only where these
     are equal; a sequence bias holds one the vocabulary's size). Without `layout`, the `ROW_LAYOUT` attributes are
-    left out: what rows that join one batch must share (a session applies its own processors to every row)."""
+    left out: what rows that join one batch must share (a session applies its own processors to every row). What a
+    processor derives on its first call (`DERIVED`) is left out always."""
 
     def value(v):
         if not isinstance(v, torch.Tensor):
@@ -512,7 +516,8 @@ def processors_signature(processors, layout: bool = True) -> tuple:
         return ("tensor", tuple(v.shape), str(v.dtype), hashlib.blake2b(data, digest_size=16).hexdigest())
 
     def settings(p):
-        return sorted((k, value(v)) for k, v in vars(p).items() if layout or k not in ROW_LAYOUT)
+        kept = (k for k in vars(p) if k not in DERIVED and (layout or k not in ROW_LAYOUT))
+        return sorted((k, value(getattr(p, k))) for k in kept)
 
     return tuple((type(p).__name__, repr(settings(p))) for p in processors)
 

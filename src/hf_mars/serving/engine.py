@@ -306,6 +306,7 @@ class MARSEngine(BaseGenerateManager):
             self.metrics.passed(len(joining.labels))
             self._deliver(session)
         except Exception as error:  # noqa: BLE001 - settings resolved apart, too long, no graph: answered with why
+            logger.warning("%d rows could not join the runner: %s", len(joining.labels), error)
             for request in joining.labels:
                 self._finish(request, error)
         if self.session is not None and not self.session.live:
