@@ -218,6 +218,58 @@ def test_a_request_that_admission_fails_on_is_answered_and_the_next_is_served(se
     assert reply.choices[0].message.content is not None
 
 
+def test_a_row_too_long_for_the_runners_cache_is_refused_and_the_rows_that_came_with_it_decode(tmp_path, monkeypatch):
+    """With `--cache-slots`, requests that arrive together join the runner as one group: one whose prompt and
+    max_tokens need more slots than the cache has is answered with why (a 400), and the others, tried alone, each get
+    greedy `generate()`'s text."""
+    from hf_mars.serving.engine import MARSEngine
+    from hf_mars.serving.server import build_app
+
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    app, engine = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=4, cache_slots=96)
+    admit, groups = MARSEngine._admit, []
+
+    def together(self):  # the first admission waits until all four have arrived: one group
+        if self.session is None and len(self._waiting) < 4:
+            return time.sleep(0.01)
+        groups.append(len(self._waiting))
+        return admit(self)
+
+    monkeypatch.setattr(MARSEngine, "_admit", together)
+    budgets = [8, 200, 8, 8]  # the second's prompt and budget exceed the 96 slots
+
+    async def ask(content: str, budget: int):
+        async with AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120) as client:
+            try:
+                reply = await client.chat.completions.create(
+                    model=str(tmp_path), messages=[{"role": "user", "content": content}], max_tokens=budget,
+                    temperature=0, extra_body={"mars_verify": True},
+                )  # fmt: skip
+            except Exception as error:  # noqa: BLE001 - the refused one's answer
+                return error
+            return reply.choices[0].message.content
+
+    contents = [f"count {i} to {i + 5}" for i in range(4)]
+    with serving(app) as url:
+        async def run():
+            return await asyncio.gather(*(ask(c, b) for c, b in zip(contents, budgets)))
+
+        replies = asyncio.run(run())
+    assert groups[0] == 4, "the premise: the four joined as one group"
+    assert isinstance(replies[1], BadRequestError) and "cache slots" in str(replies[1]), replies[1]
+    offline = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True, dtype=torch.float32)
+    for content, budget, reply in zip(contents, budgets, replies):
+        if budget == 200:
+            continue
+        ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)  # fmt: skip
+        out = offline.generate(**ids, do_sample=False, max_new_tokens=budget)[0, ids["input_ids"].shape[1] :]
+        assert reply == tok.decode(out, skip_special_tokens=True), content
+
+
 def test_the_model_is_listed_and_answered_under_its_folder_s_name_not_its_path(server):
     """`/v1/models` names a local checkpoint as a user would (its folder's name); requests may ask for it by that name
     or by the path transformers serve takes, and answers name it by that name."""

@@ -207,6 +207,10 @@ class MARSEngine(BaseGenerateManager):
         except asyncio.CancelledError:
             sink.cancel()
             raise
+        except ValueError as err:  # the request refused by the engine (too long for the cache's slots): a 400
+            from fastapi import HTTPException
+
+            raise HTTPException(status_code=400, detail=str(err)) from err
         text = cut_at_stop(processor.decode(generated, skip_special_tokens=True), stop_strings_of(gen_config))
         return text, inputs["input_ids"].shape[-1], generated
 
@@ -298,19 +302,30 @@ class MARSEngine(BaseGenerateManager):
         if session is None and self.cache_slots is None:
             self.session, self._key = joining, key
             return
-        try:
-            if session is None:
-                session = self.session = self._graph_for(joining)
-                self._key = key
-            session.admit(joining)  # the prompt's pass, into the runner's rows
-            self.metrics.passed(len(joining.labels))
-            self._deliver(session)
-        except Exception as error:  # noqa: BLE001 - settings resolved apart, too long, no graph: answered with why
-            logger.warning("%d rows could not join the runner: %s", len(joining.labels), error)
-            for request in joining.labels:
-                self._finish(request, error)
+        self._join(joining, key)
         if self.session is not None and not self.session.live:
             self.session = None
+
+    def _join(self, joining: Session, key) -> None:
+        """`joining`'s rows into the runner (built for them where none runs yet): their prompt's pass, then their
+        first tokens sent. Where a group is refused, each row tries alone: only a row that cannot join (its prompt and
+        max_tokens beyond the cache's slots, say) is answered with why."""
+        try:
+            if self.session is None:
+                self.session, self._key = self._graph_for(joining), key
+            self.session.admit(joining)  # the prompt's pass, into the runner's rows
+        except Exception as error:  # noqa: BLE001 - settings resolved apart, too long, no graph: answered with why
+            logger.warning("%d rows could not join the runner: %s", len(joining.labels), error)
+            if len(joining.labels) == 1:
+                self._finish(joining.labels[0], error)
+                return
+            for request in joining.labels:
+                alone = self._open([request])
+                if alone is not None and alone.labels:
+                    self._join(alone, key)
+            return
+        self.metrics.passed(len(joining.labels))
+        self._deliver(self.session)
 
     def _graph_for(self, first: Session) -> Runner:
         """The runner that `first`'s rows decode in: the one kept from earlier rows where their settings are the

@@ -306,8 +306,8 @@ def build_app(
     attention: str | None = None,
 ):
     """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
-    one graph over a static cache of that many slots per row (`GraphSession`), compiled if `compile`. `api_key`:
-    every endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
+    one graph over a static cache of that many slots per row (a `Runner`), compiled if `compile`. `api_key`: every
+    endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
     the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py).
     `served_name`: the model's name in `/v1/models` and in answers (default `served_model_name(model)`). `attention`:
     the attention implementation (default: the checkpoint's; `"ordered"`: a row's tokens whatever rows share its
