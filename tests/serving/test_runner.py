@@ -10,6 +10,7 @@ from transformers import GenerationMixin
 
 import hf_mars
 from hf_mars.decoding import graph
+from hf_mars.decoding.compat import CACHE_ARG
 from hf_mars.decoding.runner import serving_runner
 from hf_mars.decoding.tree import full_tree
 
@@ -227,3 +228,33 @@ def test_a_prompts_pass_writes_its_k_v_straight_into_the_runners_rows():
             torch.testing.assert_close(written[0], layer.keys[0], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(written[1], layer.values[0], rtol=1e-4, atol=1e-5)
         assert int(real.sum()) == prompts[1].numel(), "its real slots: the prompt's (its first token is pending)"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_an_eager_runner_attends_to_the_slots_in_use_not_every_slot_it_has(trained_toy, family):
+    """On a cache far wider than the rows' texts (a server's slots), an eager runner's passes attend to a reach that
+    grows in steps with the slots in use: the K/V each pass's forward reads and its mask are that long, the cache's
+    own K/V are written (no copy), and every request still gets greedy `generate()`'s tokens alone, past a sliding
+    window too."""
+    model, tok = trained_toy if family == "llama" else sliding_mars_model(family)  # a hybrid of sliding layers
+    enc = toy_prompts(tok, n=4, seed=5)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    slots, read = 1024, []
+
+    def seen(module, args, kwargs):  # the graph passes' reach (admissions read a view as wide as their pass)
+        mask = kwargs.get("attention_mask")
+        mask = mask["full_attention"] if isinstance(mask, dict) else mask
+        if kwargs["input_ids"].shape[0] == 2:
+            read.append((kwargs[CACHE_ARG].layers[0].keys.shape[2], mask.shape[-1]))
+
+    hook = model.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        finished, _ = _serve(model, prompts, [30, 12, 30, 25], MODES["lossless tree"], 2, slots)
+    finally:
+        hook.remove()
+    reaches = {keys for keys, _ in read}
+    assert all(keys == mask for keys, mask in read), "the mask must be as wide as the K/V read"
+    assert max(reaches) < slots and len(reaches) > 1 and all(r % graph.REACH_STEP == 0 for r in reaches), reaches
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=[30, 12, 30, 25][i])
+        assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i

@@ -27,6 +27,7 @@ This file is copied into MARS checkpoints (trust_remote_code).
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from contextlib import contextmanager
@@ -44,6 +45,9 @@ from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
+# Slots an eager pass's attention reach grows by (`GraphPass.attend`): a new reach costs a few ops once, so it moves
+# every few dozen passes, not every pass
+REACH_STEP = 128
 GRAPHS_KEPT = 8  # graph passes kept per model (their buffers and tables; K/V only where `captured`)
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
@@ -192,6 +196,7 @@ class GraphPass:
         on_cuda = captured(device, compile_config is not None)
         self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
         self.forward, self.step = model, graph_pass
+        self.eager = compile_config is None  # shapes may change between passes (`attend`)
         if on_cuda and not FUSED:  # the forward compiled without CUDA graphs of its own; the pass around it captured
             self.forward = _compiled(model.__call__, compile_config, "default")
         elif compile_config is not None:  # the whole pass compiled as one function (on CUDA, then captured whole)
@@ -201,6 +206,7 @@ class GraphPass:
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
         self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
+        self.whole = (state.real, state.real[:, None, None, :], self.sees_columns)  # what attention reads of them
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self._processor_buffers(model, shape, processors, device)
@@ -227,6 +233,8 @@ class GraphPass:
             return
         self.kv, self.stacked = kv, stacked_layers(kv)
         self.lengths = [layer.cumulative_length for layer in kv.layers]
+        self.reach = None
+        self.attend(self.shape.slots)
         # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step and each row's pass
         # count (which the mask schedule reads) by one, each layer's write count back over masks
         state, masks, kept = self.state, self.shape.width - self.shape.kept, self.shape.kept
@@ -240,8 +248,29 @@ class GraphPass:
         size (`lend_cache`), whose pass then replays the same graph."""
         if self.graph is not None:
             return
-        self.kv = self.stacked = self.lengths = None
+        self.kv = self.stacked = self.lengths = self.attended = None
         self.counters, self.counter_steps = [], []
+
+    def attend(self, reach: int) -> None:
+        """Let the passes to come attend to the cache's first `reach` slots only (eager passes, on a cache far wider
+        than the rows' texts: a server's slots, a long budget's), until the reach moves: the cache's layers, the slot
+        map and `sees`' columns as views that long, made here once. The passes must write before `reach`."""
+        if reach == self.reach:
+            return
+        self.reach, kv = reach, self.kv
+        if reach == self.shape.slots:  # the views made once (`_views`)
+            self.attended, self.real_reach, self.real_keys, self.sees_reach = kv, *self.whole
+            return
+        self.real_reach = self.state.real[:, :reach]
+        self.real_keys, self.sees_reach = self.real_reach[:, None, None, :], self.sees_columns[:reach]
+        if self.stacked is not None:  # two ops for every layer's views
+            tensors = self.stacked[..., :reach, :].unbind(0)
+        else:
+            tensors = [t[:, :, :reach] for layer in kv.layers for t in (layer.keys, layer.values)]
+        self.attended = copy.copy(kv)
+        self.attended.layers = [copy.copy(layer) for layer in kv.layers]  # each sharing its write count
+        for layer, keys, values in zip(self.attended.layers, tensors[0::2], tensors[1::2]):
+            layer.keys, layer.values, layer.max_cache_len = keys, values, reach
 
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
         """What the logits processors read that a pass keeps, rather than finding it anew every pass (`processors`:
@@ -273,7 +302,6 @@ class GraphPass:
         self.live_column = self.live[:, None]
         self.slots = torch.zeros(shape.width, dtype=torch.long, device=state.fed.device)  # this pass's cache slots
         self.draft_slots = self.slots[shape.pending : shape.kept]
-        self.real_keys = state.real[:, None, None, :]
         self.decoded_column, self.last_column = state.decoded[:, None], state.last_position[:, None]
         self.text_start, self.text_last_column = state.write_offsets[:, 0], state.text_last[:, None]
         self.rows = torch.arange(shape.batch, device=state.fed.device)[:, None]
@@ -411,20 +439,20 @@ def _forward(g: GraphPass) -> torch.Tensor:
         use_cache=True,
         return_dict=True,
         logits_to_keep=shape.width - shape.pending + 1,
-        **{CACHE_ARG: g.kv},
+        **{CACHE_ARG: g.attended},
     )
     return out.logits.float()
 
 
 def _slot_attention(g: GraphPass, positions: torch.Tensor):
-    """`(batch, 1, width, slots)` additive mask of a pass written at `g.slots`: a query sees the real slots before
+    """`(batch, 1, width, reach)` additive mask of a pass written at `g.slots`: a query sees the real slots before
     the pass and, within it, the real ones the tree's visibility allows. With sliding-window layers, theirs also
     hides the keys `window` positions or more behind a query, counted in positions, not slots (holes push slots
     apart): a real slot before the pass holds the row's token of its rank, the pass's own slots their fed positions."""
-    full = torch.where(g.real_keys, g.sees.index_select(3, g.sees_columns), g.shut)
+    full = torch.where(g.real_keys, g.sees.index_select(3, g.sees_reach), g.shut)
     if not g.shape.window:
         return full
-    keys = (g.state.real.cumsum(dim=1) - 1).index_copy_(1, g.slots, positions)
+    keys = (g.real_reach.cumsum(dim=1) - 1).index_copy_(1, g.slots, positions)
     near = keys[:, None, None, :] > (positions - g.shape.window)[:, None, :, None]
     sliding = torch.where(near, full, g.shut)
     return sliding if g.shape.sliding_only else {"full_attention": full, "sliding_attention": sliding}
