@@ -31,12 +31,14 @@ MODES = {
 
 
 def generate(model, enc, enabled: bool = True, **kwargs):
-    graph.ENABLED = enabled
+    """Static-cache `generate()` through the graph pass (or, not `enabled`, the loop), whose passes keep their width
+    here as the loop's on a static cache do (`graph.NARROWS` off): their K/V are compared bit for bit."""
+    graph.ENABLED, graph.NARROWS = enabled, False
     try:
         kwargs = {"max_new_tokens": 40, "cache_implementation": "static", "return_dict_in_generate": True, **kwargs}
         return model.generate(**enc, **kwargs)
     finally:
-        graph.ENABLED = True
+        graph.ENABLED, graph.NARROWS = True, True
 
 
 def graph_passes(model) -> int:

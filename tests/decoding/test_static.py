@@ -14,6 +14,7 @@ from transformers import CompileConfig, GenerationMixin, StaticCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import hf_mars
+from hf_mars.decoding import graph
 from hf_mars.decoding.compat import CACHE_ARG
 
 MODES = {
@@ -113,6 +114,25 @@ def test_compiled_mars_reuses_one_graph_and_equals_the_dynamic_cache():
         assert torch.equal(warm.sequences, run(model, enc, False, **mode).sequences)
 
 
+def test_an_eager_tau_pass_on_a_cpu_feeds_no_column_that_is_a_hole_in_every_row(trained_toy):
+    """τ-mode right-aligns the tokens each row took last, up to B, in every pass: on a CPU, where a column costs its
+    compute, an eager pass skips the columns that are holes in every row still decoding (`GraphPass.narrow`), as the
+    loop's dynamic passes are as wide as the rows' pending tokens; the tokens stay those of the dynamic cache."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=3, seed=2)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        out = run(model, enc, True, **MODES["tau=0.7"])
+    finally:
+        hook.remove()
+    whole = 2 * model.config.mars_block_size - 1  # B pending slots, B - 1 masks
+    passes = widths[1:]  # after the prompt's
+    assert max(passes) <= whole and min(passes) < whole, passes
+    assert len(set(passes)) > 1, "the premise: passes after which the rows hold several tokens, and after one"
+    assert torch.equal(out.sequences, run(model, enc, False, **MODES["tau=0.7"]).sequences)
+
+
 @pytest.mark.parametrize("mode", ["tau=0.7", "lossless tree"])
 def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch):
     """A device-to-host read stalls the host until the device catches up, which a host-bound GPU step cannot afford:
@@ -121,6 +141,7 @@ def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch
 
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=2)
+    monkeypatch.setattr(graph, "NARROWS", False)  # as on a GPU: a CPU's eager τ-mode pass reads what it may skip
     reads = []
     for name in ("item", "tolist", "__bool__", "__int__", "__index__"):
         original = getattr(torch.Tensor, name)

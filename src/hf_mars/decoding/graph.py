@@ -52,6 +52,10 @@ GRAPHS_KEPT = 8  # graph passes kept per model (their buffers and tables; K/V on
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
 ENABLED = True
+# Whether an eager τ-mode pass on a CPU feeds only the pending columns some row holds (`GraphPass.narrow`): there a
+# pass costs its compute, and holes are compute spent on nothing; on a GPU a pass keeps its shape (launches are the
+# cost). Tools that count a GPU's host ops on a CPU turn it off
+NARROWS = True
 # Whether a pass captured on CUDA is compiled whole (its bookkeeping fused with the forward by inductor, then captured
 # as one CUDA graph) rather than its forward alone; off until a GPU's measurements choose it. Tools turn it on.
 FUSED = False
@@ -196,7 +200,8 @@ class GraphPass:
         on_cuda = captured(device, compile_config is not None)
         self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
         self.forward, self.step = model, graph_pass
-        self.eager = compile_config is None  # shapes may change between passes (`attend`)
+        self.eager = compile_config is None  # shapes may change between passes (`attend`, `narrow`)
+        self.narrows = self.eager and device.type == "cpu" and not shape.verify and shape.masks and shape.pending > 1
         if on_cuda and not FUSED:  # the forward compiled without CUDA graphs of its own; the pass around it captured
             self.forward = _compiled(model.__call__, compile_config, "default")
         elif compile_config is not None:  # the whole pass compiled as one function (on CUDA, then captured whole)
@@ -207,6 +212,7 @@ class GraphPass:
             setattr(self, name, table.to(device))
         self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
         self.whole = (state.real, state.real[:, None, None, :], self.sees_columns)  # what attention reads of them
+        self.lead, self.leads = 0, {0: (state.fed, self.relative, self.sees, self.slots)}  # `narrow`'s views
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self._processor_buffers(model, shape, processors, device)
@@ -271,6 +277,27 @@ class GraphPass:
         self.attended.layers = [copy.copy(layer) for layer in kv.layers]  # each sharing its write count
         for layer, keys, values in zip(self.attended.layers, tensors[0::2], tensors[1::2]):
             layer.keys, layer.values, layer.max_cache_len = keys, values, reach
+
+    def feed_held(self) -> None:
+        """Before an eager τ-mode pass on a CPU (`NARROWS`): skip the pending columns that are holes in every row
+        still decoding (`narrow`); one read of the device, which a CPU does not wait for. Else the whole pass."""
+        lead = 0
+        if self.narrows and NARROWS:
+            held = int((self.pending_real & self.live_column).sum(dim=1).max())
+            lead = self.shape.pending - max(held, 1)
+        self.narrow(lead)
+
+    def narrow(self, lead: int) -> None:
+        """Let the next pass skip its first `lead` columns, pending slots that are holes in every row still decoding
+        (τ-mode right-aligns the tokens a row took last, up to B): it feeds the rest, and its K/V land in the slots the
+        whole pass would have written them to. The counts of written slots start `lead` further on; after the pass
+        they stand where a whole pass leaves them. Eager passes only: the views are kept, one set per `lead`."""
+        if lead not in self.leads:
+            fed, relative, sees, slots = self.leads[0]
+            self.leads[lead] = (fed[:, lead:], relative[lead:], sees[:, :, lead:], slots[lead:])
+        self.lead = lead
+        if lead:
+            torch._foreach_add_(self.lengths, lead)
 
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
         """What the logits processors read that a pass keeps, rather than finding it anew every pass (`processors`:
@@ -429,12 +456,13 @@ def _forward(g: GraphPass) -> torch.Tensor:
     map and the tree's visibility. The logits from the last pending token on, in float32."""
     shape, state = g.shape, g.state
     state.real.index_copy_(1, g.slots, state.fed_real)
-    positions = g.last_column + g.relative
+    fed, relative, sees, slots = g.leads[g.lead]  # every column, or those past the holes (`narrow`)
+    positions = g.last_column + relative
     if not shape.verify:  # right-aligned pending tokens: the holes on the left would count back past 0
         positions.clamp_(min=0)
     out = g.forward(
-        input_ids=state.fed,
-        attention_mask=_slot_attention(g, positions),
+        input_ids=fed,
+        attention_mask=_slot_attention(g, positions, sees, slots),
         position_ids=positions,
         use_cache=True,
         return_dict=True,
@@ -444,15 +472,16 @@ def _forward(g: GraphPass) -> torch.Tensor:
     return out.logits.float()
 
 
-def _slot_attention(g: GraphPass, positions: torch.Tensor):
-    """`(batch, 1, width, reach)` additive mask of a pass written at `g.slots`: a query sees the real slots before
-    the pass and, within it, the real ones the tree's visibility allows. With sliding-window layers, theirs also
-    hides the keys `window` positions or more behind a query, counted in positions, not slots (holes push slots
-    apart): a real slot before the pass holds the row's token of its rank, the pass's own slots their fed positions."""
-    full = torch.where(g.real_keys, g.sees.index_select(3, g.sees_reach), g.shut)
+def _slot_attention(g: GraphPass, positions: torch.Tensor, sees: torch.Tensor, slots: torch.Tensor):
+    """`(batch, 1, fed, reach)` additive mask of a pass whose fed columns are written at `slots`: a query sees the
+    real slots before the pass and, within it, the real ones the tree's visibility allows (`sees`: its rows for the
+    fed columns). With sliding-window layers, theirs also hides the keys `window` positions or more behind a query,
+    counted in positions, not slots (holes push slots apart): a real slot before the pass holds the row's token of its
+    rank, the pass's own slots their fed positions."""
+    full = torch.where(g.real_keys, sees.index_select(3, g.sees_reach), g.shut)
     if not g.shape.window:
         return full
-    keys = (g.real_reach.cumsum(dim=1) - 1).index_copy_(1, g.slots, positions)
+    keys = (g.real_reach.cumsum(dim=1) - 1).index_copy_(1, slots, positions)
     near = keys[:, None, None, :] > (positions - g.shape.window)[:, None, :, None]
     sliding = torch.where(near, full, g.shut)
     return sliding if g.shape.sliding_only else {"full_attention": full, "sliding_attention": sliding}

@@ -195,8 +195,9 @@ class Runner:
             self.tau = tau
         if self.slot + self.shape.width > self.shape.slots:
             self._compact()
-        if g.eager:  # attention over the slots in use, in steps (a compiled pass keeps its shapes)
+        if g.eager:  # attention over the slots in use, in steps, and no column that is a hole in every row
             g.attend(min(self.shape.slots, -(-(self.slot + self.shape.width) // REACH_STEP) * REACH_STEP))
+            g.feed_held()
         if not self.log:
             state.step.zero_()  # each pass's accepted counts are read after it, in row 0
         g.run()

@@ -171,16 +171,28 @@ def host_ops(
     against the plain step of the same decoding; the prompt's pass counts with the rest. Both are called alike,
     returning the sequences alone (`return_dict_in_generate` would add, once per run, the building of the returned
     cache, which MARS gathers from its own). The decodings in `dynamic` run on a dynamic cache too (`generate()`'s
-    default), which the loop runs, against plain's dynamic step."""
+    default), which the loop runs, against plain's dynamic step. Graph passes keep their shape, as on a GPU
+    (`graph.NARROWS` off)."""
+    rows, narrows = [], graph.NARROWS
+    graph.NARROWS = False
+    try:
+        for decoding in decodings:
+            rows += _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens, decoding, dynamic)
+    finally:
+        graph.NARROWS = narrows
+    return rows
+
+
+def _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens: int, decoding: str, dynamic) -> list[dict]:
+    """`host_ops`' rows for one decoding: its static cache, and its dynamic one where asked."""
     rows = []
-    for decoding in decodings:
-        caches = {"static": dict(cache_implementation="static")} | ({"dynamic": {}} if decoding in dynamic else {})
-        for cache, cache_kwargs in caches.items():
-            for batch in batch_sizes:
-                inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
-                kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **cache_kwargs)
-                common = dict(batch=batch, decoding=decoding if cache == "static" else f"{decoding}, dynamic cache")
-                rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common, static=cache == "static")
+    caches = {"static": dict(cache_implementation="static")} | ({"dynamic": {}} if decoding in dynamic else {})
+    for cache, cache_kwargs in caches.items():
+        for batch in batch_sizes:
+            inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
+            kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **cache_kwargs)
+            common = dict(batch=batch, decoding=decoding if cache == "static" else f"{decoding}, dynamic cache")
+            rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common, static=cache == "static")
     return rows
 
 
