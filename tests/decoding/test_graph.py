@@ -32,13 +32,15 @@ MODES = {
 
 def generate(model, enc, enabled: bool = True, **kwargs):
     """Static-cache `generate()` through the graph pass (or, not `enabled`, the loop), whose passes keep their width
-    here as the loop's on a static cache do (`graph.NARROWS` off): their K/V are compared bit for bit."""
-    graph.ENABLED, graph.NARROWS = enabled, False
+    and attend to every slot here, as the loop's on a static cache do (`graph.NARROWS` off, a reach as wide as any
+    cache): their K/V are compared bit for bit."""
+    reach_step = graph.REACH_STEP
+    graph.ENABLED, graph.NARROWS, graph.REACH_STEP = enabled, False, 1 << 30
     try:
         kwargs = {"max_new_tokens": 40, "cache_implementation": "static", "return_dict_in_generate": True, **kwargs}
         return model.generate(**enc, **kwargs)
     finally:
-        graph.ENABLED, graph.NARROWS = True, True
+        graph.ENABLED, graph.NARROWS, graph.REACH_STEP = True, True, reach_step
 
 
 def graph_passes(model) -> int:

@@ -257,6 +257,10 @@ class GraphPass:
         self.kv = self.stacked = self.lengths = self.attended = None
         self.counters, self.counter_steps = [], []
 
+    def reach_for(self, end: int) -> int:
+        """The reach (`attend`) of passes that write up to slot `end`: that, rounded up to `REACH_STEP`."""
+        return min(self.shape.slots, -(-end // REACH_STEP) * REACH_STEP)
+
     def attend(self, reach: int) -> None:
         """Let the passes to come attend to the cache's first `reach` slots only (eager passes, on a cache far wider
         than the rows' texts: a server's slots, a long budget's), until the reach moves: the cache's layers, the slot

@@ -24,7 +24,7 @@ import torch
 
 from .cache import StaticMARSCache, allocate_stacked
 from .compat import full_attention_config
-from .graph import REACH_STEP, GraphPass, GraphShape, enabled
+from .graph import GraphPass, GraphShape, enabled
 from .scoring import by_rules, follow_padding, history_free, processors_signature
 from .session import BRANCHING
 from .settings import read_tau
@@ -196,7 +196,7 @@ class Runner:
         if self.slot + self.shape.width > self.shape.slots:
             self._compact()
         if g.eager:  # attention over the slots in use, in steps, and no column that is a hole in every row
-            g.attend(min(self.shape.slots, -(-(self.slot + self.shape.width) // REACH_STEP) * REACH_STEP))
+            g.attend(g.reach_for(self.slot + self.shape.width))
             g.feed_held()
         if not self.log:
             state.step.zero_()  # each pass's accepted counts are read after it, in row 0
