@@ -18,6 +18,7 @@ This file is copied into MARS checkpoints (trust_remote_code): it imports torch,
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import torch
@@ -386,6 +387,21 @@ def stacked_layers(kv) -> torch.Tensor | None:
     if len(tensors) != len(stacked) or any(t.data_ptr() != row.data_ptr() for t, row in zip(tensors, stacked)):
         return None  # the layers were given other tensors since
     return stacked
+
+
+def cache_view(kv, slots: slice, rows: slice = slice(None), stacked: torch.Tensor | None = None):
+    """A static cache `kv` seen through views: each layer's keys and values sliced to `rows` and `slots` (a forward's
+    writes land in `kv`), each layer as long as its slots, sharing `kv`'s count of written slots. `stacked`: the one
+    tensor the layers are views of (`stacked_layers`), sliced once for all of them."""
+    if stacked is not None:
+        tensors = stacked[:, rows, :, slots].unbind(0)
+    else:
+        tensors = [t[rows, :, slots] for layer in kv.layers for t in (layer.keys, layer.values)]
+    view = copy.copy(kv)
+    view.layers = [copy.copy(layer) for layer in kv.layers]
+    for layer, keys, values in zip(view.layers, tensors[0::2], tensors[1::2]):
+        layer.keys, layer.values, layer.max_cache_len = keys, values, keys.shape[2]
+    return view
 
 
 def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> DynamicCache:

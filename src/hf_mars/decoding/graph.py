@@ -27,7 +27,6 @@ This file is copied into MARS checkpoints (trust_remote_code).
 
 from __future__ import annotations
 
-import copy
 import math
 import threading
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cache import compact_static, pass_positions, stacked_layers
+from .cache import cache_view, compact_static, pass_positions, stacked_layers
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes, static_cache_size
 from .schedule import offers, rate_moves, rates_after
@@ -201,7 +200,8 @@ class GraphPass:
         self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
         self.forward, self.step = model, graph_pass
         self.eager = compile_config is None  # shapes may change between passes (`attend`, `narrow`)
-        self.narrows = self.eager and device.type == "cpu" and not shape.verify and shape.masks and shape.pending > 1
+        tau_masks = not shape.verify and shape.masks > 0 and shape.pending > 1  # B pending columns, some holes
+        self.narrows = self.eager and device.type == "cpu" and tau_masks
         if on_cuda and not FUSED:  # the forward compiled without CUDA graphs of its own; the pass around it captured
             self.forward = _compiled(model.__call__, compile_config, "default")
         elif compile_config is not None:  # the whole pass compiled as one function (on CUDA, then captured whole)
@@ -273,14 +273,7 @@ class GraphPass:
             return
         self.real_reach = self.state.real[:, :reach]
         self.real_keys, self.sees_reach = self.real_reach[:, None, None, :], self.sees_columns[:reach]
-        if self.stacked is not None:  # two ops for every layer's views
-            tensors = self.stacked[..., :reach, :].unbind(0)
-        else:
-            tensors = [t[:, :, :reach] for layer in kv.layers for t in (layer.keys, layer.values)]
-        self.attended = copy.copy(kv)
-        self.attended.layers = [copy.copy(layer) for layer in kv.layers]  # each sharing its write count
-        for layer, keys, values in zip(self.attended.layers, tensors[0::2], tensors[1::2]):
-            layer.keys, layer.values, layer.max_cache_len = keys, values, reach
+        self.attended = cache_view(kv, slice(reach), stacked=self.stacked)
 
     def feed_held(self) -> None:
         """Before an eager τ-mode pass on a CPU (`NARROWS`): skip the pending columns that are holes in every row

@@ -17,12 +17,11 @@ This file is copied into MARS checkpoints (trust_remote_code).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import torch
 
-from .cache import StaticMARSCache, allocate_stacked
+from .cache import StaticMARSCache, allocate_stacked, cache_view
 from .compat import full_attention_config
 from .graph import GraphPass, GraphShape, enabled
 from .scoring import by_rules, follow_padding, history_free, processors_signature
@@ -155,12 +154,9 @@ class Runner:
             for written in self.graph.lengths or []:
                 written.fill_(0)
             return mine
-        view = copy.copy(kv)
-        view.layers = [copy.copy(layer) for layer in kv.layers]
-        for layer in view.layers:
-            layer.keys = layer.keys[first : first + rows, :, start:end]
-            layer.values = layer.values[first : first + rows, :, start:end]
-            layer.max_cache_len, layer.cumulative_length = end - start, torch.zeros_like(layer.cumulative_length)
+        view = cache_view(kv, slice(start, end), slice(first, first + rows), self.graph.stacked)
+        for layer in view.layers:  # its own count of written slots, from `start`
+            layer.cumulative_length = torch.zeros_like(layer.cumulative_length)
         cache = StaticMARSCache(view, rows, self.graph.state.done.device)
         cache.stacked = None  # the pass fits: never compacted
         return cache
