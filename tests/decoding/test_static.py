@@ -133,6 +133,31 @@ def test_an_eager_tau_pass_on_a_cpu_feeds_no_column_that_is_a_hole_in_every_row(
     assert torch.equal(out.sequences, run(model, enc, False, **MODES["tau=0.7"]).sequences)
 
 
+@pytest.mark.parametrize("mode", ["lossless tree", "lossless per-depth tree"])  # the toy drafts every chain's node
+def test_an_eager_lossless_pass_on_a_cpu_feeds_the_tree_nodes_some_row_drafts(trained_toy, mode, monkeypatch):
+    """A lossless pass of a static cache has the full tree's shape, but a row drafts only while its masks are
+    confident: on a CPU an eager pass feeds the tree's nodes up to the last one some row drafts, and the masks after
+    them (`GraphPass.prune`), as the loop's dynamic passes feed the drafts there are. The tokens stay greedy
+    `generate()`'s, and the passes the whole pass's."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=1, seed=3)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        out = run(model, enc, True, **MODES[mode])
+        monkeypatch.setattr(graph, "NARROWS", False)
+        whole = run(model, enc, True, **MODES[mode])
+    finally:
+        hook.remove()
+    passes = out.mars_stats.forward_passes
+    pruned, full = widths[1:passes], widths[passes + 1 :]  # after each run's prompt pass
+    assert len(set(full)) == 1 and max(pruned) <= full[0], (pruned, full)
+    assert min(pruned) < full[0], "the premise: a pass where no row drafts the whole tree"
+    plain = model.generate(**enc, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out.sequences, plain) and torch.equal(whole.sequences, plain)
+    assert out.mars_stats.forward_passes == whole.mars_stats.forward_passes
+
+
 @pytest.mark.parametrize("mode", ["tau=0.7", "lossless tree"])
 def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch):
     """A device-to-host read stalls the host until the device catches up, which a host-bound GPU step cannot afford:

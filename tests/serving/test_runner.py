@@ -230,6 +230,37 @@ def test_a_prompts_pass_writes_its_k_v_straight_into_the_runners_rows():
         assert int(real.sum()) == prompts[1].numel(), "its real slots: the prompt's (its first token is pending)"
 
 
+@pytest.mark.parametrize("mode", ["tau=1", "lossless tree"])
+def test_an_eager_runner_on_a_cpu_computes_the_rows_in_use_not_every_row_it_has(trained_toy, mode, monkeypatch):
+    """A server's runner holds `--max-batch-size` rows, most of them free while few clients decode: on a CPU an eager
+    pass feeds the rows from the first to the last that decode or hold a token to cache (`GraphPass.take_rows`;
+    requests join the first free rows), and leaves out a free row between them where its compute outweighs copying
+    the others' K/V (a lossless pass's tree, not τ = 1's one token). No row that decodes is left out, and every request
+    still gets greedy `generate()`'s tokens alone."""
+    fed, forward = [], graph._forward
+
+    def recorded(g):
+        rows = torch.arange(g.shape.batch)[g.fed_rows if g.fed_rows is not None else slice(None)]
+        decoding = (~g.state.done).nonzero().flatten()
+        left_out = bool(torch.isin(decoding, rows, invert=True).any())
+        fed.append((rows.numel(), left_out, rows.numel() < int(rows[-1] - rows[0]) + 1))
+        return forward(g)
+
+    monkeypatch.setattr(graph, "_forward", recorded)
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=5)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    budgets = [30, 12, 30, 25]  # the second row is freed while the others decode
+    finished, held = _serve(model, prompts, budgets, MODES[mode], 4, SLOTS[mode], every=1)
+    assert len(fed) == len(held) and not any(left_out for _, left_out, _ in fed), "a decoding row was left out"
+    assert fed[0][0] == held[0] < 4, "the first pass decodes the first requests alone"
+    assert sum(rows for rows, _, _ in fed) < 4 * len(fed)
+    assert any(apart for _, _, apart in fed) == (mode == "lossless tree")
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])
+        assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_an_eager_runner_attends_to_the_slots_in_use_not_every_slot_it_has(trained_toy, family):
     """On a cache far wider than the rows' texts (a server's slots), an eager runner's passes attend to a reach that

@@ -397,6 +397,19 @@ def cache_view(kv, slots: slice, rows: slice = slice(None), stacked: torch.Tenso
         tensors = stacked[:, rows, :, slots].unbind(0)
     else:
         tensors = [t[rows, :, slots] for layer in kv.layers for t in (layer.keys, layer.values)]
+    return _cache_over(kv, tensors)
+
+
+def gathered_cache(kv, reach: int, rows: torch.Tensor, stacked: torch.Tensor):
+    """`(cache, gathered)`: a static cache of `kv`'s `rows` (indices, not necessarily adjacent) and first `reach`
+    slots, copied out of `stacked` (`stacked_layers`) into `gathered`, sharing `kv`'s count of written slots. A
+    forward's writes land in the copy: `stacked[..., :reach].index_copy_(1, rows, gathered)` puts them back."""
+    gathered = stacked[:, :, :, :reach].index_select(1, rows)
+    return _cache_over(kv, gathered.unbind(0)), gathered
+
+
+def _cache_over(kv, tensors):
+    """`kv` with each layer's keys and values replaced by `tensors` (keys, values, keys, ...), as long as they are."""
     view = copy.copy(kv)
     view.layers = [copy.copy(layer) for layer in kv.layers]
     for layer, keys, values in zip(view.layers, tensors[0::2], tensors[1::2]):

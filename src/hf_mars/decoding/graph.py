@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cache import cache_view, compact_static, pass_positions, stacked_layers
+from .cache import cache_view, compact_static, gathered_cache, pass_positions, stacked_layers
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes, static_cache_size
 from .schedule import offers, rate_moves, rates_after
@@ -44,9 +44,9 @@ from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
 WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, as CUDA's capture rules ask
-# Slots an eager pass's attention reach grows by (`GraphPass.attend`): a new reach costs a few ops once, so it moves
-# every few dozen passes, not every pass
-REACH_STEP = 128
+# Slots an eager pass's attention reach grows by (`GraphPass.attend`): a new reach costs a view of each layer once, so
+# it moves every pass or two at most, while attention reads few slots past the text
+REACH_STEP = 32
 GRAPHS_KEPT = 8  # graph passes kept per model (their buffers and tables; K/V only where `captured`)
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
 # Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
@@ -55,6 +55,10 @@ ENABLED = True
 # pass costs its compute, and holes are compute spent on nothing; on a GPU a pass keeps its shape (launches are the
 # cost). Tools that count a GPU's host ops on a CPU turn it off
 NARROWS = True
+# An eager pass on a CPU leaves out the idle rows between the rows it feeds (`GraphPass.take_rows`) where the compute
+# saved, about 2 FLOPs per parameter and fed column, outweighs copying the fed rows' K/V out and back, at this many
+# FLOPs per byte copied: the order of a CPU core's matmul throughput over its memory bandwidth
+FLOPS_PER_BYTE_COPIED = 10
 # Whether a pass captured on CUDA is compiled whole (its bookkeeping fused with the forward by inductor, then captured
 # as one CUDA graph) rather than its forward alone; off until a GPU's measurements choose it. Tools turn it on.
 FUSED = False
@@ -199,9 +203,8 @@ class GraphPass:
         on_cuda = captured(device, compile_config is not None)
         self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
         self.forward, self.step = model, graph_pass
-        self.eager = compile_config is None  # shapes may change between passes (`attend`, `narrow`)
-        tau_masks = not shape.verify and shape.masks > 0 and shape.pending > 1  # B pending columns, some holes
-        self.narrows = self.eager and device.type == "cpu" and tau_masks
+        self.eager = compile_config is None  # shapes may change between passes (`attend`, `feed_held`)
+        self.narrows = self.eager and device.type == "cpu"  # where a pass costs its compute (`feed_held`)
         if on_cuda and not FUSED:  # the forward compiled without CUDA graphs of its own; the pass around it captured
             self.forward = _compiled(model.__call__, compile_config, "default")
         elif compile_config is not None:  # the whole pass compiled as one function (on CUDA, then captured whole)
@@ -213,6 +216,10 @@ class GraphPass:
         self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
         self.whole = (state.real, state.real[:, None, None, :], self.sees_columns)  # what attention reads of them
         self.lead, self.leads = 0, {0: (state.fed, self.relative, self.sees, self.slots)}  # `narrow`'s views
+        self.pruned, self.prunes = None, {}  # `prune`'s tables
+        self.fed_rows = self.rows_view = self.gathered = None  # `take_rows`' rows, their cache, their K/V copied
+        self.flops_per_column = 2 * sum(p.numel() for p in model.parameters())  # what a row's fed column costs
+        self.logits_buffer = None  # a pass's logits where it fed some rows or columns alone (`_narrow_logits`)
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self._processor_buffers(model, shape, processors, device)
@@ -276,13 +283,55 @@ class GraphPass:
         self.attended = cache_view(kv, slice(reach), stacked=self.stacked)
 
     def feed_held(self) -> None:
-        """Before an eager τ-mode pass on a CPU (`NARROWS`): skip the pending columns that are holes in every row
-        still decoding (`narrow`); one read of the device, which a CPU does not wait for. Else the whole pass."""
-        lead = 0
+        """Before an eager pass on a CPU (`NARROWS`), where a pass costs its compute: feed the rows from the first to
+        the last that still decodes or holds a token to cache (`take_rows`); in τ-mode skip the pending columns that
+        are holes in every row still decoding (`narrow`), in lossless mode the tree's nodes after the last one such a
+        row drafts (`prune`). A few reads of the device, which a CPU does not wait for. Elsewhere the whole pass."""
+        shape, state = self.shape, self.state
+        rows, lead, nodes = None, 0, len(shape.tree)
         if self.narrows and NARROWS:
-            held = int((self.pending_real & self.live_column).sum(dim=1).max())
-            lead = self.shape.pending - max(held, 1)
+            if shape.verify:
+                drafted = (self.drafts_real & ~state.done[:, None]).any(dim=0).nonzero()
+                nodes = int(drafted[-1]) + 1 if drafted.numel() else 0
+            elif shape.pending > 1:
+                held = int((self.pending_real & self.live_column).sum(dim=1).max())
+                lead = shape.pending - max(held, 1)
+            rows = self._rows_in_use(shape.width - lead - (len(shape.tree) - nodes) * (1 + shape.masks))
+        self.take_rows(rows)
         self.narrow(lead)
+        self.prune(nodes)
+
+    def _rows_in_use(self, width: int) -> slice | torch.Tensor | None:
+        """The rows a pass of `width` columns feeds (`take_rows`): from the first to the last that decodes or holds a
+        token to cache, or those rows alone where the rows between them that do neither cost more to compute than
+        copying those rows' K/V out and back (`FLOPS_PER_BYTE_COPIED`)."""
+        state = self.state
+        busy = (~state.done | state.fed_real[:, : self.shape.kept].any(dim=1)).nonzero().flatten()
+        if not busy.numel():
+            return None
+        first, last = int(busy[0]), int(busy[-1]) + 1
+        idle = last - first - busy.numel()
+        copied = 2 * busy.numel() * self.reach * self.stacked[:, 0, :, 0].nbytes if self.stacked is not None else 0
+        if idle and copied and idle * width * self.flops_per_column > FLOPS_PER_BYTE_COPIED * copied:
+            return busy
+        return slice(first, last)
+
+    def take_rows(self, rows: slice | torch.Tensor | None) -> None:
+        """Let the next pass compute `rows` of the batch alone (None: every row): adjacent rows (a slice) through a
+        view of the cache, else (their indices) through a copy of their K/V that the pass puts back (`_forward`). The
+        rows left out decode nothing and hold no real token still to cache (done, or free in a runner): their logits
+        are the stale numbers of a buffer laid out as the whole pass's, which `cut` takes nothing of, and their cache
+        slots are left as they were."""
+        if isinstance(rows, slice) and (rows.start, rows.stop) == (0, self.shape.batch):
+            rows = None
+        self.fed_rows, self.gathered = rows, None
+        if isinstance(rows, torch.Tensor):
+            self.rows_view = (None, *gathered_cache(self.kv, self.reach, rows, self.stacked))
+            self.gathered = self.rows_view[2]
+            return
+        key = None if rows is None else (rows.start, rows.stop, self.attended)  # a new reach or cache: a new view
+        if key is not None and (self.rows_view is None or self.rows_view[0] != key):
+            self.rows_view = (key, cache_view(self.kv, slice(self.reach), rows, self.stacked), None)
 
     def narrow(self, lead: int) -> None:
         """Let the next pass skip its first `lead` columns, pending slots that are holes in every row still decoding
@@ -295,6 +344,25 @@ class GraphPass:
         self.lead = lead
         if lead:
             torch._foreach_add_(self.lengths, lead)
+
+    def prune(self, nodes: int) -> None:
+        """Let the next lossless pass feed the tree's first `nodes` drafts alone, no row still decoding having drafted
+        those after them: the root, those drafts and the groups of masks after each, written to consecutive slots from
+        the pass's first (the groups land on slots that the whole pass gives the drafts left out, which stay holes).
+        Its logits go into a buffer laid out as the whole pass's, where the columns left out keep numbers nothing
+        reads. After the pass each layer's count of written slots stands where a whole pass leaves it. Eager passes
+        only: the tables kept per `nodes`."""
+        shape = self.shape
+        if nodes == len(shape.tree):
+            self.pruned = None
+            return
+        if nodes not in self.prunes:
+            columns = _node_columns(shape, nodes)
+            visible = shape.tree.visibility(shape.pending, shape.masks)[columns][:, columns]
+            sees = _sees(visible, shape.slots, self.shut.cpu()).to(self.shut.device)
+            columns = columns.to(self.slots.device)
+            self.prunes[nodes] = (columns, self.relative[columns], sees, self.slots[: columns.numel()])
+        self.pruned = self.prunes[nodes]
 
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
         """What the logits processors read that a pass keeps, rather than finding it anew every pass (`processors`:
@@ -398,14 +466,9 @@ class GraphPass:
 def _tables(shape: GraphShape, dtype) -> dict:
     """The constants a pass indexes (see `GraphPass`), on the host."""
     width, slots = shape.width, shape.slots
-    visible = shape.tree.visibility(shape.pending, shape.masks)
-    # By key slot - pass slot + slots: before the pass every real slot is seen, within it the tree's visibility
-    sees = torch.cat(
-        [torch.ones(width, slots, dtype=torch.bool), visible, torch.zeros(width, slots - width, dtype=torch.bool)], 1
-    )
-    open_, shut = torch.zeros((), dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    shut = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     tables = dict(
-        sees=torch.where(sees, open_, shut)[None, None],  # as the additive mask's values
+        sees=_sees(shape.tree.visibility(shape.pending, shape.masks), slots, shut),
         key_columns=torch.arange(slots) + slots,
         pass_slots=torch.arange(width),
         relative=_relative_positions(shape),
@@ -422,6 +485,21 @@ def _tables(shape: GraphShape, dtype) -> dict:
         columns = torch.arange(shape.pending).expand(len(counts), -1)
         tables.update(zip(("align", "align_real"), right_align(columns, counts, shape.pending, 0)))
     return tables
+
+
+def _sees(visible: torch.Tensor, slots: int, shut: torch.Tensor) -> torch.Tensor:
+    """`(1, 1, fed, 2 * slots)` additive mask values by key slot - pass slot + `slots`: before the pass every real slot
+    is seen, within it what `visible` (fed x fed) allows, nothing after it."""
+    fed = visible.shape[0]
+    before, after = torch.ones(fed, slots, dtype=torch.bool), torch.zeros(fed, slots - fed, dtype=torch.bool)
+    return torch.where(torch.cat([before, visible, after], 1), torch.zeros_like(shut), shut)[None, None]
+
+
+def _node_columns(shape: GraphShape, nodes: int) -> torch.Tensor:
+    """The columns of a lossless pass that feeds the tree's first `nodes` drafts alone: the root, those drafts, and
+    the groups of masks after the root and each of them (the groups lie in node order)."""
+    fed_drafts = torch.arange(shape.pending + nodes)
+    return torch.cat([fed_drafts, shape.kept + torch.arange((nodes + 1) * shape.masks)])
 
 
 def _tree_tables(shape: GraphShape) -> dict:
@@ -452,33 +530,63 @@ def _forward(g: GraphPass) -> torch.Tensor:
     """The pass's forward: its slots marked in the slot map, positions counted in real tokens, a 4D mask of the slot
     map and the tree's visibility. The logits from the last pending token on, in float32."""
     shape, state = g.shape, g.state
-    state.real.index_copy_(1, g.slots, state.fed_real)
     fed, relative, sees, slots = g.leads[g.lead]  # every column, or those past the holes (`narrow`)
-    positions = g.last_column + relative
+    fed_real, marked, kept = state.fed_real, g.slots, shape.width - shape.pending + 1
+    last, kv = g.last_column, g.attended
+    if g.pruned is not None:  # lossless mode, the tree's last nodes left out (`prune`)
+        columns, relative, sees, slots = g.pruned
+        fed, fed_real, marked, kept = state.fed.index_select(1, columns), fed_real[:, columns], slots, len(columns)
+    state.real.index_copy_(1, marked, fed_real)
+    if g.fed_rows is not None:  # the rows that decode alone (`take_rows`)
+        fed, last, kv = fed[g.fed_rows], last[g.fed_rows], g.rows_view[1]
+    positions = last + relative
     if not shape.verify:  # right-aligned pending tokens: the holes on the left would count back past 0
         positions.clamp_(min=0)
     out = g.forward(
         input_ids=fed,
-        attention_mask=_slot_attention(g, positions, sees, slots),
+        attention_mask=_slot_attention(g, positions, sees, slots, g.fed_rows),
         position_ids=positions,
         use_cache=True,
         return_dict=True,
-        logits_to_keep=shape.width - shape.pending + 1,
-        **{CACHE_ARG: g.attended},
+        logits_to_keep=kept,
+        **{CACHE_ARG: kv},
     )
-    return out.logits.float()
+    if g.gathered is not None:  # the rows' K/V, with what the pass wrote, back into the cache
+        g.stacked[:, :, :, : g.reach].index_copy_(1, g.fed_rows, g.gathered)
+    if g.pruned is None and g.fed_rows is None:
+        return out.logits.float()
+    return _narrow_logits(g, out.logits)
 
 
-def _slot_attention(g: GraphPass, positions: torch.Tensor, sees: torch.Tensor, slots: torch.Tensor):
+def _narrow_logits(g: GraphPass, logits: torch.Tensor) -> torch.Tensor:
+    """The logits of a pass that fed some rows or columns alone (`GraphPass.feed_held`), in a buffer laid out as the
+    whole pass's (its other entries stale); each layer's count of written slots moved to where a whole pass leaves
+    it."""
+    shape = g.shape
+    if g.logits_buffer is None:
+        columns = shape.width - shape.pending + 1
+        g.logits_buffer = logits.new_zeros(shape.batch, columns, logits.shape[-1], dtype=torch.float32)
+    rows, columns = slice(None) if g.fed_rows is None else g.fed_rows, slice(None)
+    if g.pruned is not None:
+        columns = g.pruned[0]
+        torch._foreach_add_(g.lengths, shape.width - len(columns))
+        if isinstance(rows, torch.Tensor):  # rows by columns, not pairs
+            rows = rows[:, None]
+    g.logits_buffer[rows, columns] = logits.float()
+    return g.logits_buffer
+
+
+def _slot_attention(g: GraphPass, positions: torch.Tensor, sees: torch.Tensor, slots: torch.Tensor, rows=None):
     """`(batch, 1, fed, reach)` additive mask of a pass whose fed columns are written at `slots`: a query sees the
     real slots before the pass and, within it, the real ones the tree's visibility allows (`sees`: its rows for the
     fed columns). With sliding-window layers, theirs also hides the keys `window` positions or more behind a query,
     counted in positions, not slots (holes push slots apart): a real slot before the pass holds the row's token of its
-    rank, the pass's own slots their fed positions."""
-    full = torch.where(g.real_keys, sees.index_select(3, g.sees_reach), g.shut)
+    rank, the pass's own slots their fed positions. `rows`: the rows fed (`GraphPass.take_rows`), None for all."""
+    real_keys, real = (g.real_keys, g.real_reach) if rows is None else (g.real_keys[rows], g.real_reach[rows])
+    full = torch.where(real_keys, sees.index_select(3, g.sees_reach), g.shut)
     if not g.shape.window:
         return full
-    keys = (g.real_reach.cumsum(dim=1) - 1).index_copy_(1, slots, positions)
+    keys = (real.cumsum(dim=1) - 1).index_copy_(1, slots, positions)
     near = keys[:, None, None, :] > (positions - g.shape.window)[:, None, :, None]
     sliding = torch.where(near, full, g.shut)
     return sliding if g.shape.sliding_only else {"full_attention": full, "sliding_attention": sliding}

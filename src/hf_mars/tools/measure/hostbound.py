@@ -171,15 +171,15 @@ def host_ops(
     against the plain step of the same decoding; the prompt's pass counts with the rest. Both are called alike,
     returning the sequences alone (`return_dict_in_generate` would add, once per run, the building of the returned
     cache, which MARS gathers from its own). The decodings in `dynamic` run on a dynamic cache too (`generate()`'s
-    default), which the loop runs, against plain's dynamic step. Graph passes keep their shape, as on a GPU
-    (`graph.NARROWS` off)."""
-    rows, narrows = [], graph.NARROWS
-    graph.NARROWS = False
+    default), which the loop runs, against plain's dynamic step. Graph passes keep their shape and attend to every
+    slot, as a captured pass on a GPU does (`graph.NARROWS` off, a reach as wide as the cache)."""
+    rows, kept = [], (graph.NARROWS, graph.REACH_STEP)
+    graph.NARROWS, graph.REACH_STEP = False, 1 << 30
     try:
         for decoding in decodings:
             rows += _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens, decoding, dynamic)
     finally:
-        graph.NARROWS = narrows
+        graph.NARROWS, graph.REACH_STEP = kept
     return rows
 
 
