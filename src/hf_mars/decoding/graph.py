@@ -218,7 +218,7 @@ class GraphPass:
         self.lead, self.leads = 0, {0: (state.fed, self.relative, self.sees, self.slots)}  # `narrow`'s views
         self.pruned, self.prunes = None, {}  # `prune`'s tables
         self.fed_rows = self.rows_view = self.gathered = None  # `take_rows`' rows, their cache, their K/V copied
-        self.flops_per_column = 2 * sum(p.numel() for p in model.parameters())  # what a row's fed column costs
+        self.flops_per_column = 2 * model.num_parameters()  # what a row's fed column costs
         self.logits_buffer = None  # a pass's logits where it fed some rows or columns alone (`_narrow_logits`)
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
@@ -288,7 +288,7 @@ class GraphPass:
         are holes in every row still decoding (`narrow`), in lossless mode the tree's nodes after the last one such a
         row drafts (`prune`). A few reads of the device, which a CPU does not wait for. Elsewhere the whole pass."""
         shape, state = self.shape, self.state
-        rows, lead, nodes = None, 0, len(shape.tree)
+        lead, nodes = 0, len(shape.tree)
         if self.narrows and NARROWS:
             if shape.verify:
                 drafted = (self.drafts_real & ~state.done[:, None]).any(dim=0).nonzero()
@@ -296,16 +296,16 @@ class GraphPass:
             elif shape.pending > 1:
                 held = int((self.pending_real & self.live_column).sum(dim=1).max())
                 lead = shape.pending - max(held, 1)
-            rows = self._rows_in_use(shape.width - lead - (len(shape.tree) - nodes) * (1 + shape.masks))
-        self.take_rows(rows)
         self.narrow(lead)
         self.prune(nodes)
+        self.take_rows(self._rows_in_use() if self.narrows and NARROWS else None)
 
-    def _rows_in_use(self, width: int) -> slice | torch.Tensor | None:
-        """The rows a pass of `width` columns feeds (`take_rows`): from the first to the last that decodes or holds a
-        token to cache, or those rows alone where the rows between them that do neither cost more to compute than
-        copying those rows' K/V out and back (`FLOPS_PER_BYTE_COPIED`)."""
+    def _rows_in_use(self) -> slice | torch.Tensor | None:
+        """The rows the next pass feeds (`take_rows`), its columns cut already (`narrow`, `prune`): from the first to
+        the last that decodes or holds a token to cache, or those rows alone where the rows between them that do
+        neither cost more to compute than copying those rows' K/V out and back (`FLOPS_PER_BYTE_COPIED`)."""
         state = self.state
+        width = len(self.pruned[0]) if self.pruned is not None else self.shape.width - self.lead
         busy = (~state.done | state.fed_real[:, : self.shape.kept].any(dim=1)).nonzero().flatten()
         if not busy.numel():
             return None
@@ -326,12 +326,12 @@ class GraphPass:
             rows = None
         self.fed_rows, self.gathered = rows, None
         if isinstance(rows, torch.Tensor):
-            self.rows_view = (None, *gathered_cache(self.kv, self.reach, rows, self.stacked))
-            self.gathered = self.rows_view[2]
+            view, self.gathered = gathered_cache(self.kv, self.reach, rows, self.stacked)
+            self.rows_view = (None, view)
             return
         key = None if rows is None else (rows.start, rows.stop, self.attended)  # a new reach or cache: a new view
         if key is not None and (self.rows_view is None or self.rows_view[0] != key):
-            self.rows_view = (key, cache_view(self.kv, slice(self.reach), rows, self.stacked), None)
+            self.rows_view = (key, cache_view(self.kv, slice(self.reach), rows, self.stacked))
 
     def narrow(self, lead: int) -> None:
         """Let the next pass skip its first `lead` columns, pending slots that are holes in every row still decoding
@@ -553,6 +553,8 @@ def _forward(g: GraphPass) -> torch.Tensor:
     )
     if g.gathered is not None:  # the rows' K/V, with what the pass wrote, back into the cache
         g.stacked[:, :, :, : g.reach].index_copy_(1, g.fed_rows, g.gathered)
+    if g.pruned is not None:  # each layer's count of written slots where a whole pass leaves it
+        torch._foreach_add_(g.lengths, shape.width - len(columns))
     if g.pruned is None and g.fed_rows is None:
         return out.logits.float()
     return _narrow_logits(g, out.logits)
@@ -560,8 +562,7 @@ def _forward(g: GraphPass) -> torch.Tensor:
 
 def _narrow_logits(g: GraphPass, logits: torch.Tensor) -> torch.Tensor:
     """The logits of a pass that fed some rows or columns alone (`GraphPass.feed_held`), in a buffer laid out as the
-    whole pass's (its other entries stale); each layer's count of written slots moved to where a whole pass leaves
-    it."""
+    whole pass's (its other entries stale)."""
     shape = g.shape
     if g.logits_buffer is None:
         columns = shape.width - shape.pending + 1
@@ -569,7 +570,6 @@ def _narrow_logits(g: GraphPass, logits: torch.Tensor) -> torch.Tensor:
     rows, columns = slice(None) if g.fed_rows is None else g.fed_rows, slice(None)
     if g.pruned is not None:
         columns = g.pruned[0]
-        torch._foreach_add_(g.lengths, shape.width - len(columns))
         if isinstance(rows, torch.Tensor):  # rows by columns, not pairs
             rows = rows[:, None]
     g.logits_buffer[rows, columns] = logits.float()
