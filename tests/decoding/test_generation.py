@@ -11,7 +11,7 @@ from transformers import (
 )
 
 import hf_mars
-from hf_mars.decoding import schedule
+from hf_mars.decoding import graph, schedule
 from hf_mars.decoding import session as mars_session
 from hf_mars.decoding.scoring import confidence
 
@@ -265,9 +265,12 @@ def test_history_processors_with_rows_leaving_the_batch():
 
 
 def test_hole_compaction_is_exact(monkeypatch):
+    """The loop's dynamic cache (which decodes where the runner cannot) squeezes its holes out as often as it may, and
+    gives the runner's tokens."""
     model, tok = sharp_mars_model("llama", block_size=6)
     enc = encode(tok)
     ref = model.generate(**enc, mars_tau=0.6, max_new_tokens=40)
+    monkeypatch.setattr(graph, "ENABLED", False)
     calls = []
     original = hf_mars.MARSCache.compact
     monkeypatch.setattr(mars_session, "_COMPACT_AT", 0.0)
@@ -277,9 +280,11 @@ def test_hole_compaction_is_exact(monkeypatch):
     assert len(calls) > 5
 
 
-def test_cache_keeps_real_tokens_only():
+def test_cache_keeps_real_tokens_only(monkeypatch):
+    """The loop's dynamic cache (where the runner cannot decode) holds no mask after a pass."""
     model, tok = sharp_mars_model("qwen2")
     enc = encode(tok, ["the quick brown fox"])
+    monkeypatch.setattr(graph, "ENABLED", False)
     seen = []
     original = hf_mars.MARSCache.commit
 
@@ -491,13 +496,15 @@ def test_clear_errors():
         hf_mars.to_mars(make_model("qwen2"), tok, block_size=0)
 
 
+@pytest.mark.parametrize("runner", [True, False], ids=["runner", "loop"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", sorted(SLIDING))
-def test_sliding_window_models_are_exact_past_the_window(family, attention):
+def test_sliding_window_models_are_exact_past_the_window(family, attention, runner, monkeypatch):
     """Holes push cache slots apart, so MARS counts a sliding window in positions: every mode equals greedy
     `generate()` long past the window, on hybrid (Gemma 3, Qwen2) and all-sliding (Mistral) models, and τ-mode equals
-    the naive decoder, whose passes hold no cache and so no holes. Static caches run in the graph pass, which builds
-    the windows itself."""
+    the naive decoder, whose passes hold no cache and so no holes. In the runner's graph pass (which builds the windows
+    itself) and in the loop (where the runner cannot decode)."""
+    monkeypatch.setattr(graph, "ENABLED", runner)
     model, tok = sliding_mars_model(family, attention)
     enc = encode(tok)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=24)
@@ -513,12 +520,12 @@ def test_sliding_window_models_are_exact_past_the_window(family, attention):
     ):
         model.__dict__.pop("_mars_graphs", None)
         assert torch.equal(model.generate(**enc, max_new_tokens=24, **mode), reference), mode
-        assert bool(model.__dict__.get("_mars_graphs")) == ("cache_implementation" in mode), mode  # the graph pass
+        assert bool(model.__dict__.get("_mars_graphs")) == runner, mode  # the graph pass
     mask_id = model.config.mars_mask_token_id
     for extra in ({}, dict(cache_implementation="static")):
         model.__dict__.pop("_mars_graphs", None)
         out = model.generate(**enc, mars_tau=0.6, max_new_tokens=24, return_dict_in_generate=True, **extra)
-        assert bool(model.__dict__.get("_mars_graphs")) == bool(extra)
+        assert bool(model.__dict__.get("_mars_graphs")) == runner
         assert max(int(a.max()) for a in out.mars_stats.accepted_per_step) > 1  # multi-token passes: holes
         for i in range(len(PROMPTS)):
             ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()

@@ -1,6 +1,6 @@
 """Which function runs each MARS pass: a forward pre-hook on the model records its caller. Where a runner decodes
-(`generate()` on a static cache, a server's `--cache-slots` rows), every pass after a prompt's is the graph pass's
-forward and each prompt's pass the session's: one function for every pass, one other for prompts."""
+(`generate()` without a cache or on a static one, a server's `--cache-slots` rows), every pass after a prompt's is the
+graph pass's forward and each prompt's pass the session's: one function for every pass, one other for prompts."""
 
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ def _recording(model, calls: list):
     return model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(_caller()), with_kwargs=True)
 
 
+@pytest.mark.parametrize("cache", [{}, dict(cache_implementation="static")], ids=["no cache", "static"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_static_generate_runs_every_pass_after_the_prompts_in_the_graph_pass(model, mode, rows):
+def test_generate_runs_every_pass_after_the_prompts_in_the_graph_pass(model, mode, rows, cache):
     model, tok = model
     enc = toy_prompts(tok, n=rows, seed=3)
     assert rows == 1 or bool((enc.attention_mask == 0).any()), "the premise: a ragged batch"
@@ -56,8 +57,8 @@ def test_a_static_generate_runs_every_pass_after_the_prompts_in_the_graph_pass(m
             **enc,
             max_new_tokens=24,
             min_new_tokens=24,
-            cache_implementation="static",
             return_dict_in_generate=True,
+            **cache,
             **MODES[mode],
         )
     finally:

@@ -160,8 +160,8 @@ def run_host_bound(args) -> None:
     print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
     print("\naten ops dispatched outside the model's forward (eager; the prompt's pass included; static cache, then")
-    print("greedy on a dynamic cache, generate()'s default, which the loop runs); 'one more pass': what each further")
-    print("pass adds, a run's set-up cancelled out (the run against one of half its new tokens):\n")
+    print("greedy on cache_implementation='dynamic', which the loop runs); 'one more pass': what each further pass")
+    print("adds, a run's set-up cancelled out (the run against one of half its new tokens):\n")
     ops = host_ops(model, tokenizer, args.batch_sizes, args.max_new_tokens, tuple(DECODINGS), dynamic=("greedy",))
     print(format_host_ops(ops))
     if not args.compile:
@@ -302,7 +302,7 @@ def run(args) -> None:
     )
     device = device_name(model)
     name, attention = args.model or "the shipped checkpoint", model.config._attn_implementation
-    how = "static cache, compiled" if args.compile else "dynamic cache, eager"
+    how = "static cache, compiled" if args.compile else "default cache (MARS: the runner's static one), eager"
     how += f", {describe_decoding(args)}" if describe_decoding(args) else ""
     how += " (agreement: equal draws)" if sampling else ""
     print(f"\n{name} on {device}, {args.dtype}, {attention}, {how}, {len(prompts)} prompts\n")

@@ -126,7 +126,7 @@ def _report(model, args, n_prompts: int, cells, best: dict, fastest) -> None:
     from ..tools.measure.bench import format_table
 
     device = model.device.type if model.device.type != "cpu" else f"cpu, {torch.get_num_threads()} threads"
-    path = "static cache, compiled" if args.compile else "dynamic cache, eager"
+    path = "static cache, compiled" if args.compile else "default cache (MARS: the runner's static one), eager"
     print(f"\nLossless draft trees on {device}, {args.dtype}, {path}, batch {args.batch_size}, {n_prompts} prompts:\n")
     print(format_table(cells))
     ar = next(c for c in cells if c.method == "ar")

@@ -43,7 +43,7 @@ class KVBook(Protocol):
 
     @property
     def length(self) -> int: ...
-    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float, verify: bool = False) -> int: ...
+    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float, whole_tree: bool = False) -> int: ...
     def wide_mask(self, width: int) -> bool: ...
     def step_inputs(self, new_real, num_masks: int, tree: DraftTree = NO_DRAFTS, dense=None): ...
     def forward_kwargs(self, width: int) -> dict: ...
@@ -108,7 +108,7 @@ class MARSCache(DynamicCache):
         masks = torch.ones(new_real.shape[0], (len(tree) + 1) * num_masks, dtype=torch.bool, device=new_real.device)
         return torch.cat([self.real, new_real, masks], dim=1).long(), position_ids
 
-    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float, verify: bool = False) -> int:
+    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float, whole_tree: bool = False) -> int:
         """Masks per group this pass: none at τ >= 1 (no mask proposes there); else the largest a row is offered (or
         more, where a wider pass is cheaper: `MaskSchedule.width`)."""
         if tau >= 1.0:
@@ -281,11 +281,12 @@ class StaticMARSCache:
     def kv_length(self, width: int) -> int:
         return self.size
 
-    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float, verify: bool = False) -> int:
+    def masks_per_group(self, schedule, offered: torch.Tensor, tau: float, whole_tree: bool = False) -> int:
         """All B-1 masks below τ = 1, whatever a row is offered (it uses only those), so that the shape stays; in
-        lossless mode at every τ, so that its pass has the graph pass's shape, whose τ may cross 1 live (at τ >= 1
-        its masks propose nothing, and prompt lookup still drafts)."""
-        return schedule.most if tau < 1.0 or verify else 0
+        lossless greedy mode at every τ (`whole_tree`), so that its drafts have the graph pass's tree, whose τ may
+        cross 1 live (at τ >= 1 its masks propose nothing, and prompt lookup still drafts). Sampled, none at τ >= 1:
+        no token is drawn for them, so that a seed draws plain sampling's tokens."""
+        return schedule.most if tau < 1.0 or whole_tree else 0
 
     def wide_mask(self, width: int) -> bool:
         """Never: a static pass builds its mask inside the compiled graph (except for a tree or a window)."""

@@ -2,16 +2,15 @@
 
 `MARSGenerationMixin.generate` resolves the call's MARS settings (`settings.py`) and refuses what MARS cannot do
 exactly; plain settings run the base model's `generate()`. Otherwise `generate()`'s own preparation (config,
-processors, stopping criteria, cache) hands its inputs to `mars_decode`, which opens a `Session` over the batch
-(`session.py`: the pass and the rows it decodes), steps it until every row has stopped, and returns what
-`generate()` returns. On a static cache whose pass fits one graph it decodes through a `Runner` instead
-(`runner.py`: the prompt's pass into the runner's rows, then `graph.py`'s graph pass). `model.mars_session` opens a
-session the same way for a caller that steps it itself (a server, whose rows join and leave between passes).
+processors, stopping criteria, cache) hands its inputs to `mars_decode`, which prepares a `Session` over the batch
+(`session.py`: the rows, their text, the next pass's inputs) and decodes it in a `Runner` (`runner.py`: the prompt's
+pass into the runner's rows, then `graph.py`'s graph pass until every row has stopped) on a static cache: the one
+`cache_implementation="static"` makes (whose pass may compile), or, for the default call, one of its own (eager).
+Where the runner cannot decode (see `_runner_shape`, `_default_runner_shape`) the session's own loop steps it.
+`model.mars_session` opens a session the same way for a caller that steps it itself (a server, whose rows join and
+leave between passes).
 
-The loop never asks which cache it has: both answer `cache.KVBook`. With `cache_implementation="static"` the K/V
-live in transformers' `StaticCache` and every pass after the first has the same shape (`StaticMARSCache`), so the
-compiled forward of `generate()`'s own compile path (`compile_config`) is reused from pass to pass; the tokens are
-the dynamic cache's.
+The loop never asks which cache it has: both answer `cache.KVBook`.
 
 This file is copied into MARS checkpoints (trust_remote_code), with the sibling modules it imports.
 """
@@ -48,7 +47,7 @@ from .compat import (
     with_cache,
 )
 from .graph import GraphShape, captured, graph_pass_for, keep_cache, lend_cache
-from .runner import Runner, graph_shape, runner_tree
+from .runner import Runner, graph_shape, rows_cache, runner_tree
 from .schedule import MaskSchedule
 from .scoring import check_stateless, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
@@ -290,6 +289,8 @@ def mars_decode(
         streamer.put(input_ids.cpu())
     try:
         shape = _runner_shape(model, run)
+        if shape is None and not user_defined_cache(model_cache(model_kwargs)):
+            shape = _default_runner_shape(model, run, generation_config)
         if shape is not None:  # every pass in the runner's graph pass (`runner.py`), the prompt's first
             compile_config = _compile_config(generation_config) if run.plan.compiled else None
             _decode_in_runner(model, run, shape, compile_config)
@@ -341,6 +342,29 @@ def _runner_shape(model, run: Session) -> GraphShape | None:
     return graph_shape(model, run, run.text.sequences.shape[0], cache.size, runner_tree(run.plan))
 
 
+def _default_runner_shape(model, run: Session, generation_config) -> GraphShape | None:
+    """The default call (no cache passed, none asked for) decodes in a runner too: a static cache of its own, sized as
+    `cache_implementation="static"` sizes it (K/V for the whole budget, held from the start), takes the place of the
+    run's empty dynamic one, and the runner runs its passes eagerly. None (the loop runs, on a cache that grows) where
+    `cache_implementation` asks for a cache, the model spans several devices, or the runner cannot decode these
+    settings (`graph_shape`) or write this release's static cache (`counts_writes`)."""
+    cache, plan, text = run.cache, run.plan, run.text
+    if not isinstance(cache, MARSCache) or cache.length or generation_config.cache_implementation is not None:
+        return None
+    if len(set(getattr(model, "hf_device_map", {"": None}).values())) > 1:
+        return None
+    batch, budget = text.sequences.shape[0], generation_config.max_length - text.prompt_length
+    size = static_cache_length(plan.settings, text.prompt_length, budget, plan.candidates, plan.lookup)
+    shape = graph_shape(model, run, batch, size, runner_tree(plan))
+    if shape is None:
+        return None
+    static = StaticMARSCache(rows_cache(model, batch, size), batch, text.sequences.device)
+    if not static.counts_writes:
+        return None
+    run.cache = static
+    return shape
+
+
 def _compile_config(generation_config) -> CompileConfig:
     """The `CompileConfig` `generate()` compiles with (its default where the config has none)."""
     return generation_config.compile_config or CompileConfig()
@@ -373,7 +397,7 @@ def _replay(runner: Runner, run: Session) -> int:
         runner.step()
         passes += 1
         run.stats.tau_per_step.append(runner.tau)
-        run.stats.masks_per_step.append(runner.shape.masks)
+        run.stats.masks_per_step.append(g.masks_fed)
         if judging:
             stopping.judge(g.state.decoded, g.state.done)
             g.state.done.logical_or_(stopping.settled)

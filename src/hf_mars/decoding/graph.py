@@ -38,7 +38,7 @@ import torch
 from .cache import cache_view, compact_static, gathered_cache, pass_positions, stacked_layers
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes, static_cache_size
-from .schedule import offers, rate_moves, rates_after
+from .schedule import masks_covering, offers, rate_moves, rates_after
 from .scoring import NGRAM_BANS, SET_BASED, Histories, choose, into, kept_noise, masks_taken, processed, scored_at_once
 from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
@@ -215,7 +215,10 @@ class GraphPass:
             setattr(self, name, table.to(device))
         self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
         self.whole = (state.real, state.real[:, None, None, :], self.sees_columns)  # what attention reads of them
-        self.lead, self.leads = 0, {0: (state.fed, self.relative, self.sees, self.slots)}  # `narrow`'s views
+        self.lead, self.tail = 0, 0  # `narrow`'s cut, and its views
+        self.leads = {(0, 0): (state.fed, self.relative, self.sees, self.slots)}
+        self.masks_fed, self.nodes_fed = shape.masks, len(shape.tree)  # what the pass feeds (`feed_held`)
+        self.aimed = 1.0  # τ, as `aim` last set it
         self.pruned, self.prunes = None, {}  # `prune`'s tables
         self.fed_rows = self.rows_view = self.gathered = None  # `take_rows`' rows, their cache, their K/V copied
         self.flops_per_column = 2 * model.num_parameters()  # what a row's fed column costs
@@ -284,28 +287,43 @@ class GraphPass:
 
     def feed_held(self) -> None:
         """Before an eager pass on a CPU (`NARROWS`), where a pass costs its compute: feed the rows from the first to
-        the last that still decodes or holds a token to cache (`take_rows`); in τ-mode skip the pending columns that
-        are holes in every row still decoding (`narrow`), in lossless mode the tree's nodes after the last one such a
-        row drafts (`prune`). A few reads of the device, which a CPU does not wait for. Elsewhere the whole pass."""
+        the last that still decodes or holds a token to cache (`take_rows`), and the masks that the loop's schedule
+        would feed them (`masks_to_feed`); in τ-mode skip the pending columns that are holes in every row still
+        decoding (`narrow`), in lossless mode the tree's nodes after the last one such a row drafts (`prune`). A few
+        reads of the device, which a CPU does not wait for. Elsewhere the whole pass."""
         shape, state = self.shape, self.state
-        lead, nodes = 0, len(shape.tree)
-        if self.narrows and NARROWS:
+        lead, nodes, masks = 0, len(shape.tree), shape.masks
+        cuts = self.narrows and NARROWS
+        if cuts:
+            masks = self.masks_to_feed()
             if shape.verify:
                 drafted = (self.drafts_real & ~state.done[:, None]).any(dim=0).nonzero()
                 nodes = int(drafted[-1]) + 1 if drafted.numel() else 0
             elif shape.pending > 1:
                 held = int((self.pending_real & self.live_column).sum(dim=1).max())
                 lead = shape.pending - max(held, 1)
-        self.narrow(lead)
-        self.prune(nodes)
-        self.take_rows(self._rows_in_use() if self.narrows and NARROWS else None)
+        self.masks_fed, self.nodes_fed = masks, nodes
+        self.narrow(lead, 0 if shape.verify else shape.masks - masks)
+        self.prune(nodes, masks if shape.verify else shape.masks)
+        self.take_rows(self._rows_in_use() if cuts else None)
+
+    def masks_to_feed(self) -> int:
+        """Masks per group that the next pass needs: none at τ >= 1 (no mask proposes there), else every one, or
+        under a schedule the cheapest count covering the largest offer of a row still decoding (`MaskSchedule.width`,
+        as the loop feeds them: a row ignores those past its own offer)."""
+        shape, state = self.shape, self.state
+        if self.aimed >= 1.0 or not shape.masks:
+            return 0
+        if not shape.scheduled:
+            return shape.masks
+        return masks_covering(offers(state.rates, state.time)[~state.done], state.time)
 
     def _rows_in_use(self) -> slice | torch.Tensor | None:
         """The rows the next pass feeds (`take_rows`), its columns cut already (`narrow`, `prune`): from the first to
         the last that decodes or holds a token to cache, or those rows alone where the rows between them that do
         neither cost more to compute than copying those rows' K/V out and back (`FLOPS_PER_BYTE_COPIED`)."""
         state = self.state
-        width = len(self.pruned[0]) if self.pruned is not None else self.shape.width - self.lead
+        width = len(self.pruned[0]) if self.pruned is not None else self.shape.width - self.lead - self.tail
         busy = (~state.done | state.fed_real[:, : self.shape.kept].any(dim=1)).nonzero().flatten()
         if not busy.numel():
             return None
@@ -333,36 +351,38 @@ class GraphPass:
         if key is not None and (self.rows_view is None or self.rows_view[0] != key):
             self.rows_view = (key, cache_view(self.kv, slice(self.reach), rows, self.stacked))
 
-    def narrow(self, lead: int) -> None:
-        """Let the next pass skip its first `lead` columns, pending slots that are holes in every row still decoding
-        (τ-mode right-aligns the tokens a row took last, up to B): it feeds the rest, and its K/V land in the slots the
-        whole pass would have written them to. The counts of written slots start `lead` further on; after the pass
-        they stand where a whole pass leaves them. Eager passes only: the views are kept, one set per `lead`."""
-        if lead not in self.leads:
-            fed, relative, sees, slots = self.leads[0]
-            self.leads[lead] = (fed[:, lead:], relative[lead:], sees[:, :, lead:], slots[lead:])
-        self.lead = lead
+    def narrow(self, lead: int, tail: int = 0) -> None:
+        """Let the next τ-mode pass skip its first `lead` columns, pending slots that are holes in every row still
+        decoding (τ-mode right-aligns the tokens a row took last, up to B), and its last `tail`, masks no such row uses
+        (`masks_to_feed`): it feeds the rest, and its K/V land in the slots the whole pass would have written them to.
+        The counts of written slots start `lead` further on; after the pass they stand where a whole pass leaves them.
+        Eager passes only: the views are kept, one set per cut."""
+        if (lead, tail) not in self.leads:
+            fed, relative, sees, slots = self.leads[0, 0]
+            end = self.shape.width - tail
+            self.leads[lead, tail] = (fed[:, lead:end], relative[lead:end], sees[:, :, lead:end], slots[lead:end])
+        self.lead, self.tail = lead, tail
         if lead:
             torch._foreach_add_(self.lengths, lead)
 
-    def prune(self, nodes: int) -> None:
+    def prune(self, nodes: int, masks: int) -> None:
         """Let the next lossless pass feed the tree's first `nodes` drafts alone, no row still decoding having drafted
-        those after them: the root, those drafts and the groups of masks after each, written to consecutive slots from
-        the pass's first (the groups land on slots that the whole pass gives the drafts left out, which stay holes).
-        Its logits go into a buffer laid out as the whole pass's, where the columns left out keep numbers nothing
-        reads. After the pass each layer's count of written slots stands where a whole pass leaves it. Eager passes
-        only: the tables kept per `nodes`."""
+        those after them, and `masks` masks per group (`masks_to_feed`): the root, those drafts and the groups after
+        each, written to consecutive slots from the pass's first (the groups land on slots that the whole pass gives
+        the drafts left out, which stay holes). Its logits go into a buffer laid out as the whole pass's, where the
+        columns left out keep numbers nothing reads. After the pass each layer's count of written slots stands where a
+        whole pass leaves it. Eager passes only: the tables kept per cut."""
         shape = self.shape
-        if nodes == len(shape.tree):
+        if (nodes, masks) == (len(shape.tree), shape.masks):
             self.pruned = None
             return
-        if nodes not in self.prunes:
-            columns = _node_columns(shape, nodes)
+        if (nodes, masks) not in self.prunes:
+            columns = _node_columns(shape, nodes, masks)
             visible = shape.tree.visibility(shape.pending, shape.masks)[columns][:, columns]
             sees = _sees(visible, shape.slots, self.shut.cpu()).to(self.shut.device)
             columns = columns.to(self.slots.device)
-            self.prunes[nodes] = (columns, self.relative[columns], sees, self.slots[: columns.numel()])
-        self.pruned = self.prunes[nodes]
+            self.prunes[nodes, masks] = (columns, self.relative[columns], sees, self.slots[: columns.numel()])
+        self.pruned = self.prunes[nodes, masks]
 
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
         """What the logits processors read that a pass keeps, rather than finding it anew every pass (`processors`:
@@ -413,7 +433,7 @@ class GraphPass:
         slot 0, even a probability rounded to 1), where the schedule's rates start (at τ >= 1 from 0, so that every
         offer is worth nothing and the first, no mask, is made: `schedule.offers`), and the τ each offer sets each
         mask's token (inf past the offer), which τ-mode reads with one index a pass."""
-        state = self.state
+        state, self.aimed = self.state, tau
         state.tau.fill_(tau if tau < 1.0 else math.inf)
         if self.shape.scheduled:
             self.rates_first.fill_(float(tau < 1.0))
@@ -495,11 +515,13 @@ def _sees(visible: torch.Tensor, slots: int, shut: torch.Tensor) -> torch.Tensor
     return torch.where(torch.cat([before, visible, after], 1), torch.zeros_like(shut), shut)[None, None]
 
 
-def _node_columns(shape: GraphShape, nodes: int) -> torch.Tensor:
-    """The columns of a lossless pass that feeds the tree's first `nodes` drafts alone: the root, those drafts, and
-    the groups of masks after the root and each of them (the groups lie in node order)."""
+def _node_columns(shape: GraphShape, nodes: int, masks: int) -> torch.Tensor:
+    """The columns of a lossless pass that feeds the tree's first `nodes` drafts alone and `masks` masks per group:
+    the root, those drafts, and the first masks of the groups after the root and each of them (the groups lie in node
+    order)."""
     fed_drafts = torch.arange(shape.pending + nodes)
-    return torch.cat([fed_drafts, shape.kept + torch.arange((nodes + 1) * shape.masks)])
+    groups = shape.kept + shape.masks * torch.arange(nodes + 1)[:, None] + torch.arange(masks)
+    return torch.cat([fed_drafts, groups.flatten()])
 
 
 def _tree_tables(shape: GraphShape) -> dict:
@@ -530,8 +552,8 @@ def _forward(g: GraphPass) -> torch.Tensor:
     """The pass's forward: its slots marked in the slot map, positions counted in real tokens, a 4D mask of the slot
     map and the tree's visibility. The logits from the last pending token on, in float32."""
     shape, state = g.shape, g.state
-    fed, relative, sees, slots = g.leads[g.lead]  # every column, or those past the holes (`narrow`)
-    fed_real, marked, kept = state.fed_real, g.slots, shape.width - shape.pending + 1
+    fed, relative, sees, slots = g.leads[g.lead, g.tail]  # every column, or those `narrow` leaves
+    fed_real, marked, kept = state.fed_real, g.slots, shape.width - shape.pending + 1 - g.tail
     last, kv = g.last_column, g.attended
     if g.pruned is not None:  # lossless mode, the tree's last nodes left out (`prune`)
         columns, relative, sees, slots = g.pruned
@@ -553,9 +575,9 @@ def _forward(g: GraphPass) -> torch.Tensor:
     )
     if g.gathered is not None:  # the rows' K/V, with what the pass wrote, back into the cache
         g.stacked[:, :, :, : g.reach].index_copy_(1, g.fed_rows, g.gathered)
-    if g.pruned is not None:  # each layer's count of written slots where a whole pass leaves it
-        torch._foreach_add_(g.lengths, shape.width - len(columns))
-    if g.pruned is None and g.fed_rows is None:
+    if g.pruned is not None or g.tail:  # each layer's count of written slots where a whole pass leaves it
+        torch._foreach_add_(g.lengths, shape.width - len(columns) if g.pruned is not None else g.tail)
+    if g.pruned is None and g.fed_rows is None and not g.tail:
         return out.logits.float()
     return _narrow_logits(g, out.logits)
 
@@ -567,7 +589,7 @@ def _narrow_logits(g: GraphPass, logits: torch.Tensor) -> torch.Tensor:
     if g.logits_buffer is None:
         columns = shape.width - shape.pending + 1
         g.logits_buffer = logits.new_zeros(shape.batch, columns, logits.shape[-1], dtype=torch.float32)
-    rows, columns = slice(None) if g.fed_rows is None else g.fed_rows, slice(None)
+    rows, columns = slice(None) if g.fed_rows is None else g.fed_rows, slice(logits.shape[1])
     if g.pruned is not None:
         columns = g.pruned[0]
         if isinstance(rows, torch.Tensor):  # rows by columns, not pairs
@@ -659,11 +681,18 @@ def _verify(g: GraphPass, logits: torch.Tensor):
 
 def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
     """Speculative sampling or typical acceptance of the (processed) scores, by `verify.verify` itself (the loop's):
-    `_verify`'s `(tokens, accepted, KeptPath)`."""
+    `_verify`'s `(tokens, accepted, KeptPath)`. Speculative sampling (a chain) reads the drafts a pass fed alone
+    (`prune`): one random number per draft fed, as the loop draws them, so that at τ = 1 a seed draws plain
+    sampling's tokens."""
     shape = g.shape
-    drafts = Drafts(g.drafts, g.drafts_real, shape.tree, g.proposals)
-    nodes = logits[:, : len(shape.tree) + 1]
+    fed = g.nodes_fed if shape.sampled and shape.typical is None else len(shape.tree)
+    proposals = g.proposals if g.proposals is None or fed == len(shape.tree) else g.proposals[:, : fed + 1]
+    drafts = Drafts(g.drafts[:, :fed], g.drafts_real[:, :fed], shape.tree, proposals)
+    nodes = logits[:, : fed + 1]
     tokens, accepted, kept, end = verify(nodes, drafts, None, shape.sampled, shape.typical, g.tree, g.rows)
+    if fed < len(shape.tree):  # the chain's drafts left out: none kept
+        tokens = torch.nn.functional.pad(tokens, (0, len(shape.tree) - fed))
+        kept = torch.nn.functional.pad(kept, (0, len(shape.tree) - fed))
     depth = end if g.tree.chain else accepted - 1  # a chain's node is its depth
     return tokens, accepted, KeptPath(end, kept, tokens, depth.unsqueeze(1))
 
@@ -714,6 +743,20 @@ def _propose(g: GraphPass, logits, end) -> None:
     (speculative sampling), then prompt lookup's branch. A slot that is not real holds any token, which nothing sees;
     a row that is done feeds none."""
     shape, state = g.shape, g.state
+    if not g.masks_fed:  # no mask fed (τ >= 1, `prune`): none proposes, and no random number is drawn for them
+        g.from_masks_real.fill_(False)
+        if g.proposals is not None:
+            g.proposed.zero_()
+    else:
+        _propose_from_masks(g, logits, end)
+    if shape.lookup:
+        found, real = lookup_in(state.text, g.text_last_column, g.lookup, out=g.from_lookup)
+        into(g.from_lookup_real, torch.logical_and, real, g.live_column)
+
+
+def _propose_from_masks(g: GraphPass, logits, end) -> None:
+    """`_propose`'s drafts from the masks after each row's `end`."""
+    shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
     within = g.within if shape.scheduled else None
@@ -722,9 +765,6 @@ def _propose(g: GraphPass, logits, end) -> None:
     drafts = propose(followed, None, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer)
     g.from_masks.copy_(drafts.tokens)
     into(g.from_masks_real, torch.logical_and, drafts.real, g.live_column)
-    if shape.lookup:
-        found, real = lookup_in(state.text, g.text_last_column, g.lookup, out=g.from_lookup)
-        into(g.from_lookup_real, torch.logical_and, real, g.live_column)
 
 
 def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories | None]:

@@ -54,8 +54,9 @@ class MaskSchedule:
 
     def width(self, offered: torch.Tensor) -> int:
         """Masks to feed for these offers: the cheapest count that covers the largest."""
-        need = int(offered.max()) if offered.numel() else 0
-        return need if self.constant else need + int(self.time[need:].argmin())
+        if self.constant:
+            return int(offered.max()) if offered.numel() else 0
+        return masks_covering(offered, self.time)
 
     def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
         """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
@@ -77,6 +78,12 @@ def offers(rates: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
     its rates so, the loop pads them). Tensors alone, so that the loop and the graph pass (`graph.py`) share it."""
     reach = rates.cumprod(dim=1)  # 1 (slot 0), then R_j: mask j's tokens
     return reach.cumsum(dim=1).div_(time).argmax(dim=1)  # tokens with k masks; the first maximum: fewer masks
+
+
+def masks_covering(offered: torch.Tensor, time: torch.Tensor) -> int:
+    """The cheapest count of masks (`time[k]`: a pass with k masks) that covers the largest of these offers."""
+    need = int(offered.max()) if offered.numel() else 0
+    return need + int(time[need:].argmin())
 
 
 @functools.lru_cache(maxsize=16)

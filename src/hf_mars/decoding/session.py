@@ -381,7 +381,7 @@ def _forward(model, run: Session, tau: float) -> Pass:
     stays)."""
     plan, feed, cache = run.plan, run.feed, run.cache
     offered = run.schedule.offer(feed.rows) if tau < 1.0 else torch.zeros_like(feed.rows)
-    masks = cache.masks_per_group(run.schedule, offered, tau, plan.settings.verify)
+    masks = cache.masks_per_group(run.schedule, offered, tau, plan.settings.verify and not plan.do_sample)
     tree = feed.drafts.tree
     groups = len(tree) + 1
     new_real = torch.cat([feed.pending_real, feed.drafts.real], dim=1)

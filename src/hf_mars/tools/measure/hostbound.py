@@ -81,8 +81,11 @@ def _trees(model) -> list[tuple]:
     """The lossless trees of `MODES` that widen a pass beyond the default chain, as `static_compiled` takes them, so
     that one static cache holds every mode's passes (a mode that outgrew it would make every later call recompile)."""
     block = model.config.mars_block_size
-    return [(block, mode.get("mars_draft_candidates", 1), mode["mars_lookup"]) for mode in MODES.values()
-            if mode.get("mars_lookup")]
+    return [
+        (block, mode.get("mars_draft_candidates", 1), mode["mars_lookup"])
+        for mode in MODES.values()
+        if mode.get("mars_lookup")
+    ]
 
 
 def _resolved(model, batch: int, mars: dict) -> dict:
@@ -170,9 +173,10 @@ def host_ops(
     through the loop of `generate.py` alone (`graph.ENABLED = False`), in each of `decodings` (`DECODINGS`' names),
     against the plain step of the same decoding; the prompt's pass counts with the rest. Both are called alike,
     returning the sequences alone (`return_dict_in_generate` would add, once per run, the building of the returned
-    cache, which MARS gathers from its own). The decodings in `dynamic` run on a dynamic cache too (`generate()`'s
-    default), which the loop runs, against plain's dynamic step. Graph passes keep their shape and attend to every
-    slot, as a captured pass on a GPU does (`graph.NARROWS` off, a reach as wide as the cache)."""
+    cache, which MARS gathers from its own). The decodings in `dynamic` run on a dynamic cache too
+    (`cache_implementation="dynamic"`), which the loop runs, against plain's dynamic step. Graph passes keep their
+    shape and attend to every slot, as a captured pass on a GPU does (`graph.NARROWS` off, a reach as wide as the
+    cache)."""
     rows, kept = [], (graph.NARROWS, graph.REACH_STEP)
     graph.NARROWS, graph.REACH_STEP = False, 1 << 30
     try:
@@ -186,7 +190,9 @@ def host_ops(
 def _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens: int, decoding: str, dynamic) -> list[dict]:
     """`host_ops`' rows for one decoding: its static cache, and its dynamic one where asked."""
     rows = []
-    caches = {"static": dict(cache_implementation="static")} | ({"dynamic": {}} if decoding in dynamic else {})
+    caches = {"static": dict(cache_implementation="static")}
+    if decoding in dynamic:
+        caches["dynamic"] = dict(cache_implementation="dynamic")
     for cache, cache_kwargs in caches.items():
         for batch in batch_sizes:
             inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
