@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from helpers import make_model, make_tokenizer, toy_prompts
+from helpers import StopRowAfterCalls, make_model, make_tokenizer, toy_prompts
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, GenerationMixin, StaticCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -226,25 +226,30 @@ def _live_tensor_bytes(model) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.parametrize("cache", [{}, dict(cache_implementation="static")], ids=["no cache", "static"])
 @pytest.mark.parametrize("mode", ["tau=0.9", "lossless tree"])
-def test_a_static_run_leaves_no_more_memory_behind_than_plain_static_generate(mode):
-    """The graph pass decodes on the run's own static cache: its K/V are held once while it decodes, and after the
-    call no more stays alive than after a plain static `generate()` (which keeps nothing) but the pass's small
-    buffers and tables, kept on the model for the next call of its shape."""
+def test_a_run_leaves_no_more_memory_behind_than_plain_generate(mode, cache):
+    """The graph pass decodes on the run's own static cache (`generate()`'s, or the default call's own): its K/V are
+    held once while it decodes, and after the call no more stays alive than after a plain `generate()` of the same
+    cache argument (which keeps nothing) but the pass's small buffers and tables, kept on the model for the next call
+    of its shape. The first row stops early (a criterion), so that an eager pass on a CPU feeds the other alone,
+    through views of the cache that must not outlive the call."""
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=4), tok)
     enc = toy_prompts(tok, n=2, seed=7)
-    kwargs = dict(max_new_tokens=48, cache_implementation="static", **MODES[mode])
-    GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=48, cache_implementation="static")
+    stop = StoppingCriteriaList([StopRowAfterCalls([6, 10**6])])
+    kwargs = dict(max_new_tokens=48, stopping_criteria=stop, **cache, **MODES[mode])
+    GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=48, **cache)
     before = _live_tensor_bytes(model)
-    GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=48, cache_implementation="static")
+    GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=48, **cache)
     plain = _live_tensor_bytes(model) - before
     out = model.generate(**enc, return_dict_in_generate=True, **kwargs)
     assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
     slots = next(key[0].slots for key in model._mars_graphs)
     config = model.config
     kv_bytes = 2 * config.num_hidden_layers * 2 * config.num_key_value_heads * slots * config.head_dim * 4
-    del out
+    assert int(out.mars_stats.new_tokens[0]) < int(out.mars_stats.new_tokens[1]), "the premise: a row stopped early"
+    del out, stop, kwargs
     left = _live_tensor_bytes(model) - before - plain
     assert left < kv_bytes / 4, f"{left} bytes left behind, the run's K/V were {kv_bytes}"
 
@@ -273,3 +278,19 @@ def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(tr
     other = run(model, toy_prompts(tok, n=2, seed=7), True, **MODES["lossless tree"])  # another size: its own cache
     assert other.sequences.shape[0] == 2 and len(model._mars_caches) == 2
     model.__dict__.pop("_mars_caches", None)
+
+
+def test_default_calls_of_nearby_lengths_decode_with_one_kept_pass():
+    """The default call's own static cache is rounded up (`DEFAULT_SLOTS_STEP`), so that calls whose prompts and
+    budgets differ a little share one kept graph pass rather than building one each; each gives greedy `generate()`'s
+    tokens."""
+    tok = make_tokenizer()
+    model = hf_mars.to_mars(make_model("llama"), tok, block_size=4).eval()
+    model.__dict__.pop("_mars_graphs", None)
+    for n, budget in ((1, 20), (1, 23), (1, 17)):
+        enc = toy_prompts(tok, n=n, seed=budget)
+        out = model.generate(**enc, max_new_tokens=budget, mars_verify=True)
+        assert torch.equal(out, GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=budget))
+    lengths = {toy_prompts(tok, n=1, seed=seed).input_ids.shape[1] for seed in (20, 23, 17)}
+    assert len(lengths) > 1, "the premise: prompts of other lengths"
+    assert len(model._mars_graphs) == 1

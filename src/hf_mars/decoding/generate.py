@@ -57,6 +57,9 @@ from .verify import Drafts
 
 # Passes' width of slots a static cache keeps past the text: it compacts at most once in that many passes
 SPARE_PASSES = 4
+# The default call's own static cache is a multiple of this many slots, so that calls of nearby lengths decode with one
+# kept graph pass (`graph_pass_for`, per shape); its eager passes attend to the slots in use alone
+DEFAULT_SLOTS_STEP = 256
 
 __all__ = ["MARSGenerateOutput", "MARSGenerationMixin", "MARSStats", "TauController", "mars_decode", "mars_settings"]
 
@@ -355,6 +358,7 @@ def _default_runner_shape(model, run: Session, generation_config) -> GraphShape 
         return None
     batch, budget = text.sequences.shape[0], generation_config.max_length - text.prompt_length
     size = static_cache_length(plan.settings, text.prompt_length, budget, plan.candidates, plan.lookup)
+    size = -(-size // DEFAULT_SLOTS_STEP) * DEFAULT_SLOTS_STEP
     shape = graph_shape(model, run, batch, size, runner_tree(plan))
     if shape is None:
         return None

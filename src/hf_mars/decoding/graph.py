@@ -261,10 +261,12 @@ class GraphPass:
     def unbind(self) -> None:
         """Let go of the run's cache once it has decoded: a pass kept for later calls holds no K/V, except a captured
         one, whose graph writes that cache's addresses: it keeps it, and the cache is lent to the next call of its
-        size (`lend_cache`), whose pass then replays the same graph."""
+        size (`lend_cache`), whose pass then replays the same graph. An eager pass lets go of its logits' buffer too
+        (as large as a pass's logits), made again by the next call that needs it."""
         if self.graph is not None:
             return
-        self.kv = self.stacked = self.lengths = self.attended = None
+        self.kv = self.stacked = self.lengths = self.attended = self.logits_buffer = None
+        self.rows_view = self.gathered = None
         self.counters, self.counter_steps = [], []
 
     def reach_for(self, end: int) -> int:
