@@ -26,7 +26,14 @@ from types import SimpleNamespace
 import gradio as gr
 import pandas as pd
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin, StoppingCriteria, TextIteratorStreamer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    CompileConfig,
+    GenerationMixin,
+    StoppingCriteria,
+    TextIteratorStreamer,
+)
 
 DEFAULT_MODEL = None  # the project's published checkpoint, once there is one; until then `hf-mars demo`'s output
 DEMO_OUTPUT = "outputs/mars-demo"
@@ -255,29 +262,36 @@ def prepare(model, tokenizer, message, history, settings: dict, block_size, mask
 
 
 def stream_mars(model, tokenizer, turn: Turn, session: Session):
-    """Step a MARS session (`model.mars_session`, the checkpoint's own decoding) pass by pass, yielding the outputs at
-    most every UPDATE_EVERY seconds, with every pass since the last; the browser session's τ is read before every
-    pass. Closed early (Stop, a closed tab), it stops between two passes. Returns the session and the seconds its
-    passes took (the UI's work between them is not the decoder's)."""
+    """Decode with a MARS runner (`model.mars_runner`: the pass the checkpoint's `generate()` runs, compiled and
+    captured on a GPU) pass by pass, yielding the outputs at most every UPDATE_EVERY seconds, with every pass since
+    the last; the browser session's τ is read before every pass. Closed early (Stop, a closed tab), it stops between
+    two passes. Returns the runner and the seconds its passes took (the UI's work between them is not the
+    decoder's)."""
 
-    def tau_now():  # read by the session once before every forward pass
+    def tau_now():  # read by the runner once before every forward pass
         turn.taus.append(session.tau)
         return turn.taus[-1]
 
+    compile_config = CompileConfig() if model.device.type == "cuda" else None
     try:
-        with torch.inference_mode():
-            run = model.mars_session(**turn.inputs, **turn.settings, mars_tau=tau_now, **turn.mars, log=True)
-        seconds, shown = 0.0, time.perf_counter()
-        while run.live:
+        seconds, start = 0.0, time.perf_counter()
+        shown = start
+        with torch.inference_mode():  # the prompt's pass runs as the runner takes the row
+            run = model.mars_runner(
+                **turn.inputs, **turn.settings, mars_tau=tau_now, **turn.mars, log=True, compile_config=compile_config
+            )
+        while True:
+            ((_, ids, stopped, _),) = run.rows()
+            seconds += time.perf_counter() - start
+            add_pass(tokenizer, turn, ids[len(turn.ids) :])
+            if stopped:
+                break
+            if time.perf_counter() - shown >= UPDATE_EVERY:
+                yield live_outputs(turn, session, seconds)
+                shown = time.perf_counter()
             start = time.perf_counter()
             with torch.inference_mode():
                 run.step(model)
-            ((_, ids, _, _),) = run.rows()
-            seconds += time.perf_counter() - start
-            add_pass(tokenizer, turn, ids[len(turn.ids) :])
-            if run.live and time.perf_counter() - shown >= UPDATE_EVERY:
-                yield live_outputs(turn, session, seconds)
-                shown = time.perf_counter()
     except (ValueError, RuntimeError) as error:
         raise gr.Error(f"Generation failed: {error}") from error
     return run, seconds
@@ -341,7 +355,7 @@ def final_stats(turn: Turn, mars, seconds: float) -> dict:
 
 def finish_mars(tokenizer, turn: Turn, run, seconds: float, session: Session) -> tuple:
     """The final outputs: the whole answer, its figures, a point on the plots, and what the AR comparison replays."""
-    mars = run.stats
+    mars = run.record()
     stats = final_stats(turn, mars, seconds)
     mean_tau = sum(mars.tau_per_step) / len(mars.tau_per_step)
     record_run(session, "MARS", round(mean_tau, 3), stats["tokens_per_forward"], stats["tokens_per_second"])

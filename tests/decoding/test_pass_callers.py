@@ -98,3 +98,32 @@ def test_a_servers_runner_runs_each_prompts_pass_then_every_other_in_the_graph_p
     assert admitted == 4 and len(calls) == admitted + steps
     assert calls.count("session.py:_forward") == admitted
     assert set(calls) == {"session.py:_forward", "graph.py:_forward"}, calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_runner_of_its_own_decodes_as_generate_does(model, mode):
+    """`model.mars_runner` (the Space's route): the prompt's pass as it takes the rows, then every pass in the graph
+    pass, stepped by its caller until each row stops; the tokens, the passes and what each pass accepted are
+    `generate()`'s, the same seed drawing the same samples."""
+    model, tok = model
+    enc = toy_prompts(tok, n=2, seed=4)
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, **MODES[mode])
+    torch.manual_seed(0)
+    out = model.generate(**enc, return_dict_in_generate=True, **kwargs)
+    calls = []
+    handle = _recording(model, calls)
+    try:
+        torch.manual_seed(0)
+        runner = model.mars_runner(**enc, log=True, **kwargs)
+        while not all(done for _, _, done, _ in runner.rows()):
+            runner.step()
+    finally:
+        handle.remove()
+    rows = runner.rows()
+    record = runner.record()
+    assert len(calls) == record.forward_passes == out.mars_stats.forward_passes > 2
+    assert calls[0] == "session.py:_forward" and set(calls[1:]) == {"graph.py:_forward"}, calls
+    prompt = enc.input_ids.shape[1]
+    assert [tokens for _, tokens, _, _ in rows] == out.sequences[:, prompt:].tolist()
+    assert torch.equal(torch.stack(record.accepted_per_step), torch.stack(out.mars_stats.accepted_per_step))
+    assert record.tau_per_step == out.mars_stats.tau_per_step

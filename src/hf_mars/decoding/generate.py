@@ -47,7 +47,7 @@ from .compat import (
     with_cache,
 )
 from .graph import GraphShape, captured, graph_pass_for, keep_cache, lend_cache
-from .runner import Runner, graph_shape, rows_cache, runner_tree
+from .runner import Runner, graph_shape, rows_cache, runner_tree, serving_runner
 from .schedule import MaskSchedule
 from .scoring import check_stateless, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
@@ -180,6 +180,34 @@ class MARSGenerationMixin(GenerationMixin):
         config.return_dict_in_generate = False  # a session keeps no rows that left, and no per-pass log
         opened = functools.partial(open_session, settings=settings, labels=labels, budgets=budgets, log=log)
         return super().generate(input_ids, config, custom_generate=opened, **kwargs)
+
+    def mars_runner(
+        self,
+        input_ids: torch.Tensor,
+        generation_config=None,
+        *,
+        capacity: int | None = None,
+        compile_config=None,
+        **kwargs,
+    ) -> Runner | Session:
+        """`mars_session`'s rows (the same arguments), decoding in a `Runner` of their own (`runner.py`: the pass that
+        `generate()` runs): their prompt's pass runs here; then `step()` runs one pass for every row, `rows()` reads
+        them, `release(labels)` stops them, `live` says whether any is held, and `record()` (with `log=True`) what the
+        passes did (`MARSStats`). The runner holds `capacity` rows (default: these; others join with `admit`) over a
+        static cache sized for these prompts and budgets, as the default call sizes its own. `compile_config`: compile
+        the pass (captured on CUDA); else it runs eagerly. Where only the loop can decode these settings
+        (`runner.graph_shape`), the session itself after its prompt's pass: the same verbs."""
+        session = self.mars_session(input_ids, generation_config, max_rows=capacity, **kwargs)
+        text, plan = session.text, session.plan
+        capacity = max(capacity or 0, text.sequences.shape[0])
+        slots = _own_cache_slots(session, int(text.budget.max()))
+        if graph_shape(self, session, capacity, slots, runner_tree(plan)) is None:
+            session.step(self)
+            return session
+        runner = serving_runner(self, session, capacity, slots, compile_config)
+        runner.log = session.log
+        runner.admit(session)
+        return runner
 
     def mars_settings(self, generation_config=None, batch_size: int = 1, **mars_kwargs) -> dict | None:
         """What `generate(**mars_kwargs)` runs with at this batch size, defaults resolved (see `mars_settings`). Times
@@ -356,9 +384,7 @@ def _default_runner_shape(model, run: Session, generation_config) -> GraphShape 
         return None
     if len(set(getattr(model, "hf_device_map", {"": None}).values())) > 1:
         return None
-    batch, budget = text.sequences.shape[0], generation_config.max_length - text.prompt_length
-    size = static_cache_length(plan.settings, text.prompt_length, budget, plan.candidates, plan.lookup)
-    size = -(-size // DEFAULT_SLOTS_STEP) * DEFAULT_SLOTS_STEP
+    batch, size = text.sequences.shape[0], _own_cache_slots(run, generation_config.max_length - text.prompt_length)
     shape = graph_shape(model, run, batch, size, runner_tree(plan))
     if shape is None:
         return None
@@ -367,6 +393,14 @@ def _default_runner_shape(model, run: Session, generation_config) -> GraphShape 
         return None
     run.cache = static
     return shape
+
+
+def _own_cache_slots(run: Session, budget: int) -> int:
+    """The slots of a runner's own static cache for `run`'s rows and this budget: `static_cache_length`'s, rounded up
+    to a multiple of `DEFAULT_SLOTS_STEP`."""
+    plan = run.plan
+    size = static_cache_length(plan.settings, run.text.prompt_length, budget, plan.candidates, plan.lookup)
+    return -(-size // DEFAULT_SLOTS_STEP) * DEFAULT_SLOTS_STEP
 
 
 def _compile_config(generation_config) -> CompileConfig:
@@ -400,8 +434,6 @@ def _replay(runner: Runner, run: Session) -> int:
     while True:
         runner.step()
         passes += 1
-        run.stats.tau_per_step.append(runner.tau)
-        run.stats.masks_per_step.append(g.masks_fed)
         if judging:
             stopping.judge(g.state.decoded, g.state.done)
             g.state.done.logical_or_(stopping.settled)
@@ -416,7 +448,7 @@ def _replay(runner: Runner, run: Session) -> int:
 def _unload(runner: Runner, run: Session, passes: int) -> None:
     """What the runner's `passes` passes decided, back into the run (its cache filled up to the runner's slot), for
     `_finish`."""
-    text, cache, stats, state, slot = run.text, run.cache, run.stats, runner.graph.state, runner.slot
+    text, cache, state, slot = run.text, run.cache, runner.graph.state, runner.slot
     taken = state.accepted_log[:passes]  # (passes, batch): a row takes a token in every pass it decodes in
     text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
     text.decoded.copy_(state.decoded)
@@ -428,8 +460,7 @@ def _unload(runner: Runner, run: Session, passes: int) -> None:
     if run.stopping.per_row:  # EOS and the length limit alone: each row's own count (else the criteria kept theirs)
         run.stopping.new_tokens = state.decoded.clone()
     run.stopping.sequences = text.sequences
-    stats.forward_passes += passes
-    stats.accepted_per_step.extend(taken.clone().unbind(0))
+    runner.record()  # every pass's accepted tokens, into the run's stats
 
 
 def _prepare(model, input_ids, processors, criteria, generation_config, settings, streamer, model_kwargs) -> Session:

@@ -17,6 +17,7 @@ This file is copied into MARS checkpoints (trust_remote_code).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -30,10 +31,23 @@ from .settings import read_tau
 from .tree import NO_DRAFTS, DraftTree, full_tree
 
 
+def _in_own_mode(verb):
+    """Run a runner's verb in the grad mode its tensors were made in (inference mode or not; never recording autograd),
+    whatever its caller's: a tensor made in inference mode cannot be written in place outside it."""
+
+    @functools.wraps(verb)
+    def in_mode(self, *args, **kwargs):
+        with torch.inference_mode(self.inference), torch.no_grad():  # (inference_mode(False) turns grad on)
+            return verb(self, *args, **kwargs)
+
+    return in_mode
+
+
 class Runner:
     """Rows decoding in `graph`, a `GraphPass` over a static cache of `graph.shape.batch` rows, with `plan`'s
-    settings (`session.Plan`): `admit`, `step`, `rows`, `release`. `log`: keep every pass's accepted tokens
-    (`graph.state.accepted_log`, what `generate()` reports), else only the last pass's (a server's)."""
+    settings (`session.Plan`): `admit`, `step`, `rows`, `release`. `log`: record every pass (`record`: the first
+    rows' prompt's pass, then each pass's τ, masks and accepted tokens, as `generate()` reports them), else keep only
+    the last pass's accepted tokens (a server's)."""
 
     def __init__(self, plan, graph: GraphPass, log: bool = False):
         self.plan, self.graph, self.shape, self.log = plan, graph, graph.shape, log
@@ -49,6 +63,8 @@ class Runner:
         self.passes = torch.zeros(capacity, **long)  # the passes each row took part in
         self.held: list = [None] * capacity  # each row's label, None where free
         self.slot, self.tau, self.steps = 0, None, 0
+        self.stats, self.passes_run, self.logged = None, 0, 0  # `record`'s
+        self.inference = torch.is_inference_mode_enabled()  # the mode its verbs run in (`_in_own_mode`)
 
     @property
     def labels(self) -> list:
@@ -103,6 +119,7 @@ class Runner:
             return f"a prompt and its max_tokens need {longest} cache slots, more than the {self.shape.slots} served"
         return None
 
+    @_in_own_mode
     def admit(self, other) -> None:
         """`other`'s rows (a session prepared with the same settings, before any pass) into adjacent free rows: their
         prompt's pass (the session's own, `Session.step`) writes its K/V straight into those rows of the runner's
@@ -180,7 +197,10 @@ class Runner:
         padded = torch.arange(text.prompt_length + 1, device=targets.device) >= self.lead[:, None]
         follow_padding(g.processors or (), padded, g.text_start)  # the processors the pass reads: each row's prompt
         load_rows(g, other, targets, torch.arange(targets.numel(), device=targets.device))
+        if self.log and self.stats is None:  # the first rows' stats, their prompt's pass in them, go on here
+            self.stats = other.stats
 
+    @_in_own_mode
     def step(self, model=None) -> None:
         """One pass for every row (free rows decode nothing): one launch, or one graph replay. (`model`: the runner's
         own, as a `Session` is stepped.)"""
@@ -199,6 +219,21 @@ class Runner:
         g.run()
         self.slot += self.shape.kept
         self.steps += 1
+        if self.stats is not None:
+            self.passes_run += 1
+            self.stats.forward_passes += 1
+            self.stats.tau_per_step.append(self.tau)
+            self.stats.masks_per_step.append(g.masks_fed)
+
+    @_in_own_mode
+    def record(self):
+        """With `log`: what the passes did (`session.MARSStats`: the first rows' prompt's pass, then every pass here),
+        each pass's accepted tokens copied from the device's log when read (not in every pass); else None."""
+        if self.stats is not None and self.logged < self.passes_run:
+            taken = self.graph.state.accepted_log[self.logged : self.passes_run]
+            self.stats.accepted_per_step.extend(taken.clone().unbind(0))
+            self.logged = self.passes_run
+        return self.stats
 
     def _compact(self) -> None:
         """Squeeze the holes out of the cache (free rows hold none)."""
@@ -213,6 +248,7 @@ class Runner:
         state = self.graph.state
         return state.accepted_log[state.step - 1][0] if self.log else state.accepted_log[0]
 
+    @_in_own_mode
     def rows(self) -> list[tuple[object, list[int], bool, int]]:
         """Every held row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: two
         reads from the device (the counts, then the tokens they reach). A server reads them after every pass (a row's
@@ -230,6 +266,7 @@ class Runner:
             if label is not None
         ]
 
+    @_in_own_mode
     def release(self, labels) -> None:
         """The rows of these labels stop decoding and are free at once."""
         for label in labels:

@@ -201,6 +201,10 @@ class Session:
         _next_inputs(self, step, tokens, accepted)
         _retire(self)
 
+    def record(self) -> MARSStats:
+        """What the passes did (`stats`), as a `Runner` answers it."""
+        return self.stats
+
     @property
     def decoding(self) -> int:
         """Rows still decoding (one read from the device)."""
