@@ -127,3 +127,30 @@ def test_a_runner_of_its_own_decodes_as_generate_does(model, mode):
     assert [tokens for _, tokens, _, _ in rows] == out.sequences[:, prompt:].tolist()
     assert torch.equal(torch.stack(record.accepted_per_step), torch.stack(out.mars_stats.accepted_per_step))
     assert record.tau_per_step == out.mars_stats.tau_per_step
+
+
+def test_a_logged_runner_records_more_passes_than_its_log_holds(model, monkeypatch):
+    """A runner's log of accepted tokens has a row per cache slot; a logged runner that rows keep joining runs more
+    passes than that, and its record keeps every one (the log is read, then written anew), each row still decoding as
+    it would alone."""
+    from hf_mars.decoding import generate as mars_generate
+
+    model, tok = model
+    monkeypatch.setattr(mars_generate, "DEFAULT_SLOTS_STEP", 1)  # a cache as small as the rows need
+    enc = toy_prompts(tok, n=1, seed=6)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, mars_tau=1.0)
+    alone = model.generate(**enc, **kwargs)[0, enc.input_ids.shape[1] :].tolist()
+    runner = model.mars_runner(**enc, log=True, labels=[0], **kwargs)
+    finished = []
+    while len(finished) < 8:
+        runner.step()
+        for label, tokens, done, _ in runner.rows():
+            if done:
+                finished.append(tokens)
+                runner.release([label])
+                if len(finished) < 8:
+                    runner.admit(model.mars_session(**enc, labels=[len(finished)], **kwargs))
+    record = runner.record()
+    assert record.forward_passes > runner.shape.slots, "the premise: more passes than the log has rows"
+    assert len(record.accepted_per_step) == len(record.tau_per_step) == record.forward_passes
+    assert finished == [alone] * 8

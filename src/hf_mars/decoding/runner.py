@@ -211,6 +211,10 @@ class Runner:
             self.tau = tau
         if self.slot + self.shape.width > self.shape.slots:
             self._compact()
+        if self.stats is not None and self.passes_run == self.shape.slots:  # the log is full: recorded, then reused
+            self.record()
+            state.step.zero_()
+            self.passes_run = self.logged = 0
         if g.eager:  # attention over the slots in use, in steps, and no column that is a hole in every row
             g.attend(g.reach_for(self.slot + self.shape.width))
             g.feed_held()
