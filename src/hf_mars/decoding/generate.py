@@ -204,8 +204,7 @@ class MARSGenerationMixin(GenerationMixin):
         if graph_shape(self, session, capacity, slots, runner_tree(plan)) is None:
             session.step(self)
             return session
-        runner = serving_runner(self, session, capacity, slots, compile_config)
-        runner.log = session.log
+        runner = serving_runner(self, session, capacity, slots, compile_config, log=session.log)
         runner.admit(session)
         return runner
 

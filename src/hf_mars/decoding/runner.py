@@ -323,10 +323,10 @@ def graph_shape(model, run, batch: int, slots: int, tree: DraftTree) -> GraphSha
     )
 
 
-def serving_runner(model, first, capacity: int, slots: int, compile_config=None) -> Runner:
+def serving_runner(model, first, capacity: int, slots: int, compile_config=None, log: bool = False) -> Runner:
     """A runner of `capacity` rows and a static cache of `slots` slots of its own, decoding with the settings of
     `first` (a prepared session, whose rows it then admits). `compile_config`: `generate()`'s, to compile the pass
-    (and capture it on CUDA), else None (eager)."""
+    (and capture it on CUDA), else None (eager). `log`: `Runner`'s."""
     shape = graph_shape(model, first, capacity, slots, runner_tree(first.plan))
     if shape is None:
         raise ValueError(
@@ -334,7 +334,7 @@ def serving_runner(model, first, capacity: int, slots: int, compile_config=None)
             "applies, such as bad words or sequence biases of several tokens): serve them without --compile"
         )
     graph = GraphPass(model, rows_cache(model, capacity, slots), shape, compile_config, first.plan.processors)
-    return Runner(first.plan, graph)
+    return Runner(first.plan, graph, log)
 
 
 def rows_cache(model, rows: int, slots: int):
