@@ -59,6 +59,7 @@ NARROWS = True
 # saved, about 2 FLOPs per parameter and fed column, outweighs copying the fed rows' K/V out and back, at this many
 # FLOPs per byte copied: the order of a CPU core's matmul throughput over its memory bandwidth
 FLOPS_PER_BYTE_COPIED = 10
+PRUNES_KEPT = 64  # `prune`'s tables kept per pass: one per set of tree nodes fed, which few passes vary
 # Whether a pass captured on CUDA is compiled whole (its bookkeeping fused with the forward by inductor, then captured
 # as one CUDA graph) rather than its forward alone; off until a GPU's measurements choose it. Tools turn it on.
 FUSED = False
@@ -218,6 +219,8 @@ class GraphPass:
         self.lead, self.tail = 0, 0  # `narrow`'s cut, and its views
         self.leads = {(0, 0): (state.fed, self.relative, self.sees, self.slots)}
         self.masks_fed, self.nodes_fed = shape.masks, len(shape.tree)  # what the pass feeds (`feed_held`)
+        self.nodes_drafted = None  # the tree's nodes a runner's rows draft now (`Runner.retree`), None: every one
+        self.masks_limit = shape.masks  # the masks per group they use (a smaller block's tree: `within` marks them)
         self.aimed = 1.0  # τ, as `aim` last set it
         self.pruned, self.prunes = None, {}  # `prune`'s tables
         self.fed_rows = self.rows_view = self.gathered = None  # `take_rows`' rows, their cache, their K/V copied
@@ -291,23 +294,29 @@ class GraphPass:
         """Before an eager pass on a CPU (`NARROWS`), where a pass costs its compute: feed the rows from the first to
         the last that still decodes or holds a token to cache (`take_rows`), and the masks that the loop's schedule
         would feed them (`masks_to_feed`); in τ-mode skip the pending columns that are holes in every row still
-        decoding (`narrow`), in lossless mode the tree's nodes after the last one such a row drafts (`prune`). A few
-        reads of the device, which a CPU does not wait for. Elsewhere the whole pass."""
+        decoding (`narrow`), in lossless mode the tree's nodes no such row drafts (`prune`). A few reads of the
+        device, which a CPU does not wait for. Elsewhere the whole pass."""
         shape, state = self.shape, self.state
-        lead, nodes, masks = 0, len(shape.tree), shape.masks
-        cuts = self.narrows and NARROWS
+        lead, nodes, masks = 0, tuple(range(len(shape.tree))), shape.masks
+        cuts = self.cuts
+        if self.nodes_drafted is not None:  # drafts of the nodes a runner's tree leaves out are none
+            self.drafts_real.logical_and_(self.nodes_drafted)
         if cuts:
             masks = self.masks_to_feed()
             if shape.verify:
-                drafted = (self.drafts_real & ~state.done[:, None]).any(dim=0).nonzero()
-                nodes = int(drafted[-1]) + 1 if drafted.numel() else 0
+                nodes = tuple((self.drafts_real & ~state.done[:, None]).any(dim=0).nonzero().flatten().tolist())
             elif shape.pending > 1:
                 held = int((self.pending_real & self.live_column).sum(dim=1).max())
                 lead = shape.pending - max(held, 1)
-        self.masks_fed, self.nodes_fed = masks, nodes
+        self.masks_fed, self.nodes_fed = masks, len(nodes)
         self.narrow(lead, 0 if shape.verify else shape.masks - masks)
         self.prune(nodes, masks if shape.verify else shape.masks)
         self.take_rows(self._rows_in_use() if cuts else None)
+
+    @property
+    def cuts(self) -> bool:
+        """Whether the next pass is cut to what its rows use (`feed_held`): eager, on a CPU, `NARROWS` on."""
+        return self.narrows and NARROWS
 
     def masks_to_feed(self) -> int:
         """Masks per group that the next pass needs: none at τ >= 1 (no mask proposes there), else every one, or
@@ -317,7 +326,7 @@ class GraphPass:
         if self.aimed >= 1.0 or not shape.masks:
             return 0
         if not shape.scheduled:
-            return shape.masks
+            return self.masks_limit
         return masks_covering(offers(state.rates, state.time)[~state.done], state.time)
 
     def _rows_in_use(self) -> slice | torch.Tensor | None:
@@ -367,23 +376,30 @@ class GraphPass:
         if lead:
             torch._foreach_add_(self.lengths, lead)
 
-    def prune(self, nodes: int, masks: int) -> None:
-        """Let the next lossless pass feed the tree's first `nodes` drafts alone, no row still decoding having drafted
-        those after them, and `masks` masks per group (`masks_to_feed`): the root, those drafts and the groups after
-        each, written to consecutive slots from the pass's first (the groups land on slots that the whole pass gives
-        the drafts left out, which stay holes). Its logits go into a buffer laid out as the whole pass's, where the
-        columns left out keep numbers nothing reads. After the pass each layer's count of written slots stands where a
-        whole pass leaves it. Eager passes only: the tables kept per cut."""
+    def prune(self, nodes: tuple[int, ...], masks: int) -> None:
+        """Let the next lossless pass feed the tree's drafts `nodes` alone (indices, in order), no row still decoding
+        having drafted the others, and `masks` masks per group (`masks_to_feed`): the root, those drafts and the groups
+        after each, written to consecutive slots from the pass's first. The drafts' slots follow the root's in node
+        order (`_commit` keeps or leaves each as a hole: `order`), and the groups land on the slots that the whole pass
+        gives the drafts left out, which stay holes, and after. Its logits go into a buffer laid out as the whole
+        pass's, where the columns left out keep numbers nothing reads. After the pass each layer's count of written
+        slots stands where a whole pass leaves it. Eager passes only: the tables kept per cut (a few dozen at most)."""
         shape = self.shape
-        if (nodes, masks) == (len(shape.tree), shape.masks):
+        if (len(nodes), masks) == (len(shape.tree), shape.masks):
             self.pruned = None
             return
         if (nodes, masks) not in self.prunes:
+            if len(self.prunes) >= PRUNES_KEPT:
+                self.prunes.clear()
             columns = _node_columns(shape, nodes, masks)
             visible = shape.tree.visibility(shape.pending, shape.masks)[columns][:, columns]
             sees = _sees(visible, shape.slots, self.shut.cpu()).to(self.shut.device)
             columns = columns.to(self.slots.device)
-            self.prunes[nodes, masks] = (columns, self.relative[columns], sees, self.slots[: columns.numel()])
+            order = None  # the node each draft slot holds, where the nodes fed are not the tree's first ones
+            if nodes != tuple(range(len(nodes))):
+                order = torch.tensor(nodes + tuple(n for n in range(len(shape.tree)) if n not in nodes))
+                order = order.to(self.slots.device)
+            self.prunes[nodes, masks] = (columns, self.relative[columns], sees, self.slots[: columns.numel()], order)
         self.pruned = self.prunes[nodes, masks]
 
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
@@ -517,12 +533,12 @@ def _sees(visible: torch.Tensor, slots: int, shut: torch.Tensor) -> torch.Tensor
     return torch.where(torch.cat([before, visible, after], 1), torch.zeros_like(shut), shut)[None, None]
 
 
-def _node_columns(shape: GraphShape, nodes: int, masks: int) -> torch.Tensor:
-    """The columns of a lossless pass that feeds the tree's first `nodes` drafts alone and `masks` masks per group:
-    the root, those drafts, and the first masks of the groups after the root and each of them (the groups lie in node
-    order)."""
-    fed_drafts = torch.arange(shape.pending + nodes)
-    groups = shape.kept + shape.masks * torch.arange(nodes + 1)[:, None] + torch.arange(masks)
+def _node_columns(shape: GraphShape, nodes: tuple[int, ...], masks: int) -> torch.Tensor:
+    """The columns of a lossless pass that feeds the tree's drafts `nodes` alone and `masks` masks per group: the root,
+    those drafts, and the first masks of the groups after the root and each of them (the groups lie in node order)."""
+    groups = torch.tensor((0,) + tuple(node + 1 for node in nodes), dtype=torch.long)
+    fed_drafts = torch.cat([torch.arange(shape.pending), shape.pending + groups[1:] - 1])
+    groups = shape.kept + shape.masks * groups[:, None] + torch.arange(masks)
     return torch.cat([fed_drafts, groups.flatten()])
 
 
@@ -557,8 +573,8 @@ def _forward(g: GraphPass) -> torch.Tensor:
     fed, relative, sees, slots = g.leads[g.lead, g.tail]  # every column, or those `narrow` leaves
     fed_real, marked, kept = state.fed_real, g.slots, shape.width - shape.pending + 1 - g.tail
     last, kv = g.last_column, g.attended
-    if g.pruned is not None:  # lossless mode, the tree's last nodes left out (`prune`)
-        columns, relative, sees, slots = g.pruned
+    if g.pruned is not None:  # lossless mode, the nodes no row drafts left out (`prune`)
+        columns, relative, sees, slots, _ = g.pruned
         fed, fed_real, marked, kept = state.fed.index_select(1, columns), fed_real[:, columns], slots, len(columns)
     state.real.index_copy_(1, marked, fed_real)
     if g.fed_rows is not None:  # the rows that decode alone (`take_rows`)
@@ -704,7 +720,8 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     masks, which the next pass overwrites. The accepted tokens go into the text."""
     state = g.state
     if path is not None:  # lossless: the drafts off the kept path become holes
-        state.real.index_copy_(1, g.draft_slots, path.kept)
+        order = g.pruned[4] if g.pruned is not None else None  # the nodes a pruned pass fed come first
+        state.real.index_copy_(1, g.draft_slots, path.kept if order is None else path.kept.index_select(1, order))
     untaken = g.untaken.index_select(0, accepted)
     columns = g.decoded_column + state.write_offsets
     write_taken(state.sequences, g.rows, columns, tokens, untaken, g.shape.pad_token_id)
@@ -761,7 +778,7 @@ def _propose_from_masks(g: GraphPass, logits, end) -> None:
     shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
-    within = g.within if shape.scheduled else None
+    within = g.within if shape.scheduled or g.masks_limit < shape.masks else None
     buffer = None if g.proposals is None else g.proposed
     tau, measure, candidates = state.tau, shape.confidence, shape.candidates
     drafts = propose(followed, None, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer)
