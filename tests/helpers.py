@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import psutil  # an accelerate dependency
 import pytest
@@ -161,3 +163,15 @@ def rows_invariant_linear(dtype) -> bool:
         x = torch.randn(24, 64, generator=numbers).to(dtype)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(24)])
         return all(torch.equal(layer(x[:rows]), alone[:rows]) for rows in range(2, 25))
+
+
+def decoding_caller(depth: int = 2) -> str:
+    """`file:function` of the innermost hf_mars decoding frame on the stack (from `depth` frames up: a forward
+    pre-hook's caller), or "elsewhere": which function ran a MARS pass."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/hf_mars/decoding/" in path:
+            return f"{Path(path).name}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "elsewhere"

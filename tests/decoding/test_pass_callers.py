@@ -1,15 +1,12 @@
 """Which function runs each MARS pass: a forward pre-hook on the model records its caller. Where a runner decodes
-(`generate()` without a cache or on a static one, a server's `--cache-slots` rows), every pass after a prompt's is the
+(`generate()` without a cache or on a static one, a server's rows), every pass after a prompt's is the
 graph pass's forward and each prompt's pass the session's: one function for every pass, one other for prompts."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import make_model, make_tokenizer, toy_prompts
+from helpers import decoding_caller, make_model, make_tokenizer, toy_prompts
 
 import hf_mars
 from hf_mars.decoding.runner import serving_runner
@@ -27,19 +24,11 @@ def model():
     return hf_mars.to_mars(make_model("llama"), tok, block_size=4).eval(), tok
 
 
-def _caller() -> str:
-    """`file:function` of the innermost hf_mars decoding frame that called the model."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        if "/hf_mars/decoding/" in path:
-            return f"{Path(path).name}:{frame.f_code.co_name}"
-        frame = frame.f_back
-    return "elsewhere"
-
-
 def _recording(model, calls: list):
-    return model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(_caller()), with_kwargs=True)
+    def record(module, args, kwargs):
+        calls.append(decoding_caller(3))
+
+    return model.register_forward_pre_hook(record, with_kwargs=True)
 
 
 @pytest.mark.parametrize("cache", [{}, dict(cache_implementation="static")], ids=["no cache", "static"])
@@ -68,7 +57,8 @@ def test_generate_runs_every_pass_after_the_prompts_in_the_graph_pass(model, mod
 
 
 def test_a_servers_runner_runs_each_prompts_pass_then_every_other_in_the_graph_pass(model):
-    """Requests joining a runner one after another while the others decode, as `hf-mars serve --cache-slots` does."""
+    """Requests joining a runner one after another while the others decode, as `hf-mars serve` admits them (its
+    engine is checked the same way in tests/serving/test_server.py)."""
     model, tok = model
     enc = toy_prompts(tok, n=4, seed=5)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]

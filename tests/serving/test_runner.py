@@ -117,7 +117,7 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
         with pytest.raises(ValueError, match="other settings"):
             rows.admit(other)
         loop_only = dict(mars_tau=1.0, bad_words_ids=[[5, 6]])  # a ban of two tokens: transformers applies it
-        with pytest.raises(ValueError, match="decode in the loop"):
+        with pytest.raises(ValueError, match="own loop alone"):
             serving_runner(model, _opened(model, prompt, "d", 4, loop_only), 2, 200)
         penalty = dict(mars_tau=1.0, repetition_penalty=1.3)
         penalised = serving_runner(model, _opened(model, prompt, "e", 4, penalty), 2, 200)
@@ -139,8 +139,9 @@ def test_a_minimum_of_new_tokens_holds_each_row_from_its_own_prompt(trained_toy,
     plain = dict(do_sample=False, max_new_tokens=20)
     stop = int(GenerationMixin.generate(model, prompts[0][None], **plain)[0, prompts[0].numel() + 3])  # EOS here
     minimum, plain = 8, dict(plain, eos_token_id=stop)
-    finished, _ = _serve(model, prompts, [20] * 4, dict(MODES[mode], eos_token_id=stop, min_new_tokens=minimum), 2,
-                         SLOTS[mode])
+    finished, _ = _serve(
+        model, prompts, [20] * 4, dict(MODES[mode], eos_token_id=stop, min_new_tokens=minimum), 2, SLOTS[mode]
+    )
     held = False
     for i, prompt in enumerate(prompts):
         alone = GenerationMixin.generate(model, prompt[None], **plain, min_new_tokens=minimum)[0, prompt.numel() :]
@@ -199,8 +200,9 @@ def test_a_mask_schedule_serves_each_row_as_its_request_alone(trained_toy, mode)
         tokens, passes = finished[i]
         assert tokens == alone.sequences[0, prompt.numel() :].tolist(), i
         assert passes - int(alone.mars_stats.passes_per_row[0]) in ((0, 1) if mode.get("mars_verify") else (0,)), i
-        every_mask = model.generate(prompt[None], max_new_tokens=budgets[i], **{**mode, "mars_mask_cost": 0.0},
-                                    return_dict_in_generate=True)
+        every_mask = model.generate(
+            prompt[None], max_new_tokens=budgets[i], **{**mode, "mars_mask_cost": 0.0}, return_dict_in_generate=True
+        )
         scheduled |= int(every_mask.mars_stats.passes_per_row[0]) != passes
     assert scheduled, "the schedule must change some request's passes"
 
@@ -288,4 +290,76 @@ def test_an_eager_runner_attends_to_the_slots_in_use_not_every_slot_it_has(train
     assert max(reaches) < slots and len(reaches) > 1 and all(r % graph.REACH_STEP == 0 for r in reaches), reaches
     for i, prompt in enumerate(prompts):
         alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=[30, 12, 30, 25][i])
+        assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
+
+
+def test_an_eager_runner_re_treed_between_passes_feeds_each_tree_and_keeps_greedys_text(trained_toy):
+    """A server's lossless rows re-choose their draft tree as rows come and go (`Runner.retree`): a runner built for
+    every tree its rows may take (`serving_runner`'s `trees`: here a 2-token chain, a 4-token tree with runner-ups and
+    prompt lookup, and none) feeds the nodes and masks of the tree chosen now alone, and every row's text stays greedy
+    `generate()`'s, whichever trees its passes had."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=3, seed=11)
+    budget, fed = 30, []
+    chain = dict(mars_verify=True, mars_block_size=2)
+    modes = [dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3), dict(mars_tau=1.0), chain]
+    with torch.inference_mode():
+        opened = [
+            model.mars_session(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=budget, **m)
+            for m in [chain, *modes]
+        ]
+        runner = serving_runner(model, opened[0], 3, 160, trees=[s.plan.settings for s in opened[1:]])
+        assert runner.shape.tree == full_tree(3, 2, 3), "the runner's tree: the widest of them"
+        runner.admit(opened[0])
+        for step in range(200):
+            if not any(not done for _, _, done, _ in runner.rows()):
+                break
+            chosen = opened[1 + (step // 3) % 3] if step >= 3 else opened[0]  # a new tree every three passes
+            runner.retree(chosen.plan.settings)
+            runner.step()
+            fed.append(
+                (
+                    chosen.plan.settings.block_size if chosen.plan.settings.verify else 0,
+                    chosen.plan.lookup,
+                    runner.graph.nodes_fed,
+                    runner.graph.masks_fed,
+                )
+            )
+        texts = {label: tokens for label, tokens, _, _ in runner.rows()}
+    by_tree = {}
+    for block, lookup, nodes, masks in fed:
+        by_tree.setdefault((block, lookup), []).append((nodes, masks))
+    assert set(by_tree) == {(2, 0), (4, 3), (0, 0)}, "premise: every tree decoded some passes"
+    assert all(nodes <= 1 and masks <= 1 for nodes, masks in by_tree[2, 0]), by_tree[2, 0]
+    assert all(nodes == 0 and masks == 0 for nodes, masks in by_tree[0, 0]), by_tree[0, 0]
+    assert max(nodes for nodes, _ in by_tree[4, 3]) > 3, "premise: the wide tree drafted beyond a chain"
+    for row in range(3):
+        prompt = enc.input_ids[row, enc.attention_mask[row].bool()]
+        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budget)
+        assert texts[row] == alone[0, prompt.numel() :].tolist(), row
+
+
+def test_a_runner_whose_slot_ran_far_past_its_rows_compacts_before_its_reach_grows(trained_toy):
+    """Requests joining a runner one after another move its slot on while each row holds a short text: without
+    compaction its eager passes would attend to ever more slots that are holes in every row. The reach stays within
+    a step of twice the fullest row's text, and every request still gets greedy `generate()`'s tokens alone."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=24, seed=13)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(24)]
+    budgets = [16] * 24
+    reaches, feed = [], graph.GraphPass.feed_held
+
+    def recorded(g):
+        reaches.append(g.reach)
+        return feed(g)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graph.GraphPass, "feed_held", recorded)
+        finished, held = _serve(model, prompts, budgets, MODES["tau=1"], 2, 1024, every=1)
+    assert sorted(finished) == list(range(24)) and max(held) == 2
+    longest = max(prompt.numel() for prompt in prompts) + max(budgets) + 1  # a text and a pass (τ = 1: one token)
+    assert len(held) > longest + 2 * graph.REACH_STEP, "premise: uncompacted, the slot moves on past that bound"
+    assert max(reaches) <= 2 * longest + 2 * graph.REACH_STEP, reaches
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])
         assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i

@@ -26,9 +26,9 @@ from .cache import StaticMARSCache, allocate_stacked, cache_view
 from .compat import full_attention_config
 from .graph import GraphPass, GraphShape, enabled
 from .scoring import by_rules, follow_padding, history_free, processors_signature
-from .session import BRANCHING
+from .session import BRANCHING, draft_shape
 from .settings import read_tau
-from .tree import NO_DRAFTS, DraftTree, full_tree
+from .tree import NO_DRAFTS, DraftTree, canonical_candidates, depth_candidates, full_tree
 
 
 def _in_own_mode(verb):
@@ -49,8 +49,11 @@ class Runner:
     rows' prompt's pass, then each pass's τ, masks and accepted tokens, as `generate()` reports them), else keep only
     the last pass's accepted tokens (a server's)."""
 
-    def __init__(self, plan, graph: GraphPass, log: bool = False):
+    def __init__(self, plan, graph: GraphPass, log: bool = False, tree_plan=None):
+        """`tree_plan`: the plan `graph`'s tree was built for, where it is wider than `plan`'s (`serving_runner`'s
+        `trees`): the rows then draft the nodes of `plan`'s tree alone, until `retree` chooses another."""
         self.plan, self.graph, self.shape, self.log = plan, graph, graph.shape, log
+        self.tree_plan = tree_plan or plan
         state, capacity = graph.state, graph.shape.batch
         state.done.fill_(True)  # every row free
         state.sequences.fill_(plan.pad_token_id)
@@ -65,6 +68,8 @@ class Runner:
         self.slot, self.tau, self.steps = 0, None, 0
         self.stats, self.passes_run, self.logged = None, 0, 0  # `record`'s
         self.inference = torch.is_inference_mode_enabled()  # the mode its verbs run in (`_in_own_mode`)
+        if self.tree_plan is not plan:
+            self.retree(plan.settings)
 
     @property
     def labels(self) -> list:
@@ -88,7 +93,37 @@ class Runner:
             longest = max(longest, run)
         return longest
 
-    joins, retrees = True, False  # rows join free rows between passes; the tree keeps the graph's shape
+    joins = True  # rows join free rows between passes
+
+    @property
+    def retrees(self) -> bool:
+        """Whether the rows' draft tree may change between passes (`retree`): an eager lossless runner, whose passes
+        feed the nodes its rows draft (a compiled pass keeps its tree's shape, and so its cost)."""
+        return self.graph.eager and self.shape.verify
+
+    @_in_own_mode
+    def retree(self, settings) -> None:
+        """Decode on with `settings`, another lossless draft tree within the runner's (`tree_plan`'s), or none (τ = 1,
+        plain decoding, as `model.mars_session` makes plain settings), from the next pass: a server re-chooses the
+        tree that pays at the rows it runs now. Lossless mode's text does not depend on the tree; the drafts of nodes
+        left out are dropped, and the next pass proposes the new tree's."""
+        if not self.retrees and settings != self.plan.settings:
+            raise ValueError("A compiled runner keeps its draft tree: its passes have the tree's shape.")
+        if not (settings.verify or settings.tau == 1.0):
+            raise ValueError("Only lossless mode (or τ = 1, its plain form) changes its draft tree between passes.")
+        plan, g, widest = self.plan, self.graph, self.tree_plan.settings
+        if replace(settings, **_tree_settings(widest)) != widest:
+            raise ValueError("The rows may change their draft tree alone, within the runner's, not their settings.")
+        masks = settings.block_size - 1 if settings.verify else self.shape.masks
+        if masks < self.shape.masks and self.shape.scheduled:
+            raise ValueError("Rows with a mask schedule keep their block size.")
+        candidates, lookup = draft_shape(settings, plan.do_sample, plan.typical, plan.processors)
+        drafted = _tree_nodes(self.shape, settings.verify, masks, candidates, lookup)
+        self.plan = replace(plan, settings=settings, candidates=candidates, lookup=lookup)
+        g.nodes_drafted = None if bool(drafted.all()) else drafted.to(g.state.done.device)
+        g.masks_limit = masks
+        if not self.shape.scheduled:  # the masks a pass's drafts are proposed from
+            g.within.copy_((g.depths < masks).expand_as(g.within))
 
     def decodes_like(self, other) -> bool:
         """Whether `other`'s rows decode with these settings, sampling and processors, stop at the same EOS tokens, and
@@ -98,7 +133,8 @@ class Runner:
         processed = len({processors_signature(p.processors, layout=False) for p in (mine, theirs)}) == 1
         if not (same and processed and torch.equal(theirs.eos, mine.eos)):
             return False
-        shape = graph_shape(self.graph.model, other, self.shape.batch, self.shape.slots, self.shape.tree)
+        tree = _tree_of(self.tree_plan)
+        shape = graph_shape(self.graph.model, other, self.shape.batch, self.shape.slots, self.shape.tree, **tree)
         # the processors' row layout (where each text starts) is each row's own; the rest must be equal
         return shape is not None and replace(shape, processors=()) == replace(self.shape, processors=())
 
@@ -154,7 +190,10 @@ class Runner:
         columns ends just before that slot. Holes for the other rows where it moves on; compaction where a pass would
         not fit."""
         g = self.graph
-        if self.slot + self.shape.width > self.shape.slots:
+        if not self.live:  # every row free: the cache holds nothing real, and passes start again from its first slot
+            g.state.real.fill_(False)
+            self.slot = 0
+        elif self.slot + self.shape.width > self.shape.slots:
             self._compact()
         if width > self.slot:
             g.state.real[:, self.slot :] = False
@@ -216,7 +255,7 @@ class Runner:
             state.step.zero_()
             self.passes_run = self.logged = 0
         if g.eager:  # attention over the slots in use, in steps, and no column that is a hole in every row
-            g.attend(g.reach_for(self.slot + self.shape.width))
+            self._reach()
             g.feed_held()
         if not self.log:
             state.step.zero_()  # each pass's accepted counts are read after it, in row 0
@@ -238,6 +277,19 @@ class Runner:
             self.stats.accepted_per_step.extend(taken.clone().unbind(0))
             self.logged = self.passes_run
         return self.stats
+
+    def _reach(self) -> None:
+        """Let an eager pass attend to the slots in use (`GraphPass.attend`). Where rows joined late or left, most of
+        those may be holes in every row: a server's runner, whose slot only moves on, would attend to most of its
+        slots. So when the reach must grow, past twice what the fullest row holds, the cache is compacted first."""
+        g, end = self.graph, self.slot + self.shape.width
+        reach = g.reach_for(end)
+        if g.reach is not None and reach > g.reach and g.cuts:
+            held = int(g.state.real[:, : self.slot].sum(dim=1).max())
+            if 2 * (held + self.shape.width) < reach:
+                self._compact()
+                reach = g.reach_for(self.slot + self.shape.width)
+        g.attend(reach)
 
     def _compact(self) -> None:
         """Squeeze the holes out of the cache (free rows hold none)."""
@@ -286,14 +338,55 @@ def runner_tree(plan) -> DraftTree:
     return full_tree(settings.block_size - 1, plan.candidates, plan.lookup) if settings.verify else NO_DRAFTS
 
 
-def graph_shape(model, run, batch: int, slots: int, tree: DraftTree) -> GraphShape | None:
+def _tree_settings(settings) -> dict:
+    """The settings that name a lossless draft tree (or none: τ = 1), which `Runner.retree` changes."""
+    names = ("verify", "tau", "block_size", "draft_candidates", "lookup", "accept")
+    return {name: getattr(settings, name) for name in names}
+
+
+def _tree_nodes(shape: GraphShape, verify: bool, masks: int, candidates, lookup: int) -> torch.Tensor:
+    """`(nodes,)` which nodes of `shape`'s full tree (`full_tree`) a tree of `masks` masks, `candidates` and `lookup`
+    has: the chain to that depth, the first runner-ups of each of its depths, the first of lookup's branch (none
+    where `verify` is off: plain decoding). A `ValueError` where that tree is not within `shape`'s."""
+    wide = depth_candidates(shape.candidates, shape.masks)
+    narrow = depth_candidates(candidates, masks) + (0,) * (shape.masks - masks)
+    if masks > shape.masks or any(n > w for n, w in zip(narrow, wide)) or lookup > shape.lookup:
+        raise ValueError(f"A tree of {masks} masks, {candidates} candidates and lookup {lookup} is not the runner's.")
+    nodes = [verify and depth < masks for depth in range(shape.masks)]
+    for w, n in zip(wide, narrow):
+        nodes += [verify and i < n - 1 for i in range(w - 1)]
+    nodes += [verify and i < lookup for i in range(shape.lookup)]
+    return torch.tensor(nodes[: len(shape.tree)], dtype=torch.bool)
+
+
+def _tree_of(plan) -> dict:
+    """The fields of `plan` that its draft tree is made of (`graph_shape`'s `plan`)."""
+    return dict(settings=plan.settings, candidates=plan.candidates, lookup=plan.lookup)
+
+
+def widest_plan(plan, trees):
+    """`plan` with the union of its lossless tree and `trees`' (settings of the same mode, drafting other trees or
+    none): each depth's most candidates, the longest lookup. What a runner that re-chooses its tree is built for."""
+    verifying = [s for s in (plan.settings, *trees) if s.verify]
+    if not verifying:
+        return plan
+    widest = max(verifying, key=lambda s: s.block_size)
+    depths = widest.block_size - 1
+    counts = [max(c) for c in zip(*(depth_candidates(s.draft_candidates, depths) for s in verifying))]
+    settings = replace(widest, draft_candidates=canonical_candidates(counts), lookup=max(s.lookup for s in verifying))
+    candidates, lookup = draft_shape(settings, plan.do_sample, plan.typical, plan.processors)
+    return replace(plan, settings=settings, candidates=candidates, lookup=lookup)
+
+
+def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, **plan) -> GraphShape | None:
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
     full `tree`, or None where only the loop can: logits processors that transformers alone applies (bans and biases of
     several tokens, forced tokens; warpers, single-token bans and biases, repetition penalties, minimum lengths and
     n-gram bans run in the pass: `scoring.by_rules`). A mask cost's schedule runs in the pass too, which feeds every
     mask, as the loop does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer,
-    are served from the host after each pass."""
-    plan, settings = run.plan, run.plan.settings
+    are served from the host after each pass. `plan`: fields of `run.plan` replaced (a runner's wider tree)."""
+    plan = replace(run.plan, **plan) if plan else run.plan
+    settings = plan.settings
     if not (enabled() and plan.logits_to_keep and by_rules(plan.processors)):
         return None
     if model.config._attn_implementation not in BRANCHING:
@@ -323,18 +416,23 @@ def graph_shape(model, run, batch: int, slots: int, tree: DraftTree) -> GraphSha
     )
 
 
-def serving_runner(model, first, capacity: int, slots: int, compile_config=None, log: bool = False) -> Runner:
+def serving_runner(
+    model, first, capacity: int, slots: int, compile_config=None, log: bool = False, trees=()
+) -> Runner:
     """A runner of `capacity` rows and a static cache of `slots` slots of its own, decoding with the settings of
     `first` (a prepared session, whose rows it then admits). `compile_config`: `generate()`'s, to compile the pass
-    (and capture it on CUDA), else None (eager). `log`: `Runner`'s."""
-    shape = graph_shape(model, first, capacity, slots, runner_tree(first.plan))
+    (and capture it on CUDA), else None (eager). `log`: `Runner`'s. `trees`: other settings its rows may be re-treed
+    to (`Runner.retree`, eager runners): the pass is built for the union of their trees (`widest_plan`)."""
+    tree_plan = widest_plan(first.plan, trees) if trees and compile_config is None else first.plan
+    shape = graph_shape(model, first, capacity, slots, runner_tree(tree_plan), **_tree_of(tree_plan))
     if shape is None:
         raise ValueError(
-            "these settings decode in the loop, not as one graph (logits processors that only transformers "
-            "applies, such as bad words or sequence biases of several tokens): serve them without --compile"
+            "these settings are decoded by generate()'s own loop alone, not in a runner (logits processors that only "
+            "transformers applies, such as bad words or sequence biases of several tokens): hf-mars serve does not "
+            "serve them"
         )
     graph = GraphPass(model, rows_cache(model, capacity, slots), shape, compile_config, first.plan.processors)
-    return Runner(first.plan, graph, log)
+    return Runner(first.plan, graph, log, tree_plan)
 
 
 def rows_cache(model, rows: int, slots: int):
