@@ -117,7 +117,8 @@ def _add_other_benches(bench) -> None:
     bench.add_argument(
         "--cache-slots",
         type=int,
-        help="with --serve: the server's static cache slots per row (as `serve --cache-slots`; default: its own)",
+        help="with --serve: the server's rows in one graph pass over a static cache of this many slots (as `serve "
+        "--cache-slots`; with --compile, compiled)",
     )
     bench.add_argument(
         "--vllm",
@@ -178,9 +179,9 @@ def run_serve(args) -> None:
 
     from openai import OpenAI
 
-    from ..serving import DEFAULT_CACHE_SLOTS
     from ..tools.checkpoints.loading import resolve_checkpoint
     from ..tools.measure.serve_bench import MODES, ramp_modes, run_serve_bench, serve_plot, serve_table, start_server
+    from .serve import DEFAULT_CACHE_SLOTS
 
     if args.tau_range:
         from ..serving.load import check_tau_range
@@ -198,7 +199,7 @@ def run_serve(args) -> None:
         if args.dtype == "auto":
             raise SystemExit("--serve runs the server in one dtype: pass --dtype float32 or bfloat16.")
         model = args.model or resolve_checkpoint(None)
-        slots = args.cache_slots or DEFAULT_CACHE_SLOTS
+        slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
         url, server = start_server(
             model, args.dtype, args.device or "auto", args.max_batch_size, args.compile, slots, args.attention
         )
@@ -211,7 +212,8 @@ def run_serve(args) -> None:
             server.should_exit = True
         served = f"hf-mars serve on {device_name(args.device)}, {args.dtype}, {args.attention or 'sdpa'} attention"
         served += f", max batch {args.max_batch_size}"
-        served += f", one graph pass over {slots} cache slots" + (", compiled" if args.compile else ", eager")
+        if slots:
+            served += f", one graph pass over {slots} cache slots" + (", compiled" if args.compile else ", eager")
     print(f"\n{served}, streaming clients:\n")
     print(serve_table(rows))
     out = Path(args.output)

@@ -8,10 +8,10 @@ import os
 import shlex
 import sys
 
-from ..serving import DEFAULT_CACHE_SLOTS
 from .options import DTYPES, add_attention, add_model, add_tau_range
 
 HELP = "serve a MARS checkpoint over an OpenAI-compatible HTTP API"
+DEFAULT_CACHE_SLOTS = 2048  # static cache slots per row with --compile
 API_KEY_ENV = "HF_MARS_API_KEY"
 DESCRIPTION = (
     "Serve a MARS checkpoint with transformers serve's OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
@@ -39,15 +39,14 @@ def add_parser(subparsers) -> None:
     serve.add_argument(
         "--compile",
         action="store_true",
-        help="compile the pass with torch.compile, as transformers serve does: one compiled graph (a CUDA graph on "
-        "CUDA), its lossless draft tree chosen for --max-batch-size rows (eager passes re-choose it as rows come "
-        "and go)",
+        help="static cache and torch.compile, as transformers serve: every pass one compiled graph (a CUDA graph on "
+        "CUDA), rows joining it between passes",
     )
     serve.add_argument(
         "--cache-slots",
         type=int,
-        help="static cache slots per row, allocated at the first request: a prompt, its max_tokens and a pass must "
-        f"fit (default: {DEFAULT_CACHE_SLOTS}, at most the model's context)",
+        help="decode every pass as one graph over a static cache of this many slots per row: a prompt, its max_tokens "
+        f"and a few passes must fit (default with --compile: {DEFAULT_CACHE_SLOTS}; without it, eager)",
     )
     serve.add_argument("--max-batch-size", type=int, help="most requests decoding at once (default: 8; vLLM's own)")
     serve.add_argument(
@@ -111,13 +110,14 @@ def run(args) -> None:
 
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
+    slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
     app, _ = build_app(
         model,
         args.dtype,
         args.device,
         args.compile,
         args.max_batch_size or 8,
-        cache_slots=args.cache_slots,
+        cache_slots=slots,
         api_key=args.api_key,
         tau_range=args.tau_range,
         served_name=args.served_model_name,

@@ -54,6 +54,7 @@ class Runner:
         `trees`): the rows then draft the nodes of `plan`'s tree alone, until `retree` chooses another."""
         self.plan, self.graph, self.shape, self.log = plan, graph, graph.shape, log
         self.tree_plan = tree_plan or plan
+        self.widened = self.tree_plan is not plan  # built for other trees too: it may re-choose among them
         state, capacity = graph.state, graph.shape.batch
         state.done.fill_(True)  # every row free
         state.sequences.fill_(plan.pad_token_id)
@@ -68,7 +69,7 @@ class Runner:
         self.slot, self.tau, self.steps = 0, None, 0
         self.stats, self.passes_run, self.logged = None, 0, 0  # `record`'s
         self.inference = torch.is_inference_mode_enabled()  # the mode its verbs run in (`_in_own_mode`)
-        if self.tree_plan is not plan:
+        if self.widened:
             self.retree(plan.settings)
 
     @property
@@ -97,9 +98,10 @@ class Runner:
 
     @property
     def retrees(self) -> bool:
-        """Whether the rows' draft tree may change between passes (`retree`): an eager lossless runner, whose passes
-        feed the nodes its rows draft (a compiled pass keeps its tree's shape, and so its cost)."""
-        return self.graph.eager and self.shape.verify
+        """Whether the rows' draft tree may change between passes (`retree`): an eager lossless runner built for
+        several trees (`serving_runner`'s `trees`), whose passes feed the nodes its rows draft (a compiled pass keeps
+        its tree's shape, and so its cost)."""
+        return self.graph.eager and self.shape.verify and self.widened
 
     @_in_own_mode
     def retree(self, settings) -> None:
@@ -428,8 +430,8 @@ def serving_runner(
     if shape is None:
         raise ValueError(
             "these settings are decoded by generate()'s own loop alone, not in a runner (logits processors that only "
-            "transformers applies, such as bad words or sequence biases of several tokens): hf-mars serve does not "
-            "serve them"
+            "transformers applies, such as bad words or sequence biases of several tokens): serve them without "
+            "--compile or --cache-slots"
         )
     graph = GraphPass(model, rows_cache(model, capacity, slots), shape, compile_config, first.plan.processors)
     return Runner(first.plan, graph, log, tree_plan)

@@ -1,19 +1,17 @@
-"""The server's engine: one MARS runner that requests join between passes and leave the moment they stop.
+"""The server's engine: one MARS session that requests join between passes and leave the moment they stop.
 
-Requests wait in a queue. One inference thread keeps a `Runner` (decoding/runner.py, the pass `generate()` runs):
-`max_batch_size` rows of one graph pass over a static cache of `cache_slots` slots per row. It loops: take what has
-arrived; prepare a session for waiting requests that decode with the running rows' settings (`model.mars_session`,
-as many as free rows allow) and admit it (`Runner.admit`: their prompt's pass, straight into their rows of the
-runner's cache); run one pass for every row; hand each row's new tokens to its client; release the rows that stopped
-(EOS, their own `max_tokens`, a stop string, or a client that went away) and answer them at once. MARS decodes ragged
-batches exactly (a row's tokens do not depend on the rows beside it), so a request's text is the same whenever it
-joins.
+Requests wait in a queue. One inference thread keeps a `Session` (decoding/session.py) of the rows decoding now and
+loops: take what has arrived; open a session for waiting requests that decode with the running rows' settings (up
+to `max_batch_size` rows in all), give it its prompt's pass and join it to the running one (`Session.admit`); run
+one pass for every row; hand each row's new tokens to its client; release the rows that stopped (EOS, their own
+`max_tokens`, a stop string, or a client that went away) and answer them at once. MARS decodes ragged batches
+exactly (a row's tokens do not depend on the rows beside it), so a request's text is the same whenever it joins.
 
 Requests decode together when they share a `Request.key`: sampling, MARS mode, τ, tree. A request with another key
-waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. An
-eager runner's lossless rows re-choose their draft tree as rows join and leave (`_choose_tree`); with `--compile` the
-pass keeps the tree chosen for `max_batch_size` rows. Settings that only transformers' own loop decodes (logits
-processors of several tokens, such as multi-token bad words) are refused by name.
+waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
+`--compile` (or `--cache-slots`) the running rows are a `Runner` instead (decoding/runner.py): fixed rows of one
+graph pass over a static cache, which requests join and leave the same way; a request's prompt's pass then runs as it
+joins (`Runner.admit`), straight into its row of the runner's cache.
 
 Rows that allow a τ range (`"mars_tau": [lo, hi]`) decode with a `TauController` of that range, which the engine sets
 before every pass from `TauPolicy` (load.py): the load (rows, queue) and the measured pass costs.
@@ -41,7 +39,6 @@ from ..decoding.session import Session
 from ..decoding.settings import TauController
 from ..tools.measure.passes import declined, forget_declined, measure
 from ..tools.measure.passes import pass_costs as time_pass_costs
-from . import DEFAULT_CACHE_SLOTS
 from .load import TauPolicy, check_tau_range
 from .metrics import ServerMetrics
 from .stops import StopQueue, cut_at_stop
@@ -49,8 +46,7 @@ from .stops import StopQueue, cut_at_stop
 logger = logging.getLogger("hf_mars.serve")
 
 # A request's own limits; these keys of its generation config are the engine's to judge, per row
-_PER_ROW_KEYS = ("max_new_tokens", "stop_strings", "budget_defaulted")
-PASS_ROOM = 128  # cache slots kept past the longest text a default cache serves, for the passes that decode it
+_PER_ROW_KEYS = ("max_new_tokens", "stop_strings")
 RETRY_S = 60.0  # how often a server started on a busy machine tries to time its pass costs again
 
 
@@ -162,17 +158,14 @@ class MARSEngine(BaseGenerateManager):
         compile_config=None,
         tau_range: tuple[float, float] | None = None,
     ):
-        """`cache_slots`: the static cache slots of each row (default `DEFAULT_CACHE_SLOTS`, at most the model's
-        context and `PASS_ROOM`), allocated once; a request that asks for no `max_tokens` decodes as many as they
-        hold. `compile_config`: compile the runner's pass (captured on CUDA), as `serve --compile` does; else it runs
-        eagerly. `tau_range`: the τ range of requests that set no MARS field (the handlers give it them)."""
+        """`cache_slots`: decode in one graph pass over a static cache of that many slots (a `Runner`, compiled
+        with `compile_config` if given), as `serve --compile` does; else (None) in a `Session` of a dynamic cache.
+        `tau_range`: the τ range of requests that set no MARS field (the handlers give it them)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.tau_range = check_tau_range(tau_range) if tau_range is not None else None
         self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
-        context = getattr(model.config, "max_position_embeddings", None) or DEFAULT_CACHE_SLOTS
-        self.cache_slots = cache_slots or min(DEFAULT_CACHE_SLOTS, context + PASS_ROOM)
-        self.compile_config = compile_config
+        self.cache_slots, self.compile_config = cache_slots, compile_config
         self._graph: Runner | None = None  # kept while idle: its graph is compiled (and captured) once
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.batch_sizes: list[int] = []  # rows decoding in each pass, for tests and logs
@@ -180,7 +173,7 @@ class MARSEngine(BaseGenerateManager):
         self.finished: deque[dict] = deque(maxlen=1024)  # the last rows decoded: what they took, whether cancelled
         self._queue: queue.Queue[Request | None] = queue.Queue()
         self._waiting: list[Request] = []
-        self.session: Runner | None = None
+        self.session: Session | Runner | None = None
         self._key: str | None = None  # the running rows' `Request.key`
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
         self._controllers: dict[str, TauController] = {}  # per key with a τ range: the τ its rows decode with
@@ -230,14 +223,11 @@ class MARSEngine(BaseGenerateManager):
         if input_ids.shape[0] != 1:
             raise ValueError("one prompt per request")
         stop_strings = stop_strings_of(gen_config)
-        budget = gen_config.max_new_tokens
-        if getattr(gen_config, "budget_defaulted", False):  # no max_tokens asked: as many as the cache holds
-            budget = max(1, min(budget, self.cache_slots - PASS_ROOM - input_ids.shape[1]))
         request = Request(
             request_id=request_id,
             input_ids=input_ids[0].tolist(),
             generation_config=gen_config,
-            max_new_tokens=budget,
+            max_new_tokens=gen_config.max_new_tokens,
             sink=sink,
             stop_strings=stop_strings,
             stop=StopStringCriteria(self.tokenizer, stop_strings) if stop_strings else None,
@@ -299,13 +289,18 @@ class MARSEngine(BaseGenerateManager):
         if session is not None and (self._waiting[0].key != self._key or not session.joins):
             return  # the running rows finish first
         key = self._waiting[0].key
-        room = self.max_batch_size if session is None else session.room  # rows that join together: adjacent free rows
+        room = self.max_batch_size - (len(session.labels) if session is not None else 0)
+        if isinstance(session, Runner):  # rows that join together take adjacent free rows
+            room = min(room, session.room)
         group = [r for r in self._waiting if r.key == key][:room]
         if not group:
             return
         self._waiting = [r for r in self._waiting if r not in group]
         joining = self._open(group)
         if joining is None or not joining.labels:
+            return
+        if session is None and self.cache_slots is None:
+            self.session, self._key = joining, key
             return
         self._join(joining, key)
         if self.session is not None and not self.session.live:
@@ -334,60 +329,46 @@ class MARSEngine(BaseGenerateManager):
 
     def _graph_for(self, first: Session) -> Runner:
         """The runner that `first`'s rows decode in: the one kept from earlier rows where their settings are the
-        same (its tree re-chosen for them, where it re-chooses), else a new one, built for every tree `_choose_tree`
-        may choose for its rows."""
-        graph, self._banded = self._graph, None
-        if graph is not None and graph.retrees and graph.plan.settings != first.plan.settings:
-            try:
-                graph.retree(first.plan.settings)
-            except ValueError:
-                pass  # another tree than it was built for: a new runner
+        same, else a new one."""
+        graph = self._graph
         if graph is None or not graph.decodes_like(first):
             self._graph = None  # the old one's cache goes before the new one's is allocated
             graph = self._graph = serving_runner(
-                self.model,
-                first,
-                self.max_batch_size,
-                self.cache_slots,
-                self.compile_config,
-                trees=self._trees(first.labels[0]),
+                self.model, first, self.max_batch_size, self.cache_slots, self.compile_config
             )
         return graph
 
-    def _trees(self, request: Request) -> list:
-        """The settings `_choose_tree` may give `request`'s rows at each number of rows an eager runner holds (what
-        the runner is built for), or none where they keep theirs."""
-        if self.compile_config is not None or request.tau_range is not None:
-            return []
-        trees = []
-        for rows in range(1, self.max_batch_size + 1):
-            try:
-                trees.append(session_settings(self.model, request.generation_config, rows))
-            except ValueError:
-                return []
-        return trees
-
     def _open(self, group: list[Request]) -> Session | None:
-        """A session over `group`, prepared before its prompt's pass (the runner runs it as they join); None where it
-        failed (its rows are answered with the error; alone where a batch of them failed together)."""
+        """A session over `group`, after its prompt's pass (its rows' first tokens already sent), or, where the rows
+        join a runner, before it (the runner runs it); None where it failed (its rows are answered with the error;
+        alone where a batch of them failed together)."""
+        runs_prompt = self.cache_slots is None
         try:
             session = self._session(group)
+            if runs_prompt:
+                session.step(self.model)
+                self.metrics.passed(len(group))
         except Exception as error:  # noqa: BLE001 - one bad row must not take the others with it
-            if len(group) > 1:  # each alone: the bad one is answered with its error, the others wait to join
+            if len(group) > 1:  # each alone: the bad one is answered with its error, the others decode
                 opened = [s for s in (self._open([request]) for request in group) if s is not None and s.labels]
                 for other in opened[1:]:
-                    self._waiting[:0] = other.labels
+                    if runs_prompt:
+                        opened[0].admit(other)
+                    else:  # not run yet: they wait to join the runner on their own
+                        self._waiting[:0] = other.labels
                 return opened[0] if opened else None
             self._finish(group[0], error)
             return None
         if self.session is None:
             self._settings = session.plan.settings.as_kwargs()
+        if runs_prompt:
+            self._deliver(session)
         return session
 
     def _session(self, group: list[Request]) -> Session:
         """`model.mars_session` over the group, left-padded, each row with its own budget, with the running rows'
         settings where it joins them. Otherwise its settings are resolved for its own rows (`_choose_tree` re-chooses
-        the tree as rows join), or, for a compiled pass, whose tree is fixed, for `max_batch_size` rows (a tree that
+        the tree as rows join), or, for a graph pass, whose tree is fixed, for `max_batch_size` rows (a tree that
         pays for a few rows can cost far more than it brings for many); from cached pass costs only (a cost not
         measured yet means plain decoding: `serve` measures in the background)."""
         width = max(len(r.input_ids) for r in group)
@@ -398,8 +379,9 @@ class MARSEngine(BaseGenerateManager):
             mask[row, width - len(request.input_ids) :] = 1
         config = group[0].generation_config.__class__.from_dict(group[0].generation_config.to_dict())
         config.max_new_tokens = max(r.max_new_tokens for r in group)
-        config.stop_strings = config.budget_defaulted = None
-        config.cache_implementation, config.compile_config = None, None  # the prompt's pass: `Runner.admit`, eager
+        config.stop_strings = None
+        if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager
+            config.cache_implementation, config.compile_config = None, None
         device = self.model.device
         settings = self._settings if self.session is not None else {}
         if group[0].tau_range is not None:  # its τ is the range's controller, set before every pass
@@ -411,7 +393,7 @@ class MARSEngine(BaseGenerateManager):
             generation_config=config,
             labels=group,
             budgets=[r.max_new_tokens for r in group],
-            max_rows=self.max_batch_size if self.compile_config is not None else None,
+            max_rows=self.max_batch_size if self.cache_slots is not None else None,
             **settings,
         )
         session.separate_prompts()  # requests: each decodes as alone, whoever was opened with it
@@ -442,7 +424,7 @@ class MARSEngine(BaseGenerateManager):
         """Lossless rows decode with the draft tree the measured pass costs favour at the rows running now, re-chosen
         whenever their number changes (rows join and leave a few times a request, not every pass): `mars_lossless=
         "auto"` may pay at 1 row with a tree it must drop at 16, and a preset by batch size changes at its own sizes,
-        which need not be the cost table's powers of two. A compiled runner keeps the tree it was built for."""
+        which need not be the cost table's powers of two. A static cache's graph keeps the tree it was built for."""
         if not session.retrees or self._banded == (id(session), rows):
             return
         self._banded = (id(session), rows)
@@ -456,7 +438,7 @@ class MARSEngine(BaseGenerateManager):
         if settings != running and (settings.verify or settings.tau == 1.0):
             try:
                 session.retree(settings)
-            except ValueError as error:  # a tree beyond the one the runner was built for: it keeps its own
+            except ValueError as error:  # a tree beyond the one a runner was built for: it keeps its own
                 logger.info("draft tree at %d rows kept: %s", rows, error)
                 return
             self.tree_changes.append((rows, _tree_name(settings)))
@@ -482,7 +464,7 @@ class MARSEngine(BaseGenerateManager):
             return None
         policy = self._policies.get(self._key)
         if policy is None:
-            policy = self._policies[self._key] = self._policy(session)
+            policy = self._policies[self._key] = self._policy(session.plan.settings.block_size)
         lo, hi = request.tau_range
         choice = policy.choose(lo, hi, rows, self._queued())
         controller = self._controllers[self._key]
@@ -495,11 +477,9 @@ class MARSEngine(BaseGenerateManager):
         self.metrics.pressure.set(choice.pressure)
         return choice.tau
 
-    def _policy(self, runner: Runner) -> TauPolicy:
-        """A policy for the runner's rows: where its passes feed masks only at τ < 1 (an eager pass on a CPU,
-        `GraphPass.feed_held`), τ < 1 widens a pass, whose cost it reads from the machine's table (never timing:
-        `measure_in_background` does)."""
-        block_size = runner.plan.settings.block_size
+    def _policy(self, block_size: int) -> TauPolicy:
+        """A policy for rows of this block size: on a dynamic cache τ < 1 widens a pass, whose cost it reads from
+        the machine's table (never timing: `measure_in_background` does)."""
 
         def costs(rows: int):
             try:
@@ -508,10 +488,10 @@ class MARSEngine(BaseGenerateManager):
                 return None
             return forward[1], forward[block_size]
 
-        widens = runner.graph.cuts
+        widens = self.cache_slots is None
         return TauPolicy(block_size, self.max_batch_size, costs if widens else None, widens=widens)
 
-    def _deliver(self, session: Runner) -> int:
+    def _deliver(self, session: Session) -> int:
         """Every row's new tokens to its client; rows that stopped (or whose client left) are released and
         answered. Returns how many tokens were sent."""
         stopped, now, sent_in_all = [], time.monotonic(), 0

@@ -6,9 +6,9 @@
   client's `extra_body`) or inside the `generation_config` JSON string transformers serve already reads; the
   checkpoint's generation config is the default. A setting `generate()` would refuse is answered with HTTP 400 and
   `generate()`'s own message, before anything is queued. `usage` gains `forward_passes` and `tokens_per_forward`.
-- Generation: one `MARSEngine` (engine.py) decodes every request in one MARS runner (`decoding/runner.py`, the pass
-  `generate()` runs), which requests join between passes and leave the moment they stop (continuous batching;
-  transformers' own runs a paged-cache decoder where MARS does not run).
+- Generation: one `MARSEngine` (engine.py) decodes every request in one running MARS session, which requests join
+  between passes and leave the moment they stop (continuous batching; transformers' own runs a paged-cache decoder
+  where MARS does not run).
 - Start: the server answers at once. Lossless mode's pass costs (`mars_lossless="auto"`) are timed in a thread of
   their own; until a batch size is timed its requests draft as what is known of this kind of device says
   (`costs.prior_costs`), their text the same either way.
@@ -178,7 +178,6 @@ class MARSRequests:
                 config.sequence_bias = bias
             if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
                 config.max_new_tokens = min(config.max_new_tokens or self.max_tokens, self.max_tokens)  # a default
-                config.budget_defaulted = True  # which the engine cuts to what its cache slots hold past the prompt
             fields = {key: body[key] for key in SETTING_KEYS if key in body}
             self._check(config, self._tau_range(config, fields))
         except (ValueError, TypeError) as err:  # what generate() would refuse, said before anything runs
@@ -306,8 +305,8 @@ def build_app(
     served_name: str | None = None,
     attention: str | None = None,
 ):
-    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: the static
-    cache slots of each of the runner's rows (default: the engine's); its pass compiled if `compile`. `api_key`: every
+    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
+    one graph over a static cache of that many slots per row (a `Runner`), compiled if `compile`. `api_key`: every
     endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
     the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py).
     `served_name`: the model's name in `/v1/models` and in answers (default `served_model_name(model)`). `attention`:
@@ -317,7 +316,7 @@ def build_app(
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
     if attention is not None:
         loaded.set_attn_implementation(attention)
-    compile_config = CompileConfig() if compile else None
+    compile_config = CompileConfig() if compile and cache_slots else None
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     engine = MARSEngine(
         loaded, tokenizer, max_batch_size, cache_slots=cache_slots, compile_config=compile_config, tau_range=tau_range
