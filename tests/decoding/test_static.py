@@ -179,7 +179,7 @@ def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     compactions, compact = [], graph.compact_static
-    monkeypatch.setattr(graph, "compact_static", lambda *a: compactions.append(1) or compact(*a))
+    monkeypatch.setattr(graph, "compact_static", lambda *a, **k: compactions.append(1) or compact(*a, **k))
     out = run(model, enc, True, **MODES[mode])
     monkeypatch.undo()
     passes = out.mars_stats.forward_passes
@@ -199,7 +199,9 @@ def test_a_static_cache_squeezes_out_its_holes_and_keeps_the_tokens(trained_toy,
     calls = []
     for module in (cache, graph):  # the loop's cache calls it from `cache`, the graph pass from `graph`
         compact = module.compact_static
-        monkeypatch.setattr(module, "compact_static", lambda *a, compact=compact: calls.append(1) or compact(*a))
+        monkeypatch.setattr(
+            module, "compact_static", lambda *a, compact=compact, **k: calls.append(1) or compact(*a, **k)
+        )
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=13)
     mode = dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4)

@@ -271,7 +271,7 @@ class StaticMARSCache:
         width = new_real.shape[1] + (len(tree) + 1) * num_masks
         if self.length + width > self.size:
             self.real[:, self.length :].fill_(False)  # the last pass's masks
-            self.length = int(compact_static(self.kv, self.real, self.stacked))
+            self.length = int(compact_static(self.kv, self.real, self.stacked, end=self.length))
         if self.length + width > self.size:
             raise RuntimeError(f"MARS needs {self.length + width} static cache slots, the cache has {self.size}.")
         self.real[:, self.length : self.length + new_real.shape[1]] = new_real
@@ -328,21 +328,28 @@ class StaticMARSCache:
         self.next_position = self.next_position + new_real.sum(dim=1)
 
 
-def compact_static(kv, real: torch.Tensor, stacked: torch.Tensor | None = None) -> torch.Tensor:
+def compact_static(
+    kv, real: torch.Tensor, stacked: torch.Tensor | None = None, rows: slice = slice(None), end: int | None = None
+) -> torch.Tensor:
     """Squeeze the holes out of a static cache in place: each row's real slots first, in order, the rest free (`real`
     marks them). `()` tensor: the slots now in use, where the next pass writes (the layers that count their writes
-    are set there). Positions are untouched: rotary embeddings are already in the keys. The same fixed shapes every
-    time, and no read of the device: a graph pass can run it between two replays. `stacked`: one tensor that every
-    layer's keys and values are views of, gathered at once."""
-    order = torch.sort(real.to(torch.uint8), dim=1, descending=True, stable=True).indices  # real first, in order
-    count = real.sum(dim=1, keepdim=True)
+    are set there). Positions are untouched: rotary embeddings are already in the keys. With the default `rows` and
+    `end`, the same fixed shapes every time, and no read of the device: a graph pass can run it between two replays.
+    `rows`, `end`: the rows and the slots before `end` that hold anything real, all that is gathered (an eager pass's
+    cache, far wider than what its rows hold, is not copied whole). `stacked`: one tensor that every layer's keys and
+    values are views of, gathered at once."""
+    columns = slice(None, end)
+    real_in_use = real[rows, columns]
+    order = torch.sort(real_in_use.to(torch.uint8), dim=1, descending=True, stable=True).indices  # real first
+    count = real_in_use.sum(dim=1, keepdim=True)
     if stacked is not None:
-        stacked.copy_(_gather_slots(stacked, order))
+        in_use = stacked[:, rows, :, columns]
+        in_use.copy_(_gather_slots(in_use, order))
     else:
-        tensors = [t for layer in kv.layers for t in (layer.keys, layer.values)]
+        tensors = [t[rows, :, columns] for layer in kv.layers for t in (layer.keys, layer.values)]
         torch._foreach_copy_(tensors, [_gather_slots(t, order) for t in tensors])
-    torch.lt(torch.arange(real.shape[1], device=real.device), count, out=real)
-    used = count.max()
+    real_in_use.copy_(torch.arange(real_in_use.shape[1], device=real.device) < count)
+    used = count.max() if count.numel() else count.new_zeros(())
     if counts_static_writes(kv):
         torch._foreach_copy_([layer.cumulative_length for layer in kv.layers], [used] * len(kv.layers))
     return used

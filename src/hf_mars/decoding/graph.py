@@ -477,7 +477,12 @@ class GraphPass:
         """Squeeze the holes out of this pass's cache between two passes (`compact_static`): the slot the next pass
         writes. Slots from `slot` on held the last pass's masks, which the next pass writes again: nothing real."""
         self.state.real[:, slot:].fill_(False)
-        used = int(compact_static(self.kv, self.state.real, self.stacked))
+        if self.graph is not None or self.capture:  # a captured pass's cache: the same shapes every time
+            used = int(compact_static(self.kv, self.state.real, self.stacked))
+        else:  # the rows and slots in use alone
+            holding = self.state.real[:, :slot].any(dim=1).nonzero().flatten().tolist() or [0]
+            rows = slice(holding[0], holding[-1] + 1)
+            used = int(compact_static(self.kv, self.state.real, self.stacked, rows, slot))
         self.move_to(used)
         return used
 
