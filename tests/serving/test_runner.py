@@ -9,7 +9,7 @@ from helpers import make_model, make_tokenizer, sliding_mars_model, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
-from hf_mars.decoding import graph
+from hf_mars.decoding import cache, graph
 from hf_mars.decoding.compat import CACHE_ARG
 from hf_mars.decoding.runner import serving_runner
 from hf_mars.decoding.tree import full_tree
@@ -347,7 +347,7 @@ def test_a_runner_whose_slot_ran_far_past_its_rows_compacts_before_its_reach_gro
     enc = toy_prompts(tok, n=24, seed=13)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(24)]
     budgets = [16] * 24
-    reaches, feed = [], graph.GraphPass.feed_held
+    reaches, feed, gathered, gather = [], graph.GraphPass.feed_held, [], cache._gather_slots
 
     def recorded(g):
         reaches.append(g.reach)
@@ -355,11 +355,40 @@ def test_a_runner_whose_slot_ran_far_past_its_rows_compacts_before_its_reach_gro
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(graph.GraphPass, "feed_held", recorded)
+        patch.setattr(
+            cache, "_gather_slots", lambda states, order: gathered.append(states.shape) or gather(states, order)
+        )
         finished, held = _serve(model, prompts, budgets, MODES["tau=1"], 2, 1024, every=1)
     assert sorted(finished) == list(range(24)) and max(held) == 2
     longest = max(prompt.numel() for prompt in prompts) + max(budgets) + 1  # a text and a pass (τ = 1: one token)
     assert len(held) > longest + 2 * graph.REACH_STEP, "premise: uncompacted, the slot moves on past that bound"
     assert max(reaches) <= 2 * longest + 2 * graph.REACH_STEP, reaches
+    # a compaction copies the slots before the runner's, not the 1024 it has
+    assert gathered and max(shape[-2] for shape in gathered) <= max(reaches), gathered
     for i, prompt in enumerate(prompts):
         alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])
         assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
+
+
+def test_a_runner_on_the_cache_of_one_that_is_gone_allocates_none_and_decodes_as_alone(trained_toy):
+    """A server whose rows change their settings builds a runner for the new ones on the last runner's cache (`kv`):
+    no second cache is allocated, and the rows that decode on it, on slots the other's rows wrote, get greedy
+    `generate()`'s tokens alone."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=17)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    runners = []
+    with torch.inference_mode():
+        for mode, (a, b) in zip(("tau=1", "lossless tree"), ((0, 1), (2, 3))):
+            first, second = (_opened(model, prompts[i], i, 12, MODES[mode]) for i in (a, b))
+            kv = runners[-1].graph.kv if runners else None
+            runners.append(serving_runner(model, first, 2, 160, kv=kv))
+            runner = runners[-1]
+            runner.admit(first)
+            runner.admit(second)
+            while not all(done for _, _, done, _ in runner.rows()):
+                runner.step()
+            for label, tokens, _, _ in runner.rows():
+                alone = GenerationMixin.generate(model, prompts[label][None], do_sample=False, max_new_tokens=12)
+                assert tokens == alone[0, prompts[label].numel() :].tolist(), (mode, label)
+    assert runners[1].graph.kv is runners[0].graph.kv and runners[1].graph is not runners[0].graph

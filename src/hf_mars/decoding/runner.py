@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 
 from .cache import StaticMARSCache, allocate_stacked, cache_view
-from .compat import full_attention_config
+from .compat import full_attention_config, static_cache_size
 from .graph import GraphPass, GraphShape, enabled
 from .scoring import by_rules, follow_padding, history_free, processors_signature
 from .session import BRANCHING, draft_shape
@@ -419,12 +419,14 @@ def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, **plan) -> 
 
 
 def serving_runner(
-    model, first, capacity: int, slots: int, compile_config=None, log: bool = False, trees=()
+    model, first, capacity: int, slots: int, compile_config=None, log: bool = False, trees=(), kv=None
 ) -> Runner:
     """A runner of `capacity` rows and a static cache of `slots` slots of its own, decoding with the settings of
     `first` (a prepared session, whose rows it then admits). `compile_config`: `generate()`'s, to compile the pass
     (and capture it on CUDA), else None (eager). `log`: `Runner`'s. `trees`: other settings its rows may be re-treed
-    to (`Runner.retree`, eager runners): the pass is built for the union of their trees (`widest_plan`)."""
+    to (`Runner.retree`, eager runners): the pass is built for the union of their trees (`widest_plan`). `kv`: a
+    cache of `rows_cache(model, capacity, slots)` to decode on, a runner's that is gone (a server's rows changing
+    their settings: their K/V storage is not allocated again); else one is allocated."""
     tree_plan = widest_plan(first.plan, trees) if trees and compile_config is None else first.plan
     shape = graph_shape(model, first, capacity, slots, runner_tree(tree_plan), **_tree_of(tree_plan))
     if shape is None:
@@ -433,7 +435,9 @@ def serving_runner(
             "transformers applies, such as bad words or sequence biases of several tokens): serve them without "
             "--compile or --cache-slots"
         )
-    graph = GraphPass(model, rows_cache(model, capacity, slots), shape, compile_config, first.plan.processors)
+    if kv is None or static_cache_size(kv) != slots or kv.layers[0].keys.shape[0] != capacity:
+        kv = rows_cache(model, capacity, slots)
+    graph = GraphPass(model, kv, shape, compile_config, first.plan.processors)
     return Runner(first.plan, graph, log, tree_plan)
 
 

@@ -332,9 +332,10 @@ class MARSEngine(BaseGenerateManager):
         same, else a new one."""
         graph = self._graph
         if graph is None or not graph.decodes_like(first):
-            self._graph = None  # the old one's cache goes before the new one's is allocated
+            kv = graph.graph.kv if graph is not None and graph.graph.graph is None else None  # none captured
+            self._graph = graph = None  # the old pass goes before the new one is built, on its cache where eager
             graph = self._graph = serving_runner(
-                self.model, first, self.max_batch_size, self.cache_slots, self.compile_config
+                self.model, first, self.max_batch_size, self.cache_slots, self.compile_config, kv=kv
             )
         return graph
 
