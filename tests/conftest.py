@@ -21,7 +21,7 @@ def idle_machine(monkeypatch):
     from hf_mars.tools.measure import passes
 
     monkeypatch.setattr(passes, "busy_cores", lambda threads=None: 0)
-    monkeypatch.setattr(passes, "cpu_share", lambda started: 1.0)
+    monkeypatch.setattr(passes, "timing_share", lambda started: 1.0)
 
 
 @pytest.fixture

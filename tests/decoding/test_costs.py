@@ -120,7 +120,7 @@ def test_costs_timed_beside_other_work_are_never_chosen_from_and_timed_again_on_
     the next process that finds the machine idle times them again, and figures timed alone are kept."""
     calls = counting(monkeypatch)
     model = make_model("llama")
-    monkeypatch.setattr(passes, "cpu_share", lambda started: 0.4)  # another process had more than half the CPU
+    monkeypatch.setattr(passes, "timing_share", lambda started: 0.4)  # another process held most of the cores
     with caplog.at_level("WARNING", logger=passes.__name__), pytest.raises(NotMeasured):
         pass_costs(model, 1, [4])
     saved = json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
@@ -132,7 +132,7 @@ def test_costs_timed_beside_other_work_are_never_chosen_from_and_timed_again_on_
         cost_model.pass_costs(model, 1, [4])  # the checkpoint's code does not decode with them either
 
     passes._DECLINED.clear()  # the next process, on an idle machine
-    monkeypatch.setattr(passes, "cpu_share", lambda started: 0.97)
+    monkeypatch.setattr(passes, "timing_share", lambda started: 0.97)
     timed = pass_costs(model, 1, [4])
     assert calls[-1][2] == (1, 4) and len(calls) == 2  # every width again
     assert "busy" not in json.loads((cache_dir / "pass_costs.json").read_text())[machine_key(model, 1)]
@@ -190,9 +190,10 @@ def test_the_prior_drafts_where_drafting_is_known_to_pay_and_not_where_it_is_kno
     one, eight = (cost_model.prior_costs(model, b, [16]) for b in (1, 8))
     assert one.forward[16] / one.forward[1] < eight.forward[16] / eight.forward[1]
     # bfloat16 reads half the bytes of float32: its one-token pass is the cheaper in the prior's units
-    assert cost_model.prior_costs(model.to(torch.bfloat16), 1, [4]).forward[1] < cost_model.prior_costs(
-        model.to(torch.float32), 1, [4]
-    ).forward[1]
+    assert (
+        cost_model.prior_costs(model.to(torch.bfloat16), 1, [4]).forward[1]
+        < cost_model.prior_costs(model.to(torch.float32), 1, [4]).forward[1]
+    )
 
 
 def test_the_device_kind_reads_the_device_the_dtype_and_the_cpu_s_flags(monkeypatch):
@@ -222,6 +223,28 @@ def test_cpu_share_tells_work_from_waiting():
     started = cpu_load.clocks()
     time.sleep(0.2)
     assert cpu_load.cpu_share(started) < 0.2
+
+
+def test_timing_share_counts_the_cores_other_processes_held_not_this_ones_waiting(monkeypatch):
+    """Pass costs are trusted by the cores other processes left torch's threads while they were timed (the machine's
+    busy time less this process's), not by this process's own CPU time: a small forward keeps two threads waiting for
+    work on an idle machine. Over a second of wall time on 2 cores with 2 threads: others busy for a tenth of a
+    second leave 95%; a whole core, 50%; where the machine does not say, the share is `cpu_share`'s."""
+    import os
+    import time
+
+    from hf_mars.tools.measure import cpu_load
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    monkeypatch.setattr(cpu_load, "cores", lambda: 2)
+    monkeypatch.setattr(cpu_load.torch, "get_num_threads", lambda: 2)
+    for others, share in ((0.1, 0.95), (1.0, 0.5)):
+        monkeypatch.setattr(cpu_load, "_cpu_times", lambda others=others: (others * ticks, 4.0 * ticks))
+        started = (time.perf_counter() - 1.0, time.process_time(), (0.0, 0.0))
+        assert cpu_load.timing_share(started) == pytest.approx(share, abs=0.02)
+    monkeypatch.setattr(cpu_load, "_cpu_times", lambda: None)
+    started = (time.perf_counter() - 1.0, time.process_time(), None)
+    assert cpu_load.timing_share(started) == pytest.approx(cpu_load.cpu_share(started), abs=0.02)
 
 
 def test_a_core_is_busy_only_where_every_probe_finds_it_so(monkeypatch):

@@ -14,8 +14,9 @@ import time
 
 import torch
 
-# Timed with less than this share of its threads' CPU time, a process was not alone on the CPU: its figures can be
-# off by tens of times (OpenMP threads of two processes spin against each other), so they are not trusted.
+# Timed with less than this share of its threads on cores of their own (`timing_share`), a process was not alone on
+# the CPU: its figures can be off by tens of times (OpenMP threads of two processes spin against each other), so they
+# are not trusted.
 BUSY_SHARE = 0.75
 
 
@@ -83,13 +84,27 @@ def decode_on_free_cores() -> str | None:
     )
 
 
-def clocks() -> tuple[float, float]:
-    """Wall and CPU clocks now, for `cpu_share`."""
-    return time.perf_counter(), time.process_time()
+def clocks() -> tuple[float, float, tuple[float, float] | None]:
+    """Wall and CPU clocks now, and the machine's CPU times (`/proc/stat`), for `cpu_share` and `timing_share`."""
+    return time.perf_counter(), time.process_time(), _cpu_times()
 
 
-def cpu_share(started: tuple[float, float]) -> float:
+def cpu_share(started: tuple) -> float:
     """CPU time this process got since `started` (`clocks`), as a share of the wall time its threads span: near 1
     alone on the CPU (waiting OpenMP threads spin, which counts), about 1/2 or less beside another busy process."""
     wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
     return cpu / max(wall * torch.get_num_threads(), 1e-9)
+
+
+def timing_share(started: tuple) -> float:
+    """The share of torch's threads that had a core to themselves since `started` (`clocks`): the cores other
+    processes left free (`/proc/stat`: the machine's busy time less this process's), over the threads, at most 1.
+    Where the machine does not say, `cpu_share`. Not `cpu_share` alone: a small forward (batch 1 of a small model)
+    leaves a team of threads waiting for work, not for a core, so on an idle machine it read as busy."""
+    machine, after = started[2] if len(started) > 2 else None, _cpu_times()
+    if machine is None or after is None or after[1] <= machine[1]:
+        return cpu_share(started)
+    wall, own = time.perf_counter() - started[0], time.process_time() - started[1]
+    ticks_per_second = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    others = max(0.0, (after[0] - machine[0]) / ticks_per_second - own) / max(wall, 1e-9)  # cores they held
+    return min(1.0, max(0.0, cores() - others) / torch.get_num_threads())

@@ -29,7 +29,7 @@ from transformers import DynamicCache, GenerationMixin
 from ...decoding import costs
 from ...decoding.compat import CACHE_ARG, supports_logits_to_keep
 from ...decoding.settings import CALL_KEYS, resolve_settings
-from .cpu_load import BUSY_SHARE, busy_cores, clocks, cpu_share
+from .cpu_load import BUSY_SHARE, busy_cores, clocks, timing_share
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class PassTimer:
         timed.update({"overhead": overhead} if overhead is not None else {})
         timed.update({"untimed": untimed} if untimed else {})
         timed.update({"prefill": per_token} if per_token is not None else {})
-        share = cpu_share(started) if model.device.type == "cpu" else 1.0
+        share = timing_share(started) if model.device.type == "cpu" else 1.0
         _mark_busy(timed, share, entry.get("busy"))
         save(key, timed)
         if share < BUSY_SHARE and not self.busy_ok:
@@ -173,8 +173,8 @@ def _mark_busy(entry: dict, share: float, before: float | None) -> None:
         entry["busy"] = round(busy, 2)
     if share < BUSY_SHARE:
         logger.warning(
-            "MARS: other work was running while the pass costs were timed (this process had %.0f%% of its threads' "
-            "CPU time), so they may be far off: not used. A later run on an idle machine times them again (or "
+            "MARS: other work was running while the pass costs were timed (it left %.0f%% of torch's threads a core "
+            "of their own), so they may be far off: not used. A later run on an idle machine times them again (or "
             "`hf-mars tune --refresh-costs`).",
             100 * share,
         )
