@@ -254,6 +254,7 @@ def test_a_row_too_long_for_the_runners_cache_is_refused_and_the_rows_that_came_
 
     contents = [f"count {i} to {i + 5}" for i in range(4)]
     with serving(app) as url:
+
         async def run():
             return await asyncio.gather(*(ask(c, b) for c, b in zip(contents, budgets)))
 
@@ -623,7 +624,6 @@ def test_with_an_api_key_only_its_bearers_are_served_and_health_stays_open(tmp_p
     assert key not in caplog.text
 
 
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_stop_sequence_ends_the_text_before_it_as_openais_api_does(server, stream):
     """The stop sequence is taken from the text greedy decoding writes for this prompt, past its start: the answer is
@@ -743,8 +743,10 @@ def test_a_preset_tree_is_rechosen_at_its_own_batch_size_whatever_order_rows_joi
 
     tok, model = make_tokenizer(), make_model("llama")
     to_mars(model, tok, block_size=4)
-    model.generation_config.mars_lossless = {"1": {"mars_block_size": 4, "mars_draft_candidates": 2},
-                                             "4": {"mars_block_size": 2}}
+    model.generation_config.mars_lossless = {
+        "1": {"mars_block_size": 4, "mars_draft_candidates": 2},
+        "4": {"mars_block_size": 2},
+    }
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     _, engine = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=4)
@@ -851,3 +853,45 @@ def test_with_ordered_attention_in_bfloat16_every_row_under_load_gets_its_batch_
         results = _batched(server, [_ask(url, path, c, 0.01 * i, 64, **mode) for i, (c, mode) in enumerate(jobs)])
     for (content, mode), (text, usage) in zip(jobs, results):
         assert (text, usage.completion_tokens) == _offline(server, content, {}, 64), (content, mode)
+
+
+def test_requests_waiting_take_every_free_row_even_where_the_free_rows_are_apart(tmp_path):
+    """Rows that join together take adjacent free rows (their prompt's pass writes a view of them). When the rows that
+    stopped are apart (rows 0 and 2 of 4 free, 1 and 3 decoding), two waiting requests still both join before the
+    next pass, one into each run of free rows, and every request gets greedy `generate()`'s tokens alone. (The
+    engine's thread is stopped: its verbs are driven here, between passes.)"""
+    from transformers import GenerationConfig
+
+    from hf_mars.serving.engine import MARSEngine, Request, RowSink
+
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    engine = MARSEngine(model.eval(), tok, max_batch_size=4, cache_slots=256)
+    engine.stop()
+    engine._thread.join()
+    config = GenerationConfig.from_dict({**model.generation_config.to_dict(), "mars_verify": True})
+    config.eos_token_id = None  # every row decodes its whole budget
+
+    def request(i, budget):
+        ids = tok(f"count {i} to {i + 9}").input_ids
+        return Request(f"r{i}", ids, config, budget, RowSink(None))
+
+    first = [request(i, budget) for i, budget in enumerate((2, 30, 2, 30))]
+    engine._waiting = list(first)
+    with torch.inference_mode():
+        engine._admit()
+        while any(r in engine.session.labels for r in (first[0], first[2])):
+            engine._step()
+        assert engine.session.held[1:4:2] == [first[1], first[3]], "premise: the free rows are 0 and 2"
+        assert engine.session.room == 1
+        later = [request(i, 12) for i in (4, 5)]
+        engine._waiting = list(later)
+        engine._admit()
+        assert not engine._waiting and sorted(map(id, engine.session.labels)) == sorted(map(id, first[1::2] + later))
+        while engine.session is not None:
+            engine._step()
+    for r in first + later:
+        alone = model.generate(
+            torch.tensor([r.input_ids]), do_sample=False, max_new_tokens=r.max_new_tokens, eos_token_id=None
+        )
+        assert r.generated == alone[0, len(r.input_ids) :].tolist(), r.request_id

@@ -279,32 +279,37 @@ class MARSEngine(BaseGenerateManager):
 
     def _admit(self) -> None:
         """Join the waiting requests that decode with the running rows (or, with none running, with the oldest
-        waiting one) to the session, as room allows; none while an older request of other settings waits."""
+        waiting one), as room allows: into a runner, a group into each run of adjacent free rows, until the rows or
+        the requests run out; none while an older request of other settings waits."""
         for request in [r for r in self._waiting if r.sink.cancelled.is_set()]:
             self._waiting.remove(request)
             self._finish(request)
-        if not self._waiting:
-            return
+        while self._waiting and self._admit_group():
+            pass
+
+    def _admit_group(self) -> bool:
+        """The waiting requests that fit into the free rows (a runner's: the longest run of adjacent ones, which rows
+        that join together take): whether any left the queue (joined, or answered with why not), so another may."""
         session = self.session
         if session is not None and (self._waiting[0].key != self._key or not session.joins):
-            return  # the running rows finish first
+            return False  # the running rows finish first
         key = self._waiting[0].key
         room = self.max_batch_size - (len(session.labels) if session is not None else 0)
         if isinstance(session, Runner):  # rows that join together take adjacent free rows
             room = min(room, session.room)
         group = [r for r in self._waiting if r.key == key][:room]
         if not group:
-            return
+            return False
         self._waiting = [r for r in self._waiting if r not in group]
         joining = self._open(group)
-        if joining is None or not joining.labels:
-            return
-        if session is None and self.cache_slots is None:
-            self.session, self._key = joining, key
-            return
-        self._join(joining, key)
+        if joining is not None and joining.labels:
+            if session is None and self.cache_slots is None:
+                self.session, self._key = joining, key
+            else:
+                self._join(joining, key)
         if self.session is not None and not self.session.live:
             self.session = None
+        return True
 
     def _join(self, joining: Session, key) -> None:
         """`joining`'s rows into the runner (built for them where none runs yet): their prompt's pass, then their
