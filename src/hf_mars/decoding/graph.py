@@ -224,7 +224,10 @@ class GraphPass:
         self.aimed = 1.0  # τ, as `aim` last set it
         self.pruned, self.prunes = None, {}  # `prune`'s tables
         self.fed_rows = self.rows_view = self.gathered = None  # `take_rows`' rows, their cache, their K/V copied
-        self.flops_per_column = 2 * model.num_parameters()  # what a row's fed column costs
+        self.flops_per_column = 2 * model.num_parameters()  # what a row's fed column costs, past `bound_columns`
+        # Up to about this many fed columns a CPU's matmuls wait on reading the weights, not on their FLOPs: a
+        # pass costs no more for the rows it feeds (reading a weight's bytes takes FLOPS_PER_BYTE_COPIED FLOPs' time)
+        self.bound_columns = FLOPS_PER_BYTE_COPIED * model.dtype.itemsize // 2
         self.logits_buffer = None  # a pass's logits where it fed some rows or columns alone (`_narrow_logits`)
         self.tree = shape.tree.on(device)
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
@@ -332,7 +335,9 @@ class GraphPass:
     def _rows_in_use(self) -> slice | torch.Tensor | None:
         """The rows the next pass feeds (`take_rows`), its columns cut already (`narrow`, `prune`): from the first to
         the last that decodes or holds a token to cache, or those rows alone where the rows between them that do
-        neither cost more to compute than copying those rows' K/V out and back (`FLOPS_PER_BYTE_COPIED`)."""
+        neither cost more to compute than copying those rows' K/V out and back (`FLOPS_PER_BYTE_COPIED`). The rows
+        between cost nothing while the pass, them included, feeds no more columns than a pass that reads the weights
+        takes the time of (`bound_columns`: a few rows of one token each)."""
         state = self.state
         width = len(self.pruned[0]) if self.pruned is not None else self.shape.width - self.lead - self.tail
         busy = (~state.done | state.fed_real[:, : self.shape.kept].any(dim=1)).nonzero().flatten()
@@ -341,7 +346,9 @@ class GraphPass:
         first, last = int(busy[0]), int(busy[-1]) + 1
         idle = last - first - busy.numel()
         copied = 2 * busy.numel() * self.reach * self.stacked[:, 0, :, 0].nbytes if self.stacked is not None else 0
-        if idle and copied and idle * width * self.flops_per_column > FLOPS_PER_BYTE_COPIED * copied:
+        bound = self.bound_columns
+        saved = (max((last - first) * width, bound) - max(busy.numel() * width, bound)) * self.flops_per_column
+        if idle and copied and saved > FLOPS_PER_BYTE_COPIED * copied:
             return busy
         return slice(first, last)
 
