@@ -263,6 +263,32 @@ def test_an_eager_runner_on_a_cpu_computes_the_rows_in_use_not_every_row_it_has(
         assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
 
 
+@pytest.mark.parametrize("weight_bound", [True, False], ids=["weights read", "FLOPs alone"])
+def test_idle_rows_between_are_computed_while_a_pass_costs_its_weights_reads(trained_toy, weight_bound, monkeypatch):
+    """A pass of τ = 1 feeds one column a row: a CPU's matmuls then cost reading the weights, whatever the rows, so an
+    idle row between two that decode is computed rather than the others' K/V copied out and back, even for a model
+    whose columns cost far more FLOPs than any copy (`GraphPass.bound_columns`). Counting FLOPs alone (no bound), the
+    same pass copies. Either way every request gets greedy `generate()`'s tokens alone."""
+    apart, feed = [], graph.GraphPass.feed_held
+
+    def recorded(g):
+        g.flops_per_column = 10**15
+        g.bound_columns = g.bound_columns if weight_bound else 0
+        feed(g)
+        apart.append(isinstance(g.fed_rows, torch.Tensor))
+
+    monkeypatch.setattr(graph.GraphPass, "feed_held", recorded)
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=5)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    budgets = [30, 12, 30, 25]  # the second row is freed while the others decode
+    finished, _ = _serve(model, prompts, budgets, MODES["tau=1"], 4, SLOTS["tau=1"], every=1)
+    assert any(apart) != weight_bound, apart
+    for i, prompt in enumerate(prompts):
+        alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])
+        assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_an_eager_runner_attends_to_the_slots_in_use_not_every_slot_it_has(trained_toy, family):
     """On a cache far wider than the rows' texts (a server's slots), an eager runner's passes attend to a reach that
