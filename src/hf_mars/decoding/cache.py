@@ -338,18 +338,18 @@ def compact_static(
     `rows`, `end`: the rows and the slots before `end` that hold anything real, all that is gathered (an eager pass's
     cache, far wider than what its rows hold, is not copied whole). `stacked`: one tensor that every layer's keys and
     values are views of, gathered at once."""
-    columns = slice(None, end)
-    real_in_use = real[rows, columns]
+    whole = rows == slice(None) and end is None  # no view taken: a graph pass's fixed shapes, its fewest ops
+    real_in_use = real if whole else real[rows, :end]
     order = torch.sort(real_in_use.to(torch.uint8), dim=1, descending=True, stable=True).indices  # real first
     count = real_in_use.sum(dim=1, keepdim=True)
     if stacked is not None:
-        in_use = stacked[:, rows, :, columns]
+        in_use = stacked if whole else stacked[:, rows, :, :end]
         in_use.copy_(_gather_slots(in_use, order))
     else:
-        tensors = [t[rows, :, columns] for layer in kv.layers for t in (layer.keys, layer.values)]
+        tensors = [t if whole else t[rows, :, :end] for layer in kv.layers for t in (layer.keys, layer.values)]
         torch._foreach_copy_(tensors, [_gather_slots(t, order) for t in tensors])
-    real_in_use.copy_(torch.arange(real_in_use.shape[1], device=real.device) < count)
-    used = count.max() if count.numel() else count.new_zeros(())
+    torch.lt(torch.arange(real_in_use.shape[1], device=real.device), count, out=real_in_use)
+    used = count.max()
     if counts_static_writes(kv):
         torch._foreach_copy_([layer.cumulative_length for layer in kv.layers], [used] * len(kv.layers))
     return used

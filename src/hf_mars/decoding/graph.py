@@ -484,9 +484,9 @@ class GraphPass:
         """Squeeze the holes out of this pass's cache between two passes (`compact_static`): the slot the next pass
         writes. Slots from `slot` on held the last pass's masks, which the next pass writes again: nothing real."""
         self.state.real[:, slot:].fill_(False)
-        if self.graph is not None or self.capture:  # a captured pass's cache: the same shapes every time
+        if not self.cuts:  # one gather of fixed shape (a captured pass's cache; on a GPU, a launch whatever its size)
             used = int(compact_static(self.kv, self.state.real, self.stacked))
-        else:  # the rows and slots in use alone
+        else:  # on a CPU, where a copy costs its bytes: the rows and slots in use alone
             holding = self.state.real[:, :slot].any(dim=1).nonzero().flatten().tolist() or [0]
             rows = slice(holding[0], holding[-1] + 1)
             used = int(compact_static(self.kv, self.state.real, self.stacked, rows, slot))
