@@ -323,10 +323,11 @@ def test_an_eager_runner_re_treed_between_passes_feeds_each_tree_and_keeps_greed
     """A server's lossless rows re-choose their draft tree as rows come and go (`Runner.retree`): a runner built for
     every tree its rows may take (`serving_runner`'s `trees`: here a 2-token chain, a 4-token tree with runner-ups and
     prompt lookup, and none) feeds the nodes and masks of the tree chosen now alone, and every row's text stays greedy
-    `generate()`'s, whichever trees its passes had."""
+    `generate()`'s, whichever trees its passes had. Each pass moves the runner's slot on by the root and the drafts it
+    fed alone, not by the widest tree's slots, and every layer's next write, the pass's first slot, follows it."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=11)
-    budget, fed = 30, []
+    budget, fed, moves = 30, [], []
     chain = dict(mars_verify=True, mars_block_size=2)
     modes = [dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3), dict(mars_tau=1.0), chain]
     with torch.inference_mode():
@@ -342,7 +343,12 @@ def test_an_eager_runner_re_treed_between_passes_feeds_each_tree_and_keeps_greed
                 break
             chosen = opened[1 + (step // 3) % 3] if step >= 3 else opened[0]  # a new tree every three passes
             runner.retree(chosen.plan.settings)
+            before = runner.slot
             runner.step()
+            g = runner.graph
+            assert int(g.lengths[0]) == int(g.slots[0]) == runner.slot, "the device's next slot is the runner's"
+            if runner.slot > before:  # no compaction in this pass
+                moves.append((runner.slot - before, g.nodes_fed))
             fed.append(
                 (
                     chosen.plan.settings.block_size if chosen.plan.settings.verify else 0,
@@ -359,6 +365,7 @@ def test_an_eager_runner_re_treed_between_passes_feeds_each_tree_and_keeps_greed
     assert all(nodes <= 1 and masks <= 1 for nodes, masks in by_tree[2, 0]), by_tree[2, 0]
     assert all(nodes == 0 and masks == 0 for nodes, masks in by_tree[0, 0]), by_tree[0, 0]
     assert max(nodes for nodes, _ in by_tree[4, 3]) > 3, "premise: the wide tree drafted beyond a chain"
+    assert moves and all(moved == 1 + nodes for moved, nodes in moves), moves
     for row in range(3):
         prompt = enc.input_ids[row, enc.attention_mask[row].bool()]
         alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budget)

@@ -259,10 +259,22 @@ class GraphPass:
         self.attend(self.shape.slots)
         # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step and each row's pass
         # count (which the mask schedule reads) by one, each layer's write count back over masks
-        state, masks, kept = self.state, self.shape.width - self.shape.kept, self.shape.kept
-        self.counters = [self.slots, self.sees_columns, state.step, state.passes] + (self.lengths if masks else [])
-        self.counter_steps = [kept, -kept, 1, 1] + ([-masks] * len(self.lengths) if masks else [])
+        state = self.state
+        masked = self.shape.width > self.shape.kept
+        self.counters = [self.slots, self.sees_columns, state.step, state.passes] + (self.lengths if masked else [])
+        self.advance = None
+        self.advance_by(self.shape.kept)
         self.graph, self.eager_runs = None, 0
+
+    def advance_by(self, kept: int) -> None:
+        """Let the passes to come move their slots on by `kept`: a whole pass by the slots it commits (`shape.kept`),
+        a pruned one by the root's and the drafts it fed alone (`prune`), so that the cache fills no faster than the
+        pass feeds it. Each layer's count of written slots steps back to that slot, over what the pass wrote after."""
+        if kept == self.advance:
+            return
+        self.advance, width = kept, self.shape.width
+        layers = [kept - width] * len(self.lengths) if width > self.shape.kept else []
+        self.counter_steps = [kept, -kept, 1, 1] + layers
 
     def unbind(self) -> None:
         """Let go of the run's cache once it has decoded: a pass kept for later calls holds no K/V, except a captured
@@ -387,11 +399,12 @@ class GraphPass:
         """Let the next lossless pass feed the tree's drafts `nodes` alone (indices, in order), no row still decoding
         having drafted the others, and `masks` masks per group (`masks_to_feed`): the root, those drafts and the groups
         after each, written to consecutive slots from the pass's first. The drafts' slots follow the root's in node
-        order (`_commit` keeps or leaves each as a hole: `order`), and the groups land on the slots that the whole pass
-        gives the drafts left out, which stay holes, and after. Its logits go into a buffer laid out as the whole
-        pass's, where the columns left out keep numbers nothing reads. After the pass each layer's count of written
-        slots stands where a whole pass leaves it. Eager passes only: the tables kept per cut (a few dozen at most)."""
+        order (`_commit` keeps or leaves each as a hole: `order`), and the groups after them. Its logits go into a
+        buffer laid out as the whole pass's, where the columns left out keep numbers nothing reads. The passes move on
+        by the root's and those drafts' slots alone (`advance_by`): the next writes over the groups. Eager passes only:
+        the tables kept per cut (a few dozen at most)."""
         shape = self.shape
+        self.advance_by(shape.pending + len(nodes))
         if (len(nodes), masks) == (len(shape.tree), shape.masks):
             self.pruned = None
             return
@@ -605,7 +618,7 @@ def _forward(g: GraphPass) -> torch.Tensor:
     )
     if g.gathered is not None:  # the rows' K/V, with what the pass wrote, back into the cache
         g.stacked[:, :, :, : g.reach].index_copy_(1, g.fed_rows, g.gathered)
-    if g.pruned is not None or g.tail:  # each layer's count of written slots where a whole pass leaves it
+    if g.pruned is not None or g.tail:  # each layer's count of written slots as a whole pass's (`advance_by`)
         torch._foreach_add_(g.lengths, shape.width - len(columns) if g.pruned is not None else g.tail)
     if g.pruned is None and g.fed_rows is None and not g.tail:
         return out.logits.float()

@@ -262,7 +262,7 @@ class Runner:
         if not self.log:
             state.step.zero_()  # each pass's accepted counts are read after it, in row 0
         g.run()
-        self.slot += self.shape.kept
+        self.slot += g.advance
         self.steps += 1
         if self.stats is not None:
             self.passes_run += 1
