@@ -230,6 +230,7 @@ class GraphPass:
         self.bound_columns = FLOPS_PER_BYTE_COPIED * model.dtype.itemsize // 2
         self.logits_buffer = None  # a pass's logits where it fed some rows or columns alone (`_narrow_logits`)
         self.tree = shape.tree.on(device)
+        self.targets = torch.zeros(shape.batch, len(shape.tree) + 1, dtype=torch.long, device=device)  # `_verify`'s
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self._processor_buffers(model, shape, processors, device)
         self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
@@ -717,7 +718,11 @@ def _verify(g: GraphPass, logits: torch.Tensor):
     """Exact verification of the tree from its (processed) scores (`verify.verify_greedy`, the loop's own):
     `(tokens, accepted, KeptPath)`. The model's tokens at the tree's nodes alone: the masks' logits are the next
     drafts' (`_propose`)."""
-    target = logits[:, : len(g.shape.tree) + 1].argmax(dim=-1)
+    if g.pruned is None:
+        target = logits[:, : len(g.shape.tree) + 1].argmax(dim=-1)
+    else:  # the nodes fed alone (`prune`): the others' logits are stale, and their drafts not real
+        fed, target = g.pruned[0][: g.nodes_fed + 1], g.targets
+        target.index_copy_(1, fed, logits.index_select(1, fed).argmax(dim=-1))
     tokens, accepted, end, kept = verify_greedy(target, g.drafts, g.drafts_real, g.tree)
     return tokens, accepted, KeptPath(end, kept, target, end[:, None])  # the bonus token: the model's at `end`
 
