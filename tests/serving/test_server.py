@@ -895,3 +895,40 @@ def test_requests_waiting_take_every_free_row_even_where_the_free_rows_are_apart
             torch.tensor([r.input_ids]), do_sample=False, max_new_tokens=r.max_new_tokens, eos_token_id=None
         )
         assert r.generated == alone[0, len(r.input_ids) :].tolist(), r.request_id
+
+
+def test_the_runners_cache_is_allocated_once_as_the_engine_starts_and_kept_across_settings(tmp_path, monkeypatch):
+    """An engine that decodes in an eager runner (`cache_slots`, no `--compile`) allocates its runner's static cache
+    (rows x `cache_slots`) as its thread starts, before any request waits on it, and the runners that later settings
+    build decode on that same cache: no allocation per request or per change of settings, and every request still
+    gets greedy `generate()`'s tokens alone. (The engine's thread is stopped once it has started: its verbs are
+    driven here.)"""
+    from transformers import GenerationConfig
+
+    from hf_mars.decoding import runner
+    from hf_mars.serving import engine as engine_module
+    from hf_mars.serving.engine import MARSEngine, Request, RowSink
+
+    allocated, allocate = [], runner.rows_cache
+    for module in (runner, engine_module):
+        monkeypatch.setattr(module, "rows_cache", lambda *a: allocated.append(a[1:]) or allocate(*a))
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    engine = MARSEngine(model.eval(), tok, max_batch_size=2, cache_slots=256)
+    engine.stop()
+    engine._thread.join()
+    assert allocated == [(2, 256)] and engine.session is None, "allocated as it started, before any request"
+    served = []
+    for i, settings in enumerate(({"mars_verify": True}, {"mars_tau": 1.0}, {"mars_tau": 0.9})):
+        config = GenerationConfig.from_dict({**model.generation_config.to_dict(), **settings})
+        request = Request(f"r{i}", tok(f"count {i} to {i + 9}").input_ids, config, 12, RowSink(None))
+        engine._waiting = [request]
+        with torch.inference_mode():
+            engine._admit()
+            served.append(engine.session)
+            while engine.session is not None:
+                engine._step()
+        alone = model.generate(torch.tensor([request.input_ids]), do_sample=False, max_new_tokens=12, **settings)
+        assert request.generated == alone[0, len(request.input_ids) :].tolist(), settings
+    assert len({id(r) for r in served}) > 1, "premise: a runner built for later settings"
+    assert allocated == [(2, 256)] and all(r.graph.kv is served[0].graph.kv for r in served)

@@ -34,7 +34,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..decoding.costs import NotMeasured, cost_batch, pass_costs, tree_key
 from ..decoding.generate import session_settings
-from ..decoding.runner import Runner, serving_runner
+from ..decoding.runner import Runner, rows_cache, serving_runner
 from ..decoding.session import Session
 from ..decoding.settings import TauController
 from ..tools.measure.passes import declined, forget_declined, measure
@@ -167,6 +167,7 @@ class MARSEngine(BaseGenerateManager):
         self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
         self.cache_slots, self.compile_config = cache_slots, compile_config
         self._graph: Runner | None = None  # kept while idle: its graph is compiled (and captured) once
+        self._kv = None  # the static cache of the first eager runner, allocated as the engine starts (`_serve`)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.batch_sizes: list[int] = []  # rows decoding in each pass, for tests and logs
         self._usage: OrderedDict[str, dict] = OrderedDict()  # finished rows' passes, until the handler reads them
@@ -241,6 +242,9 @@ class MARSEngine(BaseGenerateManager):
 
     @torch.inference_mode()
     def _serve(self) -> None:
+        if self.cache_slots is not None and self.compile_config is None:  # an eager runner's cache, allocated
+            # before the first request waits on it
+            self._kv = rows_cache(self.model, self.max_batch_size, self.cache_slots)
         while self._arrivals(wait=self.session is None):
             try:
                 self._admit()
@@ -337,8 +341,8 @@ class MARSEngine(BaseGenerateManager):
         same, else a new one."""
         graph = self._graph
         if graph is None or not graph.decodes_like(first):
-            kv = graph.graph.kv if graph is not None and graph.graph.graph is None else None  # none captured
-            self._graph = graph = None  # the old pass goes before the new one is built, on its cache where eager
+            kv = graph.graph.kv if graph is not None and graph.graph.graph is None else self._kv  # none captured
+            self._graph = graph = self._kv = None  # the old pass goes before the new one, on its cache where eager
             graph = self._graph = serving_runner(
                 self.model, first, self.max_batch_size, self.cache_slots, self.compile_config, kv=kv
             )
