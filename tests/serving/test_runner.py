@@ -11,7 +11,7 @@ from transformers import GenerationMixin
 import hf_mars
 from hf_mars.decoding import cache, graph
 from hf_mars.decoding.compat import CACHE_ARG
-from hf_mars.decoding.runner import serving_runner
+from hf_mars.decoding.runner import Runner, serving_runner
 from hf_mars.decoding.tree import full_tree
 
 MODES = {
@@ -425,3 +425,29 @@ def test_a_runner_on_the_cache_of_one_that_is_gone_allocates_none_and_decodes_as
                 alone = GenerationMixin.generate(model, prompts[label][None], do_sample=False, max_new_tokens=12)
                 assert tokens == alone[0, prompts[label].numel() :].tolist(), (mode, label)
     assert runners[1].graph.kv is runners[0].graph.kv and runners[1].graph is not runners[0].graph
+
+
+def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_the_loops_tokens(trained_toy):
+    """An eager τ-mode pass on a CPU leaves out the pending columns that are holes in every row (`narrow`'s lead: the
+    rows took fewer than B tokens last pass); its first fed column lands on the pass's first slot, so the runner's
+    slot moves by the pending columns fed, not by B, and the device's next slot follows it. The tokens stay those of
+    the loop (`cache_implementation="dynamic"`), which feeds every column."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=3, seed=19)
+    moves, step = [], Runner.step
+
+    def recorded(runner, *args):
+        before = runner.slot
+        step(runner, *args)
+        g = runner.graph
+        assert int(g.slots[0]) == runner.slot, "the device's next slot is the runner's"
+        if runner.slot > before:  # no compaction in this pass
+            moves.append((runner.slot - before, g.shape.pending - g.lead))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Runner, "step", recorded)
+        ran = model.generate(**enc, max_new_tokens=30, mars_tau=0.5)
+    looped = model.generate(**enc, max_new_tokens=30, mars_tau=0.5, cache_implementation="dynamic")
+    assert moves and all(moved == fed for moved, fed in moves), moves
+    assert any(fed < 4 for _, fed in moves), "premise: some pass left pending holes out"
+    assert torch.equal(ran, looped)

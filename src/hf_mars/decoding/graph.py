@@ -218,6 +218,7 @@ class GraphPass:
         self.whole = (state.real, state.real[:, None, None, :], self.sees_columns)  # what attention reads of them
         self.lead, self.tail = 0, 0  # `narrow`'s cut, and its views
         self.leads = {(0, 0): (state.fed, self.relative, self.sees, self.slots)}
+        self.marks = {0: (self.slots, state.fed_real)}
         self.masks_fed, self.nodes_fed = shape.masks, len(shape.tree)  # what the pass feeds (`feed_held`)
         self.nodes_drafted = None  # the tree's nodes a runner's rows draft now (`Runner.retree`), None: every one
         self.masks_limit = shape.masks  # the masks per group they use (a smaller block's tree: `within` marks them)
@@ -385,16 +386,17 @@ class GraphPass:
     def narrow(self, lead: int, tail: int = 0) -> None:
         """Let the next τ-mode pass skip its first `lead` columns, pending slots that are holes in every row still
         decoding (τ-mode right-aligns the tokens a row took last, up to B), and its last `tail`, masks no such row uses
-        (`masks_to_feed`): it feeds the rest, and its K/V land in the slots the whole pass would have written them to.
-        The counts of written slots start `lead` further on; after the pass they stand where a whole pass leaves them.
-        Eager passes only: the views are kept, one set per cut."""
+        (`masks_to_feed`): it feeds the rest. Its first fed column lands on the slot the pass would have written first
+        (its slots and `sees`' columns start `lead` back), so the passes move on by the slots they fed, not by B: the
+        next starts after this one's last pending column. Eager passes only: the views are kept, one set per cut."""
         if (lead, tail) not in self.leads:
             fed, relative, sees, slots = self.leads[0, 0]
             end = self.shape.width - tail
             self.leads[lead, tail] = (fed[:, lead:end], relative[lead:end], sees[:, :, lead:end], slots[lead:end])
+            self.marks[lead] = (self.slots[lead:], self.state.fed_real[:, lead:])  # the slots it marks real or not
         self.lead, self.tail = lead, tail
         if lead:
-            torch._foreach_add_(self.lengths, lead)
+            torch._foreach_add_([self.slots, self.sees_columns], [-lead, lead])
 
     def prune(self, nodes: tuple[int, ...], masks: int) -> None:
         """Let the next lossless pass feed the tree's drafts `nodes` alone (indices, in order), no row still decoding
@@ -597,7 +599,7 @@ def _forward(g: GraphPass) -> torch.Tensor:
     map and the tree's visibility. The logits from the last pending token on, in float32."""
     shape, state = g.shape, g.state
     fed, relative, sees, slots = g.leads[g.lead, g.tail]  # every column, or those `narrow` leaves
-    fed_real, marked, kept = state.fed_real, g.slots, shape.width - shape.pending + 1 - g.tail
+    (marked, fed_real), kept = g.marks[g.lead], shape.width - shape.pending + 1 - g.tail
     last, kv = g.last_column, g.attended
     if g.pruned is not None:  # lossless mode, the nodes no row drafts left out (`prune`)
         columns, relative, sees, slots, _ = g.pruned

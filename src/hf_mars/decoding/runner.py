@@ -262,7 +262,7 @@ class Runner:
         if not self.log:
             state.step.zero_()  # each pass's accepted counts are read after it, in row 0
         g.run()
-        self.slot += g.advance
+        self.slot += g.advance - g.lead  # the slots the pass fed before its masks (`narrow`, `prune`)
         self.steps += 1
         if self.stats is not None:
             self.passes_run += 1
