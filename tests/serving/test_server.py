@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -932,3 +933,39 @@ def test_the_runners_cache_is_allocated_once_as_the_engine_starts_and_kept_acros
         assert request.generated == alone[0, len(request.input_ids) :].tolist(), settings
     assert len({id(r) for r in served}) > 1, "premise: a runner built for later settings"
     assert allocated == [(2, 256)] and all(r.graph.kv is served[0].graph.kv for r in served)
+
+
+def test_an_engine_whose_cache_could_not_be_allocated_at_start_serves_on(monkeypatch):
+    """Allocating the runner's cache as the engine starts can fail (memory): the engine's thread must not die with
+    it. It logs, and the first runner allocates its own: the request is served, its text `generate()`'s alone."""
+    from transformers import GenerationConfig
+
+    from hf_mars.serving import engine as engine_module
+    from hf_mars.serving.engine import MARSEngine, Request, RowSink
+
+    class Answered(RowSink):
+        def __init__(self):
+            super().__init__(None)
+            self.done, self.error = threading.Event(), None
+
+        def finish(self, request, error=None):
+            self.error = error
+            self.done.set()
+
+    def fails(*args):
+        raise RuntimeError("out of memory (as a test says)")
+
+    monkeypatch.setattr(engine_module, "rows_cache", fails)
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    engine = MARSEngine(model.eval(), tok, max_batch_size=2, cache_slots=256)
+    config = GenerationConfig.from_dict(model.generation_config.to_dict())
+    config.eos_token_id = None  # the whole budget
+    sink = Answered()
+    request = Request("r", tok("count 1 to 9").input_ids, config, 8, sink)
+    engine._queue.put(request)
+    assert sink.done.wait(120) and sink.error is None, sink.error
+    assert engine._thread.is_alive(), "the engine serves on"
+    engine.stop()
+    alone = model.generate(torch.tensor([request.input_ids]), do_sample=False, max_new_tokens=8, eos_token_id=None)
+    assert request.generated == alone[0, len(request.input_ids) :].tolist()

@@ -242,9 +242,7 @@ class MARSEngine(BaseGenerateManager):
 
     @torch.inference_mode()
     def _serve(self) -> None:
-        if self.cache_slots is not None and self.compile_config is None:  # an eager runner's cache, allocated
-            # before the first request waits on it
-            self._kv = rows_cache(self.model, self.max_batch_size, self.cache_slots)
+        self._allocate()
         while self._arrivals(wait=self.session is None):
             try:
                 self._admit()
@@ -255,6 +253,17 @@ class MARSEngine(BaseGenerateManager):
             if self.session is not None:
                 self._step()
             self._report()
+
+    def _allocate(self) -> None:
+        """An eager runner's static cache, allocated as the engine starts, before the first request waits on it. Where
+        that fails (memory), the engine serves on: the first runner allocates its own, and its error answers the
+        requests that needed it."""
+        if self.cache_slots is None or self.compile_config is not None:
+            return
+        try:
+            self._kv = rows_cache(self.model, self.max_batch_size, self.cache_slots)
+        except Exception:  # noqa: BLE001 - the server must answer, not hang on a thread that died
+            logger.exception("allocating the runner's cache failed; the first runner tries again")
 
     def _report(self) -> None:
         """The queue and the running rows' settings, for `/metrics`."""
