@@ -16,6 +16,7 @@ _NAMES = {
     ".decoding.generate": ("MARSGenerationMixin", "MARSGenerateOutput", "MARSStats", "TauController", "mars_settings"),
     ".decoding.modeling": ("MASK_TOKEN", "mars_class"),
     ".decoding.session": ("Session",),
+    ".grammar": ("GrammarProcessor",),
     ".tools.measure.passes": ("measure",),
     ".tools.measure.dtypes": ("choose_dtype",),
     ".convert": ("convert_checkpoint", "to_mars"),

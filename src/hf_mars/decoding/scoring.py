@@ -47,7 +47,8 @@ BIASES = _processors("SequenceBiasLogitsProcessor")
 # Processors whose scores are a function of each row's token history and scores alone, recomputed at every call: MARS
 # may call them for any slot of a pass, any number of times, as if that slot were `generate()`'s next step. Others
 # (user-written ones, or those with state of their own, such as classifier-free guidance, which runs the model on a
-# cache of its own, or SynthID's watermark) are exact only when called once per token, as at τ = 1.
+# cache of its own, or SynthID's watermark) are exact only when called once per token, as at τ = 1. A processor of
+# another class says it is stateless in this sense by a true `mars_stateless` attribute (hf_mars's `GrammarProcessor`).
 STATELESS = HISTORY_FREE + _processors(
     "TopHLogitsWarper",
     "MinLengthLogitsProcessor",
@@ -398,6 +399,8 @@ def follow_padding(processors, prompt_real: torch.Tensor, prompt_ends: torch.Ten
             p.prompt_ignore_length = prompt_real.int().argmax(dim=1)
         if hasattr(p, "min_new_tokens"):  # MinNewTokensLengthLogitsProcessor
             p.prompt_length_to_skip = prompt_real.shape[1] if prompt_ends is None else prompt_ends
+        if getattr(p, "mars_stateless", False) and hasattr(p, "prompt_length"):  # hf_mars's `GrammarProcessor`
+            p.prompt_length = prompt_real.shape[1] if prompt_ends is None else prompt_ends
 
 
 def without_implied_minimum(processors):
@@ -496,10 +499,11 @@ class _Ngrams:
 # Processor attributes that say where each row's text lies in its batch (a repetition penalty's left padding to skip,
 # where a minimum of new tokens starts counting), not what the processor does: `follow_padding` moves them as rows
 # join and leave a batch
-ROW_LAYOUT = ("prompt_ignore_length", "prompt_length_to_skip")
+ROW_LAYOUT = ("prompt_ignore_length", "prompt_length_to_skip", "prompt_length")  # the last: `GrammarProcessor`'s
 # What a processor derives from its settings on its first call (a sequence bias's vocabulary-sized tensor of its
-# single-token biases): a processor already called and a fresh one with the same settings do the same
-DERIVED = ("length_1_bias", "multi_token_biases", "prepared_bias_variables")
+# single-token biases; a `GrammarProcessor`'s matchers, which follow each history): a processor already called and a
+# fresh one with the same settings do the same
+DERIVED = ("length_1_bias", "multi_token_biases", "prepared_bias_variables", "_prompt", "_matchers", "_consumed")
 
 
 def processors_signature(processors, layout: bool = True) -> tuple:
@@ -572,7 +576,7 @@ def check_stateless(processors, mode: str) -> None:
     """Refuse, by name, a processor that MARS would call other than once per token (see `STATELESS`); `mode`: the
     setting that makes it do so, named in the error."""
     for processor in processors:
-        if not isinstance(processor, STATELESS):
+        if not isinstance(processor, STATELESS) and not getattr(processor, "mars_stateless", False):
             name = type(processor).__name__
             label = f"`{PROCESSOR_OPTIONS[name]}` ({name})" if name in PROCESSOR_OPTIONS else name
             raise ValueError(
