@@ -6,12 +6,14 @@ another request's tokens, or lost its own, fails."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import torch
 from helpers import make_model, make_tokenizer, rows_invariant_linear, serving
@@ -406,7 +408,6 @@ def test_invalid_requests_get_a_400_with_the_reason_and_the_server_goes_on(serve
         ("chat", {"n": 2}),
         ("chat", {"logprobs": True, "top_logprobs": 2}),
         ("chat", {"presence_penalty": 0.5}),
-        ("chat", {"response_format": {"type": "json_object"}}),
         ("completions", {"n": 3}),
         ("completions", {"logprobs": 2}),
         ("completions", {"logprobs": 0}),  # the chosen tokens' log probabilities: asked for, though 0
@@ -433,6 +434,119 @@ def test_openai_fields_it_cannot_honour_are_refused_by_name(server, endpoint, fi
     if fields == {"n": 2}:  # what the openai client raises
         with pytest.raises(BadRequestError, match="n=2 is not supported"):
             _client(server).chat.completions.create(**base | {"n": 2})
+
+
+# Bounded (a short enum, a small integer, short strings, little whitespace): a random model's output ends within the
+# budget, so it must parse
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "note": {"type": "string", "maxLength": 6},
+    },
+    "required": ["answer", "count", "note"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_pattern": "[ ]{0,1}"},
+}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}}
+
+
+def _offline_constrained(server, content: str, max_tokens: int, schema: dict | None = SCHEMA) -> str:
+    """Plain constrained greedy `generate()` of this prompt alone (`schema` None: unconstrained), as the chat handler
+    tokenizes it, decoded whole, as a reply that is not streamed."""
+    from hf_mars.grammar import GrammarProcessor
+
+    tok, model = server["tok"], server["offline"]
+    messages = [{"role": "user", "content": content}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    eos = model.generation_config.eos_token_id
+    grammar = [] if schema is None else [GrammarProcessor.from_json_schema(schema, tok, eos_token_id=eos)]
+    out = model.generate(**ids, do_sample=False, max_new_tokens=max_tokens, logits_processor=grammar)
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_keeps_constrained_greedy(server, stream):
+    """`response_format` with a JSON schema, through the openai client: every mode's text validates, lossless mode's
+    and τ = 1's are plain constrained greedy `generate()`'s; requests of one schema decode batched."""
+    client, prompts = _client(server), ["hi", "count to three", "say no"]
+
+    def ask(content: str, mode: dict) -> str:
+        fields = dict(model=server["path"], messages=[{"role": "user", "content": content}], max_tokens=160)
+        reply = client.chat.completions.create(**fields, response_format=JSON_FORMAT, stream=stream, extra_body=mode)
+        if not stream:
+            return reply.choices[0].message.content
+        return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+
+    if server["engine"].cache_slots is not None:  # refused by name: the graph pass reads no text between slots
+        with pytest.raises(BadRequestError, match="response_format is not served with --cache-slots"):
+            ask("hi", {})
+        return
+    for mode in MODES.values():
+        for content in prompts:
+            text = ask(content, mode)
+            jsonschema.validate(json.loads(text), SCHEMA)
+            if mode.get("mars_verify") or mode.get("mars_tau") == 1.0:
+                assert text == _offline_constrained(server, content, 160)
+
+
+def test_sixteen_clients_half_with_a_schema_each_get_their_own_valid_text(server):
+    """Requests with and without a schema at once: the schema's rows decode together (one grammar, a matcher each),
+    every schema text is lossless mode's constrained greedy one, every other text greedy's own."""
+    if server["engine"].cache_slots is not None:
+        return  # refused there (the test above)
+    prompts = [f"item {i}" for i in range(8)]
+
+    async def ask(content: str, constrained: bool) -> str:
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=300) as client:
+            reply = await client.chat.completions.create(
+                model=server["path"],
+                messages=[{"role": "user", "content": content}],
+                max_tokens=160 if constrained else MAX_TOKENS,
+                extra_body={"mars_verify": True},
+                **({"response_format": JSON_FORMAT} if constrained else {}),
+            )
+        return reply.choices[0].message.content
+
+    async def together():
+        return await asyncio.gather(*(ask(p, c) for p in prompts for c in (True, False)))
+
+    texts = asyncio.run(together())
+    for i, content in enumerate(prompts):
+        constrained, plain = texts[2 * i], texts[2 * i + 1]
+        assert constrained == _offline_constrained(server, content, 160)
+        jsonschema.validate(json.loads(constrained), SCHEMA)
+        assert plain == _offline_constrained(server, content, MAX_TOKENS, schema=None)
+
+
+@pytest.mark.parametrize(
+    ("response_format", "reason"),
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs `json_schema.schema`"),
+        ({"type": "xml"}, "must have type text, json_object or json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}, "Invalid grammar"),
+    ],
+)
+def test_a_malformed_response_format_is_a_400_naming_it(server, response_format, reason):
+    body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    response = httpx.post(server["url"] + "/v1/chat/completions", json=body | {"response_format": response_format})
+    assert response.status_code == 400
+    assert reason in response.json()["error"]["message"] or "cache-slots" in response.json()["error"]["message"]
+
+
+def test_a_json_object_response_format_writes_an_object(server):
+    if server["engine"].cache_slots is not None:
+        return  # refused there (the test above)
+    reply = _client(server).chat.completions.create(
+        model=server["path"],
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=400,
+        response_format={"type": "json_object"},
+    )
+    text = reply.choices[0].message.content
+    assert text.startswith("{")
+    assert reply.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
 
 
 def test_a_prompts_log_probabilities_are_the_models_own(server):

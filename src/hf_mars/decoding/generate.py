@@ -168,7 +168,7 @@ class MARSGenerationMixin(GenerationMixin):
         (`return_dict_in_generate`) are `generate()`'s alone.
         """
         base = generation_config if generation_config is not None else self.generation_config
-        for name in ("stop_strings", "stopping_criteria", "streamer", "logits_processor"):
+        for name in ("stop_strings", "stopping_criteria", "streamer"):
             if kwargs.get(name) is not None or getattr(base, name, None):
                 raise ValueError(f"A MARS session does not take `{name}`: its caller stops rows (`Session.release`).")
         mars_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("mars_")}

@@ -399,6 +399,7 @@ class MARSEngine(BaseGenerateManager):
         config = group[0].generation_config.__class__.from_dict(group[0].generation_config.to_dict())
         config.max_new_tokens = max(r.max_new_tokens for r in group)
         config.stop_strings = None
+        processors = self._grammar(config)
         if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager
             config.cache_implementation, config.compile_config = None, None
         device = self.model.device
@@ -413,6 +414,7 @@ class MARSEngine(BaseGenerateManager):
             labels=group,
             budgets=[r.max_new_tokens for r in group],
             max_rows=self.max_batch_size if self.cache_slots is not None else None,
+            logits_processor=processors,
             **settings,
         )
         session.separate_prompts()  # requests: each decodes as alone, whoever was opened with it
@@ -463,6 +465,17 @@ class MARSEngine(BaseGenerateManager):
             self.tree_changes.append((rows, _tree_name(settings)))
             logger.info("draft tree at %d rows: %s", rows, _tree_name(settings))
             self._settings = settings.as_kwargs()
+
+    def _grammar(self, config) -> list:
+        """The rows' `GrammarProcessor`, for a response format's JSON schema (server.py put it in the config, where it
+        makes the requests' key: rows of one schema decode together), taken out of the config; else none."""
+        schema = getattr(config, "response_format", None)
+        if schema is None:
+            return []
+        from ..grammar import GrammarProcessor
+
+        del config.response_format
+        return [GrammarProcessor.from_json_schema(schema, self.tokenizer, eos_token_id=config.eos_token_id)]
 
     def _controller(self, request: Request, rows: int) -> TauController:
         """The τ of `request`'s key (one object, so that rows of the key that join later decode with it), set for a

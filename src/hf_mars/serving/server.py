@@ -101,7 +101,6 @@ ASKS_NOTHING = {
     "presence_penalty": (None, 0, 0.0),
     "suffix": (None, ""),
     "reasoning_effort": (None,),
-    "response_format": (None, {"type": "text"}),
     "tool_choice": (None, "auto"),
     "parallel_tool_calls": (None, True),
     "modalities": (None, ["text"]),
@@ -176,6 +175,10 @@ class MARSRequests:
             )
             if bias:
                 config.sequence_bias = bias
+            schema = response_schema(body.get("response_format"))
+            if schema is not None:  # the engine's sessions constrain its rows by it (`GrammarProcessor`)
+                self._check_schema(schema)
+                config.response_format = schema
             if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
                 config.max_new_tokens = min(config.max_new_tokens or self.max_tokens, self.max_tokens)  # a default
             fields = {key: body[key] for key in SETTING_KEYS if key in body}
@@ -185,6 +188,21 @@ class MARSRequests:
         for key, value in fields.items():  # the engine's session reads them from the config
             setattr(config, key, value)
         return config
+
+    def _check_schema(self, schema: dict) -> None:
+        """A `ValueError` naming what is wrong with a response format's JSON schema, or why this server cannot follow
+        one, before the request is queued."""
+        if self.engine.cache_slots is not None:
+            raise ValueError(
+                "response_format is not served with --cache-slots or --compile: a grammar reads each row's text "
+                "between the slots of a pass, which the graph pass does not; serve without them"
+            )
+        from ..grammar import GrammarProcessor
+
+        try:
+            GrammarProcessor.from_json_schema(schema, self.engine.tokenizer)
+        except ImportError as err:
+            raise ValueError(f"response_format needs llguidance on the server: {err}") from err
 
     def _logit_bias(self, bias) -> dict | None:
         """OpenAI's `logit_bias` as `generate()`'s `sequence_bias` of single tokens, on either endpoint (transformers
@@ -285,6 +303,25 @@ class MARSCompletionHandler(MARSRequests, TokenPrompts, CompletionHandler):
         except ValueError as err:
             raise HTTPException(status_code=400, detail=str(err)) from err
         return JSONResponse(answer)
+
+
+def response_schema(response_format) -> dict | None:
+    """The JSON schema that OpenAI's `response_format` asks the text to follow: None for `text` (or none given), any
+    JSON object for `json_object`, `json_schema.schema` for `json_schema` (followed strictly, `strict` or not). A
+    `ValueError` naming what is malformed."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format json_schema needs `json_schema.schema`, a JSON schema (an object)")
+        return spec["schema"]
+    raise ValueError(f"response_format must have type text, json_object or json_schema, got {response_format!r}")
 
 
 def served_model_name(model: str) -> str:
