@@ -405,10 +405,8 @@ def test_invalid_requests_get_a_400_with_the_reason_and_the_server_goes_on(serve
 @pytest.mark.parametrize(
     ("endpoint", "fields"),
     [
-        ("chat", {"n": 2}),
         ("chat", {"logprobs": True, "top_logprobs": 2}),
         ("chat", {"presence_penalty": 0.5}),
-        ("completions", {"n": 3}),
         ("completions", {"logprobs": 2}),
         ("completions", {"logprobs": 0}),  # the chosen tokens' log probabilities: asked for, though 0
         ("completions", {"echo": True}),
@@ -431,9 +429,9 @@ def test_openai_fields_it_cannot_honour_are_refused_by_name(server, endpoint, fi
         harmless = {"n": 1, "best_of": 1, "echo": False, "suffix": "", "user": "me"}
     reply = httpx.post(server["url"] + path, json={**base, **harmless}, timeout=60)
     assert reply.status_code == 200, reply.text  # the values that ask for nothing are served as before
-    if fields == {"n": 2}:  # what the openai client raises
-        with pytest.raises(BadRequestError, match="n=2 is not supported"):
-            _client(server).chat.completions.create(**base | {"n": 2})
+    if fields == {"presence_penalty": 0.5}:  # what the openai client raises
+        with pytest.raises(BadRequestError, match="presence_penalty=0.5 is not supported"):
+            _client(server).chat.completions.create(**base | fields)
 
 
 # Bounded (a short enum, a small integer, short strings, little whitespace): a random model's output ends within the
@@ -547,6 +545,55 @@ def test_a_json_object_response_format_writes_an_object(server):
     text = reply.choices[0].message.content
     assert text.startswith("{")
     assert reply.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)
+
+
+def test_n_choices_decode_as_rows_of_one_batch_each_greedys_text(server):
+    """`n=3` greedy: three choices, each plain greedy's text, decoded together, usage counting all three."""
+    engine, sizes = server["engine"], len(server["engine"].batch_sizes)
+    reply = _client(server).chat.completions.create(
+        model=server["path"], messages=[{"role": "user", "content": "three"}], max_tokens=MAX_TOKENS, n=3
+    )
+    expected = _offline_constrained(server, "three", MAX_TOKENS, schema=None)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [expected] * 3
+    assert reply.usage.completion_tokens == 3 * MAX_TOKENS  # the random model rarely says EOS
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert max(engine.batch_sizes[sizes:]) >= 2  # rows of one batch
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_sampled_choices_with_a_seed_differ_and_come_again_with_it(server, stream):
+    def ask() -> list[str]:
+        reply = _client(server).completions.create(
+            model=server["path"],
+            prompt="seeded",
+            max_tokens=12,
+            n=3,
+            seed=7,
+            stream=stream,
+            extra_body={"generation_config": '{"do_sample": true}'},
+        )
+        if not stream:
+            return [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+        texts, usage = ["", "", ""], None
+        for chunk in reply:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text or ""
+            usage = chunk.usage or usage
+        assert usage is not None and usage.completion_tokens == 3 * 12  # one usage, for the three
+        return texts
+
+    first = ask()
+    assert len(set(first)) > 1  # each choice its own draws
+    assert ask() == first
+
+
+@pytest.mark.parametrize("n", [0, 129, "3", 1.5])
+def test_an_n_out_of_range_is_a_400(server, n):
+    body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": n}
+    response = httpx.post(server["url"] + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert "n must be an integer in [1, 128]" in response.json()["error"]["message"]
 
 
 def test_a_prompts_log_probabilities_are_the_models_own(server):

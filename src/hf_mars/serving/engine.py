@@ -74,6 +74,11 @@ class Request:
         return tuple(tau) if isinstance(tau, (list, tuple)) else None
 
     @property
+    def group(self) -> dict | None:
+        """A seeded request's choices (`{"group", "n", "seed"}`, choices.py): admitted together, once all wait."""
+        return getattr(self.generation_config, "choices_group", None)
+
+    @property
     def key(self) -> str:
         """Requests with equal keys decode in one session: same sampling and MARS settings."""
         config = self.generation_config.to_dict()
@@ -313,6 +318,11 @@ class MARSEngine(BaseGenerateManager):
         group = [r for r in self._waiting if r.key == key][:room]
         if not group:
             return False
+        choices = group[0].group
+        if choices is not None:  # a seeded request's choices: together, once all wait, right after the seed
+            if len(group) < min(choices["n"], self.max_batch_size) or session is not None:
+                return False
+            torch.manual_seed(choices["seed"])
         self._waiting = [r for r in self._waiting if r not in group]
         joining = self._open(group)
         if joining is not None and joining.labels:
@@ -400,6 +410,7 @@ class MARSEngine(BaseGenerateManager):
         config.max_new_tokens = max(r.max_new_tokens for r in group)
         config.stop_strings = None
         processors = self._grammar(config)
+        config.__dict__.pop("choices_group", None)  # the engine's to read (`Request.group`), not generate()'s
         if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager
             config.cache_implementation, config.compile_config = None, None
         device = self.model.device

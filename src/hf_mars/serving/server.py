@@ -35,12 +35,13 @@ from transformers.cli.serving.utils import GenerationState, split_revision
 from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
+from .choices import CHOICES_KEY, check_choices, merged_answer, merged_stream
 from .load import check_tau_range
 from .logprobs import prompts_of, score, scores_prompt
 
 try:  # the serving extra: FastAPI, the OpenAI types, prometheus_client (the engine's metrics)
     from fastapi import HTTPException
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from openai.types.completion_usage import CompletionUsage
 
     from .engine import MARSEngine, measure_in_background
@@ -93,7 +94,6 @@ class MARSGenerationState(GenerationState):
 # what the client gets, so it is refused by name (HTTP 400), never dropped.
 # Fields that change no token (`user`, `metadata`, `store`, `service_tier`, `stream_options`) pass as they do there.
 ASKS_NOTHING = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
     "logprobs": (None, False),
@@ -111,8 +111,7 @@ ASKS_NOTHING = {
     "web_search_options": (None,),
 }
 WHY_NOT = {
-    "n": "one choice per request; send n requests, which decode batched together",
-    "best_of": "one choice per request",
+    "best_of": "no choice is ranked by its likelihood: ask for n choices",
     "echo": "only to score a prompt: echo=true with logprobs=k, max_tokens 0 or 1, temperature 0, not streamed",
     "logprobs": "log probabilities of decoded tokens are not returned; a prompt's are, with echo=true and max_tokens "
     "0 or 1 (/v1/completions)",
@@ -151,12 +150,24 @@ class MARSRequests:
         return manager.served_name, model, processor
 
     def _validate_request(self, body: dict) -> None:
-        super()._validate_request({key: value for key, value in body.items() if key not in SETTING_KEYS})
+        asked = {key: value for key, value in body.items() if key not in SETTING_KEYS and key != CHOICES_KEY}
+        super()._validate_request(asked)
         refused = refused_fields(body)
         if refused:
             raise HTTPException(status_code=400, detail=refused)
 
     async def handle_request(self, body: dict, request_id: str):
+        body.pop(CHOICES_KEY, None)  # the server's own, never a client's
+        try:
+            n = check_choices(body.get("n"))
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        if n > 1:
+            return await self._choices(body, request_id, n)
+        return await self._one(body, request_id)
+
+    async def _one(self, body: dict, request_id: str):
+        """One choice, its usage with MARS's counts."""
         response = await super().handle_request(body, request_id)
         if isinstance(response, JSONResponse):  # not streamed: the usage is in the body
             content = json.loads(response.body)
@@ -167,6 +178,18 @@ class MARSRequests:
             )
         return response
 
+    async def _choices(self, body: dict, request_id: str, n: int):
+        """`n` choices: n requests of one, sent at once (rows of one batch), merged (choices.py)."""
+        one = {key: value for key, value in body.items() if key != "n"}
+        if body.get("seed") is not None:  # decoded as a batch of their own, seeded as it opens: reproducible
+            one[CHOICES_KEY] = {"group": request_id, "n": n, "seed": body["seed"]}
+        replies = await asyncio.gather(*(self._one(dict(one), f"{request_id}-{i}") for i in range(n)))
+        if body.get("stream"):
+            streams = [reply.body_iterator for reply in replies]
+            return StreamingResponse(merged_stream(streams, request_id), media_type="text/event-stream")
+        answers = [json.loads(reply.body) for reply in replies]
+        return JSONResponse(merged_answer(answers))
+
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         try:
             bias = self._logit_bias(body.get("logit_bias"))
@@ -175,6 +198,8 @@ class MARSRequests:
             )
             if bias:
                 config.sequence_bias = bias
+            if body.get(CHOICES_KEY) is not None:  # the engine admits the group together (engine.py)
+                config.choices_group = body[CHOICES_KEY]
             schema = response_schema(body.get("response_format"))
             if schema is not None:  # the engine's sessions constrain its rows by it (`GrammarProcessor`)
                 self._check_schema(schema)
@@ -296,6 +321,8 @@ class MARSCompletionHandler(MARSRequests, TokenPrompts, CompletionHandler):
         if any(key in body for key in SETTING_KEYS):
             detail = "a prompt's log probabilities take no mars_* field: nothing is decoded"
             raise HTTPException(status_code=400, detail=detail)
+        if body.get("n") not in (None, 1):
+            raise HTTPException(status_code=400, detail="a prompt's log probabilities are one choice (n=1)")
         model_id, model, processor = self._resolve_model(body)
         tokenizer = getattr(processor, "tokenizer", processor)
         try:
