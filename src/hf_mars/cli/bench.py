@@ -121,6 +121,13 @@ def _add_other_benches(bench) -> None:
         "--cache-slots`; with --compile, compiled)",
     )
     bench.add_argument(
+        "--structured",
+        action="store_true",
+        help="instead: JSON under four schemas (32 prompts), plain constrained greedy against lossless mode and "
+        "τ = 0.9 under the same grammar: validity, equality with plain, tokens/pass, tokens/s, the grammar's own "
+        "time (uses --batch-sizes, --max-new-tokens, --repeats as rounds, --dtype, --attention)",
+    )
+    bench.add_argument(
         "--vllm",
         metavar="PYTHON",
         help="instead: vLLM (the Python of its environment, where hf_mars is installed too) decoding the checkpoint "
@@ -267,6 +274,17 @@ def run_vllm(args) -> None:
     _save(cells, Path(args.output), {"model": args.model or "shipped", "dtype": args.dtype, "vllm": rows})
 
 
+def run_structured(args) -> None:
+    from ..tools.measure.structured import structured_table
+
+    model, tokenizer = load_on_device(args)
+    table = structured_table(model, tokenizer, args.batch_sizes, args.max_new_tokens, args.repeats)
+    attention = model.config._attn_implementation
+    name = args.model or "the shipped checkpoint"
+    print(f"\n{name} on {device_name(model)}, {args.dtype}, {attention}, greedy, 32 prompts asking for JSON\n")
+    print(table)
+
+
 def run(args) -> None:
     from ..tools.evaluate.evals import load_prompts
     from ..tools.measure.bench import format_table, run_benchmark
@@ -278,6 +296,8 @@ def run(args) -> None:
         return run_serve(args)
     if args.vllm:
         return run_vllm(args)
+    if args.structured:
+        return run_structured(args)
     decoding = decoding_kwargs(args)
     sampling = decoding.get("do_sample", False)
     model, tokenizer = load_on_device(args)
