@@ -355,6 +355,26 @@ def test_auto_runs_the_tree_the_costs_pick_with_greedy_output(
     assert hf_mars.mars_settings(model, mars_tau=0.9)["mars_block_size"] == 4  # τ-mode: the model's own B
 
 
+def test_auto_under_a_grammar_chooses_among_the_chains_measured(auto_model, cache_dir, monkeypatch):
+    """A call whose logits processor keeps drafts a chain (a grammar reads its history) is not given a tree whose
+    acceptance was measured as a tree: the costs that pick 4x3+8 unconstrained pick 2x1, the one chain measured."""
+    from hf_mars.grammar import GrammarProcessor
+
+    model, tok = auto_model
+    counting(monkeypatch, table(0.0))
+    hf_mars.measure(model, [1], mars_verify=True)
+    grammar = GrammarProcessor.from_json_schema({"type": "object"}, tok)
+    tree = ("mars_block_size", "mars_draft_candidates", "mars_lookup")
+    free = hf_mars.mars_settings(model, None, 1, mars_verify=True)
+    held = hf_mars.mars_settings(model, None, 1, mars_verify=True, logits_processor=[grammar])
+    assert tuple(free[k] for k in tree) == (4, 3, 8)
+    assert tuple(held[k] for k in tree) == (2, 1, 0)
+    config = model.generation_config
+    config.mars_acceptance = {"2x3+4": 2.1, "4x3+8": 2.6}  # no chain measured: plain decoding
+    held = hf_mars.mars_settings(model, None, 1, mars_verify=True, logits_processor=[grammar])
+    assert held["mars_block_size"] == 1
+
+
 def test_auto_without_acceptance_or_with_bad_acceptance_is_refused(trained_toy, cache_dir, monkeypatch):
     model, tok = trained_toy
     counting(monkeypatch, table(0.0))

@@ -221,8 +221,17 @@ def _layers(model, configs, verify: bool, batch_size: int, call: dict, timer, kw
     for config in configs:
         layers += [lossless_preset(config, batch_size), _held(config)] if verify else [_held(config)]
     if verify and all(kwargs.get(key) is None for key in TREE_KEYS) and wants_auto(configs):
-        layers.insert(0, auto_tree(model, configs, batch_size, compiles(model, configs, call), timer))
+        chains = _chains_only(call.get("logits_processor"))
+        layers.insert(0, auto_tree(model, configs, batch_size, compiles(model, configs, call), timer, chains))
     return layers
+
+
+def _chains_only(processors) -> bool:
+    """Whether the call's own logits processors keep lossless drafts a chain (`scoring.branching`: one that reads
+    more of the history than which tokens it holds, such as a grammar)."""
+    from .scoring import order_free
+
+    return bool(processors) and not order_free(processors)
 
 
 def mars_settings(model, generation_config=None, batch_size: int = 1, timer=None, **kwargs) -> dict | None:
@@ -241,8 +250,9 @@ def wants_auto(configs) -> bool:
     return preset == "auto" or (preset is None and any(getattr(c, "mars_acceptance", None) for c in configs))
 
 
-# The `generate()` kwargs, besides the `mars_*` ones, that settings read: whether the passes are compiled
-CALL_KEYS = ("cache_implementation", "compile_config", "disable_compile")
+# The `generate()` kwargs, besides the `mars_*` ones, that settings read: whether the passes are compiled, and the
+# call's own logits processors (whether lossless drafts may branch)
+CALL_KEYS = ("cache_implementation", "compile_config", "disable_compile", "logits_processor")
 
 
 def compiles(model, configs, call: dict):
@@ -261,18 +271,23 @@ def compiles(model, configs, call: dict):
     return config if getattr(config, "_compile_all_devices", False) else None
 
 
-def auto_tree(model, configs, batch_size: int, compile_config=None, timer=None) -> dict:
+def auto_tree(model, configs, batch_size: int, compile_config=None, timer=None, chains: bool = False) -> dict:
     """The tree of the checkpoint's `mars_acceptance` with the most tokens per second at this batch size on this
     machine, as lossless settings; B = 1 (no drafts: plain decoding) where none beats plain decoding. With the
     `compile_config` of a call whose passes are compiled, the costs are those of compiled passes
     (`compiled_pass_costs`), not eager ones. Where this machine's are not timed (or not trusted), what is known of
-    this kind of device (`prior_costs`) chooses."""
+    this kind of device (`prior_costs`) chooses. `chains`: the call's drafts stay a chain (`_chains_only`), so only
+    the chains measured (one candidate, no lookup) are chosen from: a tree's acceptance is not its chain's."""
     acceptance = _first_set(*(getattr(c, "mars_acceptance", None) for c in configs))
     if acceptance is None:
         raise ValueError(
             'mars_lossless="auto" needs the checkpoint\'s mars_acceptance: `hf-mars tune --save` measures it.'
         )
     acceptance = check_acceptance(acceptance)
+    if chains:
+        acceptance = {name: rate for name, rate in acceptance.items() if parse_tree(name)[1:] == (1, 0)}
+        if not acceptance:  # no chain measured: plain decoding
+            return dict(zip(TREE_KEYS, (1, 1, 0)), mars_tau=0.0)
     trees = [parse_tree(name) for name in acceptance]
     widths, limit = [pass_width(*tree) for tree in trees], pay_limit(acceptance)
     try:

@@ -464,7 +464,8 @@ class MARSEngine(BaseGenerateManager):
         if request.tau_range is not None or not (running.verify or running.tau == 1.0):
             return  # τ-mode: no tree
         try:
-            settings = session_settings(self.model, request.generation_config, rows)
+            call = {"logits_processor": session.plan.processors}  # a grammar's rows draft chains
+            settings = session_settings(self.model, request.generation_config, rows, call)
         except ValueError:
             return
         if settings != running and (settings.verify or settings.tau == 1.0):
