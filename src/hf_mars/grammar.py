@@ -38,6 +38,7 @@ def _llguidance():
     try:
         import llguidance
         import llguidance.hf
+        import llguidance.torch  # noqa: F401 - the bitmask helpers
     except ImportError as err:
         raise ImportError("Structured outputs need llguidance: pip install 'hf_mars[structured]'") from err
     return llguidance
@@ -165,8 +166,7 @@ class GrammarProcessor(LogitsProcessor):
 
     def _allowed(self, row: int, vocab: int) -> torch.Tensor:
         """`(vocab,)` the tokens the grammar allows next in row `row`, from its matcher's bitmask."""
-        llguidance_torch = __import__("llguidance.torch", fromlist=["fill_next_token_bitmask"])
         bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
-        llguidance_torch.fill_next_token_bitmask(self._matchers[row], bitmask, 0)
+        _llguidance().torch.fill_next_token_bitmask(self._matchers[row], bitmask, 0)
         bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
         return bits.view(-1)[:vocab].bool()

@@ -588,6 +588,27 @@ def test_n_sampled_choices_with_a_seed_differ_and_come_again_with_it(server, str
     assert ask() == first
 
 
+def test_seeded_choices_whose_siblings_never_come_decode_after_a_wait(server):
+    """Two of a seeded request's three choices reach the engine (the third's client left first): after
+    `GROUP_WAIT_S` they decode, and the engine serves the next request."""
+    from hf_mars.serving.engine import GROUP_WAIT_S
+
+    engine, tok, model = server["engine"], server["tok"], server["offline"]
+    ids = tok("orphans", return_tensors="pt")["input_ids"]
+    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
+    config.max_new_tokens, config.choices_group = 4, {"group": "orphaned", "n": 3, "seed": 1}
+
+    async def two():
+        calls = (engine.generate_non_streaming(model, tok, {"input_ids": ids}, config, f"o-{i}") for i in range(2))
+        return await asyncio.gather(*calls)
+
+    start = time.monotonic()
+    answers = asyncio.run(two())
+    assert time.monotonic() - start >= GROUP_WAIT_S
+    assert [len(tokens) for _, _, tokens in answers] == [4, 4]
+    assert _client(server).completions.create(model=server["path"], prompt="next", max_tokens=2).choices[0].text
+
+
 @pytest.mark.parametrize("n", [0, 129, "3", 1.5])
 def test_an_n_out_of_range_is_a_400(server, n):
     body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": n}

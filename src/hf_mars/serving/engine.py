@@ -48,6 +48,7 @@ logger = logging.getLogger("hf_mars.serve")
 # A request's own limits; these keys of its generation config are the engine's to judge, per row
 _PER_ROW_KEYS = ("max_new_tokens", "stop_strings")
 RETRY_S = 60.0  # how often a server started on a busy machine tries to time its pass costs again
+GROUP_WAIT_S = 2.0  # how long a seeded request's choices that arrived wait for the others (choices.py)
 
 
 @dataclass(eq=False)  # a request is itself (a session's label), whatever its fields
@@ -320,7 +321,8 @@ class MARSEngine(BaseGenerateManager):
             return False
         choices = group[0].group
         if choices is not None:  # a seeded request's choices: together, once all wait, right after the seed
-            if len(group) < min(choices["n"], self.max_batch_size) or session is not None:
+            if len(group) < min(choices["n"], self.max_batch_size) and not self._waited_for(group[0]):
+                time.sleep(0.001)  # the others are a few event-loop steps behind
                 return False
             torch.manual_seed(choices["seed"])
         self._waiting = [r for r in self._waiting if r not in group]
@@ -333,6 +335,12 @@ class MARSEngine(BaseGenerateManager):
         if self.session is not None and not self.session.live:
             self.session = None
         return True
+
+    @staticmethod
+    def _waited_for(request: Request) -> bool:
+        """Whether a seeded request's first choice has waited long enough for the others (some were cancelled, or
+        did not arrive): then those that wait decode, reproducible or not."""
+        return time.monotonic() - request.arrived > GROUP_WAIT_S
 
     def _join(self, joining: Session, key) -> None:
         """`joining`'s rows into the runner (built for them where none runs yet): their prompt's pass, then their
