@@ -100,12 +100,15 @@ class GrammarProcessor(LogitsProcessor):
         return cls(_llguidance().LLMatcher.grammar_from_lark(lark), tokenizer, **kwargs)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        starts = self._follow(input_ids, scores.shape[-1])
-        allowed = torch.ones(scores.shape, dtype=torch.bool)
+        rows, vocab = scores.shape
+        starts = self._follow(input_ids, vocab)
+        bitmask = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)  # every token, where not filled
+        fill = _llguidance().torch.fill_next_token_bitmask
         for row, (ids, start) in enumerate(zip(input_ids.tolist(), starts)):
             if self._reach(row, ids[start:]):
-                allowed[row] = self._allowed(row, scores.shape[-1])
-        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+                fill(self._matchers[row], bitmask, row)
+        allowed = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)[:, :vocab]
+        return scores.masked_fill(~allowed.bool().to(scores.device), float("-inf"))
 
     def _follow(self, input_ids: torch.Tensor, vocab: int) -> list[int]:
         """Where each row's generated tokens begin, with a matcher for every row. Without a `prompt_length`, new
@@ -146,12 +149,9 @@ class GrammarProcessor(LogitsProcessor):
         """Move row `row`'s matcher to the end of `history` (its generated tokens): back to where they part from
         what it consumed, then on. Whether the grammar accepts all of `history`."""
         matcher, consumed = self._matchers[row], self._consumed[row]
-        same = 0
-        for same, (a, b) in enumerate(zip(consumed, history)):  # noqa: B007 - the first position they differ
-            if a != b:
-                break
-        else:
-            same = min(len(consumed), len(history))
+        same = len(consumed)
+        if history[:same] != consumed:  # it parts from what was consumed (else, as most calls: it goes on from it)
+            same = next(i for i, (a, b) in enumerate(zip(consumed, history + [None])) if a != b)
         if same < len(consumed):
             matcher.rollback(len(consumed) - same)
             del consumed[same:]
@@ -163,10 +163,3 @@ class GrammarProcessor(LogitsProcessor):
             matcher.consume_tokens(new[:valid])
             consumed.extend(new[:valid])
         return valid == len(new)
-
-    def _allowed(self, row: int, vocab: int) -> torch.Tensor:
-        """`(vocab,)` the tokens the grammar allows next in row `row`, from its matcher's bitmask."""
-        bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
-        _llguidance().torch.fill_next_token_bitmask(self._matchers[row], bitmask, 0)
-        bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.view(-1)[:vocab].bool()

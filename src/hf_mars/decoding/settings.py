@@ -227,11 +227,11 @@ def _layers(model, configs, verify: bool, batch_size: int, call: dict, timer, kw
 
 
 def _chains_only(processors) -> bool:
-    """Whether the call's own logits processors keep lossless drafts a chain (`scoring.branching`: one that reads
-    more of the history than which tokens it holds, such as a grammar)."""
-    from .scoring import order_free
+    """Whether the call's own logits processors keep lossless drafts a chain (`scoring.branching`'s rule: one that
+    reads more of the history than which tokens it holds, such as a grammar)."""
+    from .scoring import branching
 
-    return bool(processors) and not order_free(processors)
+    return not branching(False, None, processors or ())
 
 
 def mars_settings(model, generation_config=None, batch_size: int = 1, timer=None, **kwargs) -> dict | None:
