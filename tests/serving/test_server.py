@@ -609,6 +609,99 @@ def test_seeded_choices_whose_siblings_never_come_decode_after_a_wait(server):
     assert _client(server).completions.create(model=server["path"], prompt="next", max_tokens=2).choices[0].text
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+            "x-guidance": {"whitespace_pattern": "[ ]{0,1}"},
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters: an empty object
+
+
+def _tool_calls(server, stream: bool, max_tokens: int = 120, **fields) -> tuple[list[dict], str, str | None]:
+    """A chat request for tool calls through the openai client: its calls (streamed: the deltas put together as a
+    client does), its finish_reason and its content."""
+    reply = _client(server).chat.completions.create(
+        model=server["path"],
+        messages=[{"role": "user", "content": "weather in Paris?"}],
+        max_tokens=max_tokens,
+        tools=[WEATHER, CLOCK],
+        stream=stream,
+        **fields,
+    )
+    if not stream:
+        message = reply.choices[0]
+        calls = [c.function.model_dump() | {"id": c.id} for c in message.message.tool_calls or []]
+        return calls, message.finish_reason, message.message.content
+    calls, finish, content = {}, None, None
+    for chunk in reply:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content = (content or "") + choice.delta.content if choice.delta.content else content
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": "", "id": None})
+                call["id"] = delta.id or call["id"]
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], finish, content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_or_required_tool_call_follows_its_tools_schema_and_lossless_keeps_constrained_greedy(server, stream):
+    """`tool_choice` a named function: one call of it, whose arguments are plain constrained greedy `generate()`'s
+    under its parameters' schema (lossless mode); `"required"`: a list of calls, each one of the tools with its own
+    parameters (one call where `parallel_tool_calls` is false). Streamed, the deltas make the same calls."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    if server["engine"].cache_slots is not None:  # a grammar: refused by name there
+        with pytest.raises(BadRequestError, match="is not served with --cache-slots"):
+            _tool_calls(server, stream, tool_choice=named)
+        return
+    parameters = WEATHER["function"]["parameters"]
+    for mode in MODES.values():
+        calls, finish, content = _tool_calls(server, stream, tool_choice=named, extra_body=mode)
+        assert finish == "tool_calls" and content is None and [c["name"] for c in calls] == ["get_weather"]
+        jsonschema.validate(json.loads(calls[0]["arguments"]), parameters)
+        assert calls[0]["id"].endswith("_tool_call_0")
+        if mode.get("mars_verify"):
+            assert calls[0]["arguments"] == _offline_constrained(server, "weather in Paris?", 120, parameters)
+    one = {"parallel_tool_calls": False, "extra_body": {"mars_verify": True}}  # JSON_OPTIONS' whitespace: 32 a gap
+    calls, finish, _ = _tool_calls(server, stream, max_tokens=500, tool_choice="required", **one)
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["name"] in ("get_weather", "get_time")
+    arguments = json.loads(calls[0]["arguments"])
+    if calls[0]["name"] == "get_weather":
+        jsonschema.validate(arguments, parameters)
+    else:
+        assert arguments == {}
+
+
+def test_tool_requests_the_server_cannot_honour_are_a_400_naming_why(server):
+    """`"auto"` where the chat template renders no tools (the model would never see them), a function that is not
+    one of the tools, a choice without tools, and malformed tools: refused by name."""
+    url, base = server["url"] + "/v1/chat/completions", {"model": server["path"], "max_tokens": 4}
+    base["messages"] = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"tools": [WEATHER]}, "tool_choice='auto' (the default with tools) needs a chat template that renders tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "which is not one of"),
+        ({"tool_choice": "required"}, "tool_choice='required' needs tools"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "each tool must be"),
+        ({"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": False}, "parallel_tool_calls=false"),
+    ]
+    for fields, reason in cases:
+        response = httpx.post(url, json=base | fields, timeout=60)
+        assert response.status_code == 400, fields
+        assert reason in response.json()["error"]["message"]
+    unused = httpx.post(url, json=base | {"tools": [WEATHER], "tool_choice": "none"}, timeout=60).json()
+    assert unused["choices"][0]["message"]["content"] and "tool_calls" not in unused["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("n", [0, 129, "3", 1.5])
 def test_an_n_out_of_range_is_a_400(server, n):
     body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": n}

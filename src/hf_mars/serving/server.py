@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from ..tools.checkpoints.loading import check_mars_config
 from .choices import CHOICES_KEY, check_choices, merged_answer, merged_stream
 from .load import check_tau_range
 from .logprobs import prompts_of, score, scores_prompt
+from .tools import ToolCalls, tool_request
 
 try:  # the serving extra: FastAPI, the OpenAI types, prometheus_client (the engine's metrics)
     from fastapi import HTTPException
@@ -101,8 +103,6 @@ ASKS_NOTHING = {
     "presence_penalty": (None, 0, 0.0),
     "suffix": (None, ""),
     "reasoning_effort": (None,),
-    "tool_choice": (None, "auto"),
-    "parallel_tool_calls": (None, True),
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "audio": (None,),
@@ -276,7 +276,49 @@ class MARSRequests:
 
 
 class MARSChatCompletionHandler(MARSRequests, ChatCompletionHandler):
-    """`/v1/chat/completions` with MARS settings."""
+    """`/v1/chat/completions` with MARS settings and forced tool calls (tools.py): a call's text is decoded under its
+    schema's grammar, and answered as `tool_calls`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._calls: OrderedDict[str, ToolCalls] = OrderedDict()  # by request id, until its answer is built
+
+    async def _one(self, body: dict, request_id: str):
+        try:
+            schema, calls = tool_request(body, self.engine.tokenizer, self.model)
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        if schema is None:
+            return await super()._one(body, request_id)
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema}}
+        calls.request_id, self._calls[request_id] = request_id, calls
+        while len(self._calls) > 4096:  # streams whose client left before their last chunk
+            self._calls.popitem(last=False)
+        try:
+            return await super()._one(body, request_id)
+        except BaseException:
+            self._calls.pop(request_id, None)
+            raise
+
+    def _build_completion(self, request_id: str, content: str, model_id: str, finish_reason: str, **kwargs):
+        calls = self._calls.pop(request_id, None)
+        made = calls.whole(content) if calls is not None else None
+        if made is not None:  # else a budget cut the call short: its text is the answer, finish_reason "length"
+            content, finish_reason, kwargs["tool_calls"] = None, "tool_calls", made
+        return super()._build_completion(request_id, content, model_id, finish_reason, **kwargs)
+
+    def _build_chunk_sse(self, request_id: str = "", content: str | None = None, **kwargs):
+        calls = self._calls.get(request_id)
+        if calls is not None and content is not None:
+            deltas = calls.deltas(content)
+            if not deltas:
+                return ""  # a call not whole yet: nothing to send
+            content, kwargs["tool_calls"] = None, deltas
+        if calls is not None and kwargs.get("finish_reason") is not None:
+            self._calls.pop(request_id, None)
+            if kwargs["finish_reason"] == "stop" and calls.sent:
+                kwargs["finish_reason"] = "tool_calls"
+        return super()._build_chunk_sse(request_id, content=content, **kwargs)
 
 
 class TokenPrompts:
