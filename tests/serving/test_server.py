@@ -1081,6 +1081,34 @@ def test_metrics_parse_as_prometheus_text_and_count_what_was_sent(server):
     assert _scrape(server)[("hf_mars_requests_waiting", ())] == 0
 
 
+def test_speculation_is_counted_under_vllms_names(server):
+    """τ = 0.9 (B = 4, three masks a pass) then τ = 1: under vLLM's `spec_decode` names, each of the first's passes
+    after its prompt's is a draft of 3 tokens, its accepted tokens are its tokens past the first of each pass (so
+    tokens = passes + accepted), position p counts no more than position p - 1; τ = 1 drafts nothing."""
+    name = Path(server["path"]).name
+    labels = {"model_name": name, "engine": "0"}
+    client, before = _client(server), _scrape(server)
+
+    def ask(mode: dict):
+        messages = [{"role": "user", "content": "count on"}]
+        return client.chat.completions.create(model=server["path"], messages=messages, max_tokens=40, extra_body=mode)
+
+    def delta(scrape, metric, **more):
+        key = (metric, tuple(sorted({**labels, **more}.items())))
+        return scrape.get(key, 0.0) - before.get(key, 0.0)
+
+    reply, after = ask({"mars_tau": 0.9}), _scrape(server)
+    drafts = delta(after, "vllm:spec_decode_num_drafts_total")
+    accepted = delta(after, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts == reply.usage.forward_passes - 1  # every pass but the prompt's
+    assert delta(after, "vllm:spec_decode_num_draft_tokens_total") == 3 * drafts
+    assert reply.usage.completion_tokens == reply.usage.forward_passes + accepted
+    by_position = [delta(after, "vllm:spec_decode_num_accepted_tokens_per_pos", position=str(p)) for p in range(3)]
+    assert sum(by_position) == accepted and by_position == sorted(by_position, reverse=True)
+    ask({"mars_tau": 1.0})
+    assert delta(_scrape(server), "vllm:spec_decode_num_drafts_total") == drafts
+
+
 def test_metrics_show_the_tau_and_tree_of_the_rows_decoding(server):
     body = _long_stream(server, 480, mars_tau=0.9)
     cancelled = _scrape(server).get(("hf_mars_requests_total", (("outcome", "cancelled"),)), 0.0)

@@ -37,6 +37,7 @@ from ..decoding.generate import session_settings
 from ..decoding.runner import Runner, rows_cache, serving_runner
 from ..decoding.session import Session
 from ..decoding.settings import TauController
+from ..decoding.tree import full_tree
 from ..tools.measure.passes import declined, forget_declined, measure
 from ..tools.measure.passes import pass_costs as time_pass_costs
 from .load import TauPolicy, check_tau_range
@@ -445,6 +446,7 @@ class MARSEngine(BaseGenerateManager):
         self.batch_sizes.append(decoding)
         self._choose_tree(session, decoding)
         tau = self._choose_tau(session, decoding)
+        reach = _reach(session.plan)
         try:
             session.step(self.model)
             self.metrics.passed(decoding)
@@ -454,7 +456,7 @@ class MARSEngine(BaseGenerateManager):
                 self._finish(request, error)
             self.session = None
             return
-        tokens = self._deliver(session)
+        tokens = self._deliver(session, reach)
         if tau is not None:
             self._policies[self._key].observed(tau, decoding, tokens)
         if not session.live:
@@ -543,14 +545,15 @@ class MARSEngine(BaseGenerateManager):
         widens = self.cache_slots is None
         return TauPolicy(block_size, self.max_batch_size, costs if widens else None, widens=widens)
 
-    def _deliver(self, session: Session) -> int:
+    def _deliver(self, session: Session, reach: int = 0) -> int:
         """Every row's new tokens to its client; rows that stopped (or whose client left) are released and
-        answered. Returns how many tokens were sent."""
+        answered. Returns how many tokens were sent. `reach`: the tokens the pass could accept beyond each row's own
+        (the metrics' drafts; 0 for a prompt's pass)."""
         stopped, now, sent_in_all = [], time.monotonic(), 0
         for request, tokens, done, passes in session.rows():
             sent = len(request.generated)
             ended = request.take(tokens) or done or request.sink.cancelled.is_set()
-            self.metrics.delivered(request, len(request.generated) - sent, now)
+            self.metrics.delivered(request, len(request.generated) - sent, now, reach)
             sent_in_all += len(request.generated) - sent
             if ended:
                 request.forward_passes = passes
@@ -579,6 +582,15 @@ class MARSEngine(BaseGenerateManager):
         while len(self._usage) > 4096:  # a client that left never reads its usage
             self._usage.popitem(last=False)
         request.sink.finish(request, error)
+
+
+def _reach(plan) -> int:
+    """The tokens a pass of `plan`'s rows can accept beyond each row's own: τ-mode's B-1 masks, lossless mode's draft
+    tree's depth, none at τ = 1."""
+    settings = plan.settings
+    if settings.verify:
+        return full_tree(settings.block_size - 1, plan.candidates, plan.lookup).depth
+    return 0 if settings.tau == 1.0 else settings.block_size - 1
 
 
 def _tree_name(settings) -> str:

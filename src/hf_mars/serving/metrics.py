@@ -4,6 +4,11 @@ The engine's thread reports each pass, each row's new tokens and each finished r
 `prometheus_client` from a registry of the app's own (two apps in one process count apart). Names start with
 `hf_mars_`. Rates are the scraper's business: `rate(hf_mars_passes_total[1m])` is passes per second,
 `rate(hf_mars_generation_tokens_total[1m]) / rate(hf_mars_row_passes_total[1m])` tokens per forward.
+
+Speculation is also counted under vLLM's names (`vllm:spec_decode_*`, labels `model_name` and `engine`), so that the
+dashboards operators already chart from vLLM read a MARS server too: a row's pass is a draft of the positions it could
+accept beyond the model's own token (τ-mode: its B-1 masks; lossless mode: the draft tree's depth), and the tokens it
+kept past the first are its accepted ones.
 """
 
 from __future__ import annotations
@@ -53,6 +58,26 @@ class ServerMetrics:
         self.e2e = Histogram(
             "hf_mars_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=registry
         )
+        self.model_name = ""  # the served name, vLLM's `model_name` label (build_app sets it)
+        spec, by_position = ["model_name", "engine"], ["model_name", "engine", "position"]
+        self.drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Row passes that fed drafts or masks", spec, registry=registry
+        )
+        self.draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens",
+            "Positions those passes could accept beyond the model's own token (B-1 masks, or the draft tree's depth)",
+            spec,
+            registry=registry,
+        )
+        self.accepted_drafts = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Tokens kept beyond the model's own token", spec, registry=registry
+        )
+        self.accepted_by_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Tokens kept at each position beyond the model's own token (0: the first draft or mask)",
+            by_position,
+            registry=registry,
+        )
         self.tau = Gauge("hf_mars_tau", "τ of the running rows (NaN: none, or plain decoding)", registry=registry)
         self.tree = Gauge(
             "hf_mars_tree_info",
@@ -95,13 +120,21 @@ class ServerMetrics:
         self.passes.inc()
         self.row_passes.inc(rows)
 
-    def delivered(self, row, new: int, now: float) -> None:
-        """`new` tokens of `row` (a `Request`: its `arrived` and `last_token_at` times) sent at `now`."""
+    def delivered(self, row, new: int, now: float, reach: int = 0) -> None:
+        """`new` tokens of `row` (a `Request`: its `arrived` and `last_token_at` times) sent at `now`, from a pass
+        that could accept `reach` tokens beyond the model's own (0: a prompt's pass, or plain decoding)."""
         if new <= 0:
             return
         self.tokens.inc(new)
         for position in range(min(new, POSITIONS)):
             self.accepted.labels(str(position)).inc()
+        if reach > 0:
+            labels = (self.model_name, "0")
+            self.drafts.labels(*labels).inc()
+            self.draft_tokens.labels(*labels).inc(reach)
+            self.accepted_drafts.labels(*labels).inc(min(new - 1, reach))
+            for position in range(min(new - 1, reach, POSITIONS)):
+                self.accepted_by_position.labels(*labels, str(position)).inc()
         if row.last_token_at is None:  # the prompt's pass: its token has none before it
             self.ttft.observe(now - row.arrived)
         else:

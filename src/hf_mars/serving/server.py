@@ -427,6 +427,7 @@ def build_app(
     engine = MARSEngine(
         loaded, tokenizer, max_batch_size, cache_slots=cache_slots, compile_config=compile_config, tau_range=tau_range
     )
+    engine.metrics.model_name = manager.served_name
     engine.measuring = measure_in_background(loaded, max_batch_size, idle=engine.idle)
     state = MARSGenerationState(engine, compile=compile)
     shared = dict(model_manager=manager, generation_state=state)
