@@ -613,6 +613,28 @@ def scored_at_once(logits, histories: Histories | None, drafts: torch.Tensor, li
     return processed(logits, histories, drafts, lineage)
 
 
+def token_logprobs(logits, histories: Histories | None, tokens: torch.Tensor, top: int):
+    """The log probabilities of a pass's `tokens` (`(rows, width)`): slot i's token under `logits[:, i]` processed
+    after the history and the tokens before it (`tokens[:, :i]`), as the slot that decided it scored it (`choose`,
+    `verify`), so that, after a row's history, a token's is what plain decoding's step would give it. Returns
+    `(logprobs (rows, width), top values (rows, width, top), top ids)`, the `top` most likely tokens at each slot
+    (None, None where `top` is 0)."""
+    width = tokens.shape[1]
+    if histories is None or history_free(histories.processors):
+        scores = processed(logits, histories)
+    elif width == 1:  # a one-token pass: the next token after the history
+        scores = histories(None, logits[:, 0])[:, None]
+    else:
+        before = torch.ones(width, width - 1, dtype=torch.bool, device=tokens.device).tril(-1)  # slot i: tokens < i
+        scores = processed(logits, histories, tokens[:, :-1], before)
+    logprobs = scores[..., : logits.shape[-1]].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[..., None]).squeeze(-1)
+    if not top:
+        return chosen, None, None
+    values, ids = logprobs.topk(top, dim=-1)
+    return chosen, values, ids
+
+
 def draw(probs: torch.Tensor) -> torch.Tensor:
     """One token from each distribution of `probs` (`(..., vocab)`): what `torch.multinomial(probs, 1)` computes
     (ATen draws one sample as the argmax of p / q, q ~ Exp(1), from the same generator), without the validity check

@@ -41,7 +41,16 @@ from transformers.generation.logits_process import LogitsProcessorList
 from .cache import KVBook
 from .commit import cut, right_align, write_taken
 from .schedule import MaskSchedule
-from .scoring import Histories, branching, choose, follow_padding, masks_taken, processors_signature, scored_at_once
+from .scoring import (
+    Histories,
+    branching,
+    choose,
+    follow_padding,
+    masks_taken,
+    processors_signature,
+    scored_at_once,
+    token_logprobs,
+)
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping, stream
 from .tree import tree_attention
@@ -178,6 +187,9 @@ class Session:
 
     `labels`: one per row, in order (whatever the caller names its rows by); `log`: whether every pass is recorded in
     `stats` (`generate()`'s `MARSStats`; a session that lives as long as a server keeps no per-pass log).
+    `logprobs`: where a caller sets it (a count of alternatives, 0 or more), each pass leaves in `scored` the log
+    probability of every token it decided and the `logprobs` likeliest at each slot (`token_logprobs`):
+    `(rows fed, logprobs (rows, width), top values, top ids)`, a row's new tokens first in its slots.
     """
 
     plan: Plan
@@ -190,6 +202,8 @@ class Session:
     live: bool = True  # any row still decoding
     labels: list = field(default_factory=list)
     log: bool = True
+    logprobs: int | None = None
+    scored: tuple | None = None
 
     @torch.no_grad()
     def step(self, model) -> None:
@@ -254,6 +268,8 @@ class Session:
             return "the rows decode with other logits processors (or their settings: a penalty, a minimum, a bias)"
         if mine.window != theirs.window:
             return "the rows decode with another sliding window"
+        if self.logprobs != other.logprobs:
+            return "the rows ask for other log probabilities"
         if not torch.equal(mine.eos, theirs.eos) or mine.streamer is not None or theirs.streamer is not None:
             return "the rows stop at other EOS tokens, or stream"
         return None
@@ -435,6 +451,9 @@ def _accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
     limit (a row no longer active takes none)."""
     text, feed = run.text, run.feed
     tokens, accepted = run.plan.mode.accept(run, step)
+    if run.logprobs is not None:
+        scored = token_logprobs(run.plan.mode.deciding(run, step, tokens), step.histories, tokens, run.logprobs)
+        run.scored = (feed.rows, *scored)
     left, idle = feed.of(text.budget) - feed.of(text.decoded), ~feed.of(text.active)
     accepted, ended = cut(tokens, accepted, left, idle, run.plan.eos)
     feed.put(text.ended, feed.of(text.ended) | ended)
@@ -516,6 +535,11 @@ class TauMode:
         return tokens, paid + 1
 
     @staticmethod
+    def deciding(run: Session, step: Pass, tokens: torch.Tensor) -> torch.Tensor:
+        """The outputs that decided `tokens` (`token_logprobs`): the slots in order."""
+        return step.logits[:, : tokens.shape[1]]
+
+    @staticmethod
     def commit(run: Session, step: Pass) -> None:
         """The pending tokens' K/V stay; the masks' go."""
         run.cache.commit(run.feed.pending_real, step.masks, run.feed.dense)
@@ -553,6 +577,15 @@ class LosslessMode:
             schedule.update(rows, schedule.last[rows], paid, run.text.passes[rows])
             schedule.last[rows] = step.offered
         return tokens, accepted
+
+    @staticmethod
+    def deciding(run: Session, step: Pass, tokens: torch.Tensor) -> torch.Tensor:
+        """The outputs that verified `tokens` (`token_logprobs`): the root's, then each kept draft's on the path."""
+        tree = run.feed.drafts.tree.on(step.logits.device)
+        if tree.chain:
+            return step.logits[:, : tokens.shape[1]]
+        path = tree.path.index_select(0, step.end)  # (rows, depth + 1)
+        return step.logits.gather(1, path[..., None].expand(-1, -1, step.logits.shape[-1]))
 
     @staticmethod
     def commit(run: Session, step: Pass) -> None:
