@@ -405,10 +405,7 @@ def test_invalid_requests_get_a_400_with_the_reason_and_the_server_goes_on(serve
 @pytest.mark.parametrize(
     ("endpoint", "fields"),
     [
-        ("chat", {"logprobs": True, "top_logprobs": 2}),
         ("chat", {"presence_penalty": 0.5}),
-        ("completions", {"logprobs": 2}),
-        ("completions", {"logprobs": 0}),  # the chosen tokens' log probabilities: asked for, though 0
         ("completions", {"echo": True}),
         ("completions", {"best_of": 2}),
         ("completions", {"suffix": "x"}),
@@ -700,6 +697,62 @@ def test_tool_requests_the_server_cannot_honour_are_a_400_naming_why(server):
         assert reason in response.json()["error"]["message"]
     unused = httpx.post(url, json=base | {"tools": [WEATHER], "tool_choice": "none"}, timeout=60).json()
     assert unused["choices"][0]["message"]["content"] and "tool_calls" not in unused["choices"][0]["message"]
+
+
+def _plain_logprobs(server, content: str, max_tokens: int, chat: bool = True) -> tuple[list[int], torch.Tensor]:
+    """Plain greedy `generate()`'s tokens for this prompt alone (as the endpoint tokenizes it) and the log-softmax of
+    the scores it chose each from: the model's own, float32."""
+    tok, model = server["tok"], server["offline"]
+    if chat:
+        messages = [{"role": "user", "content": content}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:
+        ids = tok(content, return_tensors="pt")
+    out = model.generate(
+        **ids, do_sample=False, max_new_tokens=max_tokens, output_scores=True, return_dict_in_generate=True
+    )
+    tokens = out.sequences[0, ids["input_ids"].shape[1] :].tolist()
+    return tokens, torch.stack(out.scores, dim=1)[0].float().log_softmax(dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_decoded_tokens_log_probabilities_are_the_models_own(server, stream):
+    """`logprobs` with `top_logprobs=5` (chat) and `logprobs=3` (completions) through the openai client: lossless
+    mode's and τ = 1's are plain greedy decoding's, each token's log-softmax and its top alternatives (float32, 1e-4),
+    streamed (the chunks' put together) or whole; τ = 0.9's each slot's own, its chosen token the likeliest."""
+    client, prompt = _client(server), "count to five"
+    fields = dict(model=server["path"], max_tokens=MAX_TOKENS, stream=stream)
+    if server["engine"].cache_slots is not None:  # refused by name: the graph pass records none
+        with pytest.raises(BadRequestError, match="logprobs are not served with --cache-slots"):
+            client.chat.completions.create(**fields, messages=[{"role": "user", "content": prompt}], logprobs=True)
+        return
+
+    def chat(mode: dict) -> list:
+        reply = client.chat.completions.create(
+            **fields, messages=[{"role": "user", "content": prompt}], logprobs=True, top_logprobs=5, extra_body=mode
+        )
+        choices = [reply.choices[0]] if not stream else [c.choices[0] for c in reply if c.choices]
+        return [entry for choice in choices if choice.logprobs for entry in choice.logprobs.content]
+
+    tokens, expected = _plain_logprobs(server, prompt, MAX_TOKENS)
+    tok, at = server["tok"], torch.arange(len(tokens))
+    for mode in ({"mars_verify": True}, {"mars_tau": 1.0}):
+        entries = chat(mode)
+        assert [e.token for e in entries] == [tok.decode([t]) for t in tokens]
+        assert [e.logprob for e in entries] == pytest.approx(expected[at, torch.tensor(tokens)].tolist(), abs=1e-4)
+        top = expected.topk(5, dim=-1).values
+        assert torch.allclose(torch.tensor([[t.logprob for t in e.top_logprobs] for e in entries]), top, atol=1e-4)
+    for entry in chat({"mars_tau": 0.9}):
+        assert entry.logprob <= 0 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
+
+    reply = client.completions.create(**fields, prompt=prompt, logprobs=3, extra_body={"mars_verify": True})
+    choices = [reply.choices[0]] if not stream else [c.choices[0] for c in reply if c.choices]
+    scored = [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs]
+    offsets = [o for c in choices if c.logprobs for o in c.logprobs.text_offset]
+    tokens, expected = _plain_logprobs(server, prompt, MAX_TOKENS, chat=False)
+    at = torch.arange(len(tokens))
+    assert scored == pytest.approx(expected[at, torch.tensor(tokens)].tolist(), abs=1e-4)
+    assert offsets == [sum(len(tok.decode([t])) for t in tokens[:i]) for i in range(len(tokens))]
 
 
 @pytest.mark.parametrize("n", [0, 129, "3", 1.5])

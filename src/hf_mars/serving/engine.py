@@ -41,6 +41,7 @@ from ..decoding.tree import full_tree
 from ..tools.measure.passes import declined, forget_declined, measure
 from ..tools.measure.passes import pass_costs as time_pass_costs
 from .load import TauPolicy, check_tau_range
+from .logprobs import TokenLogprobs
 from .metrics import ServerMetrics
 from .stops import StopQueue, cut_at_stop
 
@@ -68,6 +69,7 @@ class Request:
     arrived: float = field(default_factory=time.monotonic)
     last_token_at: float | None = None  # when its last tokens were sent (metrics)
     taus: list[float] = field(default_factory=list)  # with a τ range: the τ of each pass it took part in
+    scoring: TokenLogprobs | None = None  # where it asks for log probabilities: each sent token's goes there
 
     @property
     def tau_range(self) -> tuple[float, float] | None:
@@ -88,11 +90,14 @@ class Request:
             config.pop(name, None)
         return json.dumps(_plain_keys(config), sort_keys=True, default=str)
 
-    def take(self, tokens: list[int]) -> bool:
+    def take(self, tokens: list[int], scored: list[tuple] | None = None) -> bool:
         """Hand the row's tokens past those already sent to its client; whether a stop string ended it (the token
-        that completes one is the last sent, as `generate()` keeps it)."""
-        for token in tokens[len(self.generated) :]:
+        that completes one is the last sent, as `generate()` keeps it). `scored`: the new tokens' log probabilities
+        (`(logprob, top values, top ids)` each), which go to `scoring` before each token is sent."""
+        for i, token in enumerate(tokens[len(self.generated) :]):
             self.generated.append(token)
+            if self.scoring is not None and scored is not None:
+                self.scoring.entries.append((token, *scored[i]))
             self.sink.put(token)
             if self.stop is not None and bool(self.stop(torch.tensor([self.input_ids + self.generated]), None)[0]):
                 return True
@@ -189,6 +194,7 @@ class MARSEngine(BaseGenerateManager):
         self._banded: tuple | None = None  # (running session's id, the rows its tree was chosen for)
         self.tree_changes: deque[tuple[int, str]] = deque(maxlen=256)  # (rows, tree) at each change, for tests
         self.metrics = ServerMetrics()
+        self.scoring: dict[str, TokenLogprobs] = {}  # by request id, where the handler asks for log probabilities
         self._thread = threading.Thread(target=self._serve, name="mars-engine", daemon=True)
         self._thread.start()
 
@@ -239,6 +245,7 @@ class MARSEngine(BaseGenerateManager):
             sink=sink,
             stop_strings=stop_strings,
             stop=StopStringCriteria(self.tokenizer, stop_strings) if stop_strings else None,
+            scoring=self.scoring.pop(request_id, None),
         )
         self._queue.put(request)
 
@@ -420,6 +427,7 @@ class MARSEngine(BaseGenerateManager):
         config.stop_strings = None
         processors = self._grammar(config)
         config.__dict__.pop("choices_group", None)  # the engine's to read (`Request.group`), not generate()'s
+        logprobs = config.__dict__.pop("token_logprobs", None)  # rows that ask decode apart (it is in their key)
         if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager
             config.cache_implementation, config.compile_config = None, None
         device = self.model.device
@@ -438,6 +446,7 @@ class MARSEngine(BaseGenerateManager):
             **settings,
         )
         session.separate_prompts()  # requests: each decodes as alone, whoever was opened with it
+        session.logprobs = logprobs
         return session
 
     def _step(self) -> None:
@@ -550,9 +559,11 @@ class MARSEngine(BaseGenerateManager):
         answered. Returns how many tokens were sent. `reach`: the tokens the pass could accept beyond each row's own
         (the metrics' drafts; 0 for a prompt's pass)."""
         stopped, now, sent_in_all = [], time.monotonic(), 0
-        for request, tokens, done, passes in session.rows():
+        scored = _scored(session)
+        for i, (request, tokens, done, passes) in enumerate(session.rows()):
             sent = len(request.generated)
-            ended = request.take(tokens) or done or request.sink.cancelled.is_set()
+            row_scored = scored(i) if request.scoring is not None else None
+            ended = request.take(tokens, row_scored) or done or request.sink.cancelled.is_set()
             self.metrics.delivered(request, len(request.generated) - sent, now, reach)
             sent_in_all += len(request.generated) - sent
             if ended:
@@ -582,6 +593,27 @@ class MARSEngine(BaseGenerateManager):
         while len(self._usage) > 4096:  # a client that left never reads its usage
             self._usage.popitem(last=False)
         request.sink.finish(request, error)
+
+
+def _scored(session):
+    """Row `i`'s (its place in the batch) log probabilities of its tokens from the last pass, `[(logprob, top values,
+    top ids)]`, as a function; none where the pass recorded none (`Session.logprobs`). Read once a pass."""
+    scored, session.scored = getattr(session, "scored", None), None
+    if scored is None:
+        return lambda i: None
+    fed, chosen, values, ids = scored
+    place = {row: p for p, row in enumerate(fed.tolist())}
+    chosen = chosen.tolist()
+    values, ids = (None, None) if values is None else (values.tolist(), ids.tolist())
+
+    def of(i: int):
+        p = place.get(i)
+        if p is None:
+            return None
+        tops = [(None, None)] * len(chosen[p]) if values is None else list(zip(values[p], ids[p]))
+        return [(logprob, *top) for logprob, top in zip(chosen[p], tops)]
+
+    return of
 
 
 def _reach(plan) -> int:

@@ -1,5 +1,11 @@
-"""A prompt's log probabilities: `/v1/completions` with `echo` and `logprobs`, as lm-eval's `local-completions` scores
-loglikelihood tasks (and as OpenAI's legacy completions did).
+"""Log probabilities: a decoded token's (`logprobs`, `top_logprobs` on both endpoints: `TokenLogprobs`), and a
+prompt's (`/v1/completions` with `echo` and `logprobs`, as lm-eval's `local-completions` scores loglikelihood tasks,
+and as OpenAI's legacy completions did: `score`).
+
+A decoded token's log probability is read from the pass that decided it (`Session.logprobs`), after the request's
+processors and grammar: in lossless mode (and at τ = 1) the verifying pass's, which is plain decoding's at that token;
+in τ-mode the slot's own, which for a mask's token is the mask's prediction, not what the model would give that token
+after the tokens before it.
 
 Such a request asks what the model thinks of text it is given, not for new text: one forward over the prompt gives,
 at every token, its log probability under the model (`token_logprobs`, None for the first, which nothing predicts)
@@ -12,11 +18,86 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import torch
 
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's own limit for chat's top_logprobs)
 _ONE_AT_A_TIME = threading.Lock()  # a forward of its own beside the engine's passes; two of them only compete
+
+
+def asked_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives a request asks for beside each decoded token's log probability (0 or more), or None
+    where it asks for none. Chat: `logprobs` true, with `top_logprobs` 0 to 20; completions: `logprobs` 0 to 20. A
+    `ValueError` naming a malformed value."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if asked is not None and not isinstance(asked, bool):
+            raise ValueError(f"logprobs must be true or false, got {asked!r}")
+        if top is not None and not (isinstance(top, int) and not isinstance(top, bool) and 0 <= top <= MAX_LOGPROBS):
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+        if top and not asked:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return (top or 0) if asked else None
+    if asked is None or asked is False:
+        return None
+    if isinstance(asked, bool) or not isinstance(asked, int) or not 0 <= asked <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {asked!r}")
+    return asked
+
+
+class TokenLogprobs:
+    """One request's decoded tokens' log probabilities: the engine appends `(token, logprob, top values, top ids)` to
+    `entries` as it sends each token; the handler drains them into OpenAI's form, a whole answer's or each chunk's
+    (a chunk carries the tokens decoded up to it)."""
+
+    def __init__(self, top: int, tokenizer):
+        self.top, self.tokenizer = top, tokenizer
+        self.entries: deque = deque()  # appended by the engine's thread, drained by the event loop's
+        self.offset = 0  # completions' `text_offset` of the next token
+
+    def drain(self) -> list[tuple]:
+        out = []
+        while self.entries:
+            out.append(self.entries.popleft())
+        return out
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def chat(self, entries: list[tuple]) -> dict:
+        """Chat's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+
+        def one(token: int, logprob: float) -> dict:
+            text = self._text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = [
+            {**one(token, logprob), "top_logprobs": [one(i, v) for i, v in zip(ids or [], values or [])]}
+            for token, logprob, values, ids in entries
+        ]
+        return {"content": content}
+
+    def completion(self, entries: list[tuple]) -> dict:
+        """Completions' legacy `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (text to log probability, of
+        two tokens of one text the likelier) and `text_offset` (each token's start in the text)."""
+        pieces = [self._text(token) for token, *_ in entries]
+        tops = []
+        for _, _, values, ids in entries:
+            top: dict = {}
+            for i, value in zip(ids or [], values or []):
+                top.setdefault(self._text(i), value)
+            tops.append(top)
+        offsets = []
+        for piece in pieces:
+            offsets.append(self.offset)
+            self.offset += len(piece)
+        return {
+            "tokens": pieces,
+            "token_logprobs": [logprob for _, logprob, _, _ in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
 
 def scores_prompt(body: dict) -> bool:

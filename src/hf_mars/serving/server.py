@@ -38,7 +38,7 @@ from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
 from .choices import CHOICES_KEY, check_choices, merged_answer, merged_stream
 from .load import check_tau_range
-from .logprobs import prompts_of, score, scores_prompt
+from .logprobs import TokenLogprobs, asked_logprobs, prompts_of, score, scores_prompt
 from .tools import ToolCalls, tool_request
 
 try:  # the serving extra: FastAPI, the OpenAI types, prometheus_client (the engine's metrics)
@@ -98,8 +98,6 @@ class MARSGenerationState(GenerationState):
 ASKS_NOTHING = {
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
     "suffix": (None, ""),
     "reasoning_effort": (None,),
@@ -113,9 +111,6 @@ ASKS_NOTHING = {
 WHY_NOT = {
     "best_of": "no choice is ranked by its likelihood: ask for n choices",
     "echo": "only to score a prompt: echo=true with logprobs=k, max_tokens 0 or 1, temperature 0, not streamed",
-    "logprobs": "log probabilities of decoded tokens are not returned; a prompt's are, with echo=true and max_tokens "
-    "0 or 1 (/v1/completions)",
-    "top_logprobs": "log probabilities of decoded tokens are not returned",
     "presence_penalty": "use frequency_penalty (transformers' repetition penalty)",
     "suffix": "no fill-in-the-middle: the model would never see the suffix",
 }
@@ -135,9 +130,12 @@ class MARSRequests:
     """What MARS adds to a transformers serve handler: `mars_*` fields, checked as `generate()` checks them, OpenAI
     fields it would ignore refused by name, and MARS usage. Mixed in before the handler class."""
 
+    chat = False  # which endpoint: its log probabilities' form
+
     def __init__(self, *args, model, engine: MARSEngine, **kwargs):
         super().__init__(*args, **kwargs)
         self.model, self.engine = model, engine
+        self._streams: OrderedDict[str, TokenLogprobs] = OrderedDict()  # streams' log probabilities, by request id
         self.max_tokens = getattr(model.config, "max_position_embeddings", None) or 32768
 
     def _resolve_model(self, body: dict):
@@ -167,16 +165,45 @@ class MARSRequests:
         return await self._one(body, request_id)
 
     async def _one(self, body: dict, request_id: str):
-        """One choice, its usage with MARS's counts."""
-        response = await super().handle_request(body, request_id)
+        """One choice, its usage with MARS's counts, and its tokens' log probabilities where asked."""
+        scoring = self._scoring(body, request_id)
+        try:
+            response = await super().handle_request(body, request_id)
+        finally:
+            self.engine.scoring.pop(request_id, None)  # the engine took it, or the request never reached it
         if isinstance(response, JSONResponse):  # not streamed: the usage is in the body
             content = json.loads(response.body)
             if content.get("usage") is not None:
                 content["usage"].update(self.engine.usage(request_id) or {})
+            if scoring is not None and content.get("choices"):
+                content["choices"][0]["logprobs"] = self._logprobs_of(scoring, scoring.drain())
             response = JSONResponse(
                 content, headers={k: v for k, v in response.headers.items() if k != "content-length"}
             )
+        elif scoring is not None:
+            self._streams[request_id] = scoring
+            while len(self._streams) > 4096:  # streams whose client left before their last chunk
+                self._streams.popitem(last=False)
         return response
+
+    def _scoring(self, body: dict, request_id: str) -> TokenLogprobs | None:
+        """Where the request asks for its tokens' log probabilities, what the engine gives them to (registered for
+        it by request id); else None. A 400 for a malformed ask, or one this server cannot answer."""
+        try:
+            top = asked_logprobs(body, self.chat)
+        except ValueError as err:
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        if top is None:
+            return None
+        self._validate_request(body)  # a field refused by name is said first
+        if self.engine.cache_slots is not None:
+            detail = "logprobs are not served with --cache-slots or --compile (the graph pass records none)"
+            raise HTTPException(status_code=400, detail=detail)
+        scoring = self.engine.scoring[request_id] = TokenLogprobs(top, self.engine.tokenizer)
+        return scoring
+
+    def _logprobs_of(self, scoring: TokenLogprobs, entries: list) -> dict:
+        return scoring.chat(entries) if self.chat else scoring.completion(entries)
 
     async def _choices(self, body: dict, request_id: str, n: int):
         """`n` choices: n requests of one, sent at once (rows of one batch), merged (choices.py)."""
@@ -198,6 +225,9 @@ class MARSRequests:
             )
             if bias:
                 config.sequence_bias = bias
+            logprobs = asked_logprobs(body, self.chat)
+            if logprobs is not None:  # the engine's session records its tokens' (`Session.logprobs`)
+                config.token_logprobs = logprobs
             if body.get(CHOICES_KEY) is not None:  # the engine admits the group together (engine.py)
                 config.choices_group = body[CHOICES_KEY]
             schema = response_schema(body.get("response_format"))
@@ -272,12 +302,25 @@ class MARSRequests:
     def _build_chunk_sse(self, request_id: str, *args, usage=None, **kwargs):
         if usage is not None:  # the stream's last chunk
             usage = CompletionUsage.model_validate({**usage.model_dump(), **(self.engine.usage(request_id) or {})})
-        return super()._build_chunk_sse(request_id, *args, usage=usage, **kwargs)
+        sse = super()._build_chunk_sse(request_id, *args, usage=usage, **kwargs)
+        scoring = self._streams.get(request_id)
+        if scoring is None or not sse or kwargs.get("role") is not None:
+            return sse
+        if kwargs.get("finish_reason") is not None:
+            del self._streams[request_id]
+        entries = scoring.drain()  # the tokens decoded up to this chunk
+        if not entries:
+            return sse
+        chunk = json.loads(sse.removeprefix("data: "))
+        chunk["choices"][0]["logprobs"] = self._logprobs_of(scoring, entries)
+        return f"data: {json.dumps(chunk)}\n\n"
 
 
 class MARSChatCompletionHandler(MARSRequests, ChatCompletionHandler):
     """`/v1/chat/completions` with MARS settings and forced tool calls (tools.py): a call's text is decoded under its
     schema's grammar, and answered as `tool_calls`."""
+
+    chat = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
