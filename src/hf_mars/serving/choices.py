@@ -5,12 +5,16 @@ Whole answers merge their `choices` (each its `index`) and add up their `usage`;
 they come, each choice's delta under its own `index`, and end with one chunk of the summed `usage`, as OpenAI's last
 chunk has it (`choices` empty). With a `seed`, the choices decode as a batch of their own, opened once all have
 arrived, right after the seed is set: the same request draws the same choices again.
+
+`best_of` (completions, not streamed) decodes that many choices with their tokens' log probabilities and answers the
+n of the highest log probability per token (`likeliest`); `usage` counts every choice decoded, as OpenAI bills them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 MAX_CHOICES = 128  # OpenAI's limit
 # The body field by which a seeded request's choices tell the engine they are one group (`{"group", "n", "seed"}`):
@@ -26,6 +30,29 @@ def check_choices(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
     return n
+
+
+def check_best_of(best_of, n: int, stream: bool) -> int:
+    """`best_of` (completions) as an int: how many choices to decode, of which the `n` likeliest are answered; a
+    `ValueError` naming why it cannot be (below n, beyond `MAX_CHOICES`, streamed)."""
+    if best_of is None or best_of == n:
+        return n
+    if isinstance(best_of, bool) or not isinstance(best_of, int) or not n <= best_of <= MAX_CHOICES:
+        raise ValueError(f"best_of must be an integer in [n, {MAX_CHOICES}] (n = {n}), got {best_of!r}")
+    if stream:
+        raise ValueError("best_of cannot be streamed: the likeliest choices are known once all have ended")
+    return best_of
+
+
+def likeliest(answers: list[dict], n: int) -> list[dict]:
+    """The `n` answers of the highest log probability per token (OpenAI's `best_of`), in that order; each answer's
+    choice carries its tokens' log probabilities (`logprobs.token_logprobs`)."""
+
+    def per_token(answer: dict) -> float:
+        scored = answer["choices"][0]["logprobs"]["token_logprobs"]
+        return sum(scored) / len(scored) if scored else -math.inf
+
+    return sorted(answers, key=per_token, reverse=True)[:n]
 
 
 def merged_usage(usages: list[dict]) -> dict:

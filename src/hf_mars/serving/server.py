@@ -36,7 +36,7 @@ from transformers.cli.serving.utils import GenerationState, split_revision
 from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
-from .choices import CHOICES_KEY, check_choices, merged_answer, merged_stream
+from .choices import CHOICES_KEY, check_best_of, check_choices, likeliest, merged_answer, merged_stream, merged_usage
 from .load import check_tau_range
 from .logprobs import TokenLogprobs, asked_logprobs, prompts_of, score, scores_prompt
 from .tools import ToolCalls, tool_request
@@ -96,7 +96,6 @@ class MARSGenerationState(GenerationState):
 # what the client gets, so it is refused by name (HTTP 400), never dropped.
 # Fields that change no token (`user`, `metadata`, `store`, `service_tier`, `stream_options`) pass as they do there.
 ASKS_NOTHING = {
-    "best_of": (None, 1),
     "echo": (None, False),
     "presence_penalty": (None, 0, 0.0),
     "suffix": (None, ""),
@@ -109,7 +108,6 @@ ASKS_NOTHING = {
     "web_search_options": (None,),
 }
 WHY_NOT = {
-    "best_of": "no choice is ranked by its likelihood: ask for n choices",
     "echo": "only to score a prompt: echo=true with logprobs=k, max_tokens 0 or 1, temperature 0, not streamed",
     "presence_penalty": "use frequency_penalty (transformers' repetition penalty)",
     "suffix": "no fill-in-the-middle: the model would never see the suffix",
@@ -158,10 +156,11 @@ class MARSRequests:
         body.pop(CHOICES_KEY, None)  # the server's own, never a client's
         try:
             n = check_choices(body.get("n"))
+            best_of = n if self.chat else check_best_of(body.pop("best_of", None), n, bool(body.get("stream")))
         except ValueError as err:
             raise HTTPException(status_code=400, detail=str(err)) from err
-        if n > 1:
-            return await self._choices(body, request_id, n)
+        if best_of > 1:
+            return await self._choices(body, request_id, n, best_of)
         return await self._one(body, request_id)
 
     async def _one(self, body: dict, request_id: str):
@@ -205,17 +204,33 @@ class MARSRequests:
     def _logprobs_of(self, scoring: TokenLogprobs, entries: list) -> dict:
         return scoring.chat(entries) if self.chat else scoring.completion(entries)
 
-    async def _choices(self, body: dict, request_id: str, n: int):
-        """`n` choices: n requests of one, sent at once (rows of one batch), merged (choices.py)."""
+    async def _choices(self, body: dict, request_id: str, n: int, best_of: int):
+        """`n` choices: n requests of one, sent at once (rows of one batch), merged (choices.py); with `best_of`
+        beyond n, that many, of which the n likeliest (their tokens' log probabilities asked for, shown only where
+        the client asked)."""
         one = {key: value for key, value in body.items() if key != "n"}
         if body.get("seed") is not None:  # decoded as a batch of their own, seeded as it opens: reproducible
-            one[CHOICES_KEY] = {"group": request_id, "n": n, "seed": body["seed"]}
-        replies = await asyncio.gather(*(self._one(dict(one), f"{request_id}-{i}") for i in range(n)))
+            one[CHOICES_KEY] = {"group": request_id, "n": best_of, "seed": body["seed"]}
+        ranked = best_of > n
+        if ranked and self.engine.cache_slots is not None:
+            detail = "best_of is not served with --cache-slots or --compile: it ranks choices by their tokens' log "
+            raise HTTPException(status_code=400, detail=detail + "probabilities, which the graph pass records none of")
+        if ranked and one.get("logprobs") is None:
+            one["logprobs"] = 0  # each choice's own, to rank them by
+        replies = await asyncio.gather(*(self._one(dict(one), f"{request_id}-{i}") for i in range(best_of)))
         if body.get("stream"):
             streams = [reply.body_iterator for reply in replies]
             return StreamingResponse(merged_stream(streams, request_id), media_type="text/event-stream")
         answers = [json.loads(reply.body) for reply in replies]
-        return JSONResponse(merged_answer(answers))
+        if not ranked:
+            return JSONResponse(merged_answer(answers))
+        merged = merged_answer(likeliest(answers, n))
+        if body.get("logprobs") is None:
+            for choice in merged["choices"]:
+                choice.pop("logprobs", None)
+        if all(answer.get("usage") for answer in answers):
+            merged["usage"] = merged_usage([answer["usage"] for answer in answers])
+        return JSONResponse(merged)
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         try:
