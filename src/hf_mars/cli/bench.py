@@ -113,6 +113,13 @@ def _add_other_benches(bench) -> None:
         "with --serve: the τ policy's load ramp instead, plain against MARS at τ = 1 and MARS with τ chosen from the "
         "load in [LO, HI], with the τ it chose and its answers' agreement with τ = 1's (e.g. --clients 1 4 16 32)",
     )
+    bench.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="with --serve: each mode also with every request asking its tokens' log probabilities and the K "
+        "likeliest alternatives (chat's logprobs and top_logprobs), side by side: what recording them costs",
+    )
     bench.add_argument("--max-batch-size", type=int, default=16, help="with --serve: the server's (default 16)")
     bench.add_argument(
         "--cache-slots",
@@ -211,6 +218,11 @@ def run_serve(args) -> None:
             model, args.dtype, args.device or "auto", args.max_batch_size, args.compile, slots, args.attention
         )
         modes = ramp_modes(*args.tau_range) if args.tau_range else MODES
+        if args.logprobs is not None:
+            if slots:
+                raise SystemExit("--logprobs: a server with --cache-slots or --compile records none (refused).")
+            scored = {"logprobs": True, "top_logprobs": args.logprobs}
+            modes = {**modes, **{f"{mode} + logprobs": {**fields, **scored} for mode, fields in modes.items()}}
         try:
             rows = run_serve_bench(
                 url, model, args.clients, max_tokens=args.max_new_tokens, rounds=args.repeats, modes=modes
