@@ -463,7 +463,8 @@ def _offline_constrained(server, content: str, max_tokens: int, schema: dict | N
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_keeps_constrained_greedy(server, stream):
     """`response_format` with a JSON schema, through the openai client: every mode's text validates, lossless mode's
-    and τ = 1's are plain constrained greedy `generate()`'s; requests of one schema decode batched."""
+    and τ = 1's are plain constrained greedy `generate()`'s; requests of one schema decode batched. With
+    `--cache-slots` too: a grammar's rows decode in a session of their own (`Request.in_loop`)."""
     client, prompts = _client(server), ["hi", "count to three", "say no"]
 
     def ask(content: str, mode: dict) -> str:
@@ -473,10 +474,6 @@ def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_ke
             return reply.choices[0].message.content
         return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
 
-    if server["engine"].cache_slots is not None:  # refused by name: the graph pass reads no text between slots
-        with pytest.raises(BadRequestError, match="response_format is not served with --cache-slots"):
-            ask("hi", {})
-        return
     for mode in MODES.values():
         for content in prompts:
             text = ask(content, mode)
@@ -487,9 +484,8 @@ def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_ke
 
 def test_sixteen_clients_half_with_a_schema_each_get_their_own_valid_text(server):
     """Requests with and without a schema at once: the schema's rows decode together (one grammar, a matcher each),
-    every schema text is lossless mode's constrained greedy one, every other text greedy's own."""
-    if server["engine"].cache_slots is not None:
-        return  # refused there (the test above)
+    every schema text is lossless mode's constrained greedy one, every other text greedy's own. With `--cache-slots`
+    the schema's rows decode in a session of their own while the runner's wait, and the other way round."""
     prompts = [f"item {i}" for i in range(8)]
 
     async def ask(content: str, constrained: bool) -> str:
@@ -526,12 +522,10 @@ def test_a_malformed_response_format_is_a_400_naming_it(server, response_format,
     body = {"model": server["path"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     response = httpx.post(server["url"] + "/v1/chat/completions", json=body | {"response_format": response_format})
     assert response.status_code == 400
-    assert reason in response.json()["error"]["message"] or "cache-slots" in response.json()["error"]["message"]
+    assert reason in response.json()["error"]["message"]
 
 
 def test_a_json_object_response_format_writes_an_object(server):
-    if server["engine"].cache_slots is not None:
-        return  # refused there (the test above)
     reply = _client(server).chat.completions.create(
         model=server["path"],
         messages=[{"role": "user", "content": "hi"}],
@@ -656,10 +650,6 @@ def test_a_named_or_required_tool_call_follows_its_tools_schema_and_lossless_kee
     under its parameters' schema (lossless mode); `"required"`: a list of calls, each one of the tools with its own
     parameters (one call where `parallel_tool_calls` is false). Streamed, the deltas make the same calls."""
     named = {"type": "function", "function": {"name": "get_weather"}}
-    if server["engine"].cache_slots is not None:  # a grammar: refused by name there
-        with pytest.raises(BadRequestError, match="is not served with --cache-slots"):
-            _tool_calls(server, stream, tool_choice=named)
-        return
     parameters = WEATHER["function"]["parameters"]
     for mode in MODES.values():
         calls, finish, content = _tool_calls(server, stream, tool_choice=named, extra_body=mode)
@@ -721,10 +711,6 @@ def test_decoded_tokens_log_probabilities_are_the_models_own(server, stream):
     streamed (the chunks' put together) or whole; τ = 0.9's each slot's own, its chosen token the likeliest."""
     client, prompt = _client(server), "count to five"
     fields = dict(model=server["path"], max_tokens=MAX_TOKENS, stream=stream)
-    if server["engine"].cache_slots is not None:  # refused by name: the graph pass records none
-        with pytest.raises(BadRequestError, match="logprobs are not served with --cache-slots"):
-            client.chat.completions.create(**fields, messages=[{"role": "user", "content": prompt}], logprobs=True)
-        return
 
     def chat(mode: dict) -> list:
         reply = client.chat.completions.create(
@@ -761,10 +747,6 @@ def test_best_of_answers_the_likeliest_choices_per_token_of_those_decoded(server
     url = server["url"] + "/v1/completions"
     base = {"model": server["path"], "prompt": "pick", "max_tokens": 8, "seed": 7}
     base["generation_config"] = '{"do_sample": true}'
-    if server["engine"].cache_slots is not None:
-        response = httpx.post(url, json=base | {"n": 2, "best_of": 4}, timeout=60)
-        assert response.status_code == 400 and "best_of is not served with --cache-slots" in response.text
-        return
     every = httpx.post(url, json=base | {"n": 4, "logprobs": 0}, timeout=120).json()["choices"]
 
     def per_token(choice) -> float:

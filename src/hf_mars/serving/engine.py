@@ -11,7 +11,9 @@ Requests decode together when they share a `Request.key`: sampling, MARS mode, �
 waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
 `--compile` (or `--cache-slots`) the running rows are a `Runner` instead (decoding/runner.py): fixed rows of one
 graph pass over a static cache, which requests join and leave the same way; a request's prompt's pass then runs as it
-joins (`Runner.admit`), straight into its row of the runner's cache.
+joins (`Runner.admit`), straight into its row of the runner's cache. Requests that ask for what a runner's pass does
+not do (a response format or tool call's grammar, log probabilities: `Request.in_loop`) decode in a `Session` there
+too, eager, while the runner waits.
 
 Rows that allow a τ range (`"mars_tau": [lo, hi]`) decode with a `TauController` of that range, which the engine sets
 before every pass from `TauPolicy` (load.py): the load (rows, queue) and the measured pass costs.
@@ -81,6 +83,13 @@ class Request:
     def group(self) -> dict | None:
         """A seeded request's choices (`{"group", "n", "seed"}`, choices.py): admitted together, once all wait."""
         return getattr(self.generation_config, "choices_group", None)
+
+    @property
+    def in_loop(self) -> bool:
+        """Whether it decodes in a `Session` whatever the engine runs: a grammar reads each slot's text between the
+        slots of a pass, and log probabilities are recorded there; a runner's pass does neither."""
+        config = self.generation_config
+        return any(getattr(config, name, None) is not None for name in ("response_format", "token_logprobs"))
 
     @property
     def key(self) -> str:
@@ -336,7 +345,7 @@ class MARSEngine(BaseGenerateManager):
         self._waiting = [r for r in self._waiting if r not in group]
         joining = self._open(group)
         if joining is not None and joining.labels:
-            if session is None and self.cache_slots is None:
+            if session is None and not self._runs(group[0]):
                 self.session, self._key = joining, key
             else:
                 self._join(joining, key)
@@ -350,11 +359,19 @@ class MARSEngine(BaseGenerateManager):
         did not arrive): then those that wait decode, reproducible or not."""
         return time.monotonic() - request.arrived > GROUP_WAIT_S
 
+    def _runs(self, request: Request) -> bool:
+        """Whether `request` decodes in the runner (`cache_slots`), not in a `Session` of its own rows."""
+        return self.cache_slots is not None and not request.in_loop
+
     def _join(self, joining: Session, key) -> None:
         """`joining`'s rows into the runner (built for them where none runs yet): their prompt's pass, then their
-        first tokens sent. Where a group is refused, each row tries alone: only a row that cannot join (its prompt and
-        max_tokens beyond the cache's slots, say) is answered with why."""
+        first tokens sent; or, after their prompt's pass, into the running session. Where a group is refused, each
+        row tries alone: only a row that cannot join (its prompt and max_tokens beyond the cache's slots, say) is
+        answered with why."""
         try:
+            if isinstance(self.session, Session):  # their prompt's pass ran and its tokens went (`_open`)
+                self.session.admit(joining)
+                return
             if self.session is None:
                 self.session, self._key = self._graph_for(joining), key
             self.session.admit(joining)  # the prompt's pass, into the runner's rows
@@ -387,7 +404,7 @@ class MARSEngine(BaseGenerateManager):
         """A session over `group`, after its prompt's pass (its rows' first tokens already sent), or, where the rows
         join a runner, before it (the runner runs it); None where it failed (its rows are answered with the error;
         alone where a batch of them failed together)."""
-        runs_prompt = self.cache_slots is None
+        runs_prompt = not self._runs(group[0])
         try:
             session = self._session(group)
             if runs_prompt:
@@ -428,8 +445,9 @@ class MARSEngine(BaseGenerateManager):
         processors = self._grammar(config)
         config.__dict__.pop("choices_group", None)  # the engine's to read (`Request.group`), not generate()'s
         logprobs = config.__dict__.pop("token_logprobs", None)  # rows that ask decode apart (it is in their key)
-        if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager
-            config.cache_implementation, config.compile_config = None, None
+        runner = self._runs(group[0])
+        if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager; or a
+            config.cache_implementation, config.compile_config = None, None  # session's own rows, eager
         device = self.model.device
         settings = self._settings if self.session is not None else {}
         if group[0].tau_range is not None:  # its τ is the range's controller, set before every pass
@@ -441,7 +459,7 @@ class MARSEngine(BaseGenerateManager):
             generation_config=config,
             labels=group,
             budgets=[r.max_new_tokens for r in group],
-            max_rows=self.max_batch_size if self.cache_slots is not None else None,
+            max_rows=self.max_batch_size if runner else None,
             logits_processor=processors,
             **settings,
         )

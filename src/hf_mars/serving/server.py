@@ -195,9 +195,6 @@ class MARSRequests:
         if top is None:
             return None
         self._validate_request(body)  # a field refused by name is said first
-        if self.engine.cache_slots is not None:
-            detail = "logprobs are not served with --cache-slots or --compile (the graph pass records none)"
-            raise HTTPException(status_code=400, detail=detail)
         scoring = self.engine.scoring[request_id] = TokenLogprobs(top, self.engine.tokenizer)
         return scoring
 
@@ -212,9 +209,6 @@ class MARSRequests:
         if body.get("seed") is not None:  # decoded as a batch of their own, seeded as it opens: reproducible
             one[CHOICES_KEY] = {"group": request_id, "n": best_of, "seed": body["seed"]}
         ranked = best_of > n
-        if ranked and self.engine.cache_slots is not None:
-            detail = "best_of is not served with --cache-slots or --compile: it ranks choices by their tokens' log "
-            raise HTTPException(status_code=400, detail=detail + "probabilities, which the graph pass records none of")
         if ranked and one.get("logprobs") is None:
             one["logprobs"] = 0  # each choice's own, to rank them by
         replies = await asyncio.gather(*(self._one(dict(one), f"{request_id}-{i}") for i in range(best_of)))
@@ -262,11 +256,6 @@ class MARSRequests:
     def _check_schema(self, schema: dict) -> None:
         """A `ValueError` naming what is wrong with a response format's JSON schema, or why this server cannot follow
         one, before the request is queued."""
-        if self.engine.cache_slots is not None:
-            raise ValueError(
-                "response_format is not served with --cache-slots or --compile: a grammar reads each row's text "
-                "between the slots of a pass, which the graph pass does not; serve without them"
-            )
         from ..grammar import GrammarProcessor
 
         try:
