@@ -115,3 +115,37 @@ def test_tau_modes_log_probabilities_are_each_slots_own(model_and_tok):
         at = torch.tensor(firsts)
         assert [logprobs[f] for f in firsts] == pytest.approx(own[at, torch.tensor(tokens)[at]].tolist(), abs=1e-4)
     assert took_masks
+
+
+def test_rows_that_ask_join_a_session_that_did_not_and_get_their_own_from_then_on(model_and_tok):
+    """A running session records nothing; rows whose session records (2 alternatives) join it: it records for every
+    row from the next pass, as many as any row asked for, and the rows that joined get plain decoding's."""
+    model, tok = model_and_tok
+    tok.padding_side = "left"
+
+    def opened(prompts, labels, logprobs):
+        enc = tok(prompts, return_tensors="pt", padding=True)
+        session = model.mars_session(**enc, do_sample=False, max_new_tokens=16, labels=labels, mars_verify=True)
+        session.separate_prompts()
+        session.logprobs = logprobs
+        session.step(model)
+        return session
+
+    running = opened(PROMPTS[:2], ["a", "b"], None)
+    running.step(model)
+    assert running.scored is None
+    joining = opened(PROMPTS[2:], ["c"], 2)
+    got = joining.scored[1][0, : len(joining.rows()[0][1])].tolist()  # its prompt's pass: its first tokens'
+    running.admit(joining)
+    assert running.logprobs == 2
+    while running.live:
+        running.step(model)
+        fed, chosen, values, _ = running.scored
+        assert values.shape[-1] == 2
+        place = {row: p for p, row in enumerate(fed.tolist())}
+        for i, (label, tokens, _, _) in enumerate(running.rows()):
+            if label == "c" and len(tokens) > len(got):
+                got += chosen[place[i], : len(tokens) - len(got)].tolist()
+        running.release([label for label, _, done, _ in running.rows() if done])
+    tokens, expected = plain(model, tok, PROMPTS[2])
+    assert got == pytest.approx(expected[torch.arange(len(tokens)), torch.tensor(tokens)].tolist(), abs=1e-4)

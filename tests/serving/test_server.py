@@ -740,6 +740,40 @@ def test_decoded_tokens_log_probabilities_are_the_models_own(server, stream):
     assert offsets == [sum(len(tok.decode([t])) for t in tokens[:i]) for i in range(len(tokens))]
 
 
+def test_rows_asking_for_log_probabilities_batch_with_rows_that_do_not_each_getting_its_own(server):
+    """Six clients at once, lossless: two ask for no log probabilities, two for 2 alternatives, two for 5; they decode
+    batched (on the runner's engine, those that ask in a session of their own), each text greedy's alone, each
+    asking row its own tokens' log probabilities with as many alternatives as it asked for."""
+    tops = [None, None, 2, 2, 5, 5]
+
+    async def ask(i: int, top: int | None):
+        await asyncio.sleep(0.01 * i)
+        scored = {} if top is None else {"logprobs": True, "top_logprobs": top}
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=300) as client:
+            return await client.chat.completions.create(
+                model=server["path"],
+                messages=[{"role": "user", "content": f"row {i}"}],
+                max_tokens=MAX_TOKENS,
+                extra_body={"mars_verify": True},
+                **scored,
+            )
+
+    engine, before = server["engine"], len(server["engine"].batch_sizes)
+    replies = _batched(server, [ask(i, top) for i, top in enumerate(tops)])
+    if engine.cache_slots is None:  # more rows than any one ask has: asks mixed in one batch
+        assert max(engine.batch_sizes[before:]) > 2
+    for i, (top, reply) in enumerate(zip(tops, replies)):
+        tokens, expected = _plain_logprobs(server, f"row {i}", MAX_TOKENS)
+        assert reply.choices[0].message.content == server["tok"].decode(tokens, skip_special_tokens=True)
+        if top is None:
+            assert reply.choices[0].logprobs is None
+            continue
+        entries = reply.choices[0].logprobs.content
+        at = torch.arange(len(tokens))
+        assert [e.logprob for e in entries] == pytest.approx(expected[at, torch.tensor(tokens)].tolist(), abs=1e-4)
+        assert all(len(e.top_logprobs) == top for e in entries)
+
+
 def test_best_of_answers_the_likeliest_choices_per_token_of_those_decoded(server):
     """`best_of=4, n=2` sampled with a seed: the two of the four choices (the same seed's `n=4`, with their log
     probabilities) of the highest log probability per token, likeliest first, usage counting all four; no

@@ -268,8 +268,6 @@ class Session:
             return "the rows decode with other logits processors (or their settings: a penalty, a minimum, a bias)"
         if mine.window != theirs.window:
             return "the rows decode with another sliding window"
-        if self.logprobs != other.logprobs:
-            return "the rows ask for other log probabilities"
         if not torch.equal(mine.eos, theirs.eos) or mine.streamer is not None or theirs.streamer is not None:
             return "the rows stop at other EOS tokens, or stream"
         return None
@@ -291,6 +289,8 @@ class Session:
         self.stopping.join(other.stopping, self.text.sequences, self.text.prompt_length)
         self.labels = self.labels + other.labels
         self.live = bool(self.text.active.any())
+        if other.logprobs is not None:  # recorded for every row from the next pass, as many alternatives as any asks
+            self.logprobs = max(self.logprobs or 0, other.logprobs)
 
     def separate_prompts(self) -> None:
         """Each row is a batch of its own: a `min_length` counts its prompt without the left padding that the

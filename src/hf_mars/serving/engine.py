@@ -50,7 +50,7 @@ from .stops import StopQueue, cut_at_stop
 logger = logging.getLogger("hf_mars.serve")
 
 # A request's own limits; these keys of its generation config are the engine's to judge, per row
-_PER_ROW_KEYS = ("max_new_tokens", "stop_strings")
+_PER_ROW_KEYS = ("max_new_tokens", "stop_strings", "token_logprobs")  # each row its own, whatever rows it is with
 RETRY_S = 60.0  # how often a server started on a busy machine tries to time its pass costs again
 GROUP_WAIT_S = 2.0  # how long a seeded request's choices that arrived wait for the others (choices.py)
 
@@ -72,6 +72,7 @@ class Request:
     last_token_at: float | None = None  # when its last tokens were sent (metrics)
     taus: list[float] = field(default_factory=list)  # with a τ range: the τ of each pass it took part in
     scoring: TokenLogprobs | None = None  # where it asks for log probabilities: each sent token's goes there
+    apart: bool = False  # it decodes in a session while the engine's other rows run in a runner (`in_loop`)
 
     @property
     def tau_range(self) -> tuple[float, float] | None:
@@ -92,12 +93,18 @@ class Request:
         return any(getattr(config, name, None) is not None for name in ("response_format", "token_logprobs"))
 
     @property
+    def logprobs(self) -> int | None:
+        """The alternatives it asks for beside its tokens' log probabilities (None: it asks for none)."""
+        return getattr(self.generation_config, "token_logprobs", None)
+
+    @property
     def key(self) -> str:
-        """Requests with equal keys decode in one session: same sampling and MARS settings."""
+        """Requests with equal keys decode in one session: same sampling and MARS settings (rows that ask for log
+        probabilities decode with rows that do not: a session records them for all)."""
         config = self.generation_config.to_dict()
         for name in _PER_ROW_KEYS:
             config.pop(name, None)
-        return json.dumps(_plain_keys(config), sort_keys=True, default=str)
+        return json.dumps(_plain_keys(config), sort_keys=True, default=str) + (" apart" if self.apart else "")
 
     def take(self, tokens: list[int], scored: list[tuple] | None = None) -> bool:
         """Hand the row's tokens past those already sent to its client; whether a stop string ended it (the token
@@ -256,6 +263,7 @@ class MARSEngine(BaseGenerateManager):
             stop=StopStringCriteria(self.tokenizer, stop_strings) if stop_strings else None,
             scoring=self.scoring.pop(request_id, None),
         )
+        request.apart = self.cache_slots is not None and request.in_loop
         self._queue.put(request)
 
     def stop(self) -> None:
@@ -361,7 +369,7 @@ class MARSEngine(BaseGenerateManager):
 
     def _runs(self, request: Request) -> bool:
         """Whether `request` decodes in the runner (`cache_slots`), not in a `Session` of its own rows."""
-        return self.cache_slots is not None and not request.in_loop
+        return self.cache_slots is not None and not request.apart
 
     def _join(self, joining: Session, key) -> None:
         """`joining`'s rows into the runner (built for them where none runs yet): their prompt's pass, then their
@@ -444,7 +452,8 @@ class MARSEngine(BaseGenerateManager):
         config.stop_strings = None
         processors = self._grammar(config)
         config.__dict__.pop("choices_group", None)  # the engine's to read (`Request.group`), not generate()'s
-        logprobs = config.__dict__.pop("token_logprobs", None)  # rows that ask decode apart (it is in their key)
+        config.__dict__.pop("token_logprobs", None)  # the session records them for every row if one asks
+        logprobs = max((r.logprobs for r in group if r.logprobs is not None), default=None)
         runner = self._runs(group[0])
         if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager; or a
             config.cache_implementation, config.compile_config = None, None  # session's own rows, eager

@@ -49,7 +49,7 @@ def asked_logprobs(body: dict, chat: bool) -> int | None:
 class TokenLogprobs:
     """One request's decoded tokens' log probabilities: the engine appends `(token, logprob, top values, top ids)` to
     `entries` as it sends each token; the handler drains them into OpenAI's form, a whole answer's or each chunk's
-    (a chunk carries the tokens decoded up to it)."""
+    (a chunk carries the tokens decoded up to it), with the request's `top` alternatives."""
 
     def __init__(self, top: int, tokenizer):
         self.top, self.tokenizer = top, tokenizer
@@ -62,6 +62,11 @@ class TokenLogprobs:
             out.append(self.entries.popleft())
         return out
 
+    def _tops(self, values, ids) -> list[tuple[int, float]]:
+        """`(token, log probability)` of the request's `top` alternatives (a session may record more, for another
+        row)."""
+        return list(zip((ids or [])[: self.top], (values or [])[: self.top]))
+
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
@@ -73,7 +78,7 @@ class TokenLogprobs:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         content = [
-            {**one(token, logprob), "top_logprobs": [one(i, v) for i, v in zip(ids or [], values or [])]}
+            {**one(token, logprob), "top_logprobs": [one(i, v) for i, v in self._tops(values, ids)]}
             for token, logprob, values, ids in entries
         ]
         return {"content": content}
@@ -85,7 +90,7 @@ class TokenLogprobs:
         tops = []
         for _, _, values, ids in entries:
             top: dict = {}
-            for i, value in zip(ids or [], values or []):
+            for i, value in self._tops(values, ids):
                 top.setdefault(self._text(i), value)
             tops.append(top)
         offsets = []
