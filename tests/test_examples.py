@@ -44,8 +44,20 @@ def test_check_exactness_counts_rows_equal_to_plain_greedy_per_attention(toy_fol
     if not rows_invariant_linear(torch.bfloat16):
         pytest.skip("this CPU's bfloat16 matrix kernels round a row by the rows beside it, padded or not")
     out = run(
-        "check_exactness.py", toy_folder, "--attention", "sdpa", "ordered", "--prompts", "4", "--max-new-tokens", "12",
-        "--caches", "dynamic", "static", "--cost-rounds", "1",
+        "check_exactness.py",
+        toy_folder,
+        "--attention",
+        "sdpa",
+        "ordered",
+        "--prompts",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--caches",
+        "dynamic",
+        "static",
+        "--cost-rounds",
+        "1",
     )
     for cache in ("dynamic", "static"):
         line = next(line for line in out.splitlines() if line.startswith(f"ordered (bfloat16, {cache} cache): "))
@@ -169,3 +181,38 @@ def test_simulate_tau_policy_lowers_tau_only_where_the_recorded_costs_say_it_pay
     # (rows, waiting): (1, 0) is idle; (1, 1), (4, 0) and (4, 4) are load 1 in a batch of 4
     assert [r[2] for r in rows["wide"]] == ["1", "0.8", "0.8", "0.8"] and rows["wide"][2][4] == "1.50x"
     assert [r[2] for r in rows["dear"]] == ["1", "1", "1", "1"] and rows["dear"][2][4] == "1.00x"
+
+
+def test_agent_client_gets_json_a_tool_call_log_probabilities_and_choices_from_the_server(tmp_path):
+    """examples/agent_client.py against `hf-mars serve` on a random MARS checkpoint (its schemas bound every output,
+    so even a random model's ends within the budget): its JSON validates against the example's schema, its tool
+    call names the forced function with arguments of its parameters, every token's probability and its
+    alternatives' are in (0, 1], three choices, usage counting them."""
+    import json
+
+    import jsonschema
+    from helpers import make_model, make_tokenizer, serving
+
+    from hf_mars import to_mars
+    from hf_mars.serving.server import build_app
+
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    app, _ = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=4)
+    with serving(app) as url:
+        out = run("agent_client.py", "--url", url + "/v1", "--max-tokens", "400")
+    lines = out.splitlines()
+    spec = {}
+    exec(compile((ROOT / "examples" / "agent_client.py").read_text(), "agent_client", "exec"), spec)
+    text = next(line for line in lines if line.startswith("json: ")).removeprefix("json: ")
+    jsonschema.validate(json.loads(text), spec["PERSON"])
+    name, arguments = next(line for line in lines if line.startswith("tool: ")).split(" ", 2)[1:]
+    parameters = spec["WEATHER"]["function"]["parameters"]
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), {**parameters, "additionalProperties": False})
+    probabilities = [float(line.split(" p=")[1].split(" ")[0]) for line in lines if line.startswith("logprob: ")]
+    assert probabilities and all(0 < p <= 1 for p in probabilities)
+    assert [line.split(":")[0] for line in lines if line.startswith("choice ")] == ["choice 0", "choice 1", "choice 2"]
+    assert "'forward_passes'" in next(line for line in lines if line.startswith("usage: "))
