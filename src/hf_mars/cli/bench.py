@@ -219,8 +219,6 @@ def run_serve(args) -> None:
         )
         modes = ramp_modes(*args.tau_range) if args.tau_range else MODES
         if args.logprobs is not None:
-            if slots:
-                raise SystemExit("--logprobs: a server with --cache-slots or --compile records none (refused).")
             scored = {"logprobs": True, "top_logprobs": args.logprobs}
             modes = {**modes, **{f"{mode} + logprobs": {**fields, **scored} for mode, fields in modes.items()}}
         try:
