@@ -68,3 +68,35 @@ def test_streamed_pieces_become_call_deltas_that_add_up_to_the_whole_calls():
         ]
     assert [c["function"]["name"] for c in ToolCalls().whole(text)] == ["get_time", "get_weather"]
     assert ToolCalls().whole(text[:-3]) is None  # cut short: not a call
+
+
+def test_auto_with_a_template_that_renders_tools_is_served_through_the_engine(tmp_path):
+    """`tool_choice` "auto" on a served Qwen model whose template renders tools: answered (streamed and whole) as
+    transformers serve parses a reply, its prompt the template's with the tools in it; a function that is not a tool
+    is still a 400."""
+    import httpx
+    from helpers import serving
+
+    from hf_mars import to_mars
+    from hf_mars.serving.server import build_app
+
+    tok, model = make_tokenizer(), make_model("qwen2")
+    tok.chat_template = TOOLS_TEMPLATE
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    app, engine = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=2)
+    body = {"model": str(tmp_path), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    body["tools"] = [WEATHER]
+    with serving(app) as url:
+        whole = httpx.post(url + "/v1/chat/completions", json=body | {"tool_choice": "auto"}, timeout=120)
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}, timeout=120) as stream:
+            assert stream.status_code == 200
+            assert any(line.startswith("data:") for line in stream.iter_lines())
+        wrong = {"tool_choice": {"type": "function", "function": {"name": "nope"}}}
+        assert httpx.post(url + "/v1/chat/completions", json=body | wrong, timeout=60).status_code == 400
+    shown = tok.apply_chat_template(body["messages"], tools=[WEATHER], add_generation_prompt=True, tokenize=False)
+    assert "get_weather" in shown  # the premise: this template shows the model its tools
+    assert engine.finished and engine.finished[0]["tokens"] > 0
