@@ -216,3 +216,24 @@ def test_agent_client_gets_json_a_tool_call_log_probabilities_and_choices_from_t
     assert probabilities and all(0 < p <= 1 for p in probabilities)
     assert [line.split(":")[0] for line in lines if line.startswith("choice ")] == ["choice 0", "choice 1", "choice 2"]
     assert "'forward_passes'" in next(line for line in lines if line.startswith("usage: "))
+
+
+def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests(tmp_path):
+    """examples/serve_mixed_load.py on a random MARS checkpoint, two clients of each kind (a plain one sends two
+    requests in turn), one round: both lines of plain latency over the requests sent, and the schema requests'
+    validity counted over all of them."""
+    from helpers import make_model, make_tokenizer
+
+    from hf_mars import to_mars
+
+    tok, model = make_tokenizer(), make_model("llama")
+    to_mars(model, tok, block_size=4)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    out = run("serve_mixed_load.py", str(tmp_path), "--clients", "2", "--max-tokens", "8", "--rounds", "1")
+    lines = out.splitlines()
+    for name in ("alone", "beside schema requests"):
+        line = next(line for line in lines if line.startswith(f"plain {name}: "))
+        assert line.endswith("(4 requests)") and float(line.split("request p50 ")[1].split(" s")[0]) > 0
+    valid, total = next(line for line in lines if line.startswith("schema outputs valid: ")).split(": ")[1].split("/")
+    assert int(total) == 2 and 0 <= int(valid) <= 2
