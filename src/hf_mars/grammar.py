@@ -146,20 +146,74 @@ class GrammarProcessor(LogitsProcessor):
         return built[key]
 
     def _reach(self, row: int, history: list[int]) -> bool:
-        """Move row `row`'s matcher to the end of `history` (its generated tokens): back to where they part from
-        what it consumed, then on. Whether the grammar accepts all of `history`."""
-        matcher, consumed = self._matchers[row], self._consumed[row]
-        same = len(consumed)
-        if history[:same] != consumed:  # it parts from what was consumed (else, as most calls: it goes on from it)
-            same = next(i for i, (a, b) in enumerate(zip(consumed, history + [None])) if a != b)
-        if same < len(consumed):
-            matcher.rollback(len(consumed) - same)
-            del consumed[same:]
-        new = history[same:]
-        if not new:
-            return True
-        valid = matcher.validate_tokens(new)
-        if valid:
-            matcher.consume_tokens(new[:valid])
-            consumed.extend(new[:valid])
-        return valid == len(new)
+        """Move row `row`'s matcher to the end of `history` (its generated tokens): `_walk`."""
+        return _walk(self._matchers[row], self._consumed[row], history)
+
+
+class RowGrammars(GrammarProcessor):
+    """Each row its own grammar, or none: a server's batch, whose requests ask for other schemas, or for none. The
+    caller says which row holds which (`assign`, whenever rows join or leave the batch) by keys that outlive a row's
+    place in it; a row without a grammar keeps its scores. Its rows' generated tokens begin where MARS says
+    (`prompt_length`, `scoring.follow_padding`)."""
+
+    def __init__(self, tokenizer, eos_token_id: int | list[int] | None = None):
+        self.grammar, self.tokenizer = None, tokenizer
+        eos = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        self.prompt_length: int | torch.Tensor | None = None
+        self._row_grammars: list[tuple[object, str | None]] = []  # each row's key and grammar (None: free)
+        self._by_key: dict = {}  # a row's matcher and the tokens it consumed, by its key
+
+    def assign(self, rows: list[tuple[object, str | None]]) -> None:
+        """Row i (of the batch the next calls score) is `rows[i]`: `(key, grammar or None)`. Matchers of keys gone
+        are dropped; a key's matcher stays with it wherever its row moves."""
+        self._row_grammars = list(rows)
+        keys = {key for key, _ in rows}
+        for key in [key for key in self._by_key if key not in keys]:
+            del self._by_key[key]
+
+    @property
+    def constrains(self) -> bool:
+        """Whether any row has a grammar."""
+        return any(grammar is not None for _, grammar in self._row_grammars)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows, vocab = scores.shape
+        known = self.prompt_length if self.prompt_length is not None else input_ids.shape[1]
+        starts = known.tolist() if isinstance(known, torch.Tensor) else [int(known)] * rows
+        bitmask = torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
+        fill, filled = _llguidance().torch.fill_next_token_bitmask, False
+        for row, (ids, start) in enumerate(zip(input_ids.tolist(), starts)):
+            key, grammar = self._row_grammars[row] if row < len(self._row_grammars) else (None, None)
+            if grammar is None:
+                continue
+            if key not in self._by_key:
+                matcher = _llguidance().LLMatcher(self._lltokenizer(vocab), grammar, log_level=0)
+                self._by_key[key] = (matcher, [])
+            matcher, consumed = self._by_key[key]
+            if _walk(matcher, consumed, ids[start:]):
+                fill(matcher, bitmask, row)
+                filled = True
+        if not filled:
+            return scores
+        allowed = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)[:, :vocab]
+        return scores.masked_fill(~allowed.bool().to(scores.device), float("-inf"))
+
+
+def _walk(matcher, consumed: list[int], history: list[int]) -> bool:
+    """Move `matcher` (which consumed `consumed`) to the end of `history` (a row's generated tokens): back to where
+    they part, then on. Whether the grammar accepts all of `history`."""
+    same = len(consumed)
+    if history[:same] != consumed:  # it parts from what was consumed (else, as most calls: it goes on from it)
+        same = next(i for i, (a, b) in enumerate(zip(consumed, history + [None])) if a != b)
+    if same < len(consumed):
+        matcher.rollback(len(consumed) - same)
+        del consumed[same:]
+    new = history[same:]
+    if not new:
+        return True
+    valid = matcher.validate_tokens(new)
+    if valid:
+        matcher.consume_tokens(new[:valid])
+        consumed.extend(new[:valid])
+    return valid == len(new)

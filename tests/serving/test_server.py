@@ -483,7 +483,7 @@ def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_ke
 
 
 def test_sixteen_clients_half_with_a_schema_each_get_their_own_valid_text(server):
-    """Requests with and without a schema at once: the schema's rows decode together (one grammar, a matcher each),
+    """Requests with and without a schema at once: they decode in one batch (each row its own grammar, or none),
     every schema text is lossless mode's constrained greedy one, every other text greedy's own. With `--cache-slots`
     the schema's rows decode in a session of their own while the runner's wait, and the other way round."""
     prompts = [f"item {i}" for i in range(8)]
@@ -502,12 +502,54 @@ def test_sixteen_clients_half_with_a_schema_each_get_their_own_valid_text(server
     async def together():
         return await asyncio.gather(*(ask(p, c) for p in prompts for c in (True, False)))
 
+    engine, before = server["engine"], len(server["engine"].batch_sizes)
     texts = asyncio.run(together())
+    if engine.cache_slots is None:  # rows of a schema and rows of none in one batch (`RowGrammars`)
+        assert max(engine.batch_sizes[before:]) > len(prompts)
     for i, content in enumerate(prompts):
         constrained, plain = texts[2 * i], texts[2 * i + 1]
         assert constrained == _offline_constrained(server, content, 160)
         jsonschema.validate(json.loads(constrained), SCHEMA)
         assert plain == _offline_constrained(server, content, MAX_TOKENS, schema=None)
+
+
+def test_rows_of_other_schemas_join_a_running_plain_batch_and_leave_it_each_exact(server):
+    """A plain lossless stream decoding; two requests of two schemas join it mid-flight (the batch's rows get a grammar
+    each, or none, and its drafts become chains) and finish first (the batch goes back to its own path): every text is
+    what it is alone, plain greedy's or constrained greedy's, and they shared passes."""
+    if server["engine"].cache_slots is not None:
+        return  # a runner's rows and a grammar's do not share passes there
+    other = {**SCHEMA, "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}
+    engine, before = server["engine"], len(server["engine"].batch_sizes)
+    body = _long_stream(server, 160, mars_verify=True)
+    body["messages"] = [{"role": "user", "content": "a long one"}]
+
+    async def constrained(content: str, schema: dict) -> str:
+        await asyncio.sleep(0.3)
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=300) as client:
+            reply = await client.chat.completions.create(
+                model=server["path"],
+                messages=[{"role": "user", "content": content}],
+                max_tokens=160,
+                extra_body={"mars_verify": True},
+                response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            )
+        return reply.choices[0].message.content
+
+    async def plain() -> str:
+        async with AsyncOpenAI(base_url=server["url"] + "/v1", api_key="-", max_retries=0, timeout=300) as client:
+            fields = {k: v for k, v in body.items() if k not in ("stream", "mars_verify")}
+            reply = await client.chat.completions.create(**fields, extra_body={"mars_verify": True})
+        return reply.choices[0].message.content
+
+    async def together():
+        return await asyncio.gather(plain(), constrained("first", SCHEMA), constrained("second", other))
+
+    long_text, first, second = asyncio.run(together())
+    assert max(engine.batch_sizes[before:]) >= 2
+    assert long_text == _offline_constrained(server, "a long one", 160, schema=None)
+    assert first == _offline_constrained(server, "first", 160, SCHEMA)
+    assert second == _offline_constrained(server, "second", 160, other)
 
 
 @pytest.mark.parametrize(

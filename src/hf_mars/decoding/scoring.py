@@ -501,9 +501,18 @@ class _Ngrams:
 # join and leave a batch
 ROW_LAYOUT = ("prompt_ignore_length", "prompt_length_to_skip", "prompt_length")  # the last: `GrammarProcessor`'s
 # What a processor derives from its settings on its first call (a sequence bias's vocabulary-sized tensor of its
-# single-token biases; a `GrammarProcessor`'s matchers, which follow each history): a processor already called and a
-# fresh one with the same settings do the same
-DERIVED = ("length_1_bias", "multi_token_biases", "prepared_bias_variables", "_prompt", "_matchers", "_consumed")
+# single-token biases; a `GrammarProcessor`'s matchers, which follow each history), or holds for each row: a processor
+# already called and a fresh one with the same settings do the same
+DERIVED = (
+    "length_1_bias",
+    "multi_token_biases",
+    "prepared_bias_variables",
+    "_prompt",
+    "_matchers",
+    "_consumed",
+    "_row_grammars",  # `RowGrammars`' rows: each row's own, where its rows join a batch
+    "_by_key",
+)
 
 
 def processors_signature(processors, layout: bool = True) -> tuple:

@@ -22,21 +22,24 @@ before every pass from `TauPolicy` (load.py): the load (rows, queue) and the mea
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, _StreamError
+from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..decoding.costs import NotMeasured, cost_batch, pass_costs, tree_key
 from ..decoding.generate import session_settings
 from ..decoding.runner import Runner, rows_cache, serving_runner
+from ..decoding.scoring import follow_padding
 from ..decoding.session import Session
 from ..decoding.settings import TauController
 from ..decoding.tree import full_tree
@@ -50,7 +53,11 @@ from .stops import StopQueue, cut_at_stop
 logger = logging.getLogger("hf_mars.serve")
 
 # A request's own limits; these keys of its generation config are the engine's to judge, per row
-_PER_ROW_KEYS = ("max_new_tokens", "stop_strings", "token_logprobs")  # each row its own, whatever rows it is with
+# Each row its own, whatever rows it decodes with: a schema too (`RowGrammars` gives each row its own grammar)
+_PER_ROW_KEYS = ("max_new_tokens", "stop_strings", "token_logprobs", "response_format")
+# What only sampling reads (transformers builds these warpers where `do_sample` is set): `temperature=0` and no
+# temperature ask for the same greedy rows
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
 RETRY_S = 60.0  # how often a server started on a busy machine tries to time its pass costs again
 GROUP_WAIT_S = 2.0  # how long a seeded request's choices that arrived wait for the others (choices.py)
 
@@ -73,6 +80,7 @@ class Request:
     taus: list[float] = field(default_factory=list)  # with a τ range: the τ of each pass it took part in
     scoring: TokenLogprobs | None = None  # where it asks for log probabilities: each sent token's goes there
     apart: bool = False  # it decodes in a session while the engine's other rows run in a runner (`in_loop`)
+    grammar: str | None = None  # its response format's grammar (llguidance's), once its session is opened
 
     @property
     def tau_range(self) -> tuple[float, float] | None:
@@ -100,9 +108,11 @@ class Request:
     @property
     def key(self) -> str:
         """Requests with equal keys decode in one session: same sampling and MARS settings (rows that ask for log
-        probabilities decode with rows that do not: a session records them for all)."""
+        probabilities decode with rows that do not: a session records them for all; greedy rows whatever the
+        sampling fields they carry, which greedy decoding never reads)."""
         config = self.generation_config.to_dict()
-        for name in _PER_ROW_KEYS:
+        config["do_sample"] = bool(config.get("do_sample"))  # unset is greedy
+        for name in _PER_ROW_KEYS + (() if config["do_sample"] else _SAMPLING_KEYS):
             config.pop(name, None)
         return json.dumps(_plain_keys(config), sort_keys=True, default=str) + (" apart" if self.apart else "")
 
@@ -378,7 +388,9 @@ class MARSEngine(BaseGenerateManager):
         answered with why."""
         try:
             if isinstance(self.session, Session):  # their prompt's pass ran and its tokens went (`_open`)
+                self._constrain(self.session, joining)
                 self.session.admit(joining)
+                self._follow(self.session)
                 return
             if self.session is None:
                 self.session, self._key = self._graph_for(joining), key
@@ -450,7 +462,8 @@ class MARSEngine(BaseGenerateManager):
         config = group[0].generation_config.__class__.from_dict(group[0].generation_config.to_dict())
         config.max_new_tokens = max(r.max_new_tokens for r in group)
         config.stop_strings = None
-        processors = self._grammar(config)
+        processors = self._grammars(group)
+        config.__dict__.pop("response_format", None)  # each row's own, in `RowGrammars`
         config.__dict__.pop("choices_group", None)  # the engine's to read (`Request.group`), not generate()'s
         config.__dict__.pop("token_logprobs", None)  # the session records them for every row if one asks
         logprobs = max((r.logprobs for r in group if r.logprobs is not None), default=None)
@@ -474,6 +487,7 @@ class MARSEngine(BaseGenerateManager):
         )
         session.separate_prompts()  # requests: each decodes as alone, whoever was opened with it
         session.logprobs = logprobs
+        follow_padding(session.plan.processors, session.text.prompt_real)  # where `RowGrammars`' rows begin
         return session
 
     def _step(self) -> None:
@@ -524,16 +538,57 @@ class MARSEngine(BaseGenerateManager):
             logger.info("draft tree at %d rows: %s", rows, _tree_name(settings))
             self._settings = settings.as_kwargs()
 
-    def _grammar(self, config) -> list:
-        """The rows' `GrammarProcessor`, for a response format's JSON schema (server.py put it in the config, where it
-        makes the requests' key: rows of one schema decode together), taken out of the config; else none."""
-        schema = getattr(config, "response_format", None)
-        if schema is None:
+    def _grammars(self, group: list[Request]) -> list:
+        """The processors of a session over `group`: a `RowGrammars` where a row of it, or of the running session it
+        joins, follows a schema (each row its own grammar, or none: rows of other schemas, and rows of none, decode
+        together); else none, so that plain rows keep their own path."""
+        for request in group:
+            schema = getattr(request.generation_config, "response_format", None)
+            request.grammar = None if schema is None else self._grammar_of(json.dumps(schema, sort_keys=True))
+        if all(request.grammar is None for request in group) and _row_grammars(self.session) is None:
             return []
+        from ..grammar import RowGrammars
+
+        processor = RowGrammars(self.tokenizer, eos_token_id=group[0].generation_config.eos_token_id)
+        processor.assign([(request, request.grammar) for request in group])
+        return [processor]
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - the engine lives as long as the server
+    def _grammar_of(self, schema: str) -> str:
+        """llguidance's grammar of a JSON schema (its JSON text), compiled once per schema."""
         from ..grammar import GrammarProcessor
 
-        del config.response_format
-        return [GrammarProcessor.from_json_schema(schema, self.tokenizer, eos_token_id=config.eos_token_id)]
+        return GrammarProcessor.from_json_schema(schema, self.tokenizer).grammar
+
+    def _constrain(self, session: Session, joining: Session) -> None:
+        """Before `joining`'s rows join `session`: where they follow a grammar and the running rows none, the running
+        session gets a `RowGrammars` too (its rows free), as `joining` has one, and its lossless drafts become chains
+        (what a grammar's rows draft), from the next pass."""
+        if _row_grammars(session) is not None or _row_grammars(joining) is None:
+            return
+        from ..grammar import RowGrammars
+
+        processor = RowGrammars(self.tokenizer, eos_token_id=_row_grammars(joining).eos)
+        self._processors(session, [processor])
+
+    def _processors(self, session: Session, processors: list) -> None:
+        """`session`'s rows decode with `processors` from the next pass (its drafts re-chosen for them)."""
+        plan = session.plan
+        session.plan = replace(plan, processors=LogitsProcessorList(processors))
+        follow_padding(session.plan.processors, session.text.prompt_real)
+        if plan.settings.verify or plan.settings.tau == 1.0:
+            session.retree(plan.settings)
+        self._banded = None  # `_choose_tree` chooses again, for these processors
+
+    def _follow(self, session) -> None:
+        """The running rows' grammars, in their order (after rows joined or left); a `RowGrammars` whose rows follow
+        none any more is dropped (plain rows keep their own path)."""
+        processor = _row_grammars(session)
+        if processor is None:
+            return
+        processor.assign([(request, request.grammar) for request in session.labels])
+        if not processor.constrains and session.labels and session.live:
+            self._processors(session, [])
 
     def _controller(self, request: Request, rows: int) -> TauController:
         """The τ of `request`'s key (one object, so that rows of the key that join later decode with it), set for a
@@ -598,6 +653,8 @@ class MARSEngine(BaseGenerateManager):
                 stopped.append(request)
         if stopped:
             session.release(stopped)
+            if isinstance(session, Session):
+                self._follow(session)
             for request in stopped:
                 self._finish(request)
         return sent_in_all
@@ -620,6 +677,13 @@ class MARSEngine(BaseGenerateManager):
         while len(self._usage) > 4096:  # a client that left never reads its usage
             self._usage.popitem(last=False)
         request.sink.finish(request, error)
+
+
+def _row_grammars(session):
+    """`session`'s `RowGrammars`, or None (no session, a runner, or rows that follow no grammar)."""
+    if not isinstance(session, Session):
+        return None
+    return next((p for p in session.plan.processors if type(p).__name__ == "RowGrammars"), None)
 
 
 def _scored(session):
