@@ -7,7 +7,8 @@ one pass for every row; hand each row's new tokens to its client; release the ro
 `max_tokens`, a stop string, or a client that went away) and answer them at once. MARS decodes ragged batches
 exactly (a row's tokens do not depend on the rows beside it), so a request's text is the same whenever it joins.
 
-Requests decode together when they share a `Request.key`: sampling, MARS mode, τ, tree. A request with another key
+Requests decode together when they share a `Request.key`: sampling, MARS mode, τ, tree (a response format's schema
+and log probabilities are each row's own: `RowGrammars`, `Session.logprobs`). A request with another key
 waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
 `--compile` (or `--cache-slots`) the running rows are a `Runner` instead (decoding/runner.py): fixed rows of one
 graph pass over a static cache, which requests join and leave the same way; a request's prompt's pass then runs as it
