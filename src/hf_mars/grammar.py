@@ -107,8 +107,7 @@ class GrammarProcessor(LogitsProcessor):
         for row, (ids, start) in enumerate(zip(input_ids.tolist(), starts)):
             if self._reach(row, ids[start:]):
                 fill(self._matchers[row], bitmask, row)
-        allowed = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)[:, :vocab]
-        return scores.masked_fill(~allowed.bool().to(scores.device), float("-inf"))
+        return _masked(scores, bitmask)
 
     def _follow(self, input_ids: torch.Tensor, vocab: int) -> list[int]:
         """Where each row's generated tokens begin, with a matcher for every row. Without a `prompt_length`, new
@@ -194,10 +193,14 @@ class RowGrammars(GrammarProcessor):
             if _walk(matcher, consumed, ids[start:]):
                 fill(matcher, bitmask, row)
                 filled = True
-        if not filled:
-            return scores
-        allowed = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)[:, :vocab]
-        return scores.masked_fill(~allowed.bool().to(scores.device), float("-inf"))
+        return _masked(scores, bitmask) if filled else scores
+
+
+def _masked(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`scores` at -inf wherever `bitmask` (llguidance's: a bit per token, 32 to an int) bars the token."""
+    rows, vocab = scores.shape
+    allowed = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).view(rows, -1)[:, :vocab]
+    return scores.masked_fill(~allowed.bool().to(scores.device), float("-inf"))
 
 
 def _walk(matcher, consumed: list[int], history: list[int]) -> bool:
