@@ -1,6 +1,7 @@
-"""A session's log probabilities of the tokens it decides (`Session.logprobs`, what `hf-mars serve` answers `logprobs`
-with): lossless mode's and τ = 1's are plain decoding's (the log-softmax of the processed scores `generate()` chose
-from), batched or alone; τ-mode's are each slot's own, the model's own at the first token of every pass."""
+"""The log probabilities of the tokens a session or a runner decides (`Session.logprobs`, `Runner.logprobs`: what
+`hf-mars serve` answers `logprobs` with): lossless mode's and τ = 1's are plain decoding's (the log-softmax of the
+processed scores `generate()` chose from), batched or alone; τ-mode's are each slot's own, the model's own at the first
+token of every pass. A runner records them in its graph pass; a grammar's rows decode in the loop alone."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from helpers import make_model, make_tokenizer
 
 import hf_mars
+from hf_mars.decoding import verify
+from hf_mars.decoding.runner import serving_runner
 from hf_mars.grammar import GrammarProcessor
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["yes", "no"]}, "b": {"type": "integer", "maximum": 99}}}
@@ -25,8 +28,15 @@ def model_and_tok():
     return hf_mars.to_mars(model, tok, block_size=4).eval(), tok
 
 
-def decoded(model, tok, prompts, max_new_tokens: int = 16, **mode) -> dict:
-    """Each row's `(tokens, logprobs, top values, top ids, first of each pass)` from a session that records them."""
+@pytest.fixture(params=["session", "runner"])
+def engine(request) -> str:
+    return request.param
+
+
+def decoded(model, tok, prompts, max_new_tokens: int = 16, engine: str = "session", **mode) -> dict:
+    """Each row's `(tokens, logprobs, top values, top ids, first of each pass)` from a session that records them, or
+    a runner built over it as a server builds one (its prompt's pass run by `admit`; where only the loop can decode
+    these settings, the session itself)."""
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     labels = list(range(len(prompts)))
@@ -34,11 +44,23 @@ def decoded(model, tok, prompts, max_new_tokens: int = 16, **mode) -> dict:
     session.separate_prompts()
     session.logprobs = TOP
     rows = {i: ([], [], [], [], []) for i in range(len(prompts))}
-    while session.live:
-        session.step(model)
-        fed, chosen, values, ids = session.scored
+    runs = session
+    if engine == "runner":
+        try:
+            runs = serving_runner(model, session, len(prompts) + 1, 256)  # a row to spare: a server's free rows
+        except ValueError:  # a grammar: the loop's alone
+            pass
+        else:
+            runs.admit(session)
+        assert (runs is session) == ("logits_processor" in mode)  # the runner's pass records them, save a grammar's
+    first = runs is not session
+    while runs.live:
+        if not first:
+            runs.step(model)
+        first = False
+        fed, chosen, values, ids = runs.scored
         place = {row: p for p, row in enumerate(fed.tolist())}
-        for i, (label, tokens, _, _) in enumerate(session.rows()):  # i: the row's place in the batch
+        for i, (label, tokens, _, _) in enumerate(runs.rows()):  # i: the row's place in the batch
             kept = rows[label]
             new = tokens[len(kept[0]) :]
             if new:
@@ -46,9 +68,9 @@ def decoded(model, tok, prompts, max_new_tokens: int = 16, **mode) -> dict:
                 kept[0].extend(new)
                 for field, value in zip(kept[1:4], (chosen, values, ids)):
                     field.extend(value[place[i], : len(new)].tolist())
-        gone = [label for label, _, done, _ in session.rows() if done]
+        gone = [label for label, _, done, _ in runs.rows() if done]
         if gone:
-            session.release(gone)
+            runs.release(gone)
     return rows
 
 
@@ -71,7 +93,7 @@ def plain(model, tok, prompt: str, max_new_tokens: int = 16, **processing) -> tu
     "mode", [{"mars_verify": True}, {"mars_tau": 1.0}, {"mars_verify": True, "mars_draft_candidates": [2, 2]}]
 )
 @pytest.mark.parametrize("processing", ["none", "penalties", "grammar"])
-def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model_and_tok, mode, processing):
+def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model_and_tok, mode, processing, engine):
     """After the request's processors: a repetition penalty and n-gram bans (MARS's own rules), a JSON grammar
     (transformers' call on each slot's text)."""
     model, tok = model_and_tok
@@ -84,7 +106,7 @@ def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model
             return {"logits_processor": [GrammarProcessor.from_json_schema(SCHEMA, tok, eos_token_id=eos)]}
         return {}
 
-    rows = decoded(model, tok, PROMPTS, **mode, **processors())
+    rows = decoded(model, tok, PROMPTS, engine=engine, **mode, **processors())
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs, values, ids, _ = rows[i]
         expected_tokens, expected = plain(model, tok, prompt, **processors())
@@ -96,12 +118,12 @@ def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model
         assert [row[0] for row in ids] == tokens  # greedy: the likeliest token, the one chosen
 
 
-def test_tau_modes_log_probabilities_are_each_slots_own(model_and_tok):
+def test_tau_modes_log_probabilities_are_each_slots_own(model_and_tok, engine):
     """τ = 0.6: a greedy slot's token is its likeliest, so its log probability is its top value; the first token of
     each pass is decided by the model's own prediction after the text so far (a forward over that text gives it);
     some pass takes masks' tokens (the premise: otherwise nothing here is τ-mode's own)."""
     model, tok = model_and_tok
-    rows = decoded(model, tok, PROMPTS, mars_tau=0.6)
+    rows = decoded(model, tok, PROMPTS, engine=engine, mars_tau=0.6)
     took_masks = False
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs, values, _, firsts = rows[i]
@@ -149,3 +171,27 @@ def test_rows_that_ask_join_a_session_that_did_not_and_get_their_own_from_then_o
         running.release([label for label, _, done, _ in running.rows() if done])
     tokens, expected = plain(model, tok, PROMPTS[2])
     assert got == pytest.approx(expected[torch.arange(len(tokens)), torch.tensor(tokens)].tolist(), abs=1e-4)
+
+
+def test_a_token_kept_on_a_runner_up_is_scored_at_that_node(model_and_tok, engine, monkeypatch):
+    """Lossless mode with runner-ups: a token whose path runs through a runner-up draft is scored at that node's
+    outputs, not at the chain's node of its depth. The premise, from the run itself: some pass kept a path that ends
+    past the chain's nodes (`verify.deepest_kept`, which both the loop and the graph pass call)."""
+    model, tok = model_and_tok
+    ends, kept = [], verify.deepest_kept
+
+    def spy(*args):
+        out = kept(*args)
+        ends.append(int(out[1].max()))
+        return out
+
+    monkeypatch.setattr(verify, "deepest_kept", spy)
+    prompts = ["x y z", "12 13", "the the the", "once upon a time"]
+    mode = {"mars_verify": True, "mars_draft_candidates": [2, 2]}
+    rows = decoded(model, tok, prompts, max_new_tokens=32, engine=engine, **mode)
+    assert max(ends) > model.generation_config.mars_block_size - 1  # nodes 1..B-1 are the chain's
+    for i, prompt in enumerate(prompts):
+        tokens, logprobs, _, _, _ = rows[i]
+        expected_tokens, expected = plain(model, tok, prompt, max_new_tokens=32)
+        assert tokens == expected_tokens
+        assert logprobs == pytest.approx(expected[torch.arange(len(tokens)), torch.tensor(tokens)].tolist(), abs=1e-4)

@@ -464,7 +464,7 @@ def _offline_constrained(server, content: str, max_tokens: int, schema: dict | N
 def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_keeps_constrained_greedy(server, stream):
     """`response_format` with a JSON schema, through the openai client: every mode's text validates, lossless mode's
     and τ = 1's are plain constrained greedy `generate()`'s; requests of one schema decode batched. With
-    `--cache-slots` too: a grammar's rows decode in a session of their own (`Request.in_loop`)."""
+    `--cache-slots` too: a grammar's rows decode in a session of their own (`MARSEngine._apart`)."""
     client, prompts = _client(server), ["hi", "count to three", "say no"]
 
     def ask(content: str, mode: dict) -> str:
@@ -784,8 +784,8 @@ def test_decoded_tokens_log_probabilities_are_the_models_own(server, stream):
 
 def test_rows_asking_for_log_probabilities_batch_with_rows_that_do_not_each_getting_its_own(server):
     """Six clients at once, lossless: two ask for no log probabilities, two for 2 alternatives, two for 5; they decode
-    batched (on the runner's engine, those that ask in a session of their own), each text greedy's alone, each
-    asking row its own tokens' log probabilities with as many alternatives as it asked for."""
+    batched (on the eager runner's engine too, whose pass records them: `Runner.logprobs`), each text greedy's alone,
+    each asking row its own tokens' log probabilities with as many alternatives as it asked for."""
     tops = [None, None, 2, 2, 5, 5]
 
     async def ask(i: int, top: int | None):
@@ -802,8 +802,9 @@ def test_rows_asking_for_log_probabilities_batch_with_rows_that_do_not_each_gett
 
     engine, before = server["engine"], len(server["engine"].batch_sizes)
     replies = _batched(server, [ask(i, top) for i, top in enumerate(tops)])
-    if engine.cache_slots is None:  # more rows than any one ask has: asks mixed in one batch
-        assert max(engine.batch_sizes[before:]) > 2
+    assert max(engine.batch_sizes[before:]) > 2  # more rows than any one ask has: asks mixed in one batch
+    if engine.cache_slots is not None:  # the runner's pass recorded them, as many alternatives as any row asked for
+        assert engine._graph.logprobs == 5
     for i, (top, reply) in enumerate(zip(tops, replies)):
         tokens, expected = _plain_logprobs(server, f"row {i}", MAX_TOKENS)
         assert reply.choices[0].message.content == server["tok"].decode(tokens, skip_special_tokens=True)

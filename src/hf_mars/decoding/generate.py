@@ -188,6 +188,7 @@ class MARSGenerationMixin(GenerationMixin):
         *,
         capacity: int | None = None,
         compile_config=None,
+        logprobs: int | None = None,
         **kwargs,
     ) -> Runner | Session:
         """`mars_session`'s rows (the same arguments), decoding in a `Runner` of their own (`runner.py`: the pass that
@@ -195,9 +196,11 @@ class MARSGenerationMixin(GenerationMixin):
         them, `release(labels)` stops them, `live` says whether any is held, and `record()` (with `log=True`) what the
         passes did (`MARSStats`). The runner holds `capacity` rows (default: these; others join with `admit`) over a
         static cache sized for these prompts and budgets, as the default call sizes its own. `compile_config`: compile
-        the pass (captured on CUDA); else it runs eagerly. Where only the loop can decode these settings
-        (`runner.graph_shape`), the session itself after its prompt's pass: the same verbs."""
+        the pass (captured on CUDA); else it runs eagerly. `logprobs`: record each decided token's log probability and
+        this many alternatives, from the prompt's pass on (`Runner.scored`). Where only the loop can decode these
+        settings (`runner.graph_shape`), the session itself after its prompt's pass: the same verbs."""
         session = self.mars_session(input_ids, generation_config, max_rows=capacity, **kwargs)
+        session.logprobs = logprobs
         text, plan = session.text, session.plan
         capacity = max(capacity or 0, text.sequences.shape[0])
         slots = _own_cache_slots(session, int(text.budget.max()))

@@ -39,7 +39,18 @@ from .cache import cache_view, compact_static, gathered_cache, pass_positions, s
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, many_shapes, static_cache_size
 from .schedule import masks_covering, offers, rate_moves, rates_after
-from .scoring import NGRAM_BANS, SET_BASED, Histories, choose, into, kept_noise, masks_taken, processed, scored_at_once
+from .scoring import (
+    NGRAM_BANS,
+    SET_BASED,
+    Histories,
+    choose,
+    into,
+    kept_noise,
+    masks_taken,
+    processed,
+    scored_at_once,
+    token_logprobs,
+)
 from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
 
@@ -244,6 +255,7 @@ class GraphPass:
         if shape.verify and shape.sampled and shape.typical is None:
             self.proposals = torch.zeros(shape.batch, len(shape.tree) + 1, self.vocab, device=device)
             self.proposed = self.proposals[:, : shape.masks]  # what `propose` writes; the position after stays 0
+        self.scoring, self.scores = None, None  # `record_scores`' count of alternatives, and its buffers
         self.kv = self.graph = None
         self.bind(kv)
         self.leased = False  # lent to one caller (`graph_pass_for`)
@@ -267,6 +279,22 @@ class GraphPass:
         self.advance = None
         self.advance_by(self.shape.kept)
         self.graph, self.eager_runs = None, 0
+
+    def record_scores(self, top: int | None) -> None:
+        """From the next pass, record each token a pass decides: its log probability and the `top` likeliest at the
+        slot that decided it (`scoring.token_logprobs`, the loop's), into `scores`, `(batch, tokens)` and `(batch,
+        tokens, top)` twice (None where `top` is 0); None: record nothing (a pass's cost). A captured pass records as
+        it was captured."""
+        if top == self.scoring:
+            return
+        if self.graph is not None:
+            raise ValueError("A captured pass records log probabilities as it was captured: build another.")
+        self.scoring, self.scores = top, None
+        if top is not None:
+            shape, device = (self.shape.batch, self.shape.tokens), self.state.done.device
+            values = torch.zeros(*shape, top, device=device) if top else None
+            ids = torch.zeros(*shape, top, dtype=torch.long, device=device) if top else None
+            self.scores = (torch.zeros(shape, device=device), values, ids)
 
     def advance_by(self, kept: int) -> None:
         """Let the passes to come move their slots on by `kept`: a whole pass by the slots it commits (`shape.kept`),
@@ -589,6 +617,8 @@ def graph_pass(g: GraphPass) -> None:
     logits = _forward(g)
     logits, histories = _scored(g, logits)
     tokens, accepted, path = _accept(g, logits, histories)
+    if g.scoring is not None:
+        _score(g, logits, histories, tokens, path)
     _commit(g, tokens, accepted, path)
     _next_inputs(g, logits, tokens, accepted, path)
     torch.all(g.state.done, out=g.state.finished)
@@ -745,6 +775,21 @@ def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
         kept = torch.nn.functional.pad(kept, (0, len(shape.tree) - fed))
     depth = end if g.tree.chain else accepted - 1  # a chain's node is its depth
     return tokens, accepted, KeptPath(end, kept, tokens, depth.unsqueeze(1))
+
+
+def _score(g: GraphPass, logits, histories: Histories | None, tokens, path) -> None:
+    """Each decided token's log probability and the likeliest tokens at its slot (`GraphPass.record_scores`), from the
+    outputs that decided it, as the loop's modes find them (`deciding`): τ-mode's slots in order; lossless mode's root,
+    then each kept draft's node on the path. Before `_commit`: a slot's scores are processed after the history as it
+    stood before the pass and the tokens before it."""
+    if path is not None and not g.tree.chain:
+        on_path = g.tree.path.index_select(0, path.end)  # (batch, depth + 1)
+        deciding = logits.gather(1, on_path[..., None].expand(-1, -1, logits.shape[-1]))
+    else:
+        deciding = logits[:, : tokens.shape[1]]
+    for buffer, value in zip(g.scores, token_logprobs(deciding, histories, tokens, g.scoring)):
+        if buffer is not None:
+            buffer.copy_(value)
 
 
 def _commit(g: GraphPass, tokens, accepted, path) -> None:

@@ -47,7 +47,9 @@ class Runner:
     """Rows decoding in `graph`, a `GraphPass` over a static cache of `graph.shape.batch` rows, with `plan`'s
     settings (`session.Plan`): `admit`, `step`, `rows`, `release`. `log`: record every pass (`record`: the first
     rows' prompt's pass, then each pass's τ, masks and accepted tokens, as `generate()` reports them), else keep only
-    the last pass's accepted tokens (a server's)."""
+    the last pass's accepted tokens (a server's). `logprobs`, as a `Session`'s: where set (a count of alternatives, 0
+    or more), each pass leaves in `scored` the log probability of every token it decided and the likeliest at each
+    slot, `(places, logprobs (rows, tokens), top values, top ids)`, a held row's at its place in `rows()`."""
 
     def __init__(self, plan, graph: GraphPass, log: bool = False, tree_plan=None):
         """`tree_plan`: the plan `graph`'s tree was built for, where it is wider than `plan`'s (`serving_runner`'s
@@ -69,6 +71,8 @@ class Runner:
         self.slot, self.tau, self.steps = 0, None, 0
         self.stats, self.passes_run, self.logged = None, 0, 0  # `record`'s
         self.inference = torch.is_inference_mode_enabled()  # the mode its verbs run in (`_in_own_mode`)
+        self.scored = None
+        graph.record_scores(None)  # a pass lent again (`graph_pass_for`) records what this runner asks
         if self.widened:
             self.retree(plan.settings)
 
@@ -95,6 +99,16 @@ class Runner:
         return longest
 
     joins = True  # rows join free rows between passes
+
+    @property
+    def logprobs(self) -> int | None:
+        """The alternatives each pass records beside its tokens' log probabilities (None: none recorded)."""
+        return self.graph.scoring
+
+    @logprobs.setter
+    @_in_own_mode
+    def logprobs(self, top: int | None) -> None:
+        self.graph.record_scores(top)
 
     @property
     def retrees(self) -> bool:
@@ -177,6 +191,11 @@ class Runner:
         targets = torch.arange(first, first + rows, device=self.graph.state.done.device)
         self._place(other, targets, start)
         self.held[first : first + rows] = list(other.labels or range(rows))  # `generate()`'s rows: by their index
+        if other.logprobs is not None:  # recorded for every row from the next pass, as many alternatives as any asks
+            self.logprobs = max(self.logprobs or 0, other.logprobs)
+            fed, *scored = other.scored  # their prompt's pass: their first tokens'
+            places = self._places()
+            self.scored = (places.index_select(0, targets.index_select(0, fed)), *scored)
 
     def _free_run(self, rows: int) -> int:
         """The first of `rows` adjacent free rows."""
@@ -264,6 +283,10 @@ class Runner:
         g.run()
         self.slot += g.advance - g.lead  # the slots the pass fed before its masks (`narrow`, `prune`)
         self.steps += 1
+        if g.scoring is not None:
+            held = self._places().ge(0).nonzero().flatten()
+            places = torch.arange(held.numel(), device=held.device)
+            self.scored = (places, *(None if t is None else t.index_select(0, held) for t in g.scores))
         if self.stats is not None:
             self.passes_run += 1
             self.stats.forward_passes += 1
@@ -279,6 +302,11 @@ class Runner:
             self.stats.accepted_per_step.extend(taken.clone().unbind(0))
             self.logged = self.passes_run
         return self.stats
+
+    def _places(self) -> torch.Tensor:
+        """`(capacity,)` each held row's place among the held rows (`rows()`' order), -1 where free."""
+        held = torch.tensor([label is not None for label in self.held], device=self.graph.state.done.device)
+        return torch.where(held, held.long().cumsum(0) - 1, -1)
 
     def _reach(self) -> None:
         """Let an eager pass attend to the slots in use (`GraphPass.attend`). Where rows joined late or left, most of

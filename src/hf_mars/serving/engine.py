@@ -12,9 +12,11 @@ and log probabilities are each row's own: `RowGrammars`, `Session.logprobs`). A 
 waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
 `--compile` (or `--cache-slots`) the running rows are a `Runner` instead (decoding/runner.py): fixed rows of one
 graph pass over a static cache, which requests join and leave the same way; a request's prompt's pass then runs as it
-joins (`Runner.admit`), straight into its row of the runner's cache. Requests that ask for what a runner's pass does
-not do (a response format or tool call's grammar, log probabilities: `Request.in_loop`) decode in a `Session` there
-too, eager, while the runner waits.
+joins (`Runner.admit`), straight into its row of the runner's cache, and an eager runner's pass records log
+probabilities for the rows that ask (`Runner.logprobs`). Requests that ask for what a runner's pass does not do (a
+response format or tool call's grammar, which reads each slot's text between the slots of a pass; log probabilities
+from a compiled pass, which records as it was compiled: `MARSEngine._apart`) decode in a `Session` there too, eager,
+while the runner waits.
 
 Rows that allow a τ range (`"mars_tau": [lo, hi]`) decode with a `TauController` of that range, which the engine sets
 before every pass from `TauPolicy` (load.py): the load (rows, queue) and the measured pass costs.
@@ -80,7 +82,7 @@ class Request:
     last_token_at: float | None = None  # when its last tokens were sent (metrics)
     taus: list[float] = field(default_factory=list)  # with a τ range: the τ of each pass it took part in
     scoring: TokenLogprobs | None = None  # where it asks for log probabilities: each sent token's goes there
-    apart: bool = False  # it decodes in a session while the engine's other rows run in a runner (`in_loop`)
+    apart: bool = False  # it decodes in a session while the engine's other rows run in a runner (`MARSEngine._apart`)
     grammar: str | None = None  # its response format's grammar (llguidance's), once its session is opened
 
     @property
@@ -93,13 +95,6 @@ class Request:
     def group(self) -> dict | None:
         """A seeded request's choices (`{"group", "n", "seed"}`, choices.py): admitted together, once all wait."""
         return getattr(self.generation_config, "choices_group", None)
-
-    @property
-    def in_loop(self) -> bool:
-        """Whether it decodes in a `Session` whatever the engine runs: a grammar reads each slot's text between the
-        slots of a pass, and log probabilities are recorded there; a runner's pass does neither."""
-        config = self.generation_config
-        return any(getattr(config, name, None) is not None for name in ("response_format", "token_logprobs"))
 
     @property
     def logprobs(self) -> int | None:
@@ -274,8 +269,17 @@ class MARSEngine(BaseGenerateManager):
             stop=StopStringCriteria(self.tokenizer, stop_strings) if stop_strings else None,
             scoring=self.scoring.pop(request_id, None),
         )
-        request.apart = self.cache_slots is not None and request.in_loop
+        request.apart = self._apart(request)
         self._queue.put(request)
+
+    def _apart(self, request: Request) -> bool:
+        """Whether `request` decodes in a `Session` while the engine's other rows run in a runner: a grammar reads
+        each slot's text between the slots of a pass, which a runner's pass cannot; a compiled pass records log
+        probabilities as it was compiled (an eager one records them for the rows that ask)."""
+        if self.cache_slots is None:
+            return False
+        grammar = getattr(request.generation_config, "response_format", None) is not None
+        return grammar or (request.logprobs is not None and self.compile_config is not None)
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -419,6 +423,7 @@ class MARSEngine(BaseGenerateManager):
             graph = self._graph = serving_runner(
                 self.model, first, self.max_batch_size, self.cache_slots, self.compile_config, kv=kv
             )
+        graph.logprobs = None  # until rows that ask for log probabilities join (`Runner.admit`)
         return graph
 
     def _open(self, group: list[Request]) -> Session | None:
