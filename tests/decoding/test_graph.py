@@ -112,9 +112,10 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
 
 def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     """Logits processors that only transformers applies (a bad word or bias of several tokens) run in the loop, which
-    calls them, and so does a dynamic cache passed in with tokens in it (continued); the default call (no cache) runs
-    in the graph pass. Sampling with its warpers, repetition penalties, minimum lengths, n-gram bans, bans and biases
-    of single tokens and a mask schedule run in the graph pass (here and tests/decoding/test_shapes.py)."""
+    calls them; the default call (no cache) runs in the graph pass, and so does a dynamic cache passed in with tokens
+    in it (continued: tests/decoding/test_pass_callers.py). Sampling with its warpers, repetition penalties, minimum
+    lengths, n-gram bans, bans and biases of single tokens and a mask schedule run in the graph pass (here and
+    tests/decoding/test_shapes.py)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
     model.__dict__.pop("_mars_graphs", None)
@@ -136,7 +137,7 @@ def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
     more = torch.cat([first.sequences, first.sequences[:, -1:]], dim=1)
     mask = torch.cat([enc.attention_mask, torch.ones_like(more[:, enc.input_ids.shape[1] :])], dim=1)
     model.generate(more, attention_mask=mask, past_key_values=first.past_key_values, max_new_tokens=5, mars_tau=0.9)
-    assert not model.__dict__.get("_mars_graphs"), "a dynamic cache passed in full is continued in the loop"
+    assert model.__dict__.get("_mars_graphs"), "a dynamic cache passed in full is continued in the graph pass"
 
 
 @pytest.mark.parametrize("stop", [{}, dict(stop_strings=["w"])], ids=["eos", "stop string"])

@@ -56,6 +56,47 @@ def test_generate_runs_every_pass_after_the_prompts_in_the_graph_pass(model, mod
     assert calls[0] == "session.py:_forward" and set(calls[1:]) == {"graph.py:_forward"}, calls
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_cache_passed_in_is_continued_in_the_graph_pass_as_the_loop_continues_it(model, mode):
+    """A conversation's second turn: `generate()` given the first turn's returned `DynamicCache` takes its K/V into the
+    runner's cache (`_carry_prefix`); the rest of the prompt is the prompt's pass, every later pass the graph pass's.
+    Greedy, tokens, passes and what each pass took are the loop's continuation of the same cache (`graph.ENABLED` off;
+    sampled, the loop on a cache that grows draws its random numbers in other shapes than a static cache's pass, so a
+    seed does not give the same samples there, without a cache passed in either); the cache passed in is left as it
+    was."""
+    from hf_mars.decoding import graph
+
+    model, tok = model
+    enc = toy_prompts(tok, n=3, seed=7)
+    first = model.generate(**enc, max_new_tokens=8, min_new_tokens=8, mars_tau=1.0, return_dict_in_generate=True)
+    ids = torch.cat([first.sequences, torch.full((3, 2), 7)], dim=1)
+    mask = torch.cat([enc.attention_mask, torch.ones(3, ids.shape[1] - enc.input_ids.shape[1], dtype=torch.long)], 1)
+    prefix = first.past_key_values
+    held = [layer.keys.clone() for layer in prefix.layers]
+    kwargs = dict(max_new_tokens=20, min_new_tokens=20, return_dict_in_generate=True, **MODES[mode])
+
+    def second(enabled: bool, calls: list):
+        graph.ENABLED = enabled
+        handle = _recording(model, calls)
+        try:
+            torch.manual_seed(0)
+            return model.generate(ids, attention_mask=mask, past_key_values=prefix, **kwargs)
+        finally:
+            handle.remove()
+            graph.ENABLED = True
+
+    looped, calls = second(False, []), []
+    graphed = second(True, calls)
+    assert len(calls) == graphed.mars_stats.forward_passes > 2
+    assert calls[0] == "session.py:_forward" and set(calls[1:]) == {"graph.py:_forward"}, calls
+    assert all(torch.equal(layer.keys, keys) for layer, keys in zip(prefix.layers, held))
+    if kwargs.get("do_sample"):
+        return
+    assert torch.equal(graphed.sequences, looped.sequences)
+    taken = [torch.stack(out.mars_stats.accepted_per_step) for out in (graphed, looped)]
+    assert torch.equal(*taken)
+
+
 def test_a_servers_runner_runs_each_prompts_pass_then_every_other_in_the_graph_pass(model):
     """Requests joining a runner one after another while the others decode, as `hf-mars serve` admits them (its
     engine is checked the same way in tests/serving/test_server.py)."""

@@ -5,9 +5,10 @@
 
 It loads CHECKPOINT with `trust_remote_code=True` and its tokenizer, then checks: the tokenizer encodes as where it
 was saved, with `<|mask|>`; the model uses the saved RoPE base; in float32 on a left-padded batch, τ = 1 and lossless
-mode (chain, tree, static cache) give plain greedy `generate()`'s tokens; τ-mode's batch equals its rows decoded
-alone; the cache is returned; a user's static cache too small for MARS is refused. It prints one line per check and
-exits 1 on the first failure. It imports only the standard library, torch and transformers.
+mode (chain, tree, static cache) give plain greedy `generate()`'s tokens; τ-mode's passes after the prompt's run in
+the runner's graph pass, and its batch equals its rows decoded alone; the cache is returned; a user's static cache
+too small for MARS is refused. It prints one line per check and exits 1 on the first failure. It imports only the
+standard library, torch and transformers.
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ def main(checkpoint: str, inputs: str) -> None:
     ):
         out = model.generate(**batch, **mode, **new)
         check(torch.equal(out, greedy), f"{mode}: greedy generate()'s tokens")
+    callers = []
+    hook = model.register_forward_pre_hook(lambda module, args: callers.append(pass_caller()))
     out = model.generate(**batch, mars_tau=0.6, return_dict_in_generate=True, **new)
+    hook.remove()
+    ran = set(callers[1:]) == {"graph.py:_forward"} and callers[0] == "session.py:_forward"
+    check(
+        ran and len(callers) == out.mars_stats.forward_passes, "τ = 0.6: every pass after the prompt's in the runner"
+    )
     for row in range(batch["input_ids"].shape[0]):
         real = batch["attention_mask"][row].bool()
         alone = model.generate(input_ids=batch["input_ids"][row : row + 1, real], mars_tau=0.6, **new)
@@ -64,6 +72,17 @@ def main(checkpoint: str, inputs: str) -> None:
     except ValueError as error:
         refused = "StaticCache of at least" in str(error)
     check(refused, "a user's StaticCache too small for MARS is refused, not replaced")
+
+
+def pass_caller() -> str:
+    """`file:function` of the innermost frame of the checkpoint's decoding code that ran a forward."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/").rsplit("/", 1)[-1]
+        if name in ("graph.py", "session.py") and "transformers_modules" in frame.f_code.co_filename:
+            return f"{name}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "elsewhere"
 
 
 def check(ok: bool, what: str) -> None:

@@ -386,6 +386,19 @@ def allocate_stacked(kv, model, rows: int) -> None:
     kv.mars_stacked = stacked
 
 
+def allocate_layers(kv, model, rows: int) -> None:
+    """A static cache's layers allocated now: stacked (`allocate_stacked`), else each alone on the model's device (a
+    release whose layers cannot be stacked here), where transformers would allocate them at the first forward; left
+    to it where the model spans several devices. A runner's pass is built before its first forward."""
+    allocate_stacked(kv, model, rows)
+    if all(layer.is_initialized for layer in kv.layers) or len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+        return
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
+
+
 def stacked_layers(kv) -> torch.Tensor | None:
     """The one tensor whose views are every layer's keys and values, in order (`allocate_stacked`), else None."""
     stacked = getattr(kv, "mars_stacked", None)

@@ -30,7 +30,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache, allocate_stacked, prefix_cache
+from .cache import MARSCache, StaticMARSCache, allocate_layers, prefix_cache
 from .compat import (
     CACHE_ARG,
     compiled_forward,
@@ -322,7 +322,7 @@ def mars_decode(
         streamer.put(input_ids.cpu())
     try:
         shape = _runner_shape(model, run)
-        if shape is None and not user_defined_cache(model_cache(model_kwargs)):
+        if shape is None:
             shape = _default_runner_shape(model, run, generation_config)
         if shape is not None:  # every pass in the runner's graph pass (`runner.py`), the prompt's first
             compile_config = _compile_config(generation_config) if run.plan.compiled else None
@@ -368,21 +368,21 @@ def open_session(
 
 def _runner_shape(model, run: Session) -> GraphShape | None:
     """The `GraphShape` of a runner that decodes this run, or None where the loop here must run: it needs a static
-    cache that counts its writes, then what `graph_shape` needs."""
+    cache, then what `graph_shape` needs."""
     cache = run.cache
-    if not (isinstance(cache, StaticMARSCache) and cache.counts_writes):
+    if not isinstance(cache, StaticMARSCache):
         return None
     return graph_shape(model, run, run.text.sequences.shape[0], cache.size, runner_tree(run.plan))
 
 
 def _default_runner_shape(model, run: Session, generation_config) -> GraphShape | None:
-    """The default call (no cache passed, none asked for) decodes in a runner too: a static cache of its own, sized as
+    """The default call (no cache asked for) decodes in a runner too: a static cache of its own, sized as
     `cache_implementation="static"` sizes it (K/V for the whole budget, held from the start), takes the place of the
-    run's empty dynamic one, and the runner runs its passes eagerly. None (the loop runs, on a cache that grows) where
-    `cache_implementation` asks for a cache, the model spans several devices, or the runner cannot decode these
-    settings (`graph_shape`) or write this release's static cache (`counts_writes`)."""
+    run's dynamic one, whose K/V it takes where a cache was passed in to be continued (`_continued`), and the runner
+    runs its passes eagerly. None (the loop runs, on a cache that grows) where `cache_implementation` asks for a
+    cache, the model spans several devices, or the runner cannot decode these settings (`graph_shape`)."""
     cache, plan, text = run.cache, run.plan, run.text
-    if not isinstance(cache, MARSCache) or cache.length or generation_config.cache_implementation is not None:
+    if not isinstance(cache, MARSCache) or generation_config.cache_implementation is not None:
         return None
     if len(set(getattr(model, "hf_device_map", {"": None}).values())) > 1:
         return None
@@ -391,10 +391,21 @@ def _default_runner_shape(model, run: Session, generation_config) -> GraphShape 
     if shape is None:
         return None
     static = StaticMARSCache(rows_cache(model, batch, size), batch, text.sequences.device)
-    if not static.counts_writes:
-        return None
+    if cache.length:
+        _carry_prefix(cache, static)
     run.cache = static
     return shape
+
+
+def _carry_prefix(cache: MARSCache, static: StaticMARSCache) -> None:
+    """The K/V of the first tokens of every row (a cache passed in to be continued) into the first slots of a
+    runner's static cache, and its books: the prompt's pass then writes the rest of the prompt after them."""
+    length = cache.length
+    for mine, theirs in zip(static.kv.layers, cache.layers):
+        mine.keys[:, :, :length].copy_(theirs.keys)
+        mine.values[:, :, :length].copy_(theirs.values)
+    static.real[:, :length] = cache.real
+    static.next_position, static.length = cache.next_position.clone(), length
 
 
 def _own_cache_slots(run: Session, budget: int) -> int:
@@ -541,7 +552,7 @@ def _cache(model, generation_config, settings, model_kwargs, prompt_real, candid
             model_kwargs[CACHE_ARG] = lent
     if made:
         cache = new_static_cache(model, generation_config, batch, size, model_kwargs, full_layers=not full)
-    allocate_stacked(cache, model, batch)
+    allocate_layers(cache, model, batch)
     static = StaticMARSCache(cache, batch, device)
     static.kept_as = kept_as
     return static, compiled

@@ -37,7 +37,7 @@ import torch
 
 from .cache import cache_view, compact_static, gathered_cache, pass_positions, stacked_layers
 from .commit import cut, right_align, write_taken
-from .compat import CACHE_ARG, many_shapes, static_cache_size
+from .compat import CACHE_ARG, counts_static_writes, many_shapes, static_cache_size
 from .schedule import masks_covering, offers, rate_moves, rates_after
 from .scoring import (
     NGRAM_BANS,
@@ -268,7 +268,8 @@ class GraphPass:
         if kv is self.kv:
             return
         self.kv, self.stacked = kv, stacked_layers(kv)
-        self.lengths = [layer.cumulative_length for layer in kv.layers]
+        # each layer's count of the slots written, where it places each write after the last (else the pass says where)
+        self.lengths = [layer.cumulative_length for layer in kv.layers] if counts_static_writes(kv) else []
         self.reach = None
         self.attend(self.shape.slots)
         # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step and each row's pass
@@ -648,10 +649,11 @@ def _forward(g: GraphPass) -> torch.Tensor:
         return_dict=True,
         logits_to_keep=kept,
         **{CACHE_ARG: kv},
+        **({} if g.lengths else {"cache_position": slots}),  # layers that write where told (before 5.4)
     )
     if g.gathered is not None:  # the rows' K/V, with what the pass wrote, back into the cache
         g.stacked[:, :, :, : g.reach].index_copy_(1, g.fed_rows, g.gathered)
-    if g.pruned is not None or g.tail:  # each layer's count of written slots as a whole pass's (`advance_by`)
+    if g.lengths and (g.pruned is not None or g.tail):  # each layer's count of written slots as a whole pass's
         torch._foreach_add_(g.lengths, shape.width - len(columns) if g.pruned is not None else g.tail)
     if g.pruned is None and g.fed_rows is None and not g.tail:
         return out.logits.float()

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from .cache import StaticMARSCache, allocate_stacked, cache_view
+from .cache import StaticMARSCache, allocate_layers, cache_view
 from .compat import full_attention_config, static_cache_size
 from .graph import GraphPass, GraphShape, enabled
 from .scoring import by_rules, follow_padding, history_free, processors_signature
@@ -224,15 +224,16 @@ class Runner:
     def _rows_cache(self, other, first: int, rows: int, start: int, end: int) -> StaticMARSCache:
         """The cache `other`'s prompt pass writes: rows `first`... of the runner's, slots `start` to `end` (the
         prompt, then its pass's masks). The whole cache where those rows are all of them and the session holds it
-        already (`generate()`'s); else a view of those rows and slots (each layer's keys and values sliced: writes
-        land in the runner's cache), a static cache of its own as wide as the pass, whose attention reads no more."""
+        already (`generate()`'s, where the first tokens of a cache passed in may be already); else a view of those
+        rows and slots (each layer's keys and values sliced: writes land in the runner's cache), a static cache of its
+        own as wide as the pass, whose attention reads no more."""
         kv, mine = self.graph.kv, other.cache
         if isinstance(mine, StaticMARSCache) and mine.kv is kv and rows == self.shape.batch and start == 0:
-            for written in self.graph.lengths or []:
-                written.fill_(0)
+            for written in self.graph.lengths or []:  # after what it holds (a cache passed in to be continued)
+                written.fill_(mine.length)
             return mine
         view = cache_view(kv, slice(start, end), slice(first, first + rows), self.graph.stacked)
-        for layer in view.layers:  # its own count of written slots, from `start`
+        for layer in view.layers if self.graph.lengths else ():  # its own count of written slots, from `start`
             layer.cumulative_length = torch.zeros_like(layer.cumulative_length)
         cache = StaticMARSCache(view, rows, self.graph.state.done.device)
         cache.stacked = None  # the pass fits: never compacted
@@ -474,12 +475,7 @@ def rows_cache(model, rows: int, slots: int):
     from transformers import StaticCache
 
     kv = StaticCache(config=full_attention_config(model.config), max_cache_len=slots)  # the pass builds the windows
-    allocate_stacked(kv, model, rows)
-    if not all(layer.is_initialized for layer in kv.layers):  # not stackable here: each layer allocated alone
-        config = model.config.get_text_config()
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv.early_initialization(rows, heads, head_dim, model.dtype, model.device)
+    allocate_layers(kv, model, rows)
     return kv
 
 
