@@ -34,13 +34,18 @@ def _opened(model, prompt, label, budget, mode):
     return model.mars_session(prompt[None], labels=[label], budgets=[budget], max_new_tokens=30, **mode)
 
 
-def _serve(model, prompts, budgets, mode, max_rows: int, slots: int, every: int = 3) -> tuple[dict, list]:
+def _serve(
+    model, prompts, budgets, mode, max_rows: int, slots: int, every: int = 3, condenses: bool = True
+) -> tuple[dict, list]:
     """The prompts as requests through `max_rows` rows, one joining a free row every `every` passes while the others
-    decode, each released once it stops: `({label: (tokens, passes)}, rows held at each pass)`."""
+    decode, each released once it stops: `({label: (tokens, passes)}, rows held at each pass)`. `condenses`: whether
+    the last held rows take the places of those released (`Runner._condense`); else those stay free between held rows,
+    as `generate()`'s finished rows stay between rows that decode."""
     finished, held = {}, []
     with torch.inference_mode():
         first = _opened(model, prompts[0], 0, budgets[0], mode)
         rows = serving_runner(model, first, max_rows, slots)
+        rows.condenses = condenses
         rows.admit(first)
         waiting = list(range(1, len(prompts)))
         for step in range(400):
@@ -252,14 +257,61 @@ def test_an_eager_runner_on_a_cpu_computes_the_rows_in_use_not_every_row_it_has(
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=5)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
-    budgets = [30, 12, 30, 25]  # the second row is freed while the others decode
-    finished, held = _serve(model, prompts, budgets, MODES[mode], 4, SLOTS[mode], every=1)
+    budgets = [30, 12, 30, 25]  # the second row is freed while the others decode, and stays free between them
+    finished, held = _serve(model, prompts, budgets, MODES[mode], 4, SLOTS[mode], every=1, condenses=False)
     assert len(fed) == len(held) and not any(left_out for _, left_out, _ in fed), "a decoding row was left out"
     assert fed[0][0] == held[0] < 4, "the first pass decodes the first requests alone"
     assert sum(rows for rows, _, _ in fed) < 4 * len(fed)
     assert any(apart for _, _, apart in fed) == (mode == "lossless tree")
     for i, prompt in enumerate(prompts):
         alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])
+        assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
+
+
+CONDENSED = {
+    **MODES,
+    "tau=0.6, n-gram bans": dict(mars_tau=0.6, no_repeat_ngram_size=3),  # a ban's copy of the text moves with its row
+    "mask schedule, lossless": dict(mars_verify=True, mars_mask_cost=[0.3, 0.3, 0.3]),  # a row's schedule moves too
+}
+
+
+@pytest.mark.parametrize("mode", CONDENSED)
+def test_rows_released_between_others_are_condensed_and_each_decodes_as_alone(trained_toy, mode, monkeypatch):
+    """The second of four rows is released while the others decode: the last held row moves into its place
+    (`Runner._condense`, one copy of its K/V and state), so every later pass feeds the held rows as one block from
+    the first row (no free row computed, none gathered), and every request gets the tokens it gets alone: greedy
+    `generate()`'s (τ-mode's and a mask schedule's, that mode's alone). The premise: some row moved."""
+    moved, fed, forward, move = [], [], graph._forward, graph.GraphPass.move_rows
+
+    def recorded(g):
+        decoding = (~g.state.done).nonzero().flatten()
+        fed.append((g.fed_rows, decoding.tolist() == list(range(decoding.numel())), decoding.numel()))
+        return forward(g)
+
+    def moving(g, sources, targets, slots):
+        moved.append((sources.tolist(), targets.tolist()))
+        return move(g, sources, targets, slots)
+
+    monkeypatch.setattr(graph, "_forward", recorded)
+    monkeypatch.setattr(graph.GraphPass, "move_rows", moving)
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=5)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
+    budgets = [30, 12, 30, 25]
+    slots = 160 if "lossless" in mode or "tau=0.6" in mode else 96
+    finished, held = _serve(model, prompts, budgets, CONDENSED[mode], 4, slots, every=1)
+    assert moved and moved[0] == ([3], [1]), moved
+    assert all(prefix for _, prefix, _ in fed), "the rows that decode are the first ones"
+    assert all(rows is None or (rows.start, rows.stop) == (0, count) for rows, _, count in fed), fed
+    plain = "tau=0.6" not in mode and "schedule" not in mode
+    for i, prompt in enumerate(prompts):
+        if plain:
+            processing = {k: v for k, v in CONDENSED[mode].items() if k in PROCESSING}
+            alone = GenerationMixin.generate(
+                model, prompt[None], do_sample=False, max_new_tokens=budgets[i], **processing
+            )
+        else:
+            alone = model.generate(prompt[None], do_sample=False, max_new_tokens=budgets[i], **CONDENSED[mode])
         assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
 
 
@@ -281,8 +333,8 @@ def test_idle_rows_between_are_computed_while_a_pass_costs_its_weights_reads(tra
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=5)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
-    budgets = [30, 12, 30, 25]  # the second row is freed while the others decode
-    finished, _ = _serve(model, prompts, budgets, MODES["tau=1"], 4, SLOTS["tau=1"], every=1)
+    budgets = [30, 12, 30, 25]  # the second row is freed while the others decode, and stays free between them
+    finished, _ = _serve(model, prompts, budgets, MODES["tau=1"], 4, SLOTS["tau=1"], every=1, condenses=False)
     assert any(apart) != weight_bound, apart
     for i, prompt in enumerate(prompts):
         alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=budgets[i])

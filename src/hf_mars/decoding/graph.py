@@ -412,6 +412,35 @@ class GraphPass:
         if key is not None and (self.rows_view is None or self.rows_view[0] != key):
             self.rows_view = (key, cache_view(self.kv, slice(self.reach), rows, self.stacked))
 
+    def free(self, rows: torch.Tensor) -> None:
+        """Rows that decode nothing from the next pass on and feed nothing real: a runner's rows let go, whose last
+        tokens need no caching."""
+        self.state.done.index_fill_(0, rows, True)
+        self.live.index_fill_(0, rows, False)
+        self.state.fed_real[:, : self.shape.kept].index_fill_(0, rows, False)
+
+    def move_rows(self, sources: torch.Tensor, targets: torch.Tensor, slots: int) -> None:
+        """Rows `sources` into rows `targets` between passes (a runner condensing its rows: `Runner._condense`): their
+        K/V in the first `slots` slots, their text and counters, what the next pass feeds them, their mask schedule,
+        and what the processors keep of their histories; `sources` are free afterwards. The tables stay (a row's are
+        its place's)."""
+        state = self.state
+        rows = [state.text, state.write_offsets, state.budget, state.decoded, state.text_end, state.text_last]
+        rows += [state.done, state.real, state.last_position, state.fed, state.fed_real, state.rates, state.last]
+        rows += [state.passes, self.live, self.within, self.targets, *self.held]
+        rows += [t for t in (self.spare_text, self.proposals) if t is not None]
+        for tensor in rows:
+            tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+        state.accepted_log.index_copy_(1, targets, state.accepted_log.index_select(1, sources))
+        self.free(sources)
+        if self.stacked is not None:
+            kv = self.stacked[:, :, :, :slots]
+            kv.index_copy_(1, targets, kv.index_select(1, sources))
+            return
+        for layer in self.kv.layers:
+            for tensor in (layer.keys[:, :, :slots], layer.values[:, :, :slots]):
+                tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+
     def narrow(self, lead: int, tail: int = 0) -> None:
         """Let the next τ-mode pass skip its first `lead` columns, pending slots that are holes in every row still
         decoding (τ-mode right-aligns the tokens a row took last, up to B), and its last `tail`, masks no such row uses

@@ -72,6 +72,7 @@ class Runner:
         self.stats, self.passes_run, self.logged = None, 0, 0  # `record`'s
         self.inference = torch.is_inference_mode_enabled()  # the mode its verbs run in (`_in_own_mode`)
         self.scored = None
+        self.condenses = True  # released rows' places are taken by the last held rows, where a pass cuts (`release`)
         graph.record_scores(None)  # a pass lent again (`graph_pass_for`) records what this runner asks
         if self.widened:
             self.retree(plan.settings)
@@ -255,8 +256,7 @@ class Runner:
         state.write_offsets[targets] = g.offsets + (text.prompt_length - text.joined)[:, None]
         self.lead[targets] = (~text.prompt_real).sum(dim=1) - text.joined  # the padding of its own batch
         self.passes[targets] = text.passes
-        padded = torch.arange(text.prompt_length + 1, device=targets.device) >= self.lead[:, None]
-        follow_padding(g.processors or (), padded, g.text_start)  # the processors the pass reads: each row's prompt
+        self._follow_padding(text.prompt_length + 1)
         load_rows(g, other, targets, torch.arange(targets.numel(), device=targets.device))
         if self.log and self.stats is None:  # the first rows' stats, their prompt's pass in them, go on here
             self.stats = other.stats
@@ -355,11 +355,43 @@ class Runner:
 
     @_in_own_mode
     def release(self, labels) -> None:
-        """The rows of these labels stop decoding and are free at once."""
-        for label in labels:
-            row = self.held.index(label)
+        """The rows of these labels stop decoding and are free at once: they feed nothing more (their last tokens
+        need no caching), and where an eager pass on a CPU computes the rows from the first held to the last, the last
+        held rows move into the free rows before them (`_condense`)."""
+        rows = [self.held.index(label) for label in labels]
+        for row in rows:
             self.held[row] = None
-            self.graph.state.done[row] = True
+        self.graph.free(torch.tensor(rows, dtype=torch.long, device=self.graph.state.done.device))
+        if self.condenses and self.graph.cuts:
+            self._condense()
+
+    def _condense(self) -> None:
+        """Move the last held rows into the free rows before them, so that the held rows come first and a pass
+        computes no free row (`GraphPass.take_rows` feeds the rows from the first held to the last): one copy of a
+        moved row's K/V and state (`GraphPass.move_rows`, vLLM's condensing of its persistent batch), where the free
+        rows between would have been computed in every pass until another row joined there."""
+        free = [row for row, label in enumerate(self.held) if label is None]
+        held = [row for row, label in enumerate(self.held) if label is not None]
+        moves = []
+        while free and held and free[0] < held[-1]:
+            moves.append((held.pop(), free.pop(0)))
+        if not moves:
+            return
+        device = self.graph.state.done.device
+        sources, targets = (torch.tensor(rows, device=device) for rows in zip(*moves))
+        self.graph.move_rows(sources, targets, self.slot)
+        for source, target in moves:
+            self.held[target], self.held[source] = self.held[source], None
+        for tensor in (self.lead, self.passes):
+            tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+        self._follow_padding(int(self.lead.max()) + 1)
+
+    def _follow_padding(self, width: int) -> None:
+        """Where each row's text begins and its left padding ends (within its first `width` columns), for the
+        processors that read them (`scoring.follow_padding`), as rows join and move."""
+        g = self.graph
+        padded = torch.arange(width, device=self.lead.device) >= self.lead[:, None]
+        follow_padding(g.processors or (), padded, g.text_start)
 
 
 def runner_tree(plan) -> DraftTree:
