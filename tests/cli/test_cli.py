@@ -366,4 +366,3 @@ def test_the_comparison_reports_medians_with_their_spread_and_says_what_makes_th
     assert len(wide) == 1 and "rough" in wide[0]
     plain = _caveats(SimpleNamespace(forward_passes=10, mean_tokens_per_forward=1.0), [0.97, 0.99, 1.01], 0.95)
     assert len(plain) == 1 and "one token a pass" in plain[0]
-
