@@ -110,26 +110,37 @@ def test_live_tau_is_read_before_every_graph_pass(trained_toy):
     assert int(accepted[4:8].max()) <= 1 and int(accepted[8:].max()) > 1
 
 
-def test_what_the_graph_pass_does_not_run_stays_in_the_loop(trained_toy):
-    """Logits processors that only transformers applies (a bad word or bias of several tokens) run in the loop, which
-    calls them; the default call (no cache) runs in the graph pass, and so does a dynamic cache passed in with tokens
-    in it (continued: tests/decoding/test_pass_callers.py). Sampling with its warpers, repetition penalties, minimum
-    lengths, n-gram bans, bans and biases of single tokens and a mask schedule run in the graph pass (here and
-    tests/decoding/test_shapes.py)."""
+def test_transformers_own_processors_run_in_an_eager_pass_as_the_loop_calls_them(trained_toy):
+    """Logits processors that only transformers applies (a bad word or bias of several tokens read the text's last
+    tokens) are called on each slot's text by an eager graph pass (`GraphShape.calls`) as the loop calls them: the same
+    tokens, greedy and with a seed, lossless and τ-mode (lossless: plain greedy `generate()`'s). A compiled pass cannot
+    call them (`graph_shape` refuses: tests/serving/test_runner.py). The default call (no cache) runs in the graph
+    pass, and so does a dynamic cache passed in with tokens in it (continued: tests/decoding/test_pass_callers.py).
+    Sampling with its warpers, repetition penalties, minimum lengths, n-gram bans, bans and biases of single tokens and
+    a mask schedule run in the graph pass by MARS's own rules (here and tests/decoding/test_shapes.py)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=2, seed=9)
     model.__dict__.pop("_mars_graphs", None)
     generate(model, enc, mars_tau=0.9, do_sample=True, temperature=0.7, top_k=20)
     assert model.__dict__.get("_mars_graphs"), "sampling with history-free warpers runs in the graph pass"
     cases = [
-        (enc, dict(mars_verify=True, bad_words_ids=[[5, 6]])),  # a ban of two tokens reads the text's last one
-        (enc, dict(mars_tau=0.9, do_sample=True, bad_words_ids=[[5, 6]])),
-        (enc, dict(mars_tau=0.9, sequence_bias=[[[5, 6], 2.0]])),
+        dict(mars_verify=True, bad_words_ids=[[5, 6]]),
+        dict(mars_tau=0.9, do_sample=True, bad_words_ids=[[5, 6]]),
+        dict(mars_tau=0.9, sequence_bias=[[[5, 6], 2.0]]),
     ]
-    for inputs, kwargs in cases:
+    for kwargs in cases:
         model.__dict__.pop("_mars_graphs", None)
-        generate(model, inputs, **kwargs)
-        assert not model.__dict__.get("_mars_graphs"), kwargs
+        torch.manual_seed(0)
+        graphed = generate(model, enc, **kwargs)
+        shapes = list(model.__dict__.get("_mars_graphs", {}))
+        assert shapes and all(shape.calls for shape, *_ in shapes), kwargs
+        torch.manual_seed(0)
+        looped = generate(model, enc, False, **kwargs)
+        assert torch.equal(graphed.sequences, looped.sequences), kwargs
+        if kwargs.get("mars_verify"):
+            plain = {k: v for k, v in kwargs.items() if not k.startswith("mars_")}
+            expected = GenerationMixin.generate(model, **enc, max_new_tokens=40, do_sample=False, **plain)
+            assert torch.equal(graphed.sequences, expected), kwargs
     model.__dict__.pop("_mars_graphs", None)
     first = model.generate(**enc, max_new_tokens=10, mars_tau=0.9, return_dict_in_generate=True)  # no cache passed
     assert model.__dict__.get("_mars_graphs"), "the default call runs in the graph pass"

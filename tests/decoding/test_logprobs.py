@@ -1,7 +1,7 @@
 """The log probabilities of the tokens a session or a runner decides (`Session.logprobs`, `Runner.logprobs`: what
 `hf-mars serve` answers `logprobs` with): lossless mode's and τ = 1's are plain decoding's (the log-softmax of the
 processed scores `generate()` chose from), batched or alone; τ-mode's are each slot's own, the model's own at the first
-token of every pass. A runner records them in its graph pass; a grammar's rows decode in the loop alone."""
+token of every pass. A runner records them in its graph pass (eager, a grammar's rows too)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ def engine(request) -> str:
 
 def decoded(model, tok, prompts, max_new_tokens: int = 16, engine: str = "session", **mode) -> dict:
     """Each row's `(tokens, logprobs, top values, top ids, first of each pass)` from a session that records them, or
-    a runner built over it as a server builds one (its prompt's pass run by `admit`; where only the loop can decode
-    these settings, the session itself)."""
+    an eager runner built over it as a server builds one (its prompt's pass run by `admit`)."""
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     labels = list(range(len(prompts)))
@@ -45,14 +44,9 @@ def decoded(model, tok, prompts, max_new_tokens: int = 16, engine: str = "sessio
     session.logprobs = TOP
     rows = {i: ([], [], [], [], []) for i in range(len(prompts))}
     runs = session
-    if engine == "runner":
-        try:
-            runs = serving_runner(model, session, len(prompts) + 1, 256)  # a row to spare: a server's free rows
-        except ValueError:  # a grammar: the loop's alone
-            pass
-        else:
-            runs.admit(session)
-        assert (runs is session) == ("logits_processor" in mode)  # the runner's pass records them, save a grammar's
+    if engine == "runner":  # a grammar too: an eager runner calls it on each slot's text
+        runs = serving_runner(model, session, len(prompts) + 1, 256)  # a row to spare: a server's free rows
+        runs.admit(session)
     first = runs is not session
     while runs.live:
         if not first:

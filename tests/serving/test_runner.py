@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_model, make_tokenizer, sliding_mars_model, toy_prompts
-from transformers import GenerationMixin
+from transformers import CompileConfig, GenerationMixin
 
 import hf_mars
 from hf_mars.decoding import cache, graph
@@ -121,9 +121,10 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
         other = _opened(model, prompt, "b", 4, MODES["lossless tree"])
         with pytest.raises(ValueError, match="other settings"):
             rows.admit(other)
-        loop_only = dict(mars_tau=1.0, bad_words_ids=[[5, 6]])  # a ban of two tokens: transformers applies it
-        with pytest.raises(ValueError, match="own loop alone"):
-            serving_runner(model, _opened(model, prompt, "d", 4, loop_only), 2, 200)
+        called = dict(mars_tau=1.0, bad_words_ids=[[5, 6]])  # a ban of two tokens: transformers' own processor
+        with pytest.raises(ValueError, match="own loop alone"):  # a compiled pass cannot call it (none compiles here)
+            serving_runner(model, _opened(model, prompt, "d", 4, called), 2, 200, CompileConfig())
+        assert serving_runner(model, _opened(model, prompt, "d", 4, called), 2, 200).shape.calls  # an eager one does
         penalty = dict(mars_tau=1.0, repetition_penalty=1.3)
         penalised = serving_runner(model, _opened(model, prompt, "e", 4, penalty), 2, 200)
         with pytest.raises(ValueError, match="other settings"):
@@ -503,3 +504,65 @@ def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_
     assert moves and all(moved == fed for moved, fed in moves), moves
     assert any(fed < 4 for _, fed in moves), "premise: some pass left pending holes out"
     assert torch.equal(ran, looped)
+
+
+def test_a_runner_takes_up_a_grammar_between_passes_and_drops_it_each_row_exact(trained_toy):
+    """A plain lossless row decoding with a tree; a row that follows a JSON schema joins (the runner takes up a
+    `RowGrammars`, its rows' drafts become a chain: `Runner.use_processors`), stops, and the runner drops it (the tree
+    again): the plain row's text is greedy `generate()`'s alone, the schema row's constrained greedy's alone."""
+    from transformers import LogitsProcessorList
+
+    from hf_mars.grammar import GrammarProcessor, RowGrammars
+
+    model, tok = trained_toy
+    mode = MODES["lossless tree"]
+    enc = toy_prompts(tok, n=2, seed=5)
+    prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(2)]
+    eos = model.generation_config.eos_token_id
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = GrammarProcessor.from_json_schema(schema, tok, eos_token_id=eos).grammar
+    finished, drafted = {}, []
+
+    def grammars(labels):
+        processor = RowGrammars(tok, eos_token_id=eos)
+        processor.assign([(label, grammar if label == "json" else None) for label in labels])
+        return processor
+
+    with torch.inference_mode():
+        first = _opened(model, prompts[0], "plain", 30, mode)
+        runner = serving_runner(model, first, 2, SLOTS["lossless tree"])
+        runner.admit(first)
+        runner.step()
+        drafted.append(runner.graph.nodes_drafted)
+        runner.use_processors(LogitsProcessorList([grammars(runner.held)]))
+        joining = model.mars_session(
+            prompts[1][None],
+            labels=["json"],
+            budgets=[24],
+            max_new_tokens=40,
+            logits_processor=[grammars(["json"])],
+            **mode,
+        )
+        runner.admit(joining)
+        runner.plan.processors[0].assign([(label, grammar if label == "json" else None) for label in runner.held])
+        while runner.live:
+            runner.step()
+            drafted.append(runner.graph.nodes_drafted)
+            stopped = [(label, tokens) for label, tokens, done, _ in runner.rows() if done]
+            runner.release([label for label, _ in stopped])
+            finished.update(stopped)
+            if "json" in finished and runner.plan.processors:
+                runner.use_processors(LogitsProcessorList())
+    chain = runner.shape.tree.parents.index(-1, 1)  # the chain's nodes come first, then the others
+    assert drafted[0] is None and drafted[-1] is None, "the whole tree before the grammar and after it"
+    assert any(d is not None and bool(d[:chain].all()) and not bool(d[chain:].any()) for d in drafted)
+    plain = GenerationMixin.generate(model, prompts[0][None], do_sample=False, max_new_tokens=30)
+    assert finished["plain"] == plain[0, prompts[0].numel() :].tolist()
+    constrained = GenerationMixin.generate(
+        model,
+        prompts[1][None],
+        do_sample=False,
+        max_new_tokens=24,
+        logits_processor=LogitsProcessorList([GrammarProcessor(grammar, tok, eos_token_id=eos)]),
+    )
+    assert finished["json"] == constrained[0, prompts[1].numel() :].tolist()

@@ -464,7 +464,7 @@ def _offline_constrained(server, content: str, max_tokens: int, schema: dict | N
 def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_keeps_constrained_greedy(server, stream):
     """`response_format` with a JSON schema, through the openai client: every mode's text validates, lossless mode's
     and τ = 1's are plain constrained greedy `generate()`'s; requests of one schema decode batched. With
-    `--cache-slots` too: a grammar's rows decode in a session of their own (`MARSEngine._apart`)."""
+    `--cache-slots` too: the eager runner's pass calls the grammar on each slot's text (`GraphShape.calls`)."""
     client, prompts = _client(server), ["hi", "count to three", "say no"]
 
     def ask(content: str, mode: dict) -> str:
@@ -484,8 +484,8 @@ def test_a_json_schema_response_format_is_followed_by_every_mode_and_lossless_ke
 
 def test_sixteen_clients_half_with_a_schema_each_get_their_own_valid_text(server):
     """Requests with and without a schema at once: they decode in one batch (each row its own grammar, or none),
-    every schema text is lossless mode's constrained greedy one, every other text greedy's own. With `--cache-slots`
-    the schema's rows decode in a session of their own while the runner's wait, and the other way round."""
+    every schema text is lossless mode's constrained greedy one, every other text greedy's own; on the eager runner
+    too (`--cache-slots`), whose pass calls the rows' grammars."""
     prompts = [f"item {i}" for i in range(8)]
 
     async def ask(content: str, constrained: bool) -> str:
@@ -504,8 +504,7 @@ def test_sixteen_clients_half_with_a_schema_each_get_their_own_valid_text(server
 
     engine, before = server["engine"], len(server["engine"].batch_sizes)
     texts = asyncio.run(together())
-    if engine.cache_slots is None:  # rows of a schema and rows of none in one batch (`RowGrammars`)
-        assert max(engine.batch_sizes[before:]) > len(prompts)
+    assert max(engine.batch_sizes[before:]) > len(prompts)  # rows of a schema and of none in one batch
     for i, content in enumerate(prompts):
         constrained, plain = texts[2 * i], texts[2 * i + 1]
         assert constrained == _offline_constrained(server, content, 160)
@@ -516,9 +515,9 @@ def test_sixteen_clients_half_with_a_schema_each_get_their_own_valid_text(server
 def test_rows_of_other_schemas_join_a_running_plain_batch_and_leave_it_each_exact(server):
     """A plain lossless stream decoding; two requests of two schemas join it mid-flight (the batch's rows get a grammar
     each, or none, and its drafts become chains) and finish first (the batch goes back to its own path): every text is
-    what it is alone, plain greedy's or constrained greedy's, and they shared passes."""
-    if server["engine"].cache_slots is not None:
-        return  # a runner's rows and a grammar's do not share passes there
+    what it is alone, plain greedy's or constrained greedy's, and they shared passes. On the eager runner
+    (`--cache-slots`) too, whose pass takes up the grammars as they join and drops them once they have left
+    (`Runner.use_processors`)."""
     other = {**SCHEMA, "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}
     engine, before = server["engine"], len(server["engine"].batch_sizes)
     body = _long_stream(server, 160, mars_verify=True)

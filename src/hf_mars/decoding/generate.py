@@ -204,7 +204,7 @@ class MARSGenerationMixin(GenerationMixin):
         text, plan = session.text, session.plan
         capacity = max(capacity or 0, text.sequences.shape[0])
         slots = _own_cache_slots(session, int(text.budget.max()))
-        if graph_shape(self, session, capacity, slots, runner_tree(plan)) is None:
+        if graph_shape(self, session, capacity, slots, runner_tree(plan), compile_config is not None) is None:
             session.step(self)
             return session
         runner = serving_runner(self, session, capacity, slots, compile_config, log=session.log)
@@ -372,7 +372,8 @@ def _runner_shape(model, run: Session) -> GraphShape | None:
     cache = run.cache
     if not isinstance(cache, StaticMARSCache):
         return None
-    return graph_shape(model, run, run.text.sequences.shape[0], cache.size, runner_tree(run.plan))
+    compiled = run.plan.compiled is not None
+    return graph_shape(model, run, run.text.sequences.shape[0], cache.size, runner_tree(run.plan), compiled)
 
 
 def _default_runner_shape(model, run: Session, generation_config) -> GraphShape | None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -43,11 +43,14 @@ from .scoring import (
     NGRAM_BANS,
     SET_BASED,
     Histories,
+    by_rules,
     choose,
+    history_free,
     into,
     kept_noise,
     masks_taken,
     processed,
+    processors_signature,
     scored_at_once,
     token_logprobs,
 )
@@ -100,6 +103,7 @@ class GraphShape:
     typical: tuple[float, float] | None = None  # lossless mode: typical acceptance's `(ε, δ)`; None: exact
     processors: tuple = ()  # what the logits processors applied to every slot are (`processors_signature`)
     reads_text: bool = False  # some processor reads each slot's history (a repetition penalty, a minimum length)
+    calls: bool = False  # some processor is transformers' own, called on each slot's text (eager passes alone)
     window: int = 0  # positions a sliding-window layer sees (0: no such layers)
     sliding_only: bool = False  # every layer slides: one mask for all (else masks by layer type)
     scheduled: bool = False  # a mask schedule (`mars_mask_cost`): each row uses the masks it is offered
@@ -483,6 +487,17 @@ class GraphPass:
             self.prunes[nodes, masks] = (columns, self.relative[columns], sees, self.slots[: columns.numel()], order)
         self.pruned = self.prunes[nodes, masks]
 
+    def use_processors(self, processors) -> None:
+        """Apply `processors` from the next pass: an eager pass's rows taking up a grammar or dropping it between
+        passes (`Runner.use_processors`). The shape says what they are; what they keep of the rows' histories is found
+        from the text. A compiled pass applies those it was compiled with."""
+        if not self.eager:
+            raise ValueError("A compiled pass applies the logits processors it was compiled with.")
+        reads, calls = not history_free(processors), not by_rules(processors)
+        self.shape = replace(self.shape, processors=processors_signature(processors), reads_text=reads, calls=calls)
+        self._processor_buffers(self.model, self.shape, processors, self.state.done.device)
+        self.find_held()
+
     def _processor_buffers(self, model, shape: GraphShape, processors, device) -> None:
         """What the logits processors read that a pass keeps, rather than finding it anew every pass (`processors`:
         the run's, `scoring.order_free` or `by_rules`): per repetition penalty, `(batch, vocab + 1)`, the tokens each
@@ -544,7 +559,8 @@ class GraphPass:
         from the text)."""
         held, ngrams = (self.held or None, self.ngrams) if found else (None, None)
         text, ends = self.state.sequences, self.state.text_end
-        return Histories(self.processors, text, None, ends, ids=self.ids, seen=held, ngrams=ngrams)
+        rows = self.rows[:, 0] if self.shape.calls else None  # transformers' processors: every row's text, by length
+        return Histories(self.processors, text, rows, ends, ids=self.ids, seen=held, ngrams=ngrams)
 
     def find_held(self) -> None:
         """`held` and `spare_text` found anew from every row's text, once rows are loaded (`runner.load_rows`)."""
@@ -889,7 +905,10 @@ def _propose_from_masks(g: GraphPass, logits, end) -> None:
     within = g.within if shape.scheduled or g.masks_limit < shape.masks else None
     buffer = None if g.proposals is None else g.proposed
     tau, measure, candidates = state.tau, shape.confidence, shape.candidates
-    drafts = propose(followed, None, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer)
+    histories = g.histories() if shape.calls else None  # raw masks, scored after the text as it now stands
+    drafts = propose(
+        followed, histories, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer
+    )
     g.from_masks.copy_(drafts.tokens)
     into(g.from_masks_real, torch.logical_and, drafts.real, g.live_column)
 
@@ -904,6 +923,9 @@ def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories
     if not g.shape.reads_text:  # warpers alone: every slot in one call
         return processed(logits, Histories(g.processors, g.state.sequences, None, None, ids=g.ids), None), None
     histories = g.histories()
+    if g.shape.verify and g.shape.calls:  # the chain's nodes, each after the drafts before it (the masks' stay raw)
+        nodes = len(g.shape.tree) + 1
+        return torch.cat([processed(logits[:, :nodes], histories, g.drafts), logits[:, nodes:]], dim=1), None
     if g.shape.verify:
         return scored_at_once(logits, histories, g.drafts, g.scored_lineage), None
     return logits, histories

@@ -142,6 +142,22 @@ class Runner:
         if not self.shape.scheduled:  # the masks a pass's drafts are proposed from
             g.within.copy_((g.depths < masks).expand_as(g.within))
 
+    @_in_own_mode
+    def use_processors(self, processors) -> None:
+        """Decode with `processors` from the next pass (an eager runner: a server's rows taking up a grammar, or
+        dropping it once no row follows one), lossless drafts re-chosen for them (a chain where they read the text:
+        `draft_shape`), as a `Session`'s plan is replaced between passes."""
+        self.graph.use_processors(processors)
+        self.shape = self.graph.shape
+        self.plan = replace(self.plan, processors=processors)
+        self.tree_plan = replace(self.tree_plan, processors=processors) if self.widened else self.plan
+        if self.plan.settings.verify or self.plan.settings.tau == 1.0:
+            try:
+                self.retree(self.plan.settings)
+            except ValueError:  # a tree wider than the runner's (built for a chain): its own stays, as exact
+                pass
+        self._follow_padding(int(self.lead.max()) + 1)
+
     def decodes_like(self, other) -> bool:
         """Whether `other`'s rows decode with these settings, sampling and processors, stop at the same EOS tokens, and
         make the same graph pass (`graph_shape`: the pad id, windows, tree and schedule too)."""
@@ -150,8 +166,10 @@ class Runner:
         processed = len({processors_signature(p.processors, layout=False) for p in (mine, theirs)}) == 1
         if not (same and processed and torch.equal(theirs.eos, mine.eos)):
             return False
-        tree = _tree_of(self.tree_plan)
-        shape = graph_shape(self.graph.model, other, self.shape.batch, self.shape.slots, self.shape.tree, **tree)
+        tree, compiled = _tree_of(self.tree_plan), not self.graph.eager
+        shape = graph_shape(
+            self.graph.model, other, self.shape.batch, self.shape.slots, self.shape.tree, compiled, **tree
+        )
         # the processors' row layout (where each text starts) is each row's own; the rest must be equal
         return shape is not None and replace(shape, processors=()) == replace(self.shape, processors=())
 
@@ -441,16 +459,18 @@ def widest_plan(plan, trees):
     return replace(plan, settings=settings, candidates=candidates, lookup=lookup)
 
 
-def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, **plan) -> GraphShape | None:
+def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, compiled: bool = False, **plan):
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where only the loop can: logits processors that transformers alone applies (bans and biases of
-    several tokens, forced tokens; warpers, single-token bans and biases, repetition penalties, minimum lengths and
-    n-gram bans run in the pass: `scoring.by_rules`). A mask cost's schedule runs in the pass too, which feeds every
+    full `tree`, or None where only the loop can. Warpers, single-token bans and biases, repetition penalties, minimum
+    lengths and n-gram bans run in any pass by MARS's rules (`scoring.by_rules`); logits processors that transformers
+    alone applies (a grammar, bans and biases of several tokens, forced tokens) are called on each slot's text, which
+    an eager pass can do and a `compiled` one cannot. A mask cost's schedule runs in the pass too, which feeds every
     mask, as the loop does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer,
     are served from the host after each pass. `plan`: fields of `run.plan` replaced (a runner's wider tree)."""
     plan = replace(run.plan, **plan) if plan else run.plan
     settings = plan.settings
-    if not (enabled() and plan.logits_to_keep and by_rules(plan.processors)):
+    calls = not by_rules(plan.processors)
+    if not (enabled() and plan.logits_to_keep) or (calls and compiled):
         return None
     if model.config._attn_implementation not in BRANCHING:
         return None
@@ -473,6 +493,7 @@ def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, **plan) -> 
         typical=plan.typical,
         processors=processors_signature(plan.processors),
         reads_text=not history_free(plan.processors),
+        calls=calls,
         window=plan.window.size if plan.window else 0,
         sliding_only=bool(plan.window and plan.window.everywhere),
         scheduled=bool(masks) and not run.schedule.constant,
@@ -489,12 +510,13 @@ def serving_runner(
     cache of `rows_cache(model, capacity, slots)` to decode on, a runner's that is gone (a server's rows changing
     their settings: their K/V storage is not allocated again); else one is allocated."""
     tree_plan = widest_plan(first.plan, trees) if trees and compile_config is None else first.plan
-    shape = graph_shape(model, first, capacity, slots, runner_tree(tree_plan), **_tree_of(tree_plan))
+    compiled = compile_config is not None
+    shape = graph_shape(model, first, capacity, slots, runner_tree(tree_plan), compiled, **_tree_of(tree_plan))
     if shape is None:
         raise ValueError(
-            "these settings are decoded by generate()'s own loop alone, not in a runner (logits processors that only "
-            "transformers applies, such as bad words or sequence biases of several tokens): serve them without "
-            "--compile or --cache-slots"
+            "these settings are decoded by generate()'s own loop alone, not in a compiled runner (logits processors "
+            "that only transformers applies, such as a grammar, or bad words or sequence biases of several tokens): "
+            "serve them without --compile"
         )
     if kv is None or static_cache_size(kv) != slots or kv.layers[0].keys.shape[0] != capacity:
         kv = rows_cache(model, capacity, slots)

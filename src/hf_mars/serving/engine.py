@@ -12,11 +12,10 @@ and log probabilities are each row's own: `RowGrammars`, `Session.logprobs`). A 
 waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
 `--compile` (or `--cache-slots`) the running rows are a `Runner` instead (decoding/runner.py): fixed rows of one
 graph pass over a static cache, which requests join and leave the same way; a request's prompt's pass then runs as it
-joins (`Runner.admit`), straight into its row of the runner's cache, and an eager runner's pass records log
-probabilities for the rows that ask (`Runner.logprobs`). Requests that ask for what a runner's pass does not do (a
-response format or tool call's grammar, which reads each slot's text between the slots of a pass; log probabilities
-from a compiled pass, which records as it was compiled: `MARSEngine._apart`) decode in a `Session` there too, eager,
-while the runner waits.
+joins (`Runner.admit`), straight into its row of the runner's cache. An eager runner's pass records log
+probabilities for the rows that ask (`Runner.logprobs`) and calls the rows' grammars on each slot's text
+(`Runner.use_processors`). Requests that ask a compiled runner for what its pass cannot do (a response format or tool
+call's grammar, log probabilities: `MARSEngine._apart`) decode in a `Session` there, eager, while the runner waits.
 
 Rows that allow a τ range (`"mars_tau": [lo, hi]`) decode with a `TauController` of that range, which the engine sets
 before every pass from `TauPolicy` (load.py): the load (rows, queue) and the measured pass costs.
@@ -273,13 +272,13 @@ class MARSEngine(BaseGenerateManager):
         self._queue.put(request)
 
     def _apart(self, request: Request) -> bool:
-        """Whether `request` decodes in a `Session` while the engine's other rows run in a runner: a grammar reads
-        each slot's text between the slots of a pass, which a runner's pass cannot; a compiled pass records log
-        probabilities as it was compiled (an eager one records them for the rows that ask)."""
-        if self.cache_slots is None:
+        """Whether `request` decodes in a `Session` while the engine's other rows run in a runner: a compiled runner's
+        pass cannot call a grammar on each slot's text between its slots, and records log probabilities as it was
+        compiled (an eager runner does both for the rows that ask)."""
+        if self.cache_slots is None or self.compile_config is None:
             return False
         grammar = getattr(request.generation_config, "response_format", None) is not None
-        return grammar or (request.logprobs is not None and self.compile_config is not None)
+        return grammar or request.logprobs is not None
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -399,7 +398,9 @@ class MARSEngine(BaseGenerateManager):
                 return
             if self.session is None:
                 self.session, self._key = self._graph_for(joining), key
+            self._constrain(self.session, joining)
             self.session.admit(joining)  # the prompt's pass, into the runner's rows
+            self._follow(self.session)
         except Exception as error:  # noqa: BLE001 - settings resolved apart, too long, no graph: answered with why
             logger.warning("%d rows could not join the runner: %s", len(joining.labels), error)
             if len(joining.labels) == 1:
@@ -566,10 +567,10 @@ class MARSEngine(BaseGenerateManager):
 
         return GrammarProcessor.from_json_schema(schema, self.tokenizer).grammar
 
-    def _constrain(self, session: Session, joining: Session) -> None:
-        """Before `joining`'s rows join `session`: where they follow a grammar and the running rows none, the running
-        session gets a `RowGrammars` too (its rows free), as `joining` has one, and its lossless drafts become chains
-        (what a grammar's rows draft), from the next pass."""
+    def _constrain(self, session, joining: Session) -> None:
+        """Before `joining`'s rows join `session` (a session or an eager runner): where they follow a grammar and the
+        running rows none, the running rows get a `RowGrammars` too (theirs free), as `joining` has one, and their
+        lossless drafts become chains (what a grammar's rows draft), from the next pass."""
         if _row_grammars(session) is not None or _row_grammars(joining) is None:
             return
         from ..grammar import RowGrammars
@@ -577,14 +578,18 @@ class MARSEngine(BaseGenerateManager):
         processor = RowGrammars(self.tokenizer, eos_token_id=_row_grammars(joining).eos)
         self._processors(session, [processor])
 
-    def _processors(self, session: Session, processors: list) -> None:
-        """`session`'s rows decode with `processors` from the next pass (its drafts re-chosen for them)."""
+    def _processors(self, session, processors: list) -> None:
+        """`session`'s rows (a session's or an eager runner's) decode with `processors` from the next pass (its drafts
+        re-chosen for them)."""
+        self._banded = None  # `_choose_tree` chooses again, for these processors
+        if isinstance(session, Runner):
+            session.use_processors(LogitsProcessorList(processors))
+            return
         plan = session.plan
         session.plan = replace(plan, processors=LogitsProcessorList(processors))
         follow_padding(session.plan.processors, session.text.prompt_real)
         if plan.settings.verify or plan.settings.tau == 1.0:
             session.retree(plan.settings)
-        self._banded = None  # `_choose_tree` chooses again, for these processors
 
     def _follow(self, session) -> None:
         """The running rows' grammars, in their order (after rows joined or left); a `RowGrammars` whose rows follow
@@ -592,7 +597,8 @@ class MARSEngine(BaseGenerateManager):
         processor = _row_grammars(session)
         if processor is None:
             return
-        processor.assign([(request, request.grammar) for request in session.labels])
+        rows = session.held if isinstance(session, Runner) else session.labels  # a runner's: by row, free ones too
+        processor.assign([(request, None if request is None else request.grammar) for request in rows])
         if not processor.constrains and session.labels and session.live:
             self._processors(session, [])
 
@@ -659,8 +665,7 @@ class MARSEngine(BaseGenerateManager):
                 stopped.append(request)
         if stopped:
             session.release(stopped)
-            if isinstance(session, Session):
-                self._follow(session)
+            self._follow(session)  # rows left, a runner's moved
             for request in stopped:
                 self._finish(request)
         return sent_in_all
@@ -686,8 +691,9 @@ class MARSEngine(BaseGenerateManager):
 
 
 def _row_grammars(session):
-    """`session`'s `RowGrammars`, or None (no session, a runner, or rows that follow no grammar)."""
-    if not isinstance(session, Session):
+    """`session`'s `RowGrammars` (a session's or a runner's), or None (none running, or rows that follow no
+    grammar)."""
+    if session is None:
         return None
     return next((p for p in session.plan.processors if type(p).__name__ == "RowGrammars"), None)
 
