@@ -81,6 +81,7 @@ def test_an_untested_release_is_named_once_in_one_line(monkeypatch):
     monkeypatch.setattr(logger, "disabled", False)
     monkeypatch.setattr(logger, "level", logging.WARNING)
     monkeypatch.setattr(logger, "_cache", {})  # what an earlier test's level made it answer (`isEnabledFor`)
+    monkeypatch.setattr(logger.manager, "disable", logging.NOTSET)  # a library's `logging.disable` in an earlier test
     try:
         compat.warn_if_untested.cache_clear()
         monkeypatch.setattr(transformers, "__version__", "9.1.0")
