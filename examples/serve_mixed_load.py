@@ -3,6 +3,7 @@ what the plain clients' latency does when schema traffic shares the server, and 
 validates. Rounds alternate (alone, beside, alone, ...), so drift of the machine falls on both.
 
     python examples/serve_mixed_load.py [MODEL] [--clients 8] [--per-client 2] [--max-tokens 64] [--rounds 2]
+                                        [--cache-slots N]
 
 Every request decodes in lossless mode. The schemas and prompts are `hf-mars bench --structured`'s; the plain
 prompts `hf-mars bench --serve`'s.
@@ -83,9 +84,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="plain requests' (schema requests: twice)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cache-slots", type=int, help="serve on the eager runner, as `hf-mars serve --cache-slots`")
     args = parser.parse_args()
     model = args.model or resolve_checkpoint(None)
-    url, server = start_server(model, args.dtype, "cpu", 2 * args.clients)
+    url, server = start_server(model, args.dtype, "cpu", 2 * args.clients, cache_slots=args.cache_slots)
     gathered = {False: [], True: []}
     valid = total = 0
     try:

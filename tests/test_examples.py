@@ -218,10 +218,11 @@ def test_agent_client_gets_json_a_tool_call_log_probabilities_and_choices_from_t
     assert "'forward_passes'" in next(line for line in lines if line.startswith("usage: "))
 
 
-def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests(tmp_path):
+@pytest.mark.parametrize("runner", [[], ["--cache-slots", "256"]], ids=["session", "eager runner"])
+def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests(tmp_path, runner):
     """examples/serve_mixed_load.py on a random MARS checkpoint, two clients of each kind (a plain one sends two
-    requests in turn), one round: both lines of plain latency over the requests sent, and the schema requests'
-    validity counted over all of them."""
+    requests in turn), one round, on the server's session or its eager runner: both lines of plain latency over the
+    requests sent, and the schema requests' validity counted over all of them."""
     from helpers import make_model, make_tokenizer
 
     from hf_mars import to_mars
@@ -230,7 +231,7 @@ def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests
     to_mars(model, tok, block_size=4)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    out = run("serve_mixed_load.py", str(tmp_path), "--clients", "2", "--max-tokens", "8", "--rounds", "1")
+    out = run("serve_mixed_load.py", str(tmp_path), "--clients", "2", "--max-tokens", "8", "--rounds", "1", *runner)
     lines = out.splitlines()
     for name in ("alone", "beside schema requests"):
         line = next(line for line in lines if line.startswith(f"plain {name}: "))
