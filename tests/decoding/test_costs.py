@@ -209,8 +209,9 @@ def test_the_device_kind_reads_the_device_the_dtype_and_the_cpu_s_flags(monkeypa
 
 
 def test_cpu_share_tells_work_from_waiting():
-    """The share is CPU time over wall time: near 1 while this thread computes (the tests run one torch thread), near
-    0 while it sleeps, as it would while another process holds the CPU."""
+    """The share is CPU time over wall time: near 0 while this thread sleeps, as it would while another process holds
+    the CPU, and far above that while it computes (near 1 on an idle core; on a machine other processes keep busy, the
+    core's share the scheduler gives it, which this test must pass beside)."""
     import time
 
     from hf_mars.tools.measure import cpu_load
@@ -219,10 +220,11 @@ def test_cpu_share_tells_work_from_waiting():
     end = time.perf_counter() + 0.2
     while time.perf_counter() < end:
         pass
-    assert cpu_load.cpu_share(started) > 0.5 * (1 / torch.get_num_threads())
+    working = cpu_load.cpu_share(started)
     started = cpu_load.clocks()
     time.sleep(0.2)
-    assert cpu_load.cpu_share(started) < 0.2
+    waiting = cpu_load.cpu_share(started)
+    assert waiting < 0.2 and working > 2 * waiting + 0.1, (working, waiting)
 
 
 def test_timing_share_counts_the_cores_other_processes_held_not_this_ones_waiting(monkeypatch):
