@@ -133,6 +133,15 @@ class GraphShape:
         return self.tree.depth + 1 if self.verify else self.pending
 
 
+def processor_fields(processors) -> dict:
+    """The `GraphShape` fields that say what a pass's logits processors are and how it applies them."""
+    return dict(
+        processors=processors_signature(processors),
+        reads_text=not history_free(processors),
+        calls=not by_rules(processors),
+    )
+
+
 @dataclass
 class GraphState:
     """What a graph pass reads and writes in place, for every row of the batch (rows stay until all are done)."""
@@ -493,8 +502,7 @@ class GraphPass:
         from the text. A compiled pass applies those it was compiled with."""
         if not self.eager:
             raise ValueError("A compiled pass applies the logits processors it was compiled with.")
-        reads, calls = not history_free(processors), not by_rules(processors)
-        self.shape = replace(self.shape, processors=processors_signature(processors), reads_text=reads, calls=calls)
+        self.shape = replace(self.shape, **processor_fields(processors))
         self._processor_buffers(self.model, self.shape, processors, self.state.done.device)
         self.find_held()
 

@@ -24,8 +24,8 @@ import torch
 
 from .cache import StaticMARSCache, allocate_layers, cache_view
 from .compat import full_attention_config, static_cache_size
-from .graph import GraphPass, GraphShape, enabled
-from .scoring import by_rules, follow_padding, history_free, processors_signature
+from .graph import GraphPass, GraphShape, enabled, processor_fields
+from .scoring import follow_padding, processors_signature
 from .session import BRANCHING, draft_shape
 from .settings import read_tau
 from .tree import NO_DRAFTS, DraftTree, canonical_candidates, depth_candidates, full_tree
@@ -469,8 +469,8 @@ def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, compiled: b
     are served from the host after each pass. `plan`: fields of `run.plan` replaced (a runner's wider tree)."""
     plan = replace(run.plan, **plan) if plan else run.plan
     settings = plan.settings
-    calls = not by_rules(plan.processors)
-    if not (enabled() and plan.logits_to_keep) or (calls and compiled):
+    processing = processor_fields(plan.processors)
+    if not (enabled() and plan.logits_to_keep) or (processing["calls"] and compiled):
         return None
     if model.config._attn_implementation not in BRANCHING:
         return None
@@ -491,9 +491,7 @@ def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, compiled: b
         eos=plan.eos.numel(),
         sampled=plan.do_sample,
         typical=plan.typical,
-        processors=processors_signature(plan.processors),
-        reads_text=not history_free(plan.processors),
-        calls=calls,
+        **processing,
         window=plan.window.size if plan.window else 0,
         sliding_only=bool(plan.window and plan.window.everywhere),
         scheduled=bool(masks) and not run.schedule.constant,
