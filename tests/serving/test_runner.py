@@ -281,7 +281,8 @@ def test_rows_released_between_others_are_condensed_and_each_decodes_as_alone(tr
     """The second of four rows is released while the others decode: the last held row moves into its place
     (`Runner._condense`, one copy of its K/V and state), so every later pass feeds the held rows as one block from
     the first row (no free row computed, none gathered), and every request gets the tokens it gets alone: greedy
-    `generate()`'s (τ-mode's and a mask schedule's, that mode's alone). The premise: some row moved."""
+    `generate()`'s (τ-mode's and a mask schedule's, that mode's alone). The premises: some row moved, one that joined
+    after the first pass (holes before its prompt, which its K/V copy leaves out)."""
     moved, fed, forward, move = [], [], graph._forward, graph.GraphPass.move_rows
 
     def recorded(g):
@@ -290,7 +291,7 @@ def test_rows_released_between_others_are_condensed_and_each_decodes_as_alone(tr
         return forward(g)
 
     def moving(g, sources, targets, slots):
-        moved.append((sources.tolist(), targets.tolist()))
+        moved.append((sources.tolist(), targets.tolist(), not bool(g.state.real[sources, 0].any())))
         return move(g, sources, targets, slots)
 
     monkeypatch.setattr(graph, "_forward", recorded)
@@ -301,7 +302,7 @@ def test_rows_released_between_others_are_condensed_and_each_decodes_as_alone(tr
     budgets = [30, 12, 30, 25]
     slots = 160 if "lossless" in mode or "tau=0.6" in mode else 96
     finished, held = _serve(model, prompts, budgets, CONDENSED[mode], 4, slots, every=1)
-    assert moved and moved[0] == ([3], [1]), moved
+    assert moved and moved[0] == ([3], [1], True), moved
     assert all(prefix for _, prefix, _ in fed), "the rows that decode are the first ones"
     assert all(rows is None or (rows.start, rows.stop) == (0, count) for rows, _, count in fed), fed
     plain = "tau=0.6" not in mode and "schedule" not in mode

@@ -424,9 +424,18 @@ def cache_view(kv, slots: slice, rows: slice = slice(None), stacked: torch.Tenso
 def gathered_cache(kv, reach: int, rows: torch.Tensor, stacked: torch.Tensor):
     """`(cache, gathered)`: a static cache of `kv`'s `rows` (indices, not necessarily adjacent) and first `reach`
     slots, copied out of `stacked` (`stacked_layers`) into `gathered`, sharing `kv`'s count of written slots. A
-    forward's writes land in the copy: `stacked[..., :reach].index_copy_(1, rows, gathered)` puts them back."""
-    gathered = stacked[:, :, :, :reach].index_select(1, rows)
+    forward's writes land in the copy: `put_back_rows` puts them back. Row by row, one strided copy each: an
+    `index_select` over a view of the whole cache walks far more memory than it copies."""
+    gathered = stacked.new_empty(stacked.shape[0], rows.numel(), stacked.shape[2], reach, stacked.shape[4])
+    for place, row in enumerate(rows.tolist()):
+        gathered[:, place].copy_(stacked[:, row, :, :reach])
     return _cache_over(kv, gathered.unbind(0)), gathered
+
+
+def put_back_rows(stacked: torch.Tensor, rows: torch.Tensor, gathered: torch.Tensor) -> None:
+    """`gathered_cache`'s copy of `rows`, with what a forward wrote into it, back into `stacked`."""
+    for place, row in enumerate(rows.tolist()):
+        stacked[:, row, :, : gathered.shape[3]].copy_(gathered[:, place])
 
 
 def _cache_over(kv, tensors):

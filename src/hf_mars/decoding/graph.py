@@ -27,6 +27,7 @@ This file is copied into MARS checkpoints (trust_remote_code).
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from contextlib import contextmanager
@@ -35,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cache import cache_view, compact_static, gathered_cache, pass_positions, stacked_layers
+from .cache import cache_view, compact_static, gathered_cache, pass_positions, put_back_rows, stacked_layers
 from .commit import cut, right_align, write_taken
 from .compat import CACHE_ARG, counts_static_writes, many_shapes, static_cache_size
 from .schedule import masks_covering, offers, rate_moves, rates_after
@@ -436,8 +437,11 @@ class GraphPass:
         """Rows `sources` into rows `targets` between passes (a runner condensing its rows: `Runner._condense`): their
         K/V in the first `slots` slots, their text and counters, what the next pass feeds them, their mask schedule,
         and what the processors keep of their histories; `sources` are free afterwards. The tables stay (a row's are
-        its place's)."""
+        its place's). K/V is copied from the first slot any of them holds: a row that joined late ends its prompt
+        just before the slot it joined at (holes before, left out of the copy), and the rows moved are the last
+        held, mostly the latest to join."""
         state = self.state
+        first = int(state.real[sources, :slots].any(dim=0).float().argmax())  # a held row holds a slot
         rows = [state.text, state.write_offsets, state.budget, state.decoded, state.text_end, state.text_last]
         rows += [state.done, state.real, state.last_position, state.fed, state.fed_real, state.rates, state.last]
         rows += [state.passes, self.live, self.within, self.targets, *self.held]
@@ -446,13 +450,14 @@ class GraphPass:
             tensor.index_copy_(0, targets, tensor.index_select(0, sources))
         state.accepted_log.index_copy_(1, targets, state.accepted_log.index_select(1, sources))
         self.free(sources)
-        if self.stacked is not None:
-            kv = self.stacked[:, :, :, :slots]
-            kv.index_copy_(1, targets, kv.index_select(1, sources))
+        pairs = list(zip(sources.tolist(), targets.tolist()))  # a row's K/V slice copied as one strided view: an
+        if self.stacked is not None:  # `index_copy_` into a view of the whole cache walks far more than it copies
+            for source, target in pairs:
+                self.stacked[:, target, :, first:slots].copy_(self.stacked[:, source, :, first:slots])
             return
         for layer in self.kv.layers:
-            for tensor in (layer.keys[:, :, :slots], layer.values[:, :, :slots]):
-                tensor.index_copy_(0, targets, tensor.index_select(0, sources))
+            for tensor, (source, target) in itertools.product((layer.keys, layer.values), pairs):
+                tensor[target, :, first:slots].copy_(tensor[source, :, first:slots])
 
     def narrow(self, lead: int, tail: int = 0) -> None:
         """Let the next τ-mode pass skip its first `lead` columns, pending slots that are holes in every row still
@@ -705,7 +710,7 @@ def _forward(g: GraphPass) -> torch.Tensor:
         **({} if g.lengths else {"cache_position": slots}),  # layers that write where told (before 5.4)
     )
     if g.gathered is not None:  # the rows' K/V, with what the pass wrote, back into the cache
-        g.stacked[:, :, :, : g.reach].index_copy_(1, g.fed_rows, g.gathered)
+        put_back_rows(g.stacked, g.fed_rows, g.gathered)
     if g.lengths and (g.pruned is not None or g.tail):  # each layer's count of written slots as a whole pass's
         torch._foreach_add_(g.lengths, shape.width - len(columns) if g.pruned is not None else g.tail)
     if g.pruned is None and g.fed_rows is None and not g.tail:
