@@ -20,6 +20,7 @@ import time
 import jsonschema
 from openai import AsyncOpenAI
 
+from hf_mars.serving import DEFAULT_CACHE_SLOTS
 from hf_mars.tools.checkpoints.loading import resolve_checkpoint
 from hf_mars.tools.measure.serve_bench import PROMPTS, start_server
 from hf_mars.tools.measure.structured import _ASKS, _SUBJECTS, SCHEMAS
@@ -84,10 +85,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="plain requests' (schema requests: twice)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--cache-slots", type=int, help="serve on the eager runner, as `hf-mars serve --cache-slots`")
+    parser.add_argument(
+        "--cache-slots",
+        type=int,
+        default=DEFAULT_CACHE_SLOTS,
+        help=f"the eager runner's slots per row, as `hf-mars serve --cache-slots` (default {DEFAULT_CACHE_SLOTS}; "
+        "0: a session over a dynamic cache)",
+    )
     args = parser.parse_args()
     model = args.model or resolve_checkpoint(None)
-    url, server = start_server(model, args.dtype, "cpu", 2 * args.clients, cache_slots=args.cache_slots)
+    url, server = start_server(model, args.dtype, "cpu", 2 * args.clients, cache_slots=args.cache_slots or None)
     gathered = {False: [], True: []}
     valid = total = 0
     try:

@@ -218,7 +218,7 @@ def test_agent_client_gets_json_a_tool_call_log_probabilities_and_choices_from_t
     assert "'forward_passes'" in next(line for line in lines if line.startswith("usage: "))
 
 
-@pytest.mark.parametrize("runner", [[], ["--cache-slots", "256"]], ids=["session", "eager runner"])
+@pytest.mark.parametrize("runner", [["--cache-slots", "0"], ["--cache-slots", "256"]], ids=["session", "eager runner"])
 def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests(tmp_path, runner):
     """examples/serve_mixed_load.py on a random MARS checkpoint, two clients of each kind (a plain one sends two
     requests in turn), one round, on the server's session or its eager runner: both lines of plain latency over the

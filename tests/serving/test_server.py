@@ -221,10 +221,13 @@ def test_a_request_that_admission_fails_on_is_answered_and_the_next_is_served(se
     assert reply.choices[0].message.content is not None
 
 
-def test_a_row_too_long_for_the_runners_cache_is_refused_and_the_rows_that_came_with_it_decode(tmp_path, monkeypatch):
+def test_a_row_too_long_for_the_runners_cache_decodes_apart_and_the_rows_that_came_with_it_in_the_runner(
+    tmp_path, monkeypatch
+):
     """With `--cache-slots`, requests that arrive together join the runner as one group: one whose prompt and
-    max_tokens need more slots than the cache has is answered with why (a 400), and the others, tried alone, each get
-    greedy `generate()`'s text."""
+    max_tokens need more slots than the cache has decodes apart, in a session of its own once the runner's rows are
+    done (`MARSEngine._beyond_slots`), and the others, tried alone, in the runner: each gets greedy `generate()`'s
+    text, the long one too."""
     from hf_mars.serving.engine import MARSEngine
     from hf_mars.serving.server import build_app
 
@@ -236,23 +239,22 @@ def test_a_row_too_long_for_the_runners_cache_is_refused_and_the_rows_that_came_
     admit, groups = MARSEngine._admit, []
 
     def together(self):  # the first admission waits until all four have arrived: one group
-        if self.session is None and len(self._waiting) < 4:
+        if not groups and len(self._waiting) < 4:
             return time.sleep(0.01)
         groups.append(len(self._waiting))
         return admit(self)
 
+    beyond, apart = MARSEngine._beyond_slots, []
     monkeypatch.setattr(MARSEngine, "_admit", together)
+    monkeypatch.setattr(MARSEngine, "_beyond_slots", lambda self, j: beyond(self, j) and not apart.append(j.labels[0]))
     budgets = [8, 200, 8, 8]  # the second's prompt and budget exceed the 96 slots
 
     async def ask(content: str, budget: int):
         async with AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120) as client:
-            try:
-                reply = await client.chat.completions.create(
-                    model=str(tmp_path), messages=[{"role": "user", "content": content}], max_tokens=budget,
-                    temperature=0, extra_body={"mars_verify": True},
-                )  # fmt: skip
-            except Exception as error:  # noqa: BLE001 - the refused one's answer
-                return error
+            reply = await client.chat.completions.create(
+                model=str(tmp_path), messages=[{"role": "user", "content": content}], max_tokens=budget,
+                temperature=0, extra_body={"mars_verify": True},
+            )  # fmt: skip
             return reply.choices[0].message.content
 
     contents = [f"count {i} to {i + 5}" for i in range(4)]
@@ -263,11 +265,10 @@ def test_a_row_too_long_for_the_runners_cache_is_refused_and_the_rows_that_came_
 
         replies = asyncio.run(run())
     assert groups[0] == 4, "the premise: the four joined as one group"
-    assert isinstance(replies[1], BadRequestError) and "cache slots" in str(replies[1]), replies[1]
+    assert [request.max_new_tokens for request in apart] == [200], "the long one alone went apart"
+    assert engine._graph is not None and engine._graph.shape.slots == 96, "the others decoded in the runner"
     offline = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True, dtype=torch.float32)
     for content, budget, reply in zip(contents, budgets, replies):
-        if budget == 200:
-            continue
         ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)  # fmt: skip
         out = offline.generate(**ids, do_sample=False, max_new_tokens=budget)[0, ids["input_ids"].shape[1] :]
@@ -961,7 +962,8 @@ def test_cache_slots_are_checked_and_belong_to_the_hf_mars_engine():
     from hf_mars.cli import build_parser
 
     for argv, message in (
-        (["serve", "--cache-slots", "0", "some/model"], "--cache-slots must be at least 1"),
+        (["serve", "--cache-slots", "-1", "some/model"], "--cache-slots must be 0 or more"),
+        (["serve", "--cache-slots", "0", "--compile", "some/model"], "--cache-slots 0 has none"),
         (["serve", "--engine", "vllm", "--cache-slots", "512", "some/model"], "--cache-slots is an hf_mars engine"),
     ):
         args = build_parser().parse_args(argv)
@@ -1115,11 +1117,13 @@ def test_the_servers_tau_range_is_for_requests_that_set_no_mars_field(tmp_path):
         build_app(str(tmp_path), dtype="float32", device="cpu", tau_range=(0.9, 0.1))
 
 
-def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_text(tmp_path):
+@pytest.mark.parametrize("slots", [None, 2048], ids=["session", "eager runner"])
+def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_text(tmp_path, slots):
     """A lossless preset by batch size (as `hf-mars tune` saves one, and as `"auto"` chooses from the pass costs):
     one row decodes with its 4-token tree, four rows with the 2-token chain: the long row's tree changes as three
-    others join it and again when they leave; every text is greedy `generate()`'s. (A graph pass has its tree's shape
-    and keeps it: test_runner.py.)"""
+    others join it and again when they leave; every text is greedy `generate()`'s. In a session, and in the default
+    eager runner, built for both trees (`MARSEngine._trees`). (A compiled pass has its tree's shape and keeps it:
+    test_runner.py.)"""
     from hf_mars.serving.server import build_app
 
     tok, model = make_tokenizer(), make_model("llama")
@@ -1127,7 +1131,7 @@ def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_tex
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     path = str(tmp_path)
-    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=4)
+    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=4, cache_slots=slots)
     offline = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
     preset = {"1": {"mars_block_size": 4, "mars_draft_candidates": 2}, "4": {"mars_block_size": 2}}
     mode = {"mars_verify": True, "mars_lossless": preset}
@@ -1148,6 +1152,7 @@ def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_tex
         assert (text, usage.completion_tokens) == _offline(served, prompt, {}, budget), prompt
     changes = [tree for _, tree in engine.tree_changes]
     assert "2x1" in changes and "4x2" in changes[changes.index("2x1") :], engine.tree_changes
+    assert slots is None or engine._graph.widened, "the runner's pass was built for both trees"
 
 
 def test_a_preset_tree_is_rechosen_at_its_own_batch_size_whatever_order_rows_join_in(tmp_path):

@@ -124,8 +124,8 @@ def _add_other_benches(bench) -> None:
     bench.add_argument(
         "--cache-slots",
         type=int,
-        help="with --serve: the server's rows in one graph pass over a static cache of this many slots (as `serve "
-        "--cache-slots`; with --compile, compiled)",
+        help="with --serve: the server's static cache slots per row (as `serve --cache-slots`; 0: a session over a "
+        "dynamic cache; with --compile, the pass compiled)",
     )
     bench.add_argument(
         "--structured",
@@ -195,7 +195,7 @@ def run_serve(args) -> None:
 
     from ..tools.checkpoints.loading import resolve_checkpoint
     from ..tools.measure.serve_bench import MODES, ramp_modes, run_serve_bench, serve_plot, serve_table, start_server
-    from .serve import DEFAULT_CACHE_SLOTS
+    from .serve import cache_slots, check_cache_slots
 
     if args.tau_range:
         from ..serving.load import check_tau_range
@@ -213,7 +213,8 @@ def run_serve(args) -> None:
         if args.dtype == "auto":
             raise SystemExit("--serve runs the server in one dtype: pass --dtype float32 or bfloat16.")
         model = args.model or resolve_checkpoint(None)
-        slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
+        check_cache_slots(args)
+        slots = cache_slots(args)
         url, server = start_server(
             model, args.dtype, args.device or "auto", args.max_batch_size, args.compile, slots, args.attention
         )

@@ -8,10 +8,10 @@ import os
 import shlex
 import sys
 
+from ..serving import DEFAULT_CACHE_SLOTS
 from .options import DTYPES, add_attention, add_model, add_tau_range
 
 HELP = "serve a MARS checkpoint over an OpenAI-compatible HTTP API"
-DEFAULT_CACHE_SLOTS = 2048  # static cache slots per row with --compile
 API_KEY_ENV = "HF_MARS_API_KEY"
 DESCRIPTION = (
     "Serve a MARS checkpoint with transformers serve's OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
@@ -45,8 +45,9 @@ def add_parser(subparsers) -> None:
     serve.add_argument(
         "--cache-slots",
         type=int,
-        help="decode every pass as one graph over a static cache of this many slots per row: a prompt, its max_tokens "
-        f"and a few passes must fit (default with --compile: {DEFAULT_CACHE_SLOTS}; without it, eager)",
+        help="decode every pass as one graph over a static cache of this many slots per row, allocated as the server "
+        f"starts (default: {DEFAULT_CACHE_SLOTS}); a request whose prompt and max_tokens do not fit decodes alone "
+        "once the running rows are done. 0: no static cache, rows decode in a session over a dynamic one",
     )
     serve.add_argument("--max-batch-size", type=int, help="most requests decoding at once (default: 8; vLLM's own)")
     serve.add_argument(
@@ -90,8 +91,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> None:
     if args.max_batch_size is not None and args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
-    if args.cache_slots is not None and args.cache_slots < 1:
-        raise ValueError(f"--cache-slots must be at least 1, got {args.cache_slots}")
+    check_cache_slots(args)
     if args.tau_range is not None:
         from ..serving.load import check_tau_range
 
@@ -110,14 +110,13 @@ def run(args) -> None:
 
     hf_logging.set_verbosity_error()  # transformers serve logs every request as a warning
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=args.log_level.upper())  # hf_mars' own
-    slots = args.cache_slots or (DEFAULT_CACHE_SLOTS if args.compile else None)
     app, _ = build_app(
         model,
         args.dtype,
         args.device,
         args.compile,
         args.max_batch_size or 8,
-        cache_slots=slots,
+        cache_slots=cache_slots(args),
         api_key=args.api_key,
         tau_range=args.tau_range,
         served_name=args.served_model_name,
@@ -127,6 +126,19 @@ def run(args) -> None:
     name = args.served_model_name or served_model_name(str(model))
     print(f"hf-mars serve: {model} on http://{args.host}:{args.port}/v1 (model name: {name}; {key})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def check_cache_slots(args) -> None:
+    if args.cache_slots is not None and args.cache_slots < 0:
+        raise ValueError(f"--cache-slots must be 0 or more, got {args.cache_slots}")
+    if args.cache_slots == 0 and args.compile:
+        raise ValueError("--compile compiles the pass over a static cache: --cache-slots 0 has none")
+
+
+def cache_slots(args) -> int | None:
+    """The engine's static cache slots per row: `--cache-slots`, its default where not given, None (a session over a
+    dynamic cache) for 0."""
+    return None if args.cache_slots == 0 else args.cache_slots or DEFAULT_CACHE_SLOTS
 
 
 def run_vllm(args, model: str) -> None:

@@ -162,7 +162,10 @@ class Runner:
         """Whether `other`'s rows decode with these settings, sampling and processors, stop at the same EOS tokens, and
         make the same graph pass (`graph_shape`: the pad id, windows, tree and schedule too)."""
         mine, theirs = self.plan, other.plan
-        same = (theirs.settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
+        settings = theirs.settings
+        if self.retrees and _tree_free(settings) and _tree_free(mine.settings):  # they draft the runner's tree here
+            settings = replace(settings, **_tree_settings(mine.settings))
+        same = (settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
         processed = len({processors_signature(p.processors, layout=False) for p in (mine, theirs)}) == 1
         if not (same and processed and torch.equal(theirs.eos, mine.eos)):
             return False
@@ -182,13 +185,17 @@ class Runner:
         rows = other.text.sequences.shape[0]
         if rows > self.room:
             return f"{rows} rows, {self.room} adjacent free"
-        text, kv = other.text, getattr(other.cache, "kv", None)
-        if kv is self.graph.kv:  # `generate()`'s run, which sized the runner's cache for its rows
+        if getattr(other.cache, "kv", None) is self.graph.kv:  # `generate()`'s run, which sized the cache for its rows
             return None
-        longest = max(int((text.prompt_real.sum(dim=1) + text.budget).max()), text.prompt_length) + self.shape.width
-        if longest > self.shape.slots:
-            return f"a prompt and its max_tokens need {longest} cache slots, more than the {self.shape.slots} served"
+        needed = self.slots_needed(other)
+        if needed > self.shape.slots:
+            return f"a prompt and its max_tokens need {needed} cache slots, more than the {self.shape.slots} served"
         return None
+
+    def slots_needed(self, other) -> int:
+        """The cache slots `other`'s rows need here: the longest prompt and budget among them, and a pass."""
+        text = other.text
+        return max(int((text.prompt_real.sum(dim=1) + text.budget).max()), text.prompt_length) + self.shape.width
 
     @_in_own_mode
     def admit(self, other) -> None:
@@ -417,6 +424,11 @@ def runner_tree(plan) -> DraftTree:
     none."""
     settings = plan.settings
     return full_tree(settings.block_size - 1, plan.candidates, plan.lookup) if settings.verify else NO_DRAFTS
+
+
+def _tree_free(settings) -> bool:
+    """Whether rows with `settings` decode the same text whatever lossless tree they draft: lossless mode, or τ = 1."""
+    return settings.verify or (not callable(settings.tau) and settings.tau == 1.0)
 
 
 def _tree_settings(settings) -> dict:

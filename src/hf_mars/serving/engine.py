@@ -398,6 +398,8 @@ class MARSEngine(BaseGenerateManager):
                 return
             if self.session is None:
                 self.session, self._key = self._graph_for(joining), key
+            if self._beyond_slots(joining):
+                return
             self._constrain(self.session, joining)
             self.session.admit(joining)  # the prompt's pass, into the runner's rows
             self._follow(self.session)
@@ -414,6 +416,23 @@ class MARSEngine(BaseGenerateManager):
         self.metrics.passed(len(joining.labels))
         self._deliver(self.session)
 
+    def _beyond_slots(self, joining: Session) -> bool:
+        """Whether `joining`'s one row needs more cache slots than the runner has (its prompt and max_tokens): it then
+        waits to decode in a session of its own, as any length decodes there, once the runner's rows are done, rather
+        than being refused. (Rows that join together and do not fit are tried one by one, `_join`.)"""
+        runner = self.session
+        if len(joining.labels) != 1 or runner.slots_needed(joining) <= runner.shape.slots:
+            return False
+        request = joining.labels[0]
+        logger.info(
+            "a request needs %d cache slots, the runner has %d: it decodes apart",
+            runner.slots_needed(joining),
+            runner.shape.slots,
+        )
+        request.apart = True  # another key: it opens a session once the running rows are done
+        self._waiting.insert(0, request)
+        return True
+
     def _graph_for(self, first: Session) -> Runner:
         """The runner that `first`'s rows decode in: the one kept from earlier rows where their settings are the
         same, else a new one."""
@@ -421,9 +440,9 @@ class MARSEngine(BaseGenerateManager):
         if graph is None or not graph.decodes_like(first):
             kv = graph.graph.kv if graph is not None and graph.graph.graph is None else self._kv  # none captured
             self._graph = graph = self._kv = None  # the old pass goes before the new one, on its cache where eager
-            graph = self._graph = serving_runner(
-                self.model, first, self.max_batch_size, self.cache_slots, self.compile_config, kv=kv
-            )
+            rows, slots, trees = self.max_batch_size, self.cache_slots, self._trees(first)
+            graph = serving_runner(self.model, first, rows, slots, self.compile_config, kv=kv, trees=trees)
+            self._graph = graph
         graph.logprobs = None  # until rows that ask for log probabilities join (`Runner.admit`)
         return graph
 
@@ -518,6 +537,24 @@ class MARSEngine(BaseGenerateManager):
             self._policies[self._key].observed(tau, decoding, tokens)
         if not session.live:
             self.session = None
+
+    def _trees(self, first: Session) -> tuple:
+        """The lossless trees an eager runner for `first`'s rows is built for: each that its settings choose at a power
+        of two rows up to `max_batch_size` (and at it), so that `_choose_tree` can re-choose among them as rows join
+        and leave, as a session re-chooses its own. None where they choose one tree at every size, for τ-mode, and
+        for a compiled runner (its pass keeps its tree's shape)."""
+        request, running = first.labels[0], first.plan.settings
+        lossless = running.verify or running.tau == 1.0
+        if self.compile_config is not None or request.tau_range is not None or not lossless:
+            return ()
+        sizes = [1 << k for k in range(self.max_batch_size.bit_length()) if 1 << k < self.max_batch_size]
+        call = {"logits_processor": first.plan.processors}
+        try:
+            trees = [session_settings(self.model, request.generation_config, rows, call) for rows in sizes]
+        except ValueError:
+            return ()
+        trees = [tree for i, tree in enumerate(trees) if tree != running and tree not in trees[:i]]
+        return tuple(trees) if any(tree.verify for tree in (running, *trees)) and trees else ()
 
     def _choose_tree(self, session, rows: int) -> None:
         """Lossless rows decode with the draft tree the measured pass costs favour at the rows running now, re-chosen

@@ -36,6 +36,7 @@ from transformers.cli.serving.utils import GenerationState, split_revision
 from ..decoding.modeling import mars_class
 from ..decoding.settings import SETTING_KEYS
 from ..tools.checkpoints.loading import check_mars_config
+from . import DEFAULT_CACHE_SLOTS
 from .choices import CHOICES_KEY, check_best_of, check_choices, likeliest, merged_answer, merged_stream, merged_usage
 from .load import check_tau_range
 from .logprobs import TokenLogprobs, asked_logprobs, prompts_of, score, scores_prompt
@@ -452,14 +453,15 @@ def build_app(
     device: str = "auto",
     compile: bool = False,
     max_batch_size: int = 8,
-    cache_slots: int | None = None,
+    cache_slots: int | None = DEFAULT_CACHE_SLOTS,
     api_key: str | None = None,
     tau_range: tuple[float, float] | None = None,
     served_name: str | None = None,
     attention: str | None = None,
 ):
     """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
-    one graph over a static cache of that many slots per row (a `Runner`), compiled if `compile`. `api_key`: every
+    one graph over a static cache of that many slots per row (a `Runner`), compiled if `compile`; None: a session over
+    a dynamic cache. `api_key`: every
     endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
     the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py).
     `served_name`: the model's name in `/v1/models` and in answers (default `served_model_name(model)`). `attention`:

@@ -25,6 +25,7 @@ from openai import AsyncOpenAI
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
+from ...serving import DEFAULT_CACHE_SLOTS
 from ...serving.server import build_app
 from .tables import markdown_table
 
@@ -69,7 +70,7 @@ def start_server(
     device: str,
     max_batch_size: int,
     compile: bool = False,
-    cache_slots=None,
+    cache_slots: int | None = DEFAULT_CACHE_SLOTS,
     attention: str | None = None,
     port: int = 0,
 ):
