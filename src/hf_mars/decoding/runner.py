@@ -126,7 +126,7 @@ class Runner:
         left out are dropped, and the next pass proposes the new tree's."""
         if not self.retrees and settings != self.plan.settings:
             raise ValueError("A compiled runner keeps its draft tree: its passes have the tree's shape.")
-        if not (settings.verify or settings.tau == 1.0):
+        if not settings.any_tree:
             raise ValueError("Only lossless mode (or τ = 1, its plain form) changes its draft tree between passes.")
         plan, g, widest = self.plan, self.graph, self.tree_plan.settings
         if replace(settings, **_tree_settings(widest)) != widest:
@@ -151,7 +151,7 @@ class Runner:
         self.shape = self.graph.shape
         self.plan = replace(self.plan, processors=processors)
         self.tree_plan = replace(self.tree_plan, processors=processors) if self.widened else self.plan
-        if self.plan.settings.verify or self.plan.settings.tau == 1.0:
+        if self.plan.settings.any_tree:
             try:
                 self.retree(self.plan.settings)
             except ValueError:  # a tree wider than the runner's (built for a chain): its own stays, as exact
@@ -163,7 +163,7 @@ class Runner:
         make the same graph pass (`graph_shape`: the pad id, windows, tree and schedule too)."""
         mine, theirs = self.plan, other.plan
         settings = theirs.settings
-        if self.retrees and _tree_free(settings) and _tree_free(mine.settings):  # they draft the runner's tree here
+        if self.retrees and settings.any_tree and mine.settings.any_tree:  # they draft the runner's tree here
             settings = replace(settings, **_tree_settings(mine.settings))
         same = (settings, theirs.do_sample, theirs.typical) == (mine.settings, mine.do_sample, mine.typical)
         processed = len({processors_signature(p.processors, layout=False) for p in (mine, theirs)}) == 1
@@ -424,11 +424,6 @@ def runner_tree(plan) -> DraftTree:
     none."""
     settings = plan.settings
     return full_tree(settings.block_size - 1, plan.candidates, plan.lookup) if settings.verify else NO_DRAFTS
-
-
-def _tree_free(settings) -> bool:
-    """Whether rows with `settings` decode the same text whatever lossless tree they draft: lossless mode, or τ = 1."""
-    return settings.verify or (not callable(settings.tau) and settings.tau == 1.0)
 
 
 def _tree_settings(settings) -> dict:

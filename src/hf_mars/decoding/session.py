@@ -305,7 +305,7 @@ class Session:
         plan = self.plan
         if not self.retrees:
             raise ValueError("A session on a static cache keeps its draft tree: its passes have the tree's shape.")
-        if not (plan.settings.verify or plan.settings.tau == 1.0) or not (settings.verify or settings.tau == 1.0):
+        if not (plan.settings.any_tree and settings.any_tree):
             raise ValueError("Only lossless mode (or τ = 1, its plain form) changes its draft tree between passes.")
         candidates, lookup = draft_shape(settings, plan.do_sample, plan.typical, plan.processors)
         self.plan = replace(plan, settings=settings, candidates=candidates, lookup=lookup)

@@ -125,6 +125,12 @@ class MARSSettings:
         _check_accept(self.accept, self.verify, self.typical_epsilon, self.typical_delta)
 
     @property
+    def any_tree(self) -> bool:
+        """Whether these rows' text is the same whatever lossless draft tree they draft (lossless mode, or τ = 1, its
+        plain form): what lets their tree change between passes."""
+        return self.verify or self.tau == 1.0
+
+    @property
     def typical(self) -> tuple[float, float] | None:
         """`(ε, δ)` of typical acceptance, or None where drafts are kept exactly."""
         if self.accept != "typical":

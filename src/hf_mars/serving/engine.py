@@ -421,14 +421,11 @@ class MARSEngine(BaseGenerateManager):
         waits to decode in a session of its own, as any length decodes there, once the runner's rows are done, rather
         than being refused. (Rows that join together and do not fit are tried one by one, `_join`.)"""
         runner = self.session
-        if len(joining.labels) != 1 or runner.slots_needed(joining) <= runner.shape.slots:
+        needed = runner.slots_needed(joining) if len(joining.labels) == 1 else 0
+        if needed <= runner.shape.slots:
             return False
         request = joining.labels[0]
-        logger.info(
-            "a request needs %d cache slots, the runner has %d: it decodes apart",
-            runner.slots_needed(joining),
-            runner.shape.slots,
-        )
+        logger.info("a request needs %d cache slots, the runner has %d: it decodes apart", needed, runner.shape.slots)
         request.apart = True  # another key: it opens a session once the running rows are done
         self._waiting.insert(0, request)
         return True
@@ -544,8 +541,7 @@ class MARSEngine(BaseGenerateManager):
         and leave, as a session re-chooses its own. None where they choose one tree at every size, for τ-mode, and
         for a compiled runner (its pass keeps its tree's shape)."""
         request, running = first.labels[0], first.plan.settings
-        lossless = running.verify or running.tau == 1.0
-        if self.compile_config is not None or request.tau_range is not None or not lossless:
+        if self.compile_config is not None or request.tau_range is not None or not running.any_tree:
             return ()
         sizes = [1 << k for k in range(self.max_batch_size.bit_length()) if 1 << k < self.max_batch_size]
         call = {"logits_processor": first.plan.processors}
@@ -565,14 +561,14 @@ class MARSEngine(BaseGenerateManager):
             return
         self._banded = (id(session), rows)
         request, running = session.labels[0], session.plan.settings
-        if request.tau_range is not None or not (running.verify or running.tau == 1.0):
+        if request.tau_range is not None or not running.any_tree:
             return  # τ-mode: no tree
         try:
             call = {"logits_processor": session.plan.processors}  # a grammar's rows draft chains
             settings = session_settings(self.model, request.generation_config, rows, call)
         except ValueError:
             return
-        if settings != running and (settings.verify or settings.tau == 1.0):
+        if settings != running and settings.any_tree:
             try:
                 session.retree(settings)
             except ValueError as error:  # a tree beyond the one a runner was built for: it keeps its own
@@ -625,7 +621,7 @@ class MARSEngine(BaseGenerateManager):
         plan = session.plan
         session.plan = replace(plan, processors=LogitsProcessorList(processors))
         follow_padding(session.plan.processors, session.text.prompt_real)
-        if plan.settings.verify or plan.settings.tau == 1.0:
+        if plan.settings.any_tree:
             session.retree(plan.settings)
 
     def _follow(self, session) -> None:
