@@ -89,12 +89,11 @@ def main() -> None:
         "--cache-slots",
         type=int,
         default=DEFAULT_CACHE_SLOTS,
-        help=f"the eager runner's slots per row, as `hf-mars serve --cache-slots` (default {DEFAULT_CACHE_SLOTS}; "
-        "0: a session over a dynamic cache)",
+        help=f"the eager runner's slots per row, as `hf-mars serve --cache-slots` (default {DEFAULT_CACHE_SLOTS})",
     )
     args = parser.parse_args()
     model = args.model or resolve_checkpoint(None)
-    url, server = start_server(model, args.dtype, "cpu", 2 * args.clients, cache_slots=args.cache_slots or None)
+    url, server = start_server(model, args.dtype, "cpu", 2 * args.clients, cache_slots=args.cache_slots)
     gathered = {False: [], True: []}
     valid = total = 0
     try:

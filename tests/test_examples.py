@@ -218,11 +218,10 @@ def test_agent_client_gets_json_a_tool_call_log_probabilities_and_choices_from_t
     assert "'forward_passes'" in next(line for line in lines if line.startswith("usage: "))
 
 
-@pytest.mark.parametrize("runner", [["--cache-slots", "0"], ["--cache-slots", "256"]], ids=["session", "eager runner"])
-def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests(tmp_path, runner):
+def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests(tmp_path):
     """examples/serve_mixed_load.py on a random MARS checkpoint, two clients of each kind (a plain one sends two
-    requests in turn), one round, on the server's session or its eager runner: both lines of plain latency over the
-    requests sent, and the schema requests' validity counted over all of them."""
+    requests in turn), one round, on the server's eager runner: both lines of plain latency over the requests sent,
+    and the schema requests' validity counted over all of them."""
     from helpers import make_model, make_tokenizer
 
     from hf_mars import to_mars
@@ -231,7 +230,18 @@ def test_serve_mixed_load_reports_plain_latency_alone_and_beside_schema_requests
     to_mars(model, tok, block_size=4)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    out = run("serve_mixed_load.py", str(tmp_path), "--clients", "2", "--max-tokens", "8", "--rounds", "1", *runner)
+    out = run(
+        "serve_mixed_load.py",
+        str(tmp_path),
+        "--clients",
+        "2",
+        "--max-tokens",
+        "8",
+        "--rounds",
+        "1",
+        "--cache-slots",
+        "256",
+    )
     lines = out.splitlines()
     for name in ("alone", "beside schema requests"):
         line = next(line for line in lines if line.startswith(f"plain {name}: "))

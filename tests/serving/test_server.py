@@ -29,10 +29,10 @@ MODES = {"tau=1": {"mars_tau": 1.0}, "lossless": {"mars_verify": True}, "tau=0.9
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=[None, 640], ids=["session", "graph pass"])
-def server(tmp_path_factory, request):
-    """A server on a free loopback port, its engine, the checkpoint's path, and an offline copy of the model. Twice:
-    rows in a `Session` of a dynamic cache, and (`--cache-slots`) in one graph pass over a static cache, eager."""
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server on a free loopback port, its engine, the checkpoint's path, and an offline copy of the model: rows in
+    the engine's eager runner, over a static cache of 640 slots per row (`--cache-slots`), which compacts often."""
     from hf_mars.serving.server import build_app
 
     path = str(tmp_path_factory.mktemp("served"))
@@ -42,7 +42,7 @@ def server(tmp_path_factory, request):
     to_mars(model, tok, block_size=4)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=16, cache_slots=request.param)
+    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=16, cache_slots=640)
     offline = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
     with serving(app) as url:
         yield {"url": url, "engine": engine, "path": path, "offline": offline, "tok": tok}
@@ -121,7 +121,7 @@ def test_32_streams_arriving_staggered_with_mixed_settings_each_get_their_own_te
 
     url, model, engine = server["url"], server["path"], server["engine"]
     results = _batched(server, [_ask(url, model, c, 0.02 * i, **MODES[m]) for i, (c, m) in enumerate(jobs)])
-    assert (engine._graph is not None) == (engine.cache_slots is not None), "the graph pass must have served"
+    assert engine._graph is not None, "the runner must have served"
     for (content, mode), (text, usage) in zip(jobs, results):
         assert (text, usage.completion_tokens) == _offline(server, content, MODES[mode]), (content, mode)
         assert 1 <= usage.forward_passes <= usage.completion_tokens
@@ -225,9 +225,9 @@ def test_a_row_too_long_for_the_runners_cache_decodes_apart_and_the_rows_that_ca
     tmp_path, monkeypatch
 ):
     """With `--cache-slots`, requests that arrive together join the runner as one group: one whose prompt and
-    max_tokens need more slots than the cache has decodes apart, in a session of its own once the runner's rows are
-    done (`MARSEngine._beyond_slots`), and the others, tried alone, in the runner: each gets greedy `generate()`'s
-    text, the long one too."""
+    max_tokens need more slots than the cache has decodes apart, in an eager runner of its own, sized for it, once the
+    runner's rows are done (`MARSEngine._beyond_slots`, `_graph_for`), and the others, tried alone, in the runner: each
+    gets greedy `generate()`'s text, the long one too."""
     from hf_mars.serving.engine import MARSEngine
     from hf_mars.serving.server import build_app
 
@@ -247,6 +247,13 @@ def test_a_row_too_long_for_the_runners_cache_decodes_apart_and_the_rows_that_ca
     beyond, apart = MARSEngine._beyond_slots, []
     monkeypatch.setattr(MARSEngine, "_admit", together)
     monkeypatch.setattr(MARSEngine, "_beyond_slots", lambda self, j: beyond(self, j) and not apart.append(j.labels[0]))
+    graph_for, runners = MARSEngine._graph_for, []
+
+    def built(self, first):
+        runners.append(graph_for(self, first))
+        return runners[-1]
+
+    monkeypatch.setattr(MARSEngine, "_graph_for", built)
     budgets = [8, 200, 8, 8]  # the second's prompt and budget exceed the 96 slots
 
     async def ask(content: str, budget: int):
@@ -267,6 +274,8 @@ def test_a_row_too_long_for_the_runners_cache_decodes_apart_and_the_rows_that_ca
     assert groups[0] == 4, "the premise: the four joined as one group"
     assert [request.max_new_tokens for request in apart] == [200], "the long one alone went apart"
     assert engine._graph is not None and engine._graph.shape.slots == 96, "the others decoded in the runner"
+    alone = [runner for runner in runners if runner is not engine._graph]
+    assert [(r.shape.batch, r.shape.slots > 96) for r in alone] == [(1, True)], "the long one in a runner of its own"
     offline = AutoModelForCausalLM.from_pretrained(str(tmp_path), trust_remote_code=True, dtype=torch.float32)
     for content, budget, reply in zip(contents, budgets, replies):
         ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
@@ -803,8 +812,7 @@ def test_rows_asking_for_log_probabilities_batch_with_rows_that_do_not_each_gett
     engine, before = server["engine"], len(server["engine"].batch_sizes)
     replies = _batched(server, [ask(i, top) for i, top in enumerate(tops)])
     assert max(engine.batch_sizes[before:]) > 2  # more rows than any one ask has: asks mixed in one batch
-    if engine.cache_slots is not None:  # the runner's pass recorded them, as many alternatives as any row asked for
-        assert engine._graph.logprobs == 5
+    assert engine._graph.logprobs == 5  # the runner's pass recorded them, as many alternatives as any row asked for
     for i, (top, reply) in enumerate(zip(tops, replies)):
         tokens, expected = _plain_logprobs(server, f"row {i}", MAX_TOKENS)
         assert reply.choices[0].message.content == server["tok"].decode(tokens, skip_special_tokens=True)
@@ -962,8 +970,8 @@ def test_cache_slots_are_checked_and_belong_to_the_hf_mars_engine():
     from hf_mars.cli import build_parser
 
     for argv, message in (
-        (["serve", "--cache-slots", "-1", "some/model"], "--cache-slots must be 0 or more"),
-        (["serve", "--cache-slots", "0", "--compile", "some/model"], "--cache-slots 0 has none"),
+        (["serve", "--cache-slots", "-1", "some/model"], "--cache-slots must be at least 1"),
+        (["serve", "--cache-slots", "0", "--compile", "some/model"], "--cache-slots must be at least 1"),
         (["serve", "--engine", "vllm", "--cache-slots", "512", "some/model"], "--cache-slots is an hf_mars engine"),
     ):
         args = build_parser().parse_args(argv)
@@ -1088,8 +1096,7 @@ def test_under_load_ranged_rows_stay_in_their_range_and_single_tau_rows_are_neve
     results = asyncio.run(all_of_them())
     ranged = [usage.mars_tau for (_, fields), (_, usage) in zip(jobs, results) if fields["mars_tau"] != 1.0]
     assert all(0.5 <= tau["min"] <= tau["mean"] <= tau["max"] <= 1.0 for tau in ranged), ranged
-    if server["engine"].cache_slots is not None:
-        assert min(tau["min"] for tau in ranged) < 1.0, "twelve rows of sixteen are load: τ must fall"
+    assert min(tau["min"] for tau in ranged) < 1.0, "twelve rows of sixteen are load: τ must fall"
     for (content, fields), (text, usage) in zip(jobs, results):
         if fields["mars_tau"] == 1.0:
             assert (text, usage.completion_tokens) == _offline(server, content, fields), content
@@ -1117,12 +1124,11 @@ def test_the_servers_tau_range_is_for_requests_that_set_no_mars_field(tmp_path):
         build_app(str(tmp_path), dtype="float32", device="cpu", tau_range=(0.9, 0.1))
 
 
-@pytest.mark.parametrize("slots", [None, 2048], ids=["session", "eager runner"])
-def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_text(tmp_path, slots):
+def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_text(tmp_path):
     """A lossless preset by batch size (as `hf-mars tune` saves one, and as `"auto"` chooses from the pass costs):
     one row decodes with its 4-token tree, four rows with the 2-token chain: the long row's tree changes as three
-    others join it and again when they leave; every text is greedy `generate()`'s. In a session, and in the default
-    eager runner, built for both trees (`MARSEngine._trees`). (A compiled pass has its tree's shape and keeps it:
+    others join it and again when they leave; every text is greedy `generate()`'s. In the default eager runner, built
+    for both trees (`MARSEngine._trees`). (A compiled pass has its tree's shape and keeps it:
     test_runner.py.)"""
     from hf_mars.serving.server import build_app
 
@@ -1131,7 +1137,7 @@ def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_tex
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     path = str(tmp_path)
-    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=4, cache_slots=slots)
+    app, engine = build_app(path, dtype="float32", device="cpu", max_batch_size=4)
     offline = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
     preset = {"1": {"mars_block_size": 4, "mars_draft_candidates": 2}, "4": {"mars_block_size": 2}}
     mode = {"mars_verify": True, "mars_lossless": preset}
@@ -1152,7 +1158,7 @@ def test_lossless_rows_get_the_tree_of_the_rows_running_now_and_keep_greedys_tex
         assert (text, usage.completion_tokens) == _offline(served, prompt, {}, budget), prompt
     changes = [tree for _, tree in engine.tree_changes]
     assert "2x1" in changes and "4x2" in changes[changes.index("2x1") :], engine.tree_changes
-    assert slots is None or engine._graph.widened, "the runner's pass was built for both trees"
+    assert engine._graph.widened, "the runner's pass was built for both trees"
 
 
 def test_a_preset_tree_is_rechosen_at_its_own_batch_size_whatever_order_rows_join_in(tmp_path):
@@ -1330,16 +1336,16 @@ def test_requests_waiting_take_every_free_row_even_where_the_free_rows_are_apart
     engine._waiting = list(first)
     with torch.inference_mode():
         engine._admit()
-        engine.session.condenses = False  # as a compiled runner's rows stay where they are (`Runner._condense`)
-        while any(r in engine.session.labels for r in (first[0], first[2])):
+        engine.runner.condenses = False  # as a compiled runner's rows stay where they are (`Runner._condense`)
+        while any(r in engine.runner.labels for r in (first[0], first[2])):
             engine._step()
-        assert engine.session.held[1:4:2] == [first[1], first[3]], "premise: the free rows are 0 and 2"
-        assert engine.session.room == 1
+        assert engine.runner.held[1:4:2] == [first[1], first[3]], "premise: the free rows are 0 and 2"
+        assert engine.runner.room == 1
         later = [request(i, 12) for i in (4, 5)]
         engine._waiting = list(later)
         engine._admit()
-        assert not engine._waiting and sorted(map(id, engine.session.labels)) == sorted(map(id, first[1::2] + later))
-        while engine.session is not None:
+        assert not engine._waiting and sorted(map(id, engine.runner.labels)) == sorted(map(id, first[1::2] + later))
+        while engine.runner is not None:
             engine._step()
     for r in first + later:
         alone = model.generate(
@@ -1368,7 +1374,7 @@ def test_the_runners_cache_is_allocated_once_as_the_engine_starts_and_kept_acros
     engine = MARSEngine(model.eval(), tok, max_batch_size=2, cache_slots=256)
     engine.stop()
     engine._thread.join()
-    assert allocated == [(2, 256)] and engine.session is None, "allocated as it started, before any request"
+    assert allocated == [(2, 256)] and engine.runner is None, "allocated as it started, before any request"
     served = []
     for i, settings in enumerate(({"mars_verify": True}, {"mars_tau": 1.0}, {"mars_tau": 0.9})):
         config = GenerationConfig.from_dict({**model.generation_config.to_dict(), **settings})
@@ -1376,8 +1382,8 @@ def test_the_runners_cache_is_allocated_once_as_the_engine_starts_and_kept_acros
         engine._waiting = [request]
         with torch.inference_mode():
             engine._admit()
-            served.append(engine.session)
-            while engine.session is not None:
+            served.append(engine.runner)
+            while engine.runner is not None:
                 engine._step()
         alone = model.generate(torch.tensor([request.input_ids]), do_sample=False, max_new_tokens=12, **settings)
         assert request.generated == alone[0, len(request.input_ids) :].tolist(), settings

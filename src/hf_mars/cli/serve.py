@@ -45,9 +45,9 @@ def add_parser(subparsers) -> None:
     serve.add_argument(
         "--cache-slots",
         type=int,
-        help="decode every pass as one graph over a static cache of this many slots per row, allocated as the server "
-        f"starts (default: {DEFAULT_CACHE_SLOTS}); a request whose prompt and max_tokens do not fit decodes alone "
-        "once the running rows are done. 0: no static cache, rows decode in a session over a dynamic one",
+        help="the slots per row of the static cache every pass decodes on (one graph), allocated as the server "
+        f"starts (default: {DEFAULT_CACHE_SLOTS}); a request whose prompt and max_tokens do not fit decodes alone, "
+        "in a runner sized for it, once the running rows are done",
     )
     serve.add_argument("--max-batch-size", type=int, help="most requests decoding at once (default: 8; vLLM's own)")
     serve.add_argument(
@@ -129,16 +129,13 @@ def run(args) -> None:
 
 
 def check_cache_slots(args) -> None:
-    if args.cache_slots is not None and args.cache_slots < 0:
-        raise ValueError(f"--cache-slots must be 0 or more, got {args.cache_slots}")
-    if args.cache_slots == 0 and args.compile:
-        raise ValueError("--compile compiles the pass over a static cache: --cache-slots 0 has none")
+    if args.cache_slots is not None and args.cache_slots < 1:
+        raise ValueError(f"--cache-slots must be at least 1 (the runner's slots per row), got {args.cache_slots}")
 
 
-def cache_slots(args) -> int | None:
-    """The engine's static cache slots per row: `--cache-slots`, its default where not given, None (a session over a
-    dynamic cache) for 0."""
-    return None if args.cache_slots == 0 else args.cache_slots or DEFAULT_CACHE_SLOTS
+def cache_slots(args) -> int:
+    """The engine's static cache slots per row: `--cache-slots`, or its default where not given."""
+    return args.cache_slots or DEFAULT_CACHE_SLOTS
 
 
 def run_vllm(args, model: str) -> None:

@@ -203,7 +203,7 @@ class MARSGenerationMixin(GenerationMixin):
         session.logprobs = logprobs
         text, plan = session.text, session.plan
         capacity = max(capacity or 0, text.sequences.shape[0])
-        slots = _own_cache_slots(session, int(text.budget.max()))
+        slots = own_cache_slots(session, int(text.budget.max()))
         if graph_shape(self, session, capacity, slots, runner_tree(plan), compile_config is not None) is None:
             session.step(self)
             return session
@@ -387,7 +387,7 @@ def _default_runner_shape(model, run: Session, generation_config) -> GraphShape 
         return None
     if len(set(getattr(model, "hf_device_map", {"": None}).values())) > 1:
         return None
-    batch, size = text.sequences.shape[0], _own_cache_slots(run, generation_config.max_length - text.prompt_length)
+    batch, size = text.sequences.shape[0], own_cache_slots(run, generation_config.max_length - text.prompt_length)
     shape = graph_shape(model, run, batch, size, runner_tree(plan))
     if shape is None:
         return None
@@ -409,7 +409,7 @@ def _carry_prefix(cache: MARSCache, static: StaticMARSCache) -> None:
     static.next_position, static.length = cache.next_position.clone(), length
 
 
-def _own_cache_slots(run: Session, budget: int) -> int:
+def own_cache_slots(run: Session, budget: int) -> int:
     """The slots of a runner's own static cache for `run`'s rows and this budget: `static_cache_length`'s, rounded up
     to a multiple of `DEFAULT_SLOTS_STEP`."""
     plan = run.plan

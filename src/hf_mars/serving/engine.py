@@ -1,21 +1,20 @@
-"""The server's engine: one MARS session that requests join between passes and leave the moment they stop.
+"""The server's engine: one MARS runner that requests join between passes and leave the moment they stop.
 
-Requests wait in a queue. One inference thread keeps a `Session` (decoding/session.py) of the rows decoding now and
-loops: take what has arrived; open a session for waiting requests that decode with the running rows' settings (up
-to `max_batch_size` rows in all), give it its prompt's pass and join it to the running one (`Session.admit`); run
+Requests wait in a queue. One inference thread keeps a `Runner` (decoding/runner.py: fixed rows of one graph pass
+over a static cache of `cache_slots` slots per row, allocated as the engine starts) and loops: take what has
+arrived; prepare the waiting requests that decode with the running rows' settings (`model.mars_session`, up to the
+free rows) and admit them (`Runner.admit`: their prompt's pass, straight into their rows of the runner's cache); run
 one pass for every row; hand each row's new tokens to its client; release the rows that stopped (EOS, their own
 `max_tokens`, a stop string, or a client that went away) and answer them at once. MARS decodes ragged batches
 exactly (a row's tokens do not depend on the rows beside it), so a request's text is the same whenever it joins.
 
 Requests decode together when they share a `Request.key`: sampling, MARS mode, τ, tree (a response format's schema
-and log probabilities are each row's own: `RowGrammars`, `Session.logprobs`). A request with another key
-waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. With
-`--compile` (or `--cache-slots`) the running rows are a `Runner` instead (decoding/runner.py): fixed rows of one
-graph pass over a static cache, which requests join and leave the same way; a request's prompt's pass then runs as it
-joins (`Runner.admit`), straight into its row of the runner's cache. An eager runner's pass records log
-probabilities for the rows that ask (`Runner.logprobs`) and calls the rows' grammars on each slot's text
-(`Runner.use_processors`). Requests that ask a compiled runner for what its pass cannot do (a response format or tool
-call's grammar, log probabilities: `MARSEngine._apart`) decode in a `Session` there, eager, while the runner waits.
+and log probabilities are each row's own: `RowGrammars`, `Runner.logprobs`). A request with another key
+waits until the running rows have finished; meanwhile no request joins them, so the wait is one batch at most. An
+eager runner's pass records log probabilities for the rows that ask and calls the rows' grammars on each slot's text
+(`Runner.use_processors`). A request the runner cannot take (its prompt and max_tokens beyond the slots; with
+`--compile`, a grammar or log probabilities, which a compiled pass cannot serve) decodes apart once the running rows
+are done: in an eager runner of its own, sized for it (`MARSEngine._graph_for`).
 
 Rows that allow a τ range (`"mars_tau": [lo, hi]`) decode with a `TauController` of that range, which the engine sets
 before every pass from `TauPolicy` (load.py): the load (rows, queue) and the measured pass costs.
@@ -31,7 +30,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, _StreamError
@@ -39,14 +38,15 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..decoding.costs import NotMeasured, cost_batch, pass_costs, tree_key
-from ..decoding.generate import session_settings
+from ..decoding.generate import own_cache_slots, session_settings
 from ..decoding.runner import Runner, rows_cache, serving_runner
 from ..decoding.scoring import follow_padding
-from ..decoding.session import Session
+from ..decoding.session import Session  # the rows a request group brings, prepared (`model.mars_session`)
 from ..decoding.settings import TauController
 from ..decoding.tree import full_tree
 from ..tools.measure.passes import declined, forget_declined, measure
 from ..tools.measure.passes import pass_costs as time_pass_costs
+from . import DEFAULT_CACHE_SLOTS
 from .load import TauPolicy, check_tau_range
 from .logprobs import TokenLogprobs
 from .metrics import ServerMetrics
@@ -64,7 +64,7 @@ RETRY_S = 60.0  # how often a server started on a busy machine tries to time its
 GROUP_WAIT_S = 2.0  # how long a seeded request's choices that arrived wait for the others (choices.py)
 
 
-@dataclass(eq=False)  # a request is itself (a session's label), whatever its fields
+@dataclass(eq=False)  # a request is itself (a runner's label), whatever its fields
 class Request:
     """One client's generation: its prompt, its own limits, and where its tokens go."""
 
@@ -81,8 +81,8 @@ class Request:
     last_token_at: float | None = None  # when its last tokens were sent (metrics)
     taus: list[float] = field(default_factory=list)  # with a τ range: the τ of each pass it took part in
     scoring: TokenLogprobs | None = None  # where it asks for log probabilities: each sent token's goes there
-    apart: bool = False  # it decodes in a session while the engine's other rows run in a runner (`MARSEngine._apart`)
-    grammar: str | None = None  # its response format's grammar (llguidance's), once its session is opened
+    apart: bool = False  # it decodes in an eager runner of its own, once the running rows are done (`_apart`)
+    grammar: str | None = None  # its response format's grammar (llguidance's), once its rows are prepared
 
     @property
     def tau_range(self) -> tuple[float, float] | None:
@@ -102,8 +102,8 @@ class Request:
 
     @property
     def key(self) -> str:
-        """Requests with equal keys decode in one session: same sampling and MARS settings (rows that ask for log
-        probabilities decode with rows that do not: a session records them for all; greedy rows whatever the
+        """Requests with equal keys decode in one runner: same sampling and MARS settings (rows that ask for log
+        probabilities decode with rows that do not: a runner records them for all; greedy rows whatever the
         sampling fields they carry, which greedy decoding never reads)."""
         config = self.generation_config.to_dict()
         config["do_sample"] = bool(config.get("do_sample"))  # unset is greedy
@@ -180,22 +180,24 @@ def _resolve(future: asyncio.Future, result) -> None:
 class MARSEngine(BaseGenerateManager):
     """transformers serve's generation manager, with continuous batching: the handlers call `generate_streaming`
     and `generate_non_streaming` as they call its sequential `GenerateManager`; this one queues the request and
-    returns, and its inference thread decodes it in the running session."""
+    returns, and its inference thread decodes it in the running runner."""
 
     def __init__(
         self,
         model,
         tokenizer,
         max_batch_size: int = 8,
-        cache_slots: int | None = None,
+        cache_slots: int = DEFAULT_CACHE_SLOTS,
         compile_config=None,
         tau_range: tuple[float, float] | None = None,
     ):
-        """`cache_slots`: decode in one graph pass over a static cache of that many slots (a `Runner`, compiled
-        with `compile_config` if given), as `serve --compile` does; else (None) in a `Session` of a dynamic cache.
-        `tau_range`: the τ range of requests that set no MARS field (the handlers give it them)."""
+        """`cache_slots`: the runner's static cache slots per row (a prompt, its max_tokens and a pass must fit, or
+        the request decodes apart). `compile_config`: compile the runner's pass (`serve --compile`), else it runs
+        eagerly. `tau_range`: the τ range of requests that set no MARS field (the handlers give it them)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if cache_slots < 1:
+            raise ValueError(f"cache_slots must be at least 1, got {cache_slots}")
         self.tau_range = check_tau_range(tau_range) if tau_range is not None else None
         self.model, self.tokenizer, self.max_batch_size = model, tokenizer, max_batch_size
         self.cache_slots, self.compile_config = cache_slots, compile_config
@@ -207,12 +209,12 @@ class MARSEngine(BaseGenerateManager):
         self.finished: deque[dict] = deque(maxlen=1024)  # the last rows decoded: what they took, whether cancelled
         self._queue: queue.Queue[Request | None] = queue.Queue()
         self._waiting: list[Request] = []
-        self.session: Session | Runner | None = None
+        self.runner: Runner | None = None  # the rows decoding now
         self._key: str | None = None  # the running rows' `Request.key`
         self._settings: dict = {}  # their resolved MARS settings, which every row that joins them decodes with
         self._controllers: dict[str, TauController] = {}  # per key with a τ range: the τ its rows decode with
         self._policies: dict[str, TauPolicy] = {}  # per key with a τ range: what each τ took there, measured
-        self._banded: tuple | None = None  # (running session's id, the rows its tree was chosen for)
+        self._banded: tuple | None = None  # (running runner's id, the rows its tree was chosen for)
         self.tree_changes: deque[tuple[int, str]] = deque(maxlen=256)  # (rows, tree) at each change, for tests
         self.metrics = ServerMetrics()
         self.scoring: dict[str, TokenLogprobs] = {}  # by request id, where the handler asks for log probabilities
@@ -272,10 +274,10 @@ class MARSEngine(BaseGenerateManager):
         self._queue.put(request)
 
     def _apart(self, request: Request) -> bool:
-        """Whether `request` decodes in a `Session` while the engine's other rows run in a runner: a compiled runner's
-        pass cannot call a grammar on each slot's text between its slots, and records log probabilities as it was
-        compiled (an eager runner does both for the rows that ask)."""
-        if self.cache_slots is None or self.compile_config is None:
+        """Whether `request` decodes apart, in an eager runner of its own: a compiled runner's pass cannot call a
+        grammar on each slot's text between its slots, and records log probabilities as it was compiled (an eager
+        runner does both for the rows that ask)."""
+        if self.compile_config is None:
             return False
         grammar = getattr(request.generation_config, "response_format", None) is not None
         return grammar or request.logprobs is not None
@@ -288,14 +290,14 @@ class MARSEngine(BaseGenerateManager):
     @torch.inference_mode()
     def _serve(self) -> None:
         self._allocate()
-        while self._arrivals(wait=self.session is None):
+        while self._arrivals(wait=self.runner is None):
             try:
                 self._admit()
             except Exception as error:  # noqa: BLE001 - a bug here must not stop the server; the row it hit is answered
                 logger.exception("admitting requests failed")
                 if self._waiting:  # the oldest, which every later one waits for
                     self._finish(self._waiting.pop(0), error)
-            if self.session is not None:
+            if self.runner is not None:
                 self._step()
             self._report()
 
@@ -303,7 +305,7 @@ class MARSEngine(BaseGenerateManager):
         """An eager runner's static cache, allocated as the engine starts, before the first request waits on it. Where
         that fails (memory), the engine serves on: the first runner allocates its own, and its error answers the
         requests that needed it."""
-        if self.cache_slots is None or self.compile_config is not None:
+        if self.compile_config is not None:
             return
         try:
             self._kv = rows_cache(self.model, self.max_batch_size, self.cache_slots)
@@ -312,16 +314,16 @@ class MARSEngine(BaseGenerateManager):
 
     def _report(self) -> None:
         """The queue and the running rows' settings, for `/metrics`."""
-        running = len(self.session.labels) if self.session is not None else 0
+        running = len(self.runner.labels) if self.runner is not None else 0
         self.metrics.queue(running, self._queued())
-        self.metrics.settings(self._settings if self.session is not None else None)
+        self.metrics.settings(self._settings if self.runner is not None else None)
 
     def _queued(self) -> int:
         return len(self._waiting) + self._queue.qsize()
 
     def idle(self) -> bool:
         """No row decoding and none waiting."""
-        return (self.session is None or not self.session.labels) and not self._queued()
+        return (self.runner is None or not self.runner.labels) and not self._queued()
 
     def _arrivals(self, wait: bool) -> bool:
         """Move what has arrived into `_waiting` (blocking for the first one if `wait`); False once stopped."""
@@ -346,15 +348,13 @@ class MARSEngine(BaseGenerateManager):
             pass
 
     def _admit_group(self) -> bool:
-        """The waiting requests that fit into the free rows (a runner's: the longest run of adjacent ones, which rows
-        that join together take): whether any left the queue (joined, or answered with why not), so another may."""
-        session = self.session
-        if session is not None and (self._waiting[0].key != self._key or not session.joins):
+        """The waiting requests that fit into the runner's free rows (the longest run of adjacent ones, which rows that
+        join together take): whether any left the queue (joined, or answered with why not), so another may."""
+        runner = self.runner
+        if runner is not None and self._waiting[0].key != self._key:
             return False  # the running rows finish first
         key = self._waiting[0].key
-        room = self.max_batch_size - (len(session.labels) if session is not None else 0)
-        if isinstance(session, Runner):  # rows that join together take adjacent free rows
-            room = min(room, session.room)
+        room = self.max_batch_size if runner is None else min(self.max_batch_size - runner.decoding, runner.room)
         group = [r for r in self._waiting if r.key == key][:room]
         if not group:
             return False
@@ -367,12 +367,9 @@ class MARSEngine(BaseGenerateManager):
         self._waiting = [r for r in self._waiting if r not in group]
         joining = self._open(group)
         if joining is not None and joining.labels:
-            if session is None and not self._runs(group[0]):
-                self.session, self._key = joining, key
-            else:
-                self._join(joining, key)
-        if self.session is not None and not self.session.live:
-            self.session = None
+            self._join(joining, key)
+        if self.runner is not None and not self.runner.live:
+            self.runner = None
         return True
 
     @staticmethod
@@ -381,29 +378,19 @@ class MARSEngine(BaseGenerateManager):
         did not arrive): then those that wait decode, reproducible or not."""
         return time.monotonic() - request.arrived > GROUP_WAIT_S
 
-    def _runs(self, request: Request) -> bool:
-        """Whether `request` decodes in the runner (`cache_slots`), not in a `Session` of its own rows."""
-        return self.cache_slots is not None and not request.apart
-
     def _join(self, joining: Session, key) -> None:
         """`joining`'s rows into the runner (built for them where none runs yet): their prompt's pass, then their
-        first tokens sent; or, after their prompt's pass, into the running session. Where a group is refused, each
-        row tries alone: only a row that cannot join (its prompt and max_tokens beyond the cache's slots, say) is
-        answered with why."""
+        first tokens sent. Where a group is refused, each row tries alone: only a row that cannot join (settings no
+        runner decodes, say) is answered with why."""
         try:
-            if isinstance(self.session, Session):  # their prompt's pass ran and its tokens went (`_open`)
-                self._constrain(self.session, joining)
-                self.session.admit(joining)
-                self._follow(self.session)
-                return
-            if self.session is None:
-                self.session, self._key = self._graph_for(joining), key
+            if self.runner is None:
+                self.runner, self._key = self._graph_for(joining), key
             if self._beyond_slots(joining):
                 return
-            self._constrain(self.session, joining)
-            self.session.admit(joining)  # the prompt's pass, into the runner's rows
-            self._follow(self.session)
-        except Exception as error:  # noqa: BLE001 - settings resolved apart, too long, no graph: answered with why
+            self._constrain(self.runner, joining)
+            self.runner.admit(joining)  # the prompt's pass, into the runner's rows
+            self._follow(self.runner)
+        except Exception as error:  # noqa: BLE001 - settings resolved apart, no graph: answered with why
             logger.warning("%d rows could not join the runner: %s", len(joining.labels), error)
             if len(joining.labels) == 1:
                 self._finish(joining.labels[0], error)
@@ -414,25 +401,29 @@ class MARSEngine(BaseGenerateManager):
                     self._join(alone, key)
             return
         self.metrics.passed(len(joining.labels))
-        self._deliver(self.session)
+        self._deliver(self.runner)
 
     def _beyond_slots(self, joining: Session) -> bool:
         """Whether `joining`'s one row needs more cache slots than the runner has (its prompt and max_tokens): it then
-        waits to decode in a session of its own, as any length decodes there, once the runner's rows are done, rather
-        than being refused. (Rows that join together and do not fit are tried one by one, `_join`.)"""
-        runner = self.session
+        waits to decode apart, in a runner sized for it, once the running rows are done, rather than being refused.
+        (Rows that join together and do not fit are tried one by one, `_join`.)"""
+        runner = self.runner
         needed = runner.slots_needed(joining) if len(joining.labels) == 1 else 0
         if needed <= runner.shape.slots:
             return False
         request = joining.labels[0]
         logger.info("a request needs %d cache slots, the runner has %d: it decodes apart", needed, runner.shape.slots)
-        request.apart = True  # another key: it opens a session once the running rows are done
+        request.apart = True  # another key: it decodes once the running rows are done
         self._waiting.insert(0, request)
         return True
 
     def _graph_for(self, first: Session) -> Runner:
         """The runner that `first`'s rows decode in: the one kept from earlier rows where their settings are the
-        same, else a new one."""
+        same, else a new one; for rows apart (`Request.apart`), an eager runner of their own, as many rows as they
+        are and slots enough for the longest, whose cache goes with it."""
+        if first.labels[0].apart:
+            slots = own_cache_slots(first, int(first.text.budget.max()))
+            return serving_runner(self.model, first, len(first.labels), slots)
         graph = self._graph
         if graph is None or not graph.decodes_like(first):
             kv = graph.graph.kv if graph is not None and graph.graph.graph is None else self._kv  # none captured
@@ -444,38 +435,29 @@ class MARSEngine(BaseGenerateManager):
         return graph
 
     def _open(self, group: list[Request]) -> Session | None:
-        """A session over `group`, after its prompt's pass (its rows' first tokens already sent), or, where the rows
-        join a runner, before it (the runner runs it); None where it failed (its rows are answered with the error;
-        alone where a batch of them failed together)."""
-        runs_prompt = not self._runs(group[0])
+        """The group's rows, prepared to join the runner (which runs their prompt's pass); None where that failed (its
+        rows are answered with the error; each alone where a batch of them failed together, the others waiting to
+        join on their own)."""
         try:
             session = self._session(group)
-            if runs_prompt:
-                session.step(self.model)
-                self.metrics.passed(len(group))
         except Exception as error:  # noqa: BLE001 - one bad row must not take the others with it
-            if len(group) > 1:  # each alone: the bad one is answered with its error, the others decode
+            if len(group) > 1:
                 opened = [s for s in (self._open([request]) for request in group) if s is not None and s.labels]
                 for other in opened[1:]:
-                    if runs_prompt:
-                        opened[0].admit(other)
-                    else:  # not run yet: they wait to join the runner on their own
-                        self._waiting[:0] = other.labels
+                    self._waiting[:0] = other.labels
                 return opened[0] if opened else None
             self._finish(group[0], error)
             return None
-        if self.session is None:
+        if self.runner is None:
             self._settings = session.plan.settings.as_kwargs()
-        if runs_prompt:
-            self._deliver(session)
         return session
 
     def _session(self, group: list[Request]) -> Session:
         """`model.mars_session` over the group, left-padded, each row with its own budget, with the running rows'
-        settings where it joins them. Otherwise its settings are resolved for its own rows (`_choose_tree` re-chooses
-        the tree as rows join), or, for a graph pass, whose tree is fixed, for `max_batch_size` rows (a tree that
-        pays for a few rows can cost far more than it brings for many); from cached pass costs only (a cost not
-        measured yet means plain decoding: `serve` measures in the background)."""
+        settings where it joins them. Otherwise its settings are resolved for `max_batch_size` rows (a tree that pays
+        for a few rows can cost far more than it brings for many; `_choose_tree` re-chooses as rows join and leave),
+        from cached pass costs only (a cost not measured yet means plain decoding: `serve` measures in the
+        background)."""
         width = max(len(r.input_ids) for r in group)
         ids = torch.full((len(group), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -488,13 +470,11 @@ class MARSEngine(BaseGenerateManager):
         processors = self._grammars(group)
         config.__dict__.pop("response_format", None)  # each row's own, in `RowGrammars`
         config.__dict__.pop("choices_group", None)  # the engine's to read (`Request.group`), not generate()'s
-        config.__dict__.pop("token_logprobs", None)  # the session records them for every row if one asks
+        config.__dict__.pop("token_logprobs", None)  # the runner records them for every row if one asks
         logprobs = max((r.logprobs for r in group if r.logprobs is not None), default=None)
-        runner = self._runs(group[0])
-        if self.cache_slots is not None:  # the prompt's pass in the runner's cache (`Runner.admit`), eager; or a
-            config.cache_implementation, config.compile_config = None, None  # session's own rows, eager
+        config.cache_implementation, config.compile_config = None, None  # the prompt's pass in the runner's cache
         device = self.model.device
-        settings = self._settings if self.session is not None else {}
+        settings = self._settings if self.runner is not None else {}
         if group[0].tau_range is not None:  # its τ is the range's controller, set before every pass
             config.mars_tau = None
             settings = settings or {"mars_tau": self._controller(group[0], len(group))}
@@ -504,7 +484,7 @@ class MARSEngine(BaseGenerateManager):
             generation_config=config,
             labels=group,
             budgets=[r.max_new_tokens for r in group],
-            max_rows=self.max_batch_size if runner else None,
+            max_rows=self.max_batch_size,
             logits_processor=processors,
             **settings,
         )
@@ -514,31 +494,31 @@ class MARSEngine(BaseGenerateManager):
         return session
 
     def _step(self) -> None:
-        session = self.session
-        decoding = session.decoding
+        runner = self.runner
+        decoding = runner.decoding
         self.batch_sizes.append(decoding)
-        self._choose_tree(session, decoding)
-        tau = self._choose_tau(session, decoding)
-        reach = _reach(session.plan)
+        self._choose_tree(runner, decoding)
+        tau = self._choose_tau(runner, decoding)
+        reach = _reach(runner.plan)
         try:
-            session.step(self.model)
+            runner.step(self.model)
             self.metrics.passed(decoding)
         except Exception as error:  # noqa: BLE001 - the rows are answered with it; the server goes on
-            logger.exception("a pass failed; its %d rows are answered with the error", len(session.labels))
-            for request in session.labels:
+            logger.exception("a pass failed; its %d rows are answered with the error", len(runner.labels))
+            for request in runner.labels:
                 self._finish(request, error)
-            self.session = None
+            self.runner = None
             return
-        tokens = self._deliver(session, reach)
+        tokens = self._deliver(runner, reach)
         if tau is not None:
             self._policies[self._key].observed(tau, decoding, tokens)
-        if not session.live:
-            self.session = None
+        if not runner.live:
+            self.runner = None
 
     def _trees(self, first: Session) -> tuple:
         """The lossless trees an eager runner for `first`'s rows is built for: each that its settings choose at a power
         of two rows up to `max_batch_size` (and at it), so that `_choose_tree` can re-choose among them as rows join
-        and leave, as a session re-chooses its own. None where they choose one tree at every size, for τ-mode, and
+        and leave. None where they choose one tree at every size, for τ-mode, and
         for a compiled runner (its pass keeps its tree's shape)."""
         request, running = first.labels[0], first.plan.settings
         if self.compile_config is not None or request.tau_range is not None or not running.any_tree:
@@ -552,25 +532,25 @@ class MARSEngine(BaseGenerateManager):
         trees = [tree for i, tree in enumerate(trees) if tree != running and tree not in trees[:i]]
         return tuple(trees) if any(tree.verify for tree in (running, *trees)) and trees else ()
 
-    def _choose_tree(self, session, rows: int) -> None:
+    def _choose_tree(self, runner, rows: int) -> None:
         """Lossless rows decode with the draft tree the measured pass costs favour at the rows running now, re-chosen
         whenever their number changes (rows join and leave a few times a request, not every pass): `mars_lossless=
         "auto"` may pay at 1 row with a tree it must drop at 16, and a preset by batch size changes at its own sizes,
         which need not be the cost table's powers of two. A static cache's graph keeps the tree it was built for."""
-        if not session.retrees or self._banded == (id(session), rows):
+        if not runner.retrees or self._banded == (id(runner), rows):
             return
-        self._banded = (id(session), rows)
-        request, running = session.labels[0], session.plan.settings
+        self._banded = (id(runner), rows)
+        request, running = runner.labels[0], runner.plan.settings
         if request.tau_range is not None or not running.any_tree:
             return  # τ-mode: no tree
         try:
-            call = {"logits_processor": session.plan.processors}  # a grammar's rows draft chains
+            call = {"logits_processor": runner.plan.processors}  # a grammar's rows draft chains
             settings = session_settings(self.model, request.generation_config, rows, call)
         except ValueError:
             return
         if settings != running and settings.any_tree:
             try:
-                session.retree(settings)
+                runner.retree(settings)
             except ValueError as error:  # a tree beyond the one a runner was built for: it keeps its own
                 logger.info("draft tree at %d rows kept: %s", rows, error)
                 return
@@ -579,13 +559,13 @@ class MARSEngine(BaseGenerateManager):
             self._settings = settings.as_kwargs()
 
     def _grammars(self, group: list[Request]) -> list:
-        """The processors of a session over `group`: a `RowGrammars` where a row of it, or of the running session it
+        """The processors of rows over `group`: a `RowGrammars` where a row of it, or of the running rows it
         joins, follows a schema (each row its own grammar, or none: rows of other schemas, and rows of none, decode
         together); else none, so that plain rows keep their own path."""
         for request in group:
             schema = getattr(request.generation_config, "response_format", None)
             request.grammar = None if schema is None else self._grammar_of(json.dumps(schema, sort_keys=True))
-        if all(request.grammar is None for request in group) and _row_grammars(self.session) is None:
+        if all(request.grammar is None for request in group) and _row_grammars(self.runner) is None:
             return []
         from ..grammar import RowGrammars
 
@@ -600,40 +580,32 @@ class MARSEngine(BaseGenerateManager):
 
         return GrammarProcessor.from_json_schema(schema, self.tokenizer).grammar
 
-    def _constrain(self, session, joining: Session) -> None:
-        """Before `joining`'s rows join `session` (a session or an eager runner): where they follow a grammar and the
+    def _constrain(self, runner: Runner, joining: Session) -> None:
+        """Before `joining`'s rows join `runner` (an eager one): where they follow a grammar and the
         running rows none, the running rows get a `RowGrammars` too (theirs free), as `joining` has one, and their
         lossless drafts become chains (what a grammar's rows draft), from the next pass."""
-        if _row_grammars(session) is not None or _row_grammars(joining) is None:
+        if _row_grammars(runner) is not None or _row_grammars(joining) is None:
             return
         from ..grammar import RowGrammars
 
         processor = RowGrammars(self.tokenizer, eos_token_id=_row_grammars(joining).eos)
-        self._processors(session, [processor])
+        self._processors(runner, [processor])
 
-    def _processors(self, session, processors: list) -> None:
-        """`session`'s rows (a session's or an eager runner's) decode with `processors` from the next pass (its drafts
-        re-chosen for them)."""
+    def _processors(self, runner: Runner, processors: list) -> None:
+        """The runner's rows decode with `processors` from the next pass (their drafts re-chosen for them)."""
         self._banded = None  # `_choose_tree` chooses again, for these processors
-        if isinstance(session, Runner):
-            session.use_processors(LogitsProcessorList(processors))
-            return
-        plan = session.plan
-        session.plan = replace(plan, processors=LogitsProcessorList(processors))
-        follow_padding(session.plan.processors, session.text.prompt_real)
-        if plan.settings.any_tree:
-            session.retree(plan.settings)
+        runner.use_processors(LogitsProcessorList(processors))
 
-    def _follow(self, session) -> None:
+    def _follow(self, runner: Runner) -> None:
         """The running rows' grammars, in their order (after rows joined or left); a `RowGrammars` whose rows follow
         none any more is dropped (plain rows keep their own path)."""
-        processor = _row_grammars(session)
+        processor = _row_grammars(runner)
         if processor is None:
             return
-        rows = session.held if isinstance(session, Runner) else session.labels  # a runner's: by row, free ones too
+        rows = runner.held  # by row, free ones too
         processor.assign([(request, None if request is None else request.grammar) for request in rows])
-        if not processor.constrains and session.labels and session.live:
-            self._processors(session, [])
+        if not processor.constrains and runner.labels and runner.live:
+            self._processors(runner, [])
 
     def _controller(self, request: Request, rows: int) -> TauController:
         """The τ of `request`'s key (one object, so that rows of the key that join later decode with it), set for a
@@ -647,29 +619,31 @@ class MARSEngine(BaseGenerateManager):
         controller.tau = policy.choose(lo, hi, rows, self._queued()).tau if policy else hi
         return controller
 
-    def _choose_tau(self, session, rows: int) -> float | None:
+    def _choose_tau(self, runner, rows: int) -> float | None:
         """Set the running rows' τ for their next pass, where they allow a range (None where they do not)."""
-        request = session.labels[0] if session.labels else None
+        request = runner.labels[0] if runner.labels else None
         if request is None or request.tau_range is None:
             return None
         policy = self._policies.get(self._key)
         if policy is None:
-            policy = self._policies[self._key] = self._policy(session.plan.settings.block_size)
+            policy = self._policies[self._key] = self._policy(runner)
         lo, hi = request.tau_range
         choice = policy.choose(lo, hi, rows, self._queued())
         controller = self._controllers[self._key]
         if choice.tau != controller.tau:
             logger.info("τ %g -> %g in [%g, %g]: %s", controller.tau, choice.tau, lo, hi, choice.why)
         controller.tau = choice.tau
-        for row in session.labels:
+        for row in runner.labels:
             row.taus.append(choice.tau)
         self.metrics.tau.set(choice.tau)
         self.metrics.pressure.set(choice.pressure)
         return choice.tau
 
-    def _policy(self, block_size: int) -> TauPolicy:
-        """A policy for rows of this block size: on a dynamic cache τ < 1 widens a pass, whose cost it reads from
-        the machine's table (never timing: `measure_in_background` does)."""
+    def _policy(self, runner: Runner) -> TauPolicy:
+        """A policy for the runner's rows: where its passes feed what their rows use (eager, on a CPU: `cuts`), τ < 1
+        widens a pass (τ = 1 feeds no masks), whose cost it reads from the machine's table (never timing:
+        `measure_in_background` does); elsewhere every pass is as wide at any τ."""
+        block_size = runner.plan.settings.block_size
 
         def costs(rows: int):
             try:
@@ -678,16 +652,16 @@ class MARSEngine(BaseGenerateManager):
                 return None
             return forward[1], forward[block_size]
 
-        widens = self.cache_slots is None
+        widens = runner.graph.cuts
         return TauPolicy(block_size, self.max_batch_size, costs if widens else None, widens=widens)
 
-    def _deliver(self, session: Session, reach: int = 0) -> int:
+    def _deliver(self, runner: Runner, reach: int = 0) -> int:
         """Every row's new tokens to its client; rows that stopped (or whose client left) are released and
         answered. Returns how many tokens were sent. `reach`: the tokens the pass could accept beyond each row's own
         (the metrics' drafts; 0 for a prompt's pass)."""
         stopped, now, sent_in_all = [], time.monotonic(), 0
-        scored = _scored(session)
-        for i, (request, tokens, done, passes) in enumerate(session.rows()):
+        scored = _scored(runner)
+        for i, (request, tokens, done, passes) in enumerate(runner.rows()):
             sent = len(request.generated)
             row_scored = scored(i) if request.scoring is not None else None
             ended = request.take(tokens, row_scored) or done or request.sink.cancelled.is_set()
@@ -697,8 +671,8 @@ class MARSEngine(BaseGenerateManager):
                 request.forward_passes = passes
                 stopped.append(request)
         if stopped:
-            session.release(stopped)
-            self._follow(session)  # rows left, a runner's moved
+            runner.release(stopped)
+            self._follow(runner)  # rows left, a runner's moved
             for request in stopped:
                 self._finish(request)
         return sent_in_all
@@ -723,18 +697,18 @@ class MARSEngine(BaseGenerateManager):
         request.sink.finish(request, error)
 
 
-def _row_grammars(session):
-    """`session`'s `RowGrammars` (a session's or a runner's), or None (none running, or rows that follow no
-    grammar)."""
-    if session is None:
+def _row_grammars(rows):
+    """The `RowGrammars` of `rows` (a runner, or rows prepared to join it), or None (none running, or rows that
+    follow no grammar)."""
+    if rows is None:
         return None
-    return next((p for p in session.plan.processors if type(p).__name__ == "RowGrammars"), None)
+    return next((p for p in rows.plan.processors if type(p).__name__ == "RowGrammars"), None)
 
 
-def _scored(session):
+def _scored(runner):
     """Row `i`'s (its place in the batch) log probabilities of its tokens from the last pass, `[(logprob, top values,
-    top ids)]`, as a function; none where the pass recorded none (`Session.logprobs`). Read once a pass."""
-    scored, session.scored = getattr(session, "scored", None), None
+    top ids)]`, as a function; none where the pass recorded none (`Runner.logprobs`). Read once a pass."""
+    scored, runner.scored = runner.scored, None
     if scored is None:
         return lambda i: None
     fed, chosen, values, ids = scored
@@ -783,7 +757,7 @@ def _time_every_band(model, max_batch_size: int) -> bool:
 
 
 def measure_in_background(model, max_batch_size: int, idle=lambda: True, retry_s: float = RETRY_S):
-    """Resolve lossless mode's tree for `max_batch_size` rows, the size every session's settings are chosen for, in
+    """Resolve lossless mode's tree for `max_batch_size` rows, the size every runner's settings are chosen for, in
     a thread of its own: with `mars_lossless="auto"` on a machine that has not cached its pass costs this times
     them (in seconds), while the server already answers (its lossless requests draft as what is known of this kind
     of device says until then: `costs.prior_costs`), then at every smaller batch size the running rows meet (powers

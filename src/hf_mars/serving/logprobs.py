@@ -2,7 +2,7 @@
 prompt's (`/v1/completions` with `echo` and `logprobs`, as lm-eval's `local-completions` scores loglikelihood tasks,
 and as OpenAI's legacy completions did: `score`).
 
-A decoded token's log probability is read from the pass that decided it (`Session.logprobs`), after the request's
+A decoded token's log probability is read from the pass that decided it (`Runner.logprobs`), after the request's
 processors and grammar: in lossless mode (and at τ = 1) the verifying pass's, which is plain decoding's at that token;
 in τ-mode the slot's own, which for a mask's token is the mask's prediction, not what the model would give that token
 after the tokens before it.
@@ -63,7 +63,7 @@ class TokenLogprobs:
         return out
 
     def _tops(self, values, ids) -> list[tuple[int, float]]:
-        """`(token, log probability)` of the request's `top` alternatives (a session may record more, for another
+        """`(token, log probability)` of the request's `top` alternatives (a runner may record more, for another
         row)."""
         return list(zip((ids or [])[: self.top], (values or [])[: self.top]))
 

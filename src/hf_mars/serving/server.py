@@ -236,12 +236,12 @@ class MARSRequests:
             if bias:
                 config.sequence_bias = bias
             logprobs = asked_logprobs(body, self.chat)
-            if logprobs is not None:  # the engine's session records its tokens' (`Session.logprobs`)
+            if logprobs is not None:  # the engine's runner records its tokens' (`Runner.logprobs`)
                 config.token_logprobs = logprobs
             if body.get(CHOICES_KEY) is not None:  # the engine admits the group together (engine.py)
                 config.choices_group = body[CHOICES_KEY]
             schema = response_schema(body.get("response_format"))
-            if schema is not None:  # the engine's sessions constrain its rows by it (`GrammarProcessor`)
+            if schema is not None:  # the engine's runner constrains its rows by it (`GrammarProcessor`)
                 self._check_schema(schema)
                 config.response_format = schema
             if all(body.get(key) is None for key in ("max_tokens", "max_completion_tokens")):
@@ -250,7 +250,7 @@ class MARSRequests:
             self._check(config, self._tau_range(config, fields))
         except (ValueError, TypeError) as err:  # what generate() would refuse, said before anything runs
             raise HTTPException(status_code=400, detail=str(err)) from err
-        for key, value in fields.items():  # the engine's session reads them from the config
+        for key, value in fields.items():  # the engine reads them from the config
             setattr(config, key, value)
         return config
 
@@ -453,16 +453,15 @@ def build_app(
     device: str = "auto",
     compile: bool = False,
     max_batch_size: int = 8,
-    cache_slots: int | None = DEFAULT_CACHE_SLOTS,
+    cache_slots: int = DEFAULT_CACHE_SLOTS,
     api_key: str | None = None,
     tau_range: tuple[float, float] | None = None,
     served_name: str | None = None,
     attention: str | None = None,
 ):
-    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: every pass
-    one graph over a static cache of that many slots per row (a `Runner`), compiled if `compile`; None: a session over
-    a dynamic cache. `api_key`: every
-    endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
+    """The FastAPI app serving `model` (a MARS checkpoint folder or Hub id), and its engine. `cache_slots`: the slots
+    per row of the static cache that every pass decodes on, one graph (a `Runner`), compiled if `compile`. `api_key`:
+    every endpoint but `/health` answers 401 to a request without `Authorization: Bearer <api_key>`. `tau_range`:
     the τ range of requests that set no MARS field (`"mars_tau": [lo, hi]`: τ chosen from the load, load.py).
     `served_name`: the model's name in `/v1/models` and in answers (default `served_model_name(model)`). `attention`:
     the attention implementation (default: the checkpoint's; `"ordered"`: a row's tokens whatever rows share its
@@ -471,7 +470,7 @@ def build_app(
     loaded, tokenizer = manager.load_model_and_processor(manager.process_model_name(model))
     if attention is not None:
         loaded.set_attn_implementation(attention)
-    compile_config = CompileConfig() if compile and cache_slots else None
+    compile_config = CompileConfig() if compile else None
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     engine = MARSEngine(
         loaded, tokenizer, max_batch_size, cache_slots=cache_slots, compile_config=compile_config, tau_range=tau_range

@@ -70,7 +70,7 @@ def start_server(
     device: str,
     max_batch_size: int,
     compile: bool = False,
-    cache_slots: int | None = DEFAULT_CACHE_SLOTS,
+    cache_slots: int = DEFAULT_CACHE_SLOTS,
     attention: str | None = None,
     port: int = 0,
 ):
