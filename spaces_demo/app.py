@@ -262,7 +262,7 @@ def prepare(model, tokenizer, message, history, settings: dict, block_size, mask
 
 
 def stream_mars(model, tokenizer, turn: Turn, session: Session):
-    """Decode with a MARS runner (`model.mars_runner`: the pass the checkpoint's `generate()` runs, compiled and
+    """Decode with a MARS runner (`model.mars_session`: the pass the checkpoint's `generate()` runs, compiled and
     captured on a GPU) pass by pass, yielding the outputs at most every UPDATE_EVERY seconds, with every pass since
     the last; the browser session's τ is read before every pass. Closed early (Stop, a closed tab), it stops between
     two passes. Returns the runner and the seconds its passes took (the UI's work between them is not the
@@ -277,7 +277,7 @@ def stream_mars(model, tokenizer, turn: Turn, session: Session):
         seconds, start = 0.0, time.perf_counter()
         shown = start
         with torch.inference_mode():  # the prompt's pass runs as the runner takes the row
-            run = model.mars_runner(
+            run = model.mars_session(
                 **turn.inputs, **turn.settings, mars_tau=tau_now, **turn.mars, log=True, compile_config=compile_config
             )
         while True:

@@ -1,7 +1,8 @@
-"""The log probabilities of the tokens a session or a runner decides (`Session.logprobs`, `Runner.logprobs`: what
-`hf-mars serve` answers `logprobs` with): lossless mode's and τ = 1's are plain decoding's (the log-softmax of the
-processed scores `generate()` chose from), batched or alone; τ-mode's are each slot's own, the model's own at the first
-token of every pass. A runner records them in its graph pass (eager, a grammar's rows too)."""
+"""The log probabilities of the tokens a runner decides (`Runner.logprobs`: what `hf-mars serve` answers `logprobs`
+with): lossless mode's and τ = 1's are plain decoding's (the log-softmax of the processed scores `generate()` chose
+from), batched or alone; τ-mode's are each slot's own, the model's own at the first token of every pass. The prompt's
+pass records them as the runner admits the rows (`Session.logprobs`), every later pass in the graph pass (eager, a
+grammar's rows too)."""
 
 from __future__ import annotations
 
@@ -28,26 +29,19 @@ def model_and_tok():
     return hf_mars.to_mars(model, tok, block_size=4).eval(), tok
 
 
-@pytest.fixture(params=["session", "runner"])
-def engine(request) -> str:
-    return request.param
-
-
-def decoded(model, tok, prompts, max_new_tokens: int = 16, engine: str = "session", **mode) -> dict:
-    """Each row's `(tokens, logprobs, top values, top ids, first of each pass)` from a session that records them, or
-    an eager runner built over it as a server builds one (its prompt's pass run by `admit`)."""
+def decoded(model, tok, prompts, max_new_tokens: int = 16, **mode) -> dict:
+    """Each row's `(tokens, logprobs, top values, top ids, first of each pass)` from an eager runner that records them,
+    built as a server builds one (its prompt's pass run by `admit`; a grammar's too, called on each slot's text)."""
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
     labels = list(range(len(prompts)))
-    session = model.mars_session(**enc, do_sample=False, max_new_tokens=max_new_tokens, labels=labels, **mode)
+    session = model.mars_rows(**enc, do_sample=False, max_new_tokens=max_new_tokens, labels=labels, **mode)
     session.separate_prompts()
     session.logprobs = TOP
     rows = {i: ([], [], [], [], []) for i in range(len(prompts))}
-    runs = session
-    if engine == "runner":  # a grammar too: an eager runner calls it on each slot's text
-        runs = serving_runner(model, session, len(prompts) + 1, 256)  # a row to spare: a server's free rows
-        runs.admit(session)
-    first = runs is not session
+    runs = serving_runner(model, session, len(prompts) + 1, 256)  # a row to spare: a server's free rows
+    runs.admit(session)
+    first = True
     while runs.live:
         if not first:
             runs.step(model)
@@ -87,7 +81,7 @@ def plain(model, tok, prompt: str, max_new_tokens: int = 16, **processing) -> tu
     "mode", [{"mars_verify": True}, {"mars_tau": 1.0}, {"mars_verify": True, "mars_draft_candidates": [2, 2]}]
 )
 @pytest.mark.parametrize("processing", ["none", "penalties", "grammar"])
-def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model_and_tok, mode, processing, engine):
+def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model_and_tok, mode, processing):
     """After the request's processors: a repetition penalty and n-gram bans (MARS's own rules), a JSON grammar
     (transformers' call on each slot's text)."""
     model, tok = model_and_tok
@@ -100,7 +94,7 @@ def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model
             return {"logits_processor": [GrammarProcessor.from_json_schema(SCHEMA, tok, eos_token_id=eos)]}
         return {}
 
-    rows = decoded(model, tok, PROMPTS, engine=engine, **mode, **processors())
+    rows = decoded(model, tok, PROMPTS, **mode, **processors())
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs, values, ids, _ = rows[i]
         expected_tokens, expected = plain(model, tok, prompt, **processors())
@@ -112,12 +106,12 @@ def test_lossless_and_tau_1_give_plain_decodings_log_probabilities_batched(model
         assert [row[0] for row in ids] == tokens  # greedy: the likeliest token, the one chosen
 
 
-def test_tau_modes_log_probabilities_are_each_slots_own(model_and_tok, engine):
+def test_tau_modes_log_probabilities_are_each_slots_own(model_and_tok):
     """τ = 0.6: a greedy slot's token is its likeliest, so its log probability is its top value; the first token of
     each pass is decided by the model's own prediction after the text so far (a forward over that text gives it);
     some pass takes masks' tokens (the premise: otherwise nothing here is τ-mode's own)."""
     model, tok = model_and_tok
-    rows = decoded(model, tok, PROMPTS, engine=engine, mars_tau=0.6)
+    rows = decoded(model, tok, PROMPTS, mars_tau=0.6)
     took_masks = False
     for i, prompt in enumerate(PROMPTS):
         tokens, logprobs, values, _, firsts = rows[i]
@@ -133,29 +127,34 @@ def test_tau_modes_log_probabilities_are_each_slots_own(model_and_tok, engine):
     assert took_masks
 
 
-def test_rows_that_ask_join_a_session_that_did_not_and_get_their_own_from_then_on(model_and_tok):
-    """A running session records nothing; rows whose session records (2 alternatives) join it: it records for every
-    row from the next pass, as many as any row asked for, and the rows that joined get plain decoding's."""
+def test_rows_that_ask_join_a_runner_that_did_not_and_get_their_own_from_then_on(model_and_tok):
+    """A running runner records nothing; rows that ask for 2 alternatives join it: it records for every row from the
+    next pass, as many as any row asked for, and the rows that joined get plain decoding's."""
     model, tok = model_and_tok
     tok.padding_side = "left"
 
-    def opened(prompts, labels, logprobs):
+    def prepared(prompts, labels, logprobs):
         enc = tok(prompts, return_tensors="pt", padding=True)
-        session = model.mars_session(**enc, do_sample=False, max_new_tokens=16, labels=labels, mars_verify=True)
+        session = model.mars_rows(
+            **enc, do_sample=False, max_new_tokens=16, labels=labels, max_rows=3, mars_verify=True
+        )
         session.separate_prompts()
         session.logprobs = logprobs
-        session.step(model)
         return session
 
-    running = opened(PROMPTS[:2], ["a", "b"], None)
-    running.step(model)
-    assert running.scored is None
-    joining = opened(PROMPTS[2:], ["c"], 2)
-    got = joining.scored[1][0, : len(joining.rows()[0][1])].tolist()  # its prompt's pass: its first tokens'
-    running.admit(joining)
+    first = prepared(PROMPTS[:2], ["a", "b"], None)
+    running = serving_runner(model, first, 3, 256)
+    running.admit(first)
+    running.step()
+    assert running.scored is None and running.logprobs is None
+    running.admit(prepared(PROMPTS[2:], ["c"], 2))
+    fed, chosen, _, _ = running.scored  # its prompt's pass: its first tokens'
+    place = {row: p for p, row in enumerate(fed.tolist())}
+    c = [label for label, _, _, _ in running.rows()].index("c")
+    got = chosen[place[c], : len(running.rows()[c][1])].tolist()
     assert running.logprobs == 2
     while running.live:
-        running.step(model)
+        running.step()
         fed, chosen, values, _ = running.scored
         assert values.shape[-1] == 2
         place = {row: p for p, row in enumerate(fed.tolist())}
@@ -167,7 +166,7 @@ def test_rows_that_ask_join_a_session_that_did_not_and_get_their_own_from_then_o
     assert got == pytest.approx(expected[torch.arange(len(tokens)), torch.tensor(tokens)].tolist(), abs=1e-4)
 
 
-def test_a_token_kept_on_a_runner_up_is_scored_at_that_node(model_and_tok, engine, monkeypatch):
+def test_a_token_kept_on_a_runner_up_is_scored_at_that_node(model_and_tok, monkeypatch):
     """Lossless mode with runner-ups: a token whose path runs through a runner-up draft is scored at that node's
     outputs, not at the chain's node of its depth. The premise, from the run itself: some pass kept a path that ends
     past the chain's nodes (`verify.deepest_kept`, which both the loop and the graph pass call)."""
@@ -182,7 +181,7 @@ def test_a_token_kept_on_a_runner_up_is_scored_at_that_node(model_and_tok, engin
     monkeypatch.setattr(verify, "deepest_kept", spy)
     prompts = ["x y z", "12 13", "the the the", "once upon a time"]
     mode = {"mars_verify": True, "mars_draft_candidates": [2, 2]}
-    rows = decoded(model, tok, prompts, max_new_tokens=32, engine=engine, **mode)
+    rows = decoded(model, tok, prompts, max_new_tokens=32, **mode)
     assert max(ends) > model.generation_config.mars_block_size - 1  # nodes 1..B-1 are the chain's
     for i, prompt in enumerate(prompts):
         tokens, logprobs, _, _, _ = rows[i]

@@ -106,9 +106,7 @@ def test_a_servers_runner_runs_each_prompts_pass_then_every_other_in_the_graph_p
     calls, admitted, steps = [], 0, 0
 
     def opened(i):
-        return model.mars_session(
-            prompts[i][None], labels=[i], budgets=[12 + 4 * i], max_new_tokens=24, mars_verify=True
-        )
+        return model.mars_rows(prompts[i][None], labels=[i], budgets=[12 + 4 * i], max_new_tokens=24, mars_verify=True)
 
     handle = _recording(model, calls)
     try:
@@ -133,7 +131,7 @@ def test_a_servers_runner_runs_each_prompts_pass_then_every_other_in_the_graph_p
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_runner_of_its_own_decodes_as_generate_does(model, mode):
-    """`model.mars_runner` (the Space's route): the prompt's pass as it takes the rows, then every pass in the graph
+    """`model.mars_session` (the Space's route): the prompt's pass as it takes the rows, then every pass in the graph
     pass, stepped by its caller until each row stops; the tokens, the passes and what each pass accepted are
     `generate()`'s, the same seed drawing the same samples."""
     model, tok = model
@@ -145,7 +143,7 @@ def test_a_runner_of_its_own_decodes_as_generate_does(model, mode):
     handle = _recording(model, calls)
     try:
         torch.manual_seed(0)
-        runner = model.mars_runner(**enc, log=True, **kwargs)
+        runner = model.mars_session(**enc, log=True, **kwargs)
         while not all(done for _, _, done, _ in runner.rows()):
             runner.step()
     finally:
@@ -171,7 +169,7 @@ def test_a_logged_runner_records_more_passes_than_its_log_holds(model, monkeypat
     enc = toy_prompts(tok, n=1, seed=6)
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, mars_tau=1.0)
     alone = model.generate(**enc, **kwargs)[0, enc.input_ids.shape[1] :].tolist()
-    runner = model.mars_runner(**enc, log=True, labels=[0], **kwargs)
+    runner = model.mars_session(**enc, log=True, labels=[0], **kwargs)
     finished = []
     while len(finished) < 8:
         runner.step()
@@ -180,7 +178,7 @@ def test_a_logged_runner_records_more_passes_than_its_log_holds(model, monkeypat
                 finished.append(tokens)
                 runner.release([label])
                 if len(finished) < 8:
-                    runner.admit(model.mars_session(**enc, labels=[len(finished)], **kwargs))
+                    runner.admit(model.mars_rows(**enc, labels=[len(finished)], **kwargs))
     record = runner.record()
     assert record.forward_passes > runner.shape.slots, "the premise: more passes than the log has rows"
     assert len(record.accepted_per_step) == len(record.tau_per_step) == record.forward_passes

@@ -30,8 +30,8 @@ SLOTS = {name: 160 if "lossless" in name else 96 for name in MODES}
 
 
 def _opened(model, prompt, label, budget, mode):
-    """A request's session before its prompt's pass, as the engine opens one for a runner to admit."""
-    return model.mars_session(prompt[None], labels=[label], budgets=[budget], max_new_tokens=30, **mode)
+    """A request's rows before their prompt's pass, as the engine prepares them for a runner to admit."""
+    return model.mars_rows(prompt[None], labels=[label], budgets=[budget], max_new_tokens=30, **mode)
 
 
 def _serve(
@@ -122,7 +122,7 @@ def test_a_request_that_does_not_fit_or_decodes_otherwise_is_refused_by_name(tra
         with pytest.raises(ValueError, match="other settings"):
             rows.admit(other)
         called = dict(mars_tau=1.0, bad_words_ids=[[5, 6]])  # a ban of two tokens: transformers' own processor
-        with pytest.raises(ValueError, match="own loop alone"):  # a compiled pass cannot call it (none compiles here)
+        with pytest.raises(ValueError, match="a compiled pass cannot call logits processors"):  # none compiles here
             serving_runner(model, _opened(model, prompt, "d", 4, called), 2, 200, CompileConfig())
         assert serving_runner(model, _opened(model, prompt, "d", 4, called), 2, 200).shape.calls  # an eager one does
         penalty = dict(mars_tau=1.0, repetition_penalty=1.3)
@@ -386,7 +386,7 @@ def test_an_eager_runner_re_treed_between_passes_feeds_each_tree_and_keeps_greed
     modes = [dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=3), dict(mars_tau=1.0), chain]
     with torch.inference_mode():
         opened = [
-            model.mars_session(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=budget, **m)
+            model.mars_rows(enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=budget, **m)
             for m in [chain, *modes]
         ]
         runner = serving_runner(model, opened[0], 3, 160, trees=[s.plan.settings for s in opened[1:]])
@@ -536,7 +536,7 @@ def test_a_runner_takes_up_a_grammar_between_passes_and_drops_it_each_row_exact(
         runner.step()
         drafted.append(runner.graph.nodes_drafted)
         runner.use_processors(LogitsProcessorList([grammars(runner.held)]))
-        joining = model.mars_session(
+        joining = model.mars_rows(
             prompts[1][None],
             labels=["json"],
             budgets=[24],

@@ -1180,13 +1180,15 @@ def test_a_preset_tree_is_rechosen_at_its_own_batch_size_whatever_order_rows_joi
     _, engine = build_app(str(tmp_path), dtype="float32", device="cpu", max_batch_size=4)
     config = engine.model.generation_config.__class__.from_dict(engine.model.generation_config.to_dict())
     config.mars_verify, config.max_new_tokens = True, 8  # as a request's config carries them
-    request = SimpleNamespace(tau_range=None, generation_config=config)
+    request = SimpleNamespace(tau_range=None, generation_config=config, apart=False)
     ids = tok(["count 1 to 40"], return_tensors="pt").input_ids
-    with torch.inference_mode():
-        session = engine.model.mars_session(ids, generation_config=config, labels=[request])
-        for rows in (1, 3, 4, 3, 1):
-            engine._choose_tree(session, rows)
-    assert list(engine.tree_changes) == [(4, "2x1"), (3, "4x2")]
+    with torch.inference_mode():  # the engine's runner, built for both trees, its settings chosen for 4 rows
+        rows = engine.model.mars_rows(ids, generation_config=config, labels=[request], max_rows=4)
+        runner = engine._graph_for(rows)
+        runner.admit(rows)
+        for count in (1, 3, 4, 3, 1):
+            engine._choose_tree(runner, count)
+    assert list(engine.tree_changes) == [(1, "4x2"), (4, "2x1"), (3, "4x2")]
 
 
 def _scrape(server) -> dict:

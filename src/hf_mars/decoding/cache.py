@@ -181,21 +181,6 @@ class MARSCache(DynamicCache):
         self.next_position = self.next_position[rows]
         self.rows = self.rows[rows]
 
-    def join(self, other: MARSCache, offset: int) -> None:
-        """`other`'s rows join this cache, after its own (`offset`: the batch row `other`'s first row becomes). The
-        shorter side is padded on the left with holes, as a shorter prompt is, so that every row's next tokens go to
-        the same slots; positions are each row's own, so nothing it computed changes."""
-        length = max(self.length, other.length)
-        self.dense = self.dense and other.dense and self.length == other.length  # the padding would be holes
-        for mine, theirs in zip(self.layers, other.layers):
-            for name in ("keys", "values"):
-                a, b = getattr(mine, name), getattr(theirs, name)
-                parts = [_pad_slots(a, length - a.shape[2]), _pad_slots(b, length - b.shape[2])]
-                setattr(mine, name, torch.cat(parts))
-        self.real = torch.cat([_pad_slots(r, length - r.shape[1], dim=1) for r in (self.real, other.real)])
-        self.next_position = torch.cat([self.next_position, other.next_position])
-        self.rows = torch.cat([self.rows, other.rows + offset])
-
     def real_slots(self, batch_size: int):
         """`(real, [(keys, values) per layer])` over the whole batch, retired rows included, in batch order."""
         parts = [(self.rows, self.real, [(layer.keys, layer.values) for layer in self.layers])] + self.retired
@@ -491,13 +476,6 @@ def pass_positions(next_position, new_real, num_masks: int, tree: DraftTree):
     anchors = torch.cat([root, *drafts], dim=1) if drafts else root  # (batch, groups): the token each group follows
     mask_positions = (anchors[:, :, None] + torch.arange(1, num_masks + 1, device=root.device)).reshape(batch, -1)
     return torch.cat([pending_positions, *drafts, mask_positions], dim=1).clamp(min=0)
-
-
-def _pad_slots(states: torch.Tensor, holes: int, dim: int = 2) -> torch.Tensor:
-    """`states` with `holes` empty slots (zeros, or False) before its first, along `dim`."""
-    shape = list(states.shape)
-    shape[dim] = holes
-    return torch.cat([states.new_zeros(shape), states], dim=dim)
 
 
 def _gather_all(tensors: list, order: torch.LongTensor) -> list:

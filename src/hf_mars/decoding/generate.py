@@ -7,8 +7,8 @@ processors, stopping criteria, cache) hands its inputs to `mars_decode`, which p
 pass into the runner's rows, then `graph.py`'s graph pass until every row has stopped) on a static cache: the one
 `cache_implementation="static"` makes (whose pass may compile), or, for the default call, one of its own (eager).
 Where the runner cannot decode (see `_runner_shape`, `_default_runner_shape`) the session's own loop steps it.
-`model.mars_session` opens a session the same way for a caller that steps it itself (a server, whose rows join and
-leave between passes).
+`model.mars_session` decodes rows prepared the same way (`model.mars_rows`) in a runner of their own, for a caller
+that steps it itself (a server, the Space: rows join and leave between passes).
 
 The loop never asks which cache it has: both answer `cache.KVBook`.
 
@@ -135,7 +135,7 @@ class MARSGenerationMixin(GenerationMixin):
         decode = functools.partial(mars_decode, settings=settings, streamer=streamer)
         return super().generate(inputs, config, logits_processor, criteria, custom_generate=decode, **kwargs)
 
-    def mars_session(
+    def mars_rows(
         self,
         input_ids: torch.Tensor,
         generation_config=None,
@@ -146,22 +146,21 @@ class MARSGenerationMixin(GenerationMixin):
         log: bool = False,
         **kwargs,
     ) -> Session:
-        """A MARS decoding session over these rows, prepared exactly as `generate()` prepares its batch (the same
-        settings, checks, logits processors and cache), before its first pass. `Session.step` runs a pass,
-        `Session.rows` reads every row's tokens, `Session.admit` joins the rows of a session of the same settings to
-        it between passes, `Session.release` lets rows go: a server's rows come and go while others decode.
+        """These rows prepared exactly as `generate()` prepares its batch (the same settings, checks, logits processors
+        and stopping), before their prompt's pass: what a `Runner` admits (`Runner.admit` runs that pass, into its own
+        rows). `mars_session` takes the same arguments.
 
         Args:
             input_ids: `(rows, prompt)` prompts, left-padded (pass `attention_mask` with them).
             generation_config, **kwargs: as for `generate()`, the `mars_*` keywords included. Without MARS settings
-                (or where lossless mode's tree is none) the session decodes at τ = 1, which is plain decoding.
+                (or where lossless mode's tree is none) the rows decode at τ = 1, which is plain decoding.
             labels: one per row, what `rows()` and `release()` name it by (default: 0, 1, ...).
             budgets: each row's most new tokens (default: the config's `max_new_tokens` for every row; a row's is
                 at most that).
-            max_rows: the most rows the session will hold, rows that join it later included (default: these):
+            max_rows: the most rows that will decode together, rows that join later included (default: these):
                 settings that depend on the batch size (`"auto"` trees and mask costs) are chosen for it.
-            log: record every pass in `session.stats` (its τ, masks and each row's accepted tokens), as `generate()`
-                records them; off by default, since a session that lives as long as a server would keep them all.
+            log: record every pass (`Runner.record()`: its τ, masks and each row's accepted tokens), as `generate()`
+                records them; off by default, since a runner that lives as long as a server would keep them all.
 
         Stopping beyond EOS and each row's budget (stop strings, criteria, a client that leaves) is the caller's: it
         reads the rows after each pass and releases those it stops. Streamers and outputs of `generate()`'s dict
@@ -170,18 +169,18 @@ class MARSGenerationMixin(GenerationMixin):
         base = generation_config if generation_config is not None else self.generation_config
         for name in ("stop_strings", "stopping_criteria", "streamer"):
             if kwargs.get(name) is not None or getattr(base, name, None):
-                raise ValueError(f"A MARS session does not take `{name}`: its caller stops rows (`Session.release`).")
+                raise ValueError(f"A MARS runner does not take `{name}`: its caller stops rows (`Runner.release`).")
         mars_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name.startswith("mars_")}
         call = {name: kwargs[name] for name in CALL_KEYS if name in kwargs}
         rows = max(max_rows or 0, input_ids.shape[0])
         settings = session_settings(self, generation_config, rows, call, **mars_kwargs)
         _refuse_unsupported(base, kwargs, "mars_session")
         config = copy.deepcopy(base)
-        config.return_dict_in_generate = False  # a session keeps no rows that left, and no per-pass log
-        opened = functools.partial(open_session, settings=settings, labels=labels, budgets=budgets, log=log)
-        return super().generate(input_ids, config, custom_generate=opened, **kwargs)
+        config.return_dict_in_generate = False  # a runner keeps no rows that left
+        prepared = functools.partial(prepare_rows, settings=settings, labels=labels, budgets=budgets, log=log)
+        return super().generate(input_ids, config, custom_generate=prepared, **kwargs)
 
-    def mars_runner(
+    def mars_session(
         self,
         input_ids: torch.Tensor,
         generation_config=None,
@@ -190,25 +189,29 @@ class MARSGenerationMixin(GenerationMixin):
         compile_config=None,
         logprobs: int | None = None,
         **kwargs,
-    ) -> Runner | Session:
-        """`mars_session`'s rows (the same arguments), decoding in a `Runner` of their own (`runner.py`: the pass that
-        `generate()` runs): their prompt's pass runs here; then `step()` runs one pass for every row, `rows()` reads
-        them, `release(labels)` stops them, `live` says whether any is held, and `record()` (with `log=True`) what the
-        passes did (`MARSStats`). The runner holds `capacity` rows (default: these; others join with `admit`) over a
-        static cache sized for these prompts and budgets, as the default call sizes its own. `compile_config`: compile
-        the pass (captured on CUDA); else it runs eagerly. `logprobs`: record each decided token's log probability and
-        this many alternatives, from the prompt's pass on (`Runner.scored`). Where only the loop can decode these
-        settings (`runner.graph_shape`), the session itself after its prompt's pass: the same verbs."""
-        session = self.mars_session(input_ids, generation_config, max_rows=capacity, **kwargs)
-        session.logprobs = logprobs
-        text, plan = session.text, session.plan
-        capacity = max(capacity or 0, text.sequences.shape[0])
-        slots = own_cache_slots(session, int(text.budget.max()))
-        if graph_shape(self, session, capacity, slots, runner_tree(plan), compile_config is not None) is None:
-            session.step(self)
-            return session
-        runner = serving_runner(self, session, capacity, slots, compile_config, log=session.log)
-        runner.admit(session)
+    ) -> Runner:
+        """MARS decoding of these rows, stepped by the caller (a server, the Space), in a `Runner` of their own
+        (`runner.py`: the pass that `generate()` runs). Their prompt's pass runs here; then `step()` runs one pass
+        for every row, `rows()` reads them (`(label, new tokens, stopped, passes)` each), `release(labels)` stops
+        them, `live` says whether any is held, `admit(model.mars_rows(...))` joins rows of the same settings between
+        passes, `record()` (with `log=True`) says what the passes did (`MARSStats`).
+
+        Args:
+            input_ids, generation_config, **kwargs: as for `mars_rows` (`labels`, `budgets`, `log` too).
+            capacity: the most rows the runner holds (default: these); its static cache is sized for these prompts
+                and budgets, as `generate()`'s default call sizes its own (rows that join must fit in it).
+            compile_config: compile the pass (captured on CUDA); else it runs eagerly.
+            logprobs: record each decided token's log probability and this many alternatives, from the prompt's pass
+                on (`Runner.scored`).
+
+        Settings that no runner decodes (`runner.no_runner`: an attention without 4D masks, a compiled pass with
+        processors only transformers applies) are refused by name: `generate()` decodes them in its own loop."""
+        rows = self.mars_rows(input_ids, generation_config, max_rows=capacity, **kwargs)
+        rows.logprobs = logprobs
+        capacity = max(capacity or 0, rows.text.sequences.shape[0])
+        slots = own_cache_slots(rows, int(rows.text.budget.max()))
+        runner = serving_runner(self, rows, capacity, slots, compile_config, log=rows.log)
+        runner.admit(rows)
         return runner
 
     def mars_settings(self, generation_config=None, batch_size: int = 1, **mars_kwargs) -> dict | None:
@@ -335,7 +338,7 @@ def mars_decode(
             keep_cache(model, run.cache.kept_as, run.cache.kv)
 
 
-def open_session(
+def prepare_rows(
     model,
     input_ids: torch.LongTensor,
     logits_processor: LogitsProcessorList,
@@ -349,7 +352,7 @@ def open_session(
     log: bool = False,
     **model_kwargs,
 ) -> Session:
-    """`model.mars_session`'s decoding method: what `generate()` prepared, as a session, before its first pass."""
+    """`model.mars_rows`' decoding method: what `generate()` prepared, as rows before their first pass."""
     session = _prepare(
         model, input_ids, logits_processor, stopping_criteria, generation_config, settings, None, model_kwargs
     )

@@ -1,7 +1,7 @@
 """The runner: a fixed number of rows decoding in one graph pass over one static cache, rows joining and leaving.
 
 A `Runner` holds `capacity` rows, each free or held by a label, over one `GraphPass` (`graph.py`) and the static
-cache it decodes on. `admit` gives a prepared session's rows (`model.mars_session`, or `generate()`'s batch) their
+cache it decodes on. `admit` gives a prepared session's rows (`model.mars_rows`, or `generate()`'s batch) their
 prompt's pass straight into free rows: the pass writes the prompt's K/V into those rows' slots of the runner's own
 cache (a view of its rows, no copy), and what each row decodes next goes into the pass's state. `step` runs one pass
 for every row (a free row is a done one, and decodes nothing), `rows` reads every held row's tokens, `release` frees
@@ -99,8 +99,6 @@ class Runner:
             longest = max(longest, run)
         return longest
 
-    joins = True  # rows join free rows between passes
-
     @property
     def logprobs(self) -> int | None:
         """The alternatives each pass records beside its tokens' log probabilities (None: none recorded)."""
@@ -121,7 +119,7 @@ class Runner:
     @_in_own_mode
     def retree(self, settings) -> None:
         """Decode on with `settings`, another lossless draft tree within the runner's (`tree_plan`'s), or none (τ = 1,
-        plain decoding, as `model.mars_session` makes plain settings), from the next pass: a server re-chooses the
+        plain decoding, as `model.mars_rows` makes plain settings), from the next pass: a server re-chooses the
         tree that pays at the rows it runs now. Lossless mode's text does not depend on the tree; the drafts of nodes
         left out are dropped, and the next pass proposes the new tree's."""
         if not self.retrees and settings != self.plan.settings:
@@ -466,6 +464,26 @@ def widest_plan(plan, trees):
     return replace(plan, settings=settings, candidates=candidates, lookup=lookup)
 
 
+def no_runner(model, plan, compiled: bool = False) -> str | None:
+    """Why no runner decodes `plan`'s rows (where `generate()` runs its own loop), or None where one does."""
+    attention = model.config._attn_implementation
+    if attention not in BRANCHING:
+        return (
+            f"the graph pass builds 4D attention masks, which {attention!r} does not take: load the model with one "
+            f"of {BRANCHING} (attn_implementation=...)"
+        )
+    if not plan.logits_to_keep:
+        return f"{type(model).__name__}.forward takes no `logits_to_keep`"
+    if compiled and processor_fields(plan.processors)["calls"]:
+        return (
+            "a compiled pass cannot call logits processors that only transformers applies (a grammar, bad words or "
+            "sequence biases of several tokens, forced tokens) between its slots: decode them eagerly"
+        )
+    if not enabled():
+        return "the graph pass is turned off (`graph.ENABLED`)"
+    return None
+
+
 def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, compiled: bool = False, **plan):
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
     full `tree`, or None where only the loop can. Warpers, single-token bans and biases, repetition penalties, minimum
@@ -475,12 +493,9 @@ def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, compiled: b
     mask, as the loop does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer,
     are served from the host after each pass. `plan`: fields of `run.plan` replaced (a runner's wider tree)."""
     plan = replace(run.plan, **plan) if plan else run.plan
-    settings = plan.settings
-    processing = processor_fields(plan.processors)
-    if not (enabled() and plan.logits_to_keep) or (processing["calls"] and compiled):
+    if no_runner(model, plan, compiled) is not None:
         return None
-    if model.config._attn_implementation not in BRANCHING:
-        return None
+    settings, processing = plan.settings, processor_fields(plan.processors)
     verify = settings.verify
     masks = 0 if not verify and not callable(settings.tau) and settings.tau >= 1.0 else settings.block_size - 1
     return GraphShape(
@@ -516,13 +531,10 @@ def serving_runner(
     their settings: their K/V storage is not allocated again); else one is allocated."""
     tree_plan = widest_plan(first.plan, trees) if trees and compile_config is None else first.plan
     compiled = compile_config is not None
+    reason = no_runner(model, tree_plan, compiled)
+    if reason is not None:
+        raise ValueError(f"No runner decodes these rows: {reason}.")
     shape = graph_shape(model, first, capacity, slots, runner_tree(tree_plan), compiled, **_tree_of(tree_plan))
-    if shape is None:
-        raise ValueError(
-            "these settings are decoded by generate()'s own loop alone, not in a compiled runner (logits processors "
-            "that only transformers applies, such as a grammar, or bad words or sequence biases of several tokens): "
-            "serve them without --compile"
-        )
     if kv is None or static_cache_size(kv) != slots or kv.layers[0].keys.shape[0] != capacity:
         kv = rows_cache(model, capacity, slots)
     graph = GraphPass(model, kv, shape, compile_config, first.plan.processors)

@@ -63,14 +63,6 @@ class MaskSchedule:
         if not self.constant:
             self.rate[rows] = rates_after(self.rate[rows], offered, paid, passes, self.moves)
 
-    def join(self, other: MaskSchedule) -> None:
-        """`other`'s rows (a schedule of the same costs) join this one, after its own."""
-        self.rate, self.last = torch.cat([self.rate, other.rate]), torch.cat([self.last, other.last])
-
-    def select(self, keep: torch.Tensor) -> None:
-        """Only the rows that `keep` marks stay."""
-        self.rate, self.last = self.rate[keep], self.last[keep]
-
 
 def offers(rates: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
     """`(rows,)` masks each row is offered: the count that maximises its expected tokens per unit of `time`, from

@@ -18,10 +18,9 @@ the next drafts from the masks and prompt lookup), so the phases hold no mode br
 small objects: `Plan` (fixed before the first pass), `Text` (every row's text and progress; a row decodes while
 `active`) and `Feed` (what the next pass feeds).
 
-`generate()` opens a session over its batch and steps it until every row has stopped (`generate.py`). A server keeps
-one open: `admit` joins the rows of another session (opened by `model.mars_session`, after its prompt's pass) to it
-between passes, and `release` lets rows go the moment they stop, so that rows come and go while the others decode
-(`serving/engine.py`). Rows join a session whose cache can take them: a dynamic one, padded with holes.
+`generate()` prepares a session over its batch (`generate.py`; `model.mars_rows` for a caller's rows), whose prompt's
+pass a `Runner` runs into its own rows (`runner.py`), every later pass in its graph pass; where no runner decodes the
+settings (`runner.no_runner`), `generate()` steps the session itself until every row has stopped.
 
 The pass never asks which cache it has: both answer `cache.KVBook` (`generate.py` says which it makes).
 
@@ -32,10 +31,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
-from torch.nn.functional import pad
 from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache import KVBook
@@ -45,9 +43,7 @@ from .scoring import (
     Histories,
     branching,
     choose,
-    follow_padding,
     masks_taken,
-    processors_signature,
     scored_at_once,
     token_logprobs,
 )
@@ -146,15 +142,8 @@ class Text:
     passes: torch.Tensor  # (batch,) passes each row took part in
     ended: torch.Tensor  # (batch,) rows whose text reached EOS or the length limit
     active: torch.Tensor  # (batch,) rows still decoding
-    joined: torch.Tensor  # (batch,) columns of left padding not of each row's own batch: what joins added to its
-    # prompt (`min_length` counts a row's prompt as its own batch padded it, as `generate()` does)
-
-    PER_ROW = ("budget", "decoded", "passes", "ended", "active", "joined")  # `(batch,)` fields, besides the text
-
-    def select(self, keep: torch.Tensor) -> Text:
-        """The rows that `keep` marks."""
-        rows = {name: getattr(self, name)[keep] for name in self.PER_ROW}
-        return Text(self.prompt_length, sequences=self.sequences[keep], prompt_real=self.prompt_real[keep], **rows)
+    joined: torch.Tensor  # (batch,) columns of left padding not of each row's own batch (`separate_prompts`:
+    # `min_length` counts a row's prompt as its own batch padded it, as `generate()` does)
 
 
 @dataclass
@@ -182,11 +171,11 @@ class Feed:
 
 @dataclass
 class Session:
-    """The rows MARS decodes together, carried from pass to pass: `step` runs one pass for every row still decoding,
-    `admit` joins another session's rows between passes, `release` lets rows go.
+    """The rows MARS decodes together, carried from pass to pass: `step` runs one pass for every row still decoding
+    (the prompt's pass, which a `Runner` runs into its rows; every pass where no runner decodes the settings).
 
     `labels`: one per row, in order (whatever the caller names its rows by); `log`: whether every pass is recorded in
-    `stats` (`generate()`'s `MARSStats`; a session that lives as long as a server keeps no per-pass log).
+    `stats` (`generate()`'s `MARSStats`; a runner that lives as long as a server keeps no per-pass log).
     `logprobs`: where a caller sets it (a count of alternatives, 0 or more), each pass leaves in `scored` the log
     probability of every token it decided and the `logprobs` likeliest at each slot (`token_logprobs`):
     `(rows fed, logprobs (rows, width), top values, top ids)`, a row's new tokens first in its slots.
@@ -215,162 +204,10 @@ class Session:
         _next_inputs(self, step, tokens, accepted)
         _retire(self)
 
-    def record(self) -> MARSStats:
-        """What the passes did (`stats`), as a `Runner` answers it."""
-        return self.stats
-
-    @property
-    def decoding(self) -> int:
-        """Rows still decoding (one read from the device)."""
-        return int(self.text.active.sum())
-
-    @property
-    def joins(self) -> bool:
-        """Whether rows may join between passes (`admit`): not on a static cache, whose passes keep their batch."""
-        return not self.cache.fixed_shapes
-
-    @property
-    def retrees(self) -> bool:
-        """Whether the draft tree may change between passes (`retree`): not where passes have the tree's shape (a
-        static cache, a compiled forward)."""
-        return not self.cache.fixed_shapes and self.plan.compiled is None
-
-    def rows(self) -> list[tuple[object, list[int], bool, int]]:
-        """Every row as `(label, its new tokens so far, whether it has stopped, passes it took part in)`: two reads
-        from the device for the whole batch (the counts, then the tokens they reach)."""
-        text, start = self.text, self.text.prompt_length
-        decoded, active, passes = torch.stack([text.decoded, text.active.long(), text.passes]).tolist()
-        new = text.sequences[:, start : start + max(decoded, default=0)].tolist()
-        return [(label, new[i][: decoded[i]], not active[i], passes[i]) for i, label in enumerate(self.labels)]
-
-    def refusal(self, other: Session) -> str | None:
-        """Why `other`'s rows cannot join this session (None: they can)."""
-        if not other.stats.forward_passes:
-            return "rows join after their prompt's pass (`step` the new session once)"
-        if not (self.joins and other.joins):
-            return "a static cache keeps its batch: rows join between generations"
-        if getattr(self.cache, "keep_retired", False) or getattr(other.cache, "keep_retired", False):
-            return "a session that returns its cache keeps the rows that leave it"
-        if not (self.stopping.per_row and other.stopping.per_row):
-            return "stopping criteria other than EOS and the length limit judge the whole batch in lockstep"
-        mine, theirs = self.plan, other.plan
-        if (mine.settings, mine.do_sample, mine.typical, mine.candidates, mine.lookup, mine.pad_token_id) != (
-            theirs.settings,
-            theirs.do_sample,
-            theirs.typical,
-            theirs.candidates,
-            theirs.lookup,
-            theirs.pad_token_id,
-        ):
-            return "the rows decode with other settings"
-        signature = functools.partial(processors_signature, layout=False)  # where each row's text lies aside
-        if signature(mine.processors) != signature(theirs.processors):
-            return "the rows decode with other logits processors (or their settings: a penalty, a minimum, a bias)"
-        if mine.window != theirs.window:
-            return "the rows decode with another sliding window"
-        if not torch.equal(mine.eos, theirs.eos) or mine.streamer is not None or theirs.streamer is not None:
-            return "the rows stop at other EOS tokens, or stream"
-        return None
-
-    def admit(self, other: Session) -> None:
-        """`other`'s rows join this session, after its own, between two passes. `other` must decode with the same
-        settings (see `refusal`); it is spent afterwards. The shorter cache is padded on the left with holes, and the
-        drafts of a lossless pass are kept where both sides propose the same tree (else the next pass proposes
-        afresh): neither changes a row's tokens."""
-        reason = self.refusal(other)
-        if reason is not None:
-            raise ValueError(f"These rows cannot join the session: {reason}.")
-        pad_token_id, offset = self.plan.pad_token_id, self.text.sequences.shape[0]
-        self.text = _join_text(self.text, other.text, pad_token_id)
-        follow_padding(self.plan.processors, self.text.prompt_real)
-        self.feed = _join_feed(self.feed, other.feed, offset, pad_token_id)
-        self.cache.join(other.cache, offset)
-        self.schedule.join(other.schedule)
-        self.stopping.join(other.stopping, self.text.sequences, self.text.prompt_length)
-        self.labels = self.labels + other.labels
-        self.live = bool(self.text.active.any())
-        if other.logprobs is not None:  # recorded for every row from the next pass, as many alternatives as any asks
-            self.logprobs = max(self.logprobs or 0, other.logprobs)
-
     def separate_prompts(self) -> None:
         """Each row is a batch of its own: a `min_length` counts its prompt without the left padding that the
         longer prompts opened with it added (a server's requests, opened together, decode as each alone)."""
         self.text.joined = (~self.text.prompt_real).sum(dim=1)
-
-    def retree(self, settings: MARSSettings) -> None:
-        """Decode on with `settings`, another lossless draft tree (or none: τ = 1, as `model.mars_session` makes
-        plain settings), from the next pass: a server re-chooses the tree that pays at the rows it runs now. The next
-        pass proposes its drafts afresh, and lossless mode's text does not depend on the tree. Sampling, processors
-        and everything else stay; a dynamic cache only (a static cache's passes have the tree's shape)."""
-        plan = self.plan
-        if not self.retrees:
-            raise ValueError("A session on a static cache keeps its draft tree: its passes have the tree's shape.")
-        if not (plan.settings.any_tree and settings.any_tree):
-            raise ValueError("Only lossless mode (or τ = 1, its plain form) changes its draft tree between passes.")
-        candidates, lookup = draft_shape(settings, plan.do_sample, plan.typical, plan.processors)
-        self.plan = replace(plan, settings=settings, candidates=candidates, lookup=lookup)
-        text, rows = self.text, self.feed.rows
-        room = text.sequences.shape[1] - text.prompt_length - int(text.budget.max())
-        if 1 + settings.drafts_per_pass > room:  # a pass writes that many slots past a row's tokens
-            text.sequences = pad(text.sequences, (0, 1 + settings.drafts_per_pass - room), value=plan.pad_token_id)
-            self.stopping.sequences = text.sequences
-        self.feed.drafts = Drafts.none(rows.numel(), rows.device)
-        self.schedule = MaskSchedule(settings.mask_cost, text.sequences.shape[0], settings.block_size - 1, rows.device)
-
-    def release(self, labels) -> None:
-        """The rows of these labels stop decoding, at once, and leave the session where its cache can drop rows (a
-        static one keeps them idle until every row has stopped, as `generate()` keeps finished rows)."""
-        text, feed = self.text, self.feed
-        gone = torch.zeros_like(text.active)
-        gone[[self.labels.index(label) for label in labels]] = True
-        text.active &= ~gone
-        text.ended |= gone
-        stopped = ~text.active[feed.rows]
-        _stop_rows(self, stopped, stopped)  # a row let go is never read again: nothing more of it is cached
-        if self.cache.fixed_shapes:
-            return
-        keep = ~gone
-        renumber = keep.long().cumsum(0) - 1
-        feed.rows = renumber[feed.rows]
-        self.cache.rows = renumber[self.cache.rows]
-        self.text = text.select(keep)
-        follow_padding(self.plan.processors, self.text.prompt_real)
-        self.schedule.select(keep)
-        self.stopping.select(keep, self.text.sequences)
-        self.labels = [label for label, kept in zip(self.labels, keep.tolist()) if kept]
-        self.live = bool(self.text.active.any())
-
-
-def _join_text(a: Text, b: Text, pad_token_id: int) -> Text:
-    """The rows of `a` then `b`, their prompts left-padded to end in the same column."""
-    prompt = max(a.prompt_length, b.prompt_length)
-    shifted = [
-        (
-            pad(t.sequences, (prompt - t.prompt_length, 0), value=pad_token_id),
-            pad(t.prompt_real, (prompt - t.prompt_length, 0)),
-        )
-        for t in (a, b)
-    ]
-    width = max(seq.shape[1] for seq, _ in shifted)
-    sequences = torch.cat([pad(seq, (0, width - seq.shape[1]), value=pad_token_id) for seq, _ in shifted])
-    real = torch.cat([r for _, r in shifted])
-    rows = {name: torch.cat([getattr(a, name), getattr(b, name)]) for name in Text.PER_ROW}
-    rows["joined"] = torch.cat([t.joined + prompt - t.prompt_length for t in (a, b)])  # this join's padding too
-    return Text(prompt_length=prompt, sequences=sequences, prompt_real=real, **rows)
-
-
-def _join_feed(a: Feed, b: Feed, offset: int, pad_token_id: int) -> Feed:
-    """What the next pass feeds the rows of `a`, then those of `b` (`offset`: where `b`'s rows start now)."""
-    width = max(a.pending.shape[1], b.pending.shape[1])
-    pending = torch.cat([pad(f.pending, (width - f.pending.shape[1], 0), value=pad_token_id) for f in (a, b)])
-    real = torch.cat([pad(f.pending_real, (width - f.pending_real.shape[1], 0)) for f in (a, b)])
-    rows = torch.cat([a.rows, b.rows + offset])
-    same = a.drafts.tree == b.drafts.tree and (a.drafts.proposals is None) == (b.drafts.proposals is None)
-    if not same:
-        return Feed(rows, pending, real, Drafts.none(rows.numel(), rows.device))
-    proposals = None if a.drafts.proposals is None else torch.cat([a.drafts.proposals, b.drafts.proposals])
-    tokens, drafts_real = (torch.cat([getattr(a.drafts, n), getattr(b.drafts, n)]) for n in ("tokens", "real"))
-    return Feed(rows, pending, real, Drafts(tokens, drafts_real, a.drafts.tree, proposals))
 
 
 @dataclass

@@ -37,16 +37,6 @@ class Stopping:
         self.new_tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.judged = 0  # steps the criteria have been called for (lockstep)
 
-    def join(self, other: Stopping, sequences: torch.Tensor, prompt_length: int) -> None:
-        """`other`'s rows join, after these (both judged row by row: `per_row`), in the joined `sequences`."""
-        self.unfinished = torch.cat([self.unfinished, other.unfinished])
-        self.new_tokens = torch.cat([self.new_tokens, other.new_tokens])
-        self.sequences, self.prompt_length = sequences, prompt_length
-
-    def select(self, keep: torch.Tensor, sequences: torch.Tensor) -> None:
-        """Only the rows that `keep` marks stay, in `sequences`."""
-        self.unfinished, self.new_tokens, self.sequences = self.unfinished[keep], self.new_tokens[keep], sequences
-
     @property
     def settled(self) -> torch.Tensor:
         """`(batch,)`: rows whose output is final, which need decode no more."""

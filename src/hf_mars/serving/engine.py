@@ -2,7 +2,7 @@
 
 Requests wait in a queue. One inference thread keeps a `Runner` (decoding/runner.py: fixed rows of one graph pass
 over a static cache of `cache_slots` slots per row, allocated as the engine starts) and loops: take what has
-arrived; prepare the waiting requests that decode with the running rows' settings (`model.mars_session`, up to the
+arrived; prepare the waiting requests that decode with the running rows' settings (`model.mars_rows`, up to the
 free rows) and admit them (`Runner.admit`: their prompt's pass, straight into their rows of the runner's cache); run
 one pass for every row; hand each row's new tokens to its client; release the rows that stopped (EOS, their own
 `max_tokens`, a stop string, or a client that went away) and answer them at once. MARS decodes ragged batches
@@ -41,7 +41,7 @@ from ..decoding.costs import NotMeasured, cost_batch, pass_costs, tree_key
 from ..decoding.generate import own_cache_slots, session_settings
 from ..decoding.runner import Runner, rows_cache, serving_runner
 from ..decoding.scoring import follow_padding
-from ..decoding.session import Session  # the rows a request group brings, prepared (`model.mars_session`)
+from ..decoding.session import Session  # the rows a request group brings, prepared (`model.mars_rows`)
 from ..decoding.settings import TauController
 from ..decoding.tree import full_tree
 from ..tools.measure.passes import declined, forget_declined, measure
@@ -453,7 +453,7 @@ class MARSEngine(BaseGenerateManager):
         return session
 
     def _session(self, group: list[Request]) -> Session:
-        """`model.mars_session` over the group, left-padded, each row with its own budget, with the running rows'
+        """`model.mars_rows` over the group, left-padded, each row with its own budget, with the running rows'
         settings where it joins them. Otherwise its settings are resolved for `max_batch_size` rows (a tree that pays
         for a few rows can cost far more than it brings for many; `_choose_tree` re-chooses as rows join and leave),
         from cached pass costs only (a cost not measured yet means plain decoding: `serve` measures in the
@@ -478,7 +478,7 @@ class MARSEngine(BaseGenerateManager):
         if group[0].tau_range is not None:  # its τ is the range's controller, set before every pass
             config.mars_tau = None
             settings = settings or {"mars_tau": self._controller(group[0], len(group))}
-        session = self.model.mars_session(
+        session = self.model.mars_rows(
             ids.to(device),
             attention_mask=mask.to(device),
             generation_config=config,
