@@ -485,7 +485,7 @@ def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_
     """An eager τ-mode pass on a CPU leaves out the pending columns that are holes in every row (`narrow`'s lead: the
     rows took fewer than B tokens last pass); its first fed column lands on the pass's first slot, so the runner's
     slot moves by the pending columns fed, not by B, and the device's next slot follows it. The tokens stay those of
-    the loop (`cache_implementation="dynamic"`), which feeds every column."""
+    the loop (`graph.ENABLED` off), which feeds every column."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=19)
     moves, step = [], Runner.step
@@ -501,7 +501,8 @@ def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Runner, "step", recorded)
         ran = model.generate(**enc, max_new_tokens=30, mars_tau=0.5)
-    looped = model.generate(**enc, max_new_tokens=30, mars_tau=0.5, cache_implementation="dynamic")
+        patch.setattr(graph, "ENABLED", False)
+        looped = model.generate(**enc, max_new_tokens=30, mars_tau=0.5)
     assert moves and all(moved == fed for moved, fed in moves), moves
     assert any(fed < 4 for _, fed in moves), "premise: some pass left pending holes out"
     assert torch.equal(ran, looped)

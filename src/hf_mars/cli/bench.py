@@ -124,8 +124,8 @@ def _add_other_benches(bench) -> None:
     bench.add_argument(
         "--cache-slots",
         type=int,
-        help="with --serve: the server's static cache slots per row (as `serve --cache-slots`; 0: a session over a "
-        "dynamic cache; with --compile, the pass compiled)",
+        help="with --serve: the server's static cache slots per row (as `serve --cache-slots`; with --compile, the "
+        "pass compiled)",
     )
     bench.add_argument(
         "--structured",
@@ -174,9 +174,9 @@ def run_host_bound(args) -> None:
     print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
     print("\naten ops dispatched outside the model's forward (eager; the prompt's pass included; static cache, then")
-    print("greedy on cache_implementation='dynamic', which the loop runs); 'one more pass': what each further pass")
+    print("greedy as the default call, no cache argument: the eager runner); 'one more pass': what each further pass")
     print("adds, a run's set-up cancelled out (the run against one of half its new tokens):\n")
-    ops = host_ops(model, tokenizer, args.batch_sizes, args.max_new_tokens, tuple(DECODINGS), dynamic=("greedy",))
+    ops = host_ops(model, tokenizer, args.batch_sizes, args.max_new_tokens, tuple(DECODINGS), default=("greedy",))
     print(format_host_ops(ops))
     if not args.compile:
         print("\nThe model's forward alone (ms), after 24 cached tokens, as a pass of that width feeds it:")

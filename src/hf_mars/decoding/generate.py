@@ -5,8 +5,10 @@ exactly; plain settings run the base model's `generate()`. Otherwise `generate()
 processors, stopping criteria, cache) hands its inputs to `mars_decode`, which prepares a `Session` over the batch
 (`session.py`: the rows, their text, the next pass's inputs) and decodes it in a `Runner` (`runner.py`: the prompt's
 pass into the runner's rows, then `graph.py`'s graph pass until every row has stopped) on a static cache: the one
-`cache_implementation="static"` makes (whose pass may compile), or, for the default call, one of its own (eager).
-Where the runner cannot decode (see `_runner_shape`, `_default_runner_shape`) the session's own loop steps it.
+`cache_implementation="static"` makes (whose pass may compile), or, for the default call (no cache asked for, or a
+dynamic one), one of its own (eager). Where no runner decodes the settings (`runner.no_runner`: an attention without
+4D masks, a compiled static call with processors only transformers applies; and a model over several devices) the
+session's own loop steps it.
 `model.mars_session` decodes rows prepared the same way (`model.mars_rows`) in a runner of their own, for a caller
 that steps it itself (a server, the Space: rows join and leave between passes).
 
@@ -380,13 +382,14 @@ def _runner_shape(model, run: Session) -> GraphShape | None:
 
 
 def _default_runner_shape(model, run: Session, generation_config) -> GraphShape | None:
-    """The default call (no cache asked for) decodes in a runner too: a static cache of its own, sized as
-    `cache_implementation="static"` sizes it (K/V for the whole budget, held from the start), takes the place of the
-    run's dynamic one, whose K/V it takes where a cache was passed in to be continued (`_continued`), and the runner
-    runs its passes eagerly. None (the loop runs, on a cache that grows) where `cache_implementation` asks for a
-    cache, the model spans several devices, or the runner cannot decode these settings (`graph_shape`)."""
+    """The default call (no cache asked for, or a dynamic one: transformers' default) decodes in a runner too: a static
+    cache of its own, sized as `cache_implementation="static"` sizes it (K/V for the whole budget, held from the
+    start), takes the place of the run's dynamic one, whose K/V it takes where a cache was passed in to be continued
+    (`_continued`), and the runner runs its passes eagerly (the cache it returns is a `DynamicCache`, as ever). None
+    (the loop runs, on a cache that grows) where the model spans several devices or no runner decodes these settings
+    (`runner.no_runner`)."""
     cache, plan, text = run.cache, run.plan, run.text
-    if not isinstance(cache, MARSCache) or generation_config.cache_implementation is not None:
+    if not isinstance(cache, MARSCache) or generation_config.cache_implementation not in (None, "dynamic"):
         return None
     if len(set(getattr(model, "hf_device_map", {"": None}).values())) > 1:
         return None

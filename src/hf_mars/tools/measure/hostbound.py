@@ -166,50 +166,51 @@ DECODINGS = {
 
 
 def host_ops(
-    model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, decodings=("greedy",), dynamic=()
+    model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, decodings=("greedy",), default=()
 ) -> list[dict]:
     """aten ops dispatched outside the model's forward, per plain `generate()` step and per MARS pass, with a static
     cache, eager: what a GPU's host launches around the forward. Each MARS mode runs through the graph pass and
     through the loop of `generate.py` alone (`graph.ENABLED = False`), in each of `decodings` (`DECODINGS`' names),
     against the plain step of the same decoding; the prompt's pass counts with the rest. Both are called alike,
     returning the sequences alone (`return_dict_in_generate` would add, once per run, the building of the returned
-    cache, which MARS gathers from its own). The decodings in `dynamic` run on a dynamic cache too
-    (`cache_implementation="dynamic"`), which the loop runs, against plain's dynamic step. Graph passes keep their
+    cache, which MARS gathers from its own). The decodings in `default` run as the default call too (no cache
+    argument: MARS's eager runner on a static cache of its own), against plain's step on its dynamic cache. Graph
+    passes keep their
     shape and attend to every slot, as a captured pass on a GPU does (`graph.NARROWS` off, a reach as wide as the
     cache)."""
     rows, kept = [], (graph.NARROWS, graph.REACH_STEP)
     graph.NARROWS, graph.REACH_STEP = False, 1 << 30
     try:
         for decoding in decodings:
-            rows += _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens, decoding, dynamic)
+            rows += _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens, decoding, default)
     finally:
         graph.NARROWS, graph.REACH_STEP = kept
     return rows
 
 
-def _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens: int, decoding: str, dynamic) -> list[dict]:
-    """`host_ops`' rows for one decoding: its static cache, and its dynamic one where asked."""
+def _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens: int, decoding: str, default) -> list[dict]:
+    """`host_ops`' rows for one decoding: on a static cache, and as the default call where asked."""
     rows = []
     caches = {"static": dict(cache_implementation="static")}
-    if decoding in dynamic:
-        caches["dynamic"] = dict(cache_implementation="dynamic")
+    if decoding in default:
+        caches["default call"] = {}
     for cache, cache_kwargs in caches.items():
         for batch in batch_sizes:
             inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
             kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **cache_kwargs)
-            common = dict(batch=batch, decoding=decoding if cache == "static" else f"{decoding}, dynamic cache")
+            common = dict(batch=batch, decoding=decoding if cache == "static" else f"{decoding}, {cache}")
             rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common, static=cache == "static")
     return rows
 
 
 def _host_ops_rows(model, kwargs: dict, common: dict, static: bool) -> list[dict]:
     """`host_ops`' rows for one decoding, cache and batch: plain's step, then each mode's pass (through the graph
-    pass and the loop on a static cache; the loop alone runs a dynamic one)."""
+    pass and the loop on a static cache; the default call's runner otherwise)."""
     plain = _per_pass(model, functools.partial(GenerationMixin.generate, model), kwargs)
     rows = [dict(**common, method="plain generate()", **plain, ratio=1.0, kernel_ratio=1.0, steady_ratio=1.0)]
     for name, mars in MODES.items():
         call = functools.partial(model.generate, **_resolved(model, common["batch"], mars))
-        paths = (("one graph", call), ("loop", functools.partial(_loop_only, call))) if static else (("loop", call),)
+        paths = (("one graph", call), ("loop", functools.partial(_loop_only, call))) if static else (("runner", call),)
         for path, run in paths:
             row = dict(**common, method=f"{name}, {path}", **_per_pass(model, run, kwargs))
             row.update(
