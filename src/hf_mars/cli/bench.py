@@ -170,7 +170,7 @@ def run_host_bound(args) -> None:
     model, tokenizer = host_bound_model()
     rows = pass_costs(model, tokenizer, args.batch_sizes, args.max_new_tokens, args.repeats, args.compile)
     layers, width = model.config.num_hidden_layers, model.config.hidden_size
-    how = "static cache, compiled" if args.compile else "dynamic cache, eager"
+    how = "static cache, compiled" if args.compile else "default cache (MARS: the runner's static one), eager"
     print(f"\nhost-bound proxy: random Llama, {layers} layers, hidden {width}, float32, 1 CPU thread, {how}\n")
     print(format_pass_costs(rows))
     print("\naten ops dispatched outside the model's forward (eager; the prompt's pass included; static cache, then")
