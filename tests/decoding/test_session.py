@@ -201,6 +201,8 @@ def test_what_a_runner_cannot_do_is_refused_by_name(model_and_tok):
         model.mars_session(ids, stop_strings=["."], mars_tau=0.9, max_new_tokens=8)
     with pytest.raises(ValueError, match="labels"):
         model.mars_session(ids, labels=["x", "y"], mars_tau=0.9, max_new_tokens=8)
+    with pytest.raises(TypeError, match="capacity"):  # `mars_rows`' name for it
+        model.mars_session(ids, max_rows=4, mars_tau=0.9, max_new_tokens=8)
     running = open_rows(model, tok, PROMPTS[:1], labels=[0], mars_tau=0.9)
     with pytest.raises(ValueError, match="other settings"):
         running.admit(joining(model, tok, PROMPTS[1:2], labels=[1], mars_tau=0.5))

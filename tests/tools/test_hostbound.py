@@ -27,7 +27,7 @@ def test_cli_host_bound_prints_the_proxy_table():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "30 layers, hidden 64" in result.stdout and "| 1 | MARS τ = 0.9 |" in result.stdout
     assert "batch 1: 1 tokens" in result.stdout and "7 tokens" in result.stdout  # the forward alone, per width
-    assert "| greedy, dynamic cache | 1 | MARS τ = 1, loop |" in result.stdout  # a dynamic cache too
+    assert "| greedy, default call | 1 | MARS τ = 1, runner |" in result.stdout  # the default call too
 
 
 def test_forward_costs_time_each_width_with_the_mask_a_pass_builds():

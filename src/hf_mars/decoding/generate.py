@@ -208,6 +208,8 @@ class MARSGenerationMixin(GenerationMixin):
 
         Settings that no runner decodes (`runner.no_runner`: an attention without 4D masks, a compiled pass with
         processors only transformers applies) are refused by name: `generate()` decodes them in its own loop."""
+        if "max_rows" in kwargs:
+            raise TypeError("`mars_session` takes `capacity`, the most rows its runner holds, not `max_rows`.")
         rows = self.mars_rows(input_ids, generation_config, max_rows=capacity, **kwargs)
         rows.logprobs = logprobs
         capacity = max(capacity or 0, rows.text.sequences.shape[0])
