@@ -531,10 +531,9 @@ def serving_runner(
     their settings: their K/V storage is not allocated again); else one is allocated."""
     tree_plan = widest_plan(first.plan, trees) if trees and compile_config is None else first.plan
     compiled = compile_config is not None
-    reason = no_runner(model, tree_plan, compiled)
-    if reason is not None:
-        raise ValueError(f"No runner decodes these rows: {reason}.")
     shape = graph_shape(model, first, capacity, slots, runner_tree(tree_plan), compiled, **_tree_of(tree_plan))
+    if shape is None:
+        raise ValueError(f"No runner decodes these rows: {no_runner(model, tree_plan, compiled)}.")
     if kv is None or static_cache_size(kv) != slots or kv.layers[0].keys.shape[0] != capacity:
         kv = rows_cache(model, capacity, slots)
     graph = GraphPass(model, kv, shape, compile_config, first.plan.processors)
