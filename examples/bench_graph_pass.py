@@ -11,7 +11,7 @@ method (T = 0.7, top-k 50) is compared with sampled plain decoding, a greedy one
 `--profile N` then runs each method once more under `torch.profiler` and prints where the device's time goes: its
 busy time per pass (the kernels, inside CUDA graphs too) against the wall time, and the N kernels that take most.
 
-    python examples/bench_graph_pass.py --device cuda --dtype bfloat16 --batch-sizes 1 8 --variants graph loop
+    python examples/bench_graph_pass.py --device cuda --dtype bfloat16 --batch-sizes 1 8 --variants graph fused
     python examples/bench_graph_pass.py --variants graph fused --methods "τ = 1" "lossless 3x2,2" --profile 10
     python examples/bench_graph_pass.py --batch-sizes 1 --methods "τ = 1" "lossless 3x2,2" --variants graph --short 32
 
@@ -66,7 +66,6 @@ TREES = [(4, 3, 8), (3, 3, 5), (3, (2, 2), 0)]
 VARIANTS = {
     "graph": "the whole pass as one graph (`graph.py`): its forward compiled, the pass around it captured",
     "fused": "the same pass compiled whole by inductor (bookkeeping fused with the forward), then captured",
-    "loop": "the loop of generate.py alone, its forward compiled by generate()",
 }
 
 
@@ -78,9 +77,9 @@ def shipped_shape_model(device: str, dtype: torch.dtype, layers: int):
 
 
 def variant(name: str) -> None:
-    """Switch `generate()` to a variant: the graph pass (its forward compiled, or the whole pass: `graph.FUSED`) or
-    the loop alone. Passes of each variant are built and kept apart."""
-    graph.ENABLED, graph.FUSED = name != "loop", name == "fused"
+    """Switch `generate()` to a variant of the graph pass: its forward compiled, or the whole pass (`graph.FUSED`).
+    Passes of each variant are built and kept apart."""
+    graph.FUSED = name == "fused"
 
 
 def only_sdpa_backend(name: str) -> None:
@@ -169,7 +168,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--variants", nargs="+", default=["graph", "loop"], choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["graph"], choices=list(VARIANTS))
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=SMOLLM2_135M["num_hidden_layers"], help="fewer: a quick check")

@@ -1,8 +1,8 @@
 """Does a sampled MARS pass draw the same tokens captured as a CUDA graph as it draws op by op?
 
 On CUDA, under `generate()`'s compile path, a graph pass is captured once and replayed; its random numbers then come
-from the generator's state at each replay. With a seed, the captured pass must draw what the loop (the same scoring,
-launched op by op around the compiled forward) draws, in the same order, and a second run must repeat the first.
+from the generator's state at each replay. With a seed, the captured pass must draw what the same pass run eagerly
+(op by op, `disable_compile=True`) draws, in the same order, and a second run must repeat the first.
 Prints the share of equal tokens per mode (float32 forwards compiled differently may, rarely, flip a draw).
 
     python examples/check_sampled_capture.py --device cuda
@@ -25,15 +25,15 @@ MODES = {
 }
 
 
-def decode(model, enc, seed: int, in_graph: bool, **mode) -> torch.Tensor:
-    """A static-cache run, every pass in the graph pass (or, not `in_graph`, in the loop). The graph pass keeps its
-    whole shape, as a captured one does (`graph.NARROWS` off: an eager pass on a CPU would feed, and draw for, only the
-    drafts some row has)."""
-    graph.ENABLED, graph.NARROWS = in_graph, False
+def decode(model, enc, seed: int, captured: bool, **mode) -> torch.Tensor:
+    """A static-cache run, every pass after the prompt's in the graph pass: under `generate()`'s compile path (on CUDA
+    captured), or not `captured`, eagerly. The pass keeps its whole shape either way (`graph.NARROWS` off: an eager
+    pass on a CPU would feed, and draw for, only the drafts some row has)."""
+    graph.NARROWS = False
     torch.manual_seed(seed)
     out = model.generate(**enc, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0, eos_token_id=None,
-                         cache_implementation="static", **mode)  # fmt: skip
-    graph.ENABLED, graph.NARROWS = True, True
+                         cache_implementation="static", disable_compile=not captured, **mode)  # fmt: skip
+    graph.NARROWS = True
     return out[:, enc["input_ids"].shape[1] :]
 
 
@@ -51,9 +51,9 @@ def main() -> None:
             captured = decode(model, enc, 0, True, **mode)
             again = decode(model, enc, 0, True, **mode)
             other_seed = decode(model, enc, 1, True, **mode)
-            looped = decode(model, enc, 0, False, **mode)
-            equal = (captured == looped).float().mean().item()
-            print(f"{name}: captured = loop on {equal:.1%} of tokens; a second run repeats it: "
+            eager = decode(model, enc, 0, False, **mode)
+            equal = (captured == eager).float().mean().item()
+            print(f"{name}: captured = eager on {equal:.1%} of tokens; a second run repeats it: "
                   f"{torch.equal(captured, again)}; another seed differs: {not torch.equal(captured, other_seed)}; "
                   f"{len(torch.unique(captured))} distinct tokens", flush=True)  # fmt: skip
 

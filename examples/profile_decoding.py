@@ -1,11 +1,12 @@
-"""Where a MARS decoding pass spends its time: the forward and each phase of the decoding loop.
+"""Where a MARS decoding pass spends its time: the forward and each phase of the graph pass around it.
 
     python examples/profile_decoding.py [MODEL] [--tau 0.9] [--batch-size 1] [--verify] [--max-new-tokens 128]
                                          [--ops 12]
 
-Wraps the phases of the decoding loop with timers (nothing is changed in how they run) and times the model's forward
-with hooks; "loop and other" is what remains of the wall-clock time: the Python of the loop itself and the mask
-schedule. Default model: the shipped checkpoint; prompts:
+Wraps the phases of the graph pass (`hf_mars/decoding/graph.py`, which runs every pass after a prompt's) with timers
+(nothing is changed in how they run) and times the model's forward with hooks; "host and other" is what remains of
+the wall-clock time: the runner's Python between passes, the prompt's pass's own phases and `generate()`'s set-up.
+Default model: the shipped checkpoint; prompts:
 the held-out GSM8K/HumanEval mix of `hf-mars bench`. `--ops N` then decodes the first batch again under
 `torch.profiler` and prints the N operators that take the most time, which splits the forward itself (matrix
 multiplies, attention, copies and casts, ...).
@@ -19,18 +20,17 @@ from collections import defaultdict
 
 import torch
 
-from hf_mars.decoding import cache as cache_module
-from hf_mars.decoding import session as passes
+from hf_mars.decoding import graph
 from hf_mars.tools.checkpoints.loading import load_checkpoint
 from hf_mars.tools.evaluate.evals import load_prompts
 
-# The phases of a decoding pass (see `hf_mars.decoding.session.Session.step`), timed apart from the model's forward
+# The phases of a graph pass (`hf_mars.decoding.graph.graph_pass`), timed apart from the model's forward
 GROUPS = {
-    "inputs (masks, positions)": [(cache_module.MARSCache, "step_inputs"), (passes, "tree_attention")],
-    "accept (choice, verification)": [(passes, "_accept")],
-    "commit (write, stop, stream)": [(passes, "_commit")],
-    "propose (next inputs, drafts)": [(passes, "_next_inputs")],
-    "retire (rows leave, compact)": [(passes, "_retire")],
+    "inputs (masks, rows, reach)": [(graph, "_slot_attention"), (graph.GraphPass, "feed_held")],
+    "accept (choice, verification)": [(graph, "_scored"), (graph, "_accept")],
+    "commit (write, stop)": [(graph, "_commit")],
+    "propose (next inputs, drafts)": [(graph, "_next_inputs")],
+    "compact (holes out)": [(graph.GraphPass, "compact")],
 }
 
 
@@ -73,7 +73,7 @@ def main():
         f"{tokens / row_passes:.2f} tokens/forward, {1000 * wall / passes:.2f} ms per pass "
         f"({torch.get_num_threads()} threads, {args.dtype})"
     )
-    for part in ("forward", *GROUPS, "loop and other"):
+    for part in ("forward", *GROUPS, "host and other"):
         print(f"  {part:<30} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
     if args.ops:  # a separate run: the profiler's own overhead stays out of the figures above
         print_ops(model, encode(batches[0]), args)
@@ -81,7 +81,7 @@ def main():
 
 def timed_runs(model, batches: list, args):
     """Every batch decoded with each group of functions (and the forward) timed: `(seconds by part, wall seconds,
-    (passes, passes summed over rows, new tokens))`; what no group holds is "loop and other"."""
+    (passes, passes summed over rows, new tokens))`; what no group holds is "host and other"."""
     totals = defaultdict(float)
     restore = [timed(owner, name, totals, group) for group, items in GROUPS.items() for owner, name in items]
     state = {}
@@ -113,7 +113,7 @@ def timed_runs(model, batches: list, args):
             undo()
         for hook in hooks:
             hook.remove()
-    totals["loop and other"] = wall - sum(totals.values())
+    totals["host and other"] = wall - sum(totals.values())
     return totals, wall, (passes, row_passes, tokens)
 
 

@@ -291,7 +291,7 @@ def stream_mars(model, tokenizer, turn: Turn, session: Session):
                 shown = time.perf_counter()
             start = time.perf_counter()
             with torch.inference_mode():
-                run.step(model)
+                run.step()
     except (ValueError, RuntimeError) as error:
         raise gr.Error(f"Generation failed: {error}") from error
     return run, seconds

@@ -66,7 +66,7 @@ def test_check_exactness_counts_rows_equal_to_plain_greedy_per_attention(toy_fol
     assert out.count("plain generate(), batch ") == 2 and "sdpa" in out and "1.00x" in out
 
 
-PHASES = ("forward", "inputs", "accept", "commit", "propose", "retire", "loop")
+PHASES = ("forward", "inputs", "accept", "commit", "propose", "compact", "host")
 
 
 def test_profile_decoding_splits_the_pass_and_lists_operators(toy_folder):
@@ -94,13 +94,13 @@ def test_check_numerics_names_where_a_wide_pass_parts_from_a_one_token_pass(toy_
         assert "first difference at model." in line or "no module's output differs" in line, line
 
 
-def test_bench_graph_pass_times_the_graph_and_the_loop_against_a_plain_step():
-    methods = ["--methods", "τ = 0.9", "lossless 4x3+8", "--variants", "graph", "loop"]
+def test_bench_graph_pass_times_each_variant_of_the_graph_pass_against_a_plain_step():
+    methods = ["--methods", "τ = 0.9", "lossless 4x3+8", "--variants", "graph", "fused"]
     quick = ["--device", "cpu", "--dtype", "float32", "--layers", "1", "--batch-sizes", "2", "--eager"]
     out = run("bench_graph_pass.py", *quick, "--new-tokens", "6", "--repeats", "1", "--profile", "3", *methods)
     profiled = out[out.index("device busy ms per pass") :].splitlines()[2:7]
     assert [row.split(" | ")[0].lstrip("| ") for row in profiled][1:] == [
-        f"{m}, {v}" for m in ("τ = 0.9", "lossless 4x3+8") for v in ("graph", "loop")
+        f"{m}, {v}" for m in ("τ = 0.9", "lossless 4x3+8") for v in ("graph", "fused")
     ]
     assert all(float(row.split(" | ")[2]) > 0 and int(row.split(" | ")[3].rstrip(" |")) > 0 for row in profiled)
     assert out.count("costliest kernels") == 5
@@ -110,7 +110,7 @@ def test_bench_graph_pass_times_the_graph_and_the_loop_against_a_plain_step():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "x |" in line]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
     assert names == ["plain generate()"] + [
-        f"{m}, {v}" for m in ("τ = 0.9", "lossless 4x3+8") for v in ("graph", "loop")
+        f"{m}, {v}" for m in ("τ = 0.9", "lossless 4x3+8") for v in ("graph", "fused")
     ]
     assert rows[0].endswith("| 1.00x |") and all(float(row.split(" | ")[1]) > 0 for row in rows)
 
@@ -123,7 +123,6 @@ def test_bench_graph_pass_sets_a_sampled_method_against_a_sampled_plain_step():
         "plain generate()",
         "plain generate(), sampled",
         "sampled τ = 0.9, graph",
-        "sampled τ = 0.9, loop",
     ]
     assert all(row.endswith("| 1.00x |") for row in rows[:2])
 
@@ -135,7 +134,7 @@ def test_bench_graph_pass_splits_a_run_into_a_fixed_cost_and_a_steady_pass_cost(
     assert "warm-up batch 1: τ = 1, graph (4 tokens)" in out
     steady = out[out.index("| fixed ms a run |") :].splitlines()[2:]
     rows = [row.strip("| ").split(" | ") for row in steady if row.startswith("| ")]
-    assert [row[0] for row in rows] == ["plain generate()", "τ = 1, graph", "τ = 1, loop"]
+    assert [row[0] for row in rows] == ["plain generate()", "τ = 1, graph"]
     assert all(isinstance(float(fixed) + float(steady), float) for _, fixed, steady, _ in rows)  # numbers, any sign
     assert rows[0][3] == "1.00x"  # plain against itself: what a run measures is a benchmark's, not this test's
 
@@ -153,11 +152,11 @@ def test_a_run_splits_into_a_fixed_cost_and_a_steady_cost_a_pass_by_two_lengths(
     assert split_run((0.5, 4), (0.5, 4)) == (0.5, 0.0)  # equal lengths: no slope to read, all of it fixed
 
 
-def test_check_sampled_capture_finds_the_graph_pass_drawing_the_loops_tokens():
-    """Off CUDA nothing is captured: the graph pass runs eagerly, and must draw what the loop draws, seed for seed."""
+def test_check_sampled_capture_finds_the_graph_pass_drawing_the_eager_passs_tokens():
+    """Off CUDA nothing is captured: both runs are eager, and must draw alike, seed for seed."""
     out = run("check_sampled_capture.py", "--device", "cpu", "--layers", "2")
     lines = [line for line in out.splitlines() if line.startswith("sampled")]
-    assert len(lines) == 3 and all("captured = loop on 100.0% of tokens" in line for line in lines), out
+    assert len(lines) == 3 and all("captured = eager on 100.0% of tokens" in line for line in lines), out
     assert all("repeats it: True" in line and "another seed differs: True" in line for line in lines), out
 
 

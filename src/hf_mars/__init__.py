@@ -12,7 +12,6 @@ import importlib
 # Every public name loads on first use (PEP 562): `import hf_mars` and `hf-mars --help` pull in no torch, the decoding
 # names no TRL (the trainer) and no huggingface_hub upload machinery (the Hub helpers).
 _NAMES = {
-    ".decoding.cache": ("MARSCache",),
     ".decoding.generate": ("MARSGenerationMixin", "MARSGenerateOutput", "MARSStats", "TauController", "mars_settings"),
     ".decoding.modeling": ("MASK_TOKEN", "mars_class"),
     ".decoding.session": ("Session",),

@@ -11,8 +11,7 @@ from transformers import (
 )
 
 import hf_mars
-from hf_mars.decoding import graph, schedule
-from hf_mars.decoding import session as mars_session
+from hf_mars.decoding import schedule
 from hf_mars.decoding.scoring import confidence
 
 PROMPTS = ["hello world, how", "a", "the quick brown fox jumps"]
@@ -264,47 +263,6 @@ def test_history_processors_with_rows_leaving_the_batch():
         assert strip_pad(out.sequences[i, enc.input_ids.shape[1] :].tolist(), tok.pad_token_id) == row.tolist()
 
 
-def test_hole_compaction_is_exact(monkeypatch):
-    """The loop's dynamic cache (which decodes where the runner cannot) squeezes its holes out as often as it may, and
-    gives the runner's tokens."""
-    model, tok = sharp_mars_model("llama", block_size=6)
-    enc = encode(tok)
-    ref = model.generate(**enc, mars_tau=0.6, max_new_tokens=40)
-    monkeypatch.setattr(graph, "ENABLED", False)
-    calls = []
-    original = hf_mars.MARSCache.compact
-    monkeypatch.setattr(mars_session, "_COMPACT_AT", 0.0)
-    monkeypatch.setattr(mars_session, "_COMPACT_EVERY", 1)
-    monkeypatch.setattr(hf_mars.MARSCache, "compact", lambda self: (calls.append(1), original(self)))
-    assert torch.equal(model.generate(**enc, mars_tau=0.6, max_new_tokens=40), ref)
-    assert len(calls) > 5
-
-
-def test_cache_keeps_real_tokens_only(monkeypatch):
-    """The loop's dynamic cache (where the runner cannot decode) holds no mask after a pass."""
-    model, tok = sharp_mars_model("qwen2")
-    enc = encode(tok, ["the quick brown fox"])
-    monkeypatch.setattr(graph, "ENABLED", False)
-    seen = []
-    original = hf_mars.MARSCache.commit
-
-    def commit(self, new_real, num_masks, dense=None):
-        original(self, new_real, num_masks, dense)
-        seen.append((self.get_seq_length(), int(self.real.sum())))
-
-    hf_mars.MARSCache.commit = commit
-    try:
-        out = model.generate(**enc, mars_tau=0.5, max_new_tokens=30, return_dict_in_generate=True)
-    finally:
-        hf_mars.MARSCache.commit = original
-    prompt = enc.input_ids.shape[1]
-    # After each pass the cache holds exactly the prompt and the tokens committed before that pass: no masks.
-    committed = [prompt] + [
-        prompt + int(sum(a[0] for a in out.mars_stats.accepted_per_step[:k])) for k in range(1, len(seen))
-    ]
-    assert [s for s, _ in seen] == committed and [r for _, r in seen] == committed
-
-
 # --- τ is live -------------------------------------------------------------------------------------------------
 
 
@@ -496,15 +454,13 @@ def test_clear_errors():
         hf_mars.to_mars(make_model("qwen2"), tok, block_size=0)
 
 
-@pytest.mark.parametrize("runner", [True, False], ids=["runner", "loop"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", sorted(SLIDING))
-def test_sliding_window_models_are_exact_past_the_window(family, attention, runner, monkeypatch):
+def test_sliding_window_models_are_exact_past_the_window(family, attention):
     """Holes push cache slots apart, so MARS counts a sliding window in positions: every mode equals greedy
     `generate()` long past the window, on hybrid (Gemma 3, Qwen2) and all-sliding (Mistral) models, and τ-mode equals
-    the naive decoder, whose passes hold no cache and so no holes. In the runner's graph pass (which builds the windows
-    itself) and in the loop (where the runner cannot decode)."""
-    monkeypatch.setattr(graph, "ENABLED", runner)
+    the naive decoder, whose passes hold no cache and so no holes. In the runner's graph pass, which builds the
+    windows itself."""
     model, tok = sliding_mars_model(family, attention)
     enc = encode(tok)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=24)
@@ -520,12 +476,12 @@ def test_sliding_window_models_are_exact_past_the_window(family, attention, runn
     ):
         model.__dict__.pop("_mars_graphs", None)
         assert torch.equal(model.generate(**enc, max_new_tokens=24, **mode), reference), mode
-        assert bool(model.__dict__.get("_mars_graphs")) == runner, mode  # the graph pass
+        assert model.__dict__.get("_mars_graphs"), mode  # the graph pass
     mask_id = model.config.mars_mask_token_id
     for extra in ({}, dict(cache_implementation="static")):
         model.__dict__.pop("_mars_graphs", None)
         out = model.generate(**enc, mars_tau=0.6, max_new_tokens=24, return_dict_in_generate=True, **extra)
-        assert bool(model.__dict__.get("_mars_graphs")) == runner
+        assert model.__dict__.get("_mars_graphs")
         assert max(int(a.max()) for a in out.mars_stats.accepted_per_step) > 1  # multi-token passes: holes
         for i in range(len(PROMPTS)):
             ids = enc.input_ids[i, enc.attention_mask[i].bool()].tolist()
@@ -533,15 +489,34 @@ def test_sliding_window_models_are_exact_past_the_window(family, attention, runn
             assert batched == naive_mars_decode(model, ids, 0.6, 4, mask_id, 24, None), (extra, i)
 
 
-def test_sliding_windows_without_a_4d_mask_are_exact_or_refused():
-    """An attention implementation that takes no 4D mask gets the window in slots: exact only while the generation
-    fits in the window, refused past it."""
-    model, tok = sliding_mars_model("mistral")
+def test_what_no_runner_can_decode_is_refused_by_name_before_any_forward():
+    """A runner's pass builds 4D masks and keeps its cache and books on one device: an attention implementation that
+    takes no 4D mask (flash attention), and a model spread over several devices, are refused by name in every mode,
+    before any forward; plain `generate()` (no MARS setting) still runs."""
+    model, tok = sharp_mars_model("llama")
     enc = encode(tok)
-    model.config.sliding_window = 4096
-    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=10)
-    model.config._attn_implementation = "flash_attention_2"  # refused before any forward
-    with pytest.raises(ValueError, match="Sliding-window attention \\(4096 tokens\\) is only exact"):
-        model.generate(**enc, mars_tau=0.9, max_new_tokens=2000)
-    model.config._attn_implementation = "sdpa"
-    assert torch.equal(model.generate(**enc, mars_tau=1.0, max_new_tokens=10), reference)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    modes = (
+        dict(mars_tau=0.9),
+        dict(mars_tau=1.0),
+        dict(mars_verify=True),
+        dict(mars_tau=0.9, cache_implementation="static"),
+    )
+    try:
+        model.config._attn_implementation = "flash_attention_2"
+        for mode in modes:
+            with pytest.raises(ValueError, match="4D attention masks, which 'flash_attention_2' does not take"):
+                model.generate(**enc, max_new_tokens=4, **mode)
+        with pytest.raises(ValueError, match="4D attention masks"):
+            model.mars_session(enc.input_ids, attention_mask=enc.attention_mask, mars_tau=0.9, max_new_tokens=4)
+        model.config._attn_implementation = "sdpa"
+        model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": 0, "lm_head": "cpu"}
+        for mode in modes:
+            with pytest.raises(ValueError, match=r"spans \['0', 'cpu'\] \(`device_map`\): load it on one"):
+                model.generate(**enc, max_new_tokens=4, **mode)
+        assert not forwards
+    finally:
+        hook.remove()
+        del model.hf_device_map
+    assert model.generate(**enc, max_new_tokens=4).shape[1] == enc.input_ids.shape[1] + 4

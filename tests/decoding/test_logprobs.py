@@ -44,7 +44,7 @@ def decoded(model, tok, prompts, max_new_tokens: int = 16, **mode) -> dict:
     first = True
     while runs.live:
         if not first:
-            runs.step(model)
+            runs.step()
         first = False
         fed, chosen, values, ids = runs.scored
         place = {row: p for p, row in enumerate(fed.tolist())}

@@ -1,8 +1,8 @@
-"""Shape fuzz of the static-cache pass (the graph pass and the loop): batch sizes 1 to 8, ragged left-padded prompts,
-every draft tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, minimum lengths, a mask
-schedule, caches of exactly the slots a run needs, and two threads on one model. Greedy lossless and τ = 1 give plain
-greedy `generate()`'s tokens (float32: exact); every greedy mode gives a row batched what it gives alone; the graph
-pass gives what the loop gives, sampling included."""
+"""Shape fuzz of the static-cache pass (the graph pass): batch sizes 1 to 8, ragged left-padded prompts, every draft
+tree, τ-mode and lossless, greedy and seeded sampling, a repetition penalty, minimum lengths, a mask schedule, caches
+of exactly the slots a run needs, and two threads on one model. Greedy lossless and τ = 1 give plain greedy
+`generate()`'s tokens (float32: exact), seeded sampling at τ = 1 plain sampling's; every greedy mode gives a row
+batched what it gives alone; a seed draws the same tokens again."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, GenerationMixin, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import hf_mars
-from hf_mars.decoding import graph, scoring
+from hf_mars.decoding import scoring
 
 PAD, EOS = 500, 501
 MODES = {
@@ -72,26 +72,37 @@ def branched(model) -> bool:
     return any(len(shape.tree) > shape.tree.depth for shape, *_ in model.__dict__.get("_mars_graphs", {}))
 
 
-def decode(model, enc, mode: str, *, in_graph=True, edge=True, sample_seed=None, max_new_tokens=48, **processing):
-    """`generate()` on a static cache of exactly the slots the run needs (`edge`), through the graph pass or the
-    loop alone; seeded sampling (T = 0.7, top-k 50) where `sample_seed` is given; `processing`: more of
-    `generate()`'s keywords (a repetition penalty)."""
+SAMPLING = dict(do_sample=True, temperature=0.7, top_k=50, top_p=1.0)
+
+
+def decode(model, enc, mode: str, *, edge=True, sample_seed=None, max_new_tokens=48, **processing):
+    """`generate()` on a static cache of exactly the slots the run needs (`edge`), through the graph pass; seeded
+    sampling (T = 0.7, top-k 50) where `sample_seed` is given; `processing`: more of `generate()`'s keywords (a
+    repetition penalty)."""
     settings = dict(MODES[mode])
     sampling = dict(do_sample=False, **processing)
     if sample_seed is not None:
-        sampling = dict(do_sample=True, temperature=0.7, top_k=50, top_p=1.0, **processing)
+        sampling = dict(**SAMPLING, **processing)
         torch.manual_seed(sample_seed)
     batch, length = enc["input_ids"].shape
     size = model.mars_cache_length(length, max_new_tokens, batch, **settings) if edge else None
     model.__dict__.pop("_previous_max_cache_length", None)  # else generate() keeps the largest cache it made
-    graph.ENABLED = in_graph
-    try:
-        return model.generate(
-            **enc, max_new_tokens=max_new_tokens, cache_implementation="static", pad_token_id=PAD,
-            **({"max_cache_len": size} if size else {}), **sampling, **settings,
-        )  # fmt: skip
-    finally:
-        graph.ENABLED = True
+    return model.generate(
+        **enc, max_new_tokens=max_new_tokens, cache_implementation="static", pad_token_id=PAD,
+        **({"max_cache_len": size} if size else {}), **sampling, **settings,
+    )  # fmt: skip
+
+
+def check_seeded(model, enc, mode: str, **processing) -> None:
+    """Seeded sampling in the graph pass: the same seed draws the same tokens again, another seed others, and at τ = 1
+    (no token drawn for a mask) plain sampling's tokens for that seed."""
+    sampled = decode(model, enc, mode, sample_seed=3, **processing)
+    assert torch.equal(sampled, decode(model, enc, mode, sample_seed=3, **processing))
+    assert not torch.equal(sampled, decode(model, enc, mode, sample_seed=4, **processing)), "another seed"
+    if mode == "tau=1":
+        torch.manual_seed(3)
+        plain = GenerationMixin.generate(model, **enc, max_new_tokens=48, pad_token_id=PAD, **SAMPLING, **processing)
+        assert new_tokens(sampled, enc) == new_tokens(plain, enc)
 
 
 def new_tokens(out, enc) -> list[list[int]]:
@@ -116,7 +127,6 @@ def test_ragged_batches_on_a_cache_at_the_edge(thin, batch, mode):
     model.__dict__.pop("_mars_graphs", None)
     graphed = decode(model, enc, mode)
     assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
-    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False)), "the graph pass must give the loop's tokens"
     if mode in EXACT:
         greedy = GenerationMixin.generate(model, **enc, max_new_tokens=48, do_sample=False, pad_token_id=PAD)
         assert new_tokens(graphed, enc) == new_tokens(greedy, enc)
@@ -127,38 +137,35 @@ def test_ragged_batches_on_a_cache_at_the_edge(thin, batch, mode):
 
 
 @pytest.mark.parametrize("mode", ["tau=0.9", "tau=1", "lossless chain", "lossless tree and lookup", "typical tree"])
-def test_seeded_sampling_in_the_graph_pass_draws_the_loops_tokens(thin, mode):
-    """The same seed gives the graph pass and the loop the same random numbers, in the same order: the same tokens.
-    (Speculative sampling keeps its drafts a chain; typical acceptance verifies the greedy tree of warped scores.)"""
+def test_seeded_sampling_in_the_graph_pass_repeats_and_is_plain_samplings_at_tau_1(thin, mode):
+    """A seed draws the same tokens again in the graph pass, and at τ = 1 plain sampling's. (Speculative sampling
+    keeps its drafts a chain; typical acceptance verifies the greedy tree of warped scores.)"""
     model, tok = thin
     enc = tok(prompts(5, 3), return_tensors="pt", padding=True)
-    for seed in (1, 2):
-        model.__dict__.pop("_mars_graphs", None)
-        graphed = decode(model, enc, mode, sample_seed=seed)
-        assert model.__dict__.get("_mars_graphs"), "sampling must continue as graph passes"
-        assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, sample_seed=seed))
+    model.__dict__.pop("_mars_graphs", None)
+    decode(model, enc, mode, sample_seed=1)
+    assert model.__dict__.get("_mars_graphs"), "sampling must continue as graph passes"
+    check_seeded(model, enc, mode)
 
 
 @pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless chain", "lossless tree and lookup"])
 def test_a_repetition_penalty_runs_in_the_graph_pass_as_generate_applies_it(thin, mode):
     """A repetition penalty scores each slot on its own history (the text and the slots before it, or a tree node's
-    path), at fixed shape: the graph pass gives the loop's tokens, and τ = 1 and lossless mode give `generate()`'s
-    with the same penalty, its drafts a tree where asked; sampled with it, the loop's draws."""
+    path), at fixed shape: τ = 1 and lossless mode give `generate()`'s with the same penalty, its drafts a tree where
+    asked; sampled with it, seeds as `check_seeded` holds them."""
     model, tok = thin
     enc = tok(prompts(5, 11), return_tensors="pt", padding=True)
     model.__dict__.pop("_mars_graphs", None)
     graphed = decode(model, enc, mode, repetition_penalty=1.3)
     assert model.__dict__.get("_mars_graphs"), "a penalised run must continue as graph passes"
     assert branched(model) == ("tree" in mode), "a penalty keeps the tree it is given"
-    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, repetition_penalty=1.3))
     if mode in EXACT:
         plain = dict(max_new_tokens=48, do_sample=False, pad_token_id=PAD, repetition_penalty=1.3)
         penalised = GenerationMixin.generate(model, **enc, **plain)
         assert new_tokens(graphed, enc) == new_tokens(penalised, enc)
         unpenalised = GenerationMixin.generate(model, **enc, **{**plain, "repetition_penalty": 1.0})
         assert new_tokens(penalised, enc) != new_tokens(unpenalised, enc), "the penalty must change the text"
-    sampled = decode(model, enc, mode, sample_seed=3, repetition_penalty=1.3)
-    assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, repetition_penalty=1.3))
+    check_seeded(model, enc, mode, repetition_penalty=1.3)
 
 
 # generate() options whose processors read the scores alone, given the token they bar or bias
@@ -174,8 +181,8 @@ SCORES_ONLY = {
 @pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
 def test_processors_that_read_only_the_scores_run_in_the_graph_pass(thin, mode, option):
     """Processors that read no text (`scoring.reads_scores_only`: barring, biasing single tokens, renormalising)
-    score every slot in one call in the graph pass: the loop's tokens, greedy and seeded sampling, τ = 1 and
-    lossless mode `generate()`'s with the same option, a draft tree kept where asked. The barred or biased token is
+    score every slot in one call in the graph pass: τ = 1 and lossless mode `generate()`'s with the same option (and
+    seeded sampling as `check_seeded` holds it), a draft tree kept where asked. The barred or biased token is
     the one plain greedy decoding emits most here, so that the option changes the text on any CPU."""
     model, tok = thin
     enc = tok(prompts(5, 11), return_tensors="pt", padding=True)
@@ -187,43 +194,39 @@ def test_processors_that_read_only_the_scores_run_in_the_graph_pass(thin, mode, 
     graphed = decode(model, enc, mode, **processing)
     assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
     assert branched(model) == ("tree" in mode), "the option keeps the tree it is given"
-    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, **processing))
     if mode in EXACT:
         processed = GenerationMixin.generate(model, **enc, **plain, **processing)
         assert new_tokens(graphed, enc) == new_tokens(processed, enc)
         if option != "renormalize_logits, remove_invalid_values":  # these two keep greedy text as it is
             assert new_tokens(processed, enc) != new_tokens(unprocessed, enc), "the option must change the text"
-    sampled = decode(model, enc, mode, sample_seed=3, **processing)
-    assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, **processing))
+    check_seeded(model, enc, mode, **processing)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 @pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
 def test_ngram_bans_run_in_the_graph_pass(thin, mode, size):
     """`no_repeat_ngram_size` (`scoring.NGRAM_BANS`, by MARS's rule: each row at its own length, one slot at a time)
-    runs in the graph pass, drafts a chain (a ban reads the text's order: a branch's would be its own): the loop's
-    tokens, greedy and seeded sampling, τ = 1 and lossless mode `generate()`'s with the ban, which changes the text."""
+    runs in the graph pass, drafts a chain (a ban reads the text's order: a branch's would be its own): τ = 1 and
+    lossless mode `generate()`'s tokens with the ban, which changes the text; seeded sampling as `check_seeded`."""
     model, tok = thin
     enc = tok(prompts(5, 11), return_tensors="pt", padding=True)
     model.__dict__.pop("_mars_graphs", None)
     graphed = decode(model, enc, mode, no_repeat_ngram_size=size)
     assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
     assert not branched(model), "an n-gram ban keeps drafts a chain"
-    assert torch.equal(graphed, decode(model, enc, mode, in_graph=False, no_repeat_ngram_size=size))
     if mode in EXACT:
         plain = dict(max_new_tokens=48, do_sample=False, pad_token_id=PAD)
         banned = GenerationMixin.generate(model, **enc, **plain, no_repeat_ngram_size=size)
         assert new_tokens(graphed, enc) == new_tokens(banned, enc)
         unbanned = GenerationMixin.generate(model, **enc, **plain)
         assert new_tokens(banned, enc) != new_tokens(unbanned, enc), "the ban must change the text"
-    sampled = decode(model, enc, mode, sample_seed=3, no_repeat_ngram_size=size)
-    assert torch.equal(sampled, decode(model, enc, mode, in_graph=False, sample_seed=3, no_repeat_ngram_size=size))
+    check_seeded(model, enc, mode, no_repeat_ngram_size=size)
 
 
 @pytest.mark.parametrize("mode", ["tau=1", "tau=0.9", "lossless tree and lookup"])
 def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies_them(trained_toy, mode):
     """EOS barred while a row is short, each row by its own length (the trained toy's rows end at EOS at different
-    passes): the graph pass gives the loop's tokens, τ = 1 and lossless mode `generate()`'s."""
+    passes): τ = 1 and lossless mode give `generate()`'s tokens."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=5, seed=7)
     width = enc["input_ids"].shape[1]
@@ -236,11 +239,6 @@ def test_min_new_tokens_and_min_length_run_in_the_graph_pass_as_generate_applies
         graphed = model.generate(**enc, **toy, **minimum)
         assert model.__dict__.get("_mars_graphs"), "the run must continue as graph passes"
         assert branched(model) == ("tree" in mode), "a minimum length keeps the tree it is given"
-        graph.ENABLED = False
-        try:
-            assert torch.equal(graphed, model.generate(**enc, **toy, **minimum))
-        finally:
-            graph.ENABLED = True
         assert not (graphed[:, width : width + minimum_new - 1] == tok.eos_token_id).any(), minimum
         if mode in EXACT:
             plain = GenerationMixin.generate(model, **enc, max_new_tokens=40, do_sample=False, **minimum)

@@ -116,8 +116,8 @@ def test_compiled_mars_reuses_one_graph_and_equals_the_dynamic_cache():
 
 def test_an_eager_tau_pass_on_a_cpu_feeds_no_column_that_is_a_hole_in_every_row(trained_toy):
     """τ-mode right-aligns the tokens each row took last, up to B, in every pass: on a CPU, where a column costs its
-    compute, an eager pass skips the columns that are holes in every row still decoding (`GraphPass.narrow`), as the
-    loop's dynamic passes are as wide as the rows' pending tokens; the tokens stay those of the dynamic cache."""
+    compute, an eager pass skips the columns that are holes in every row still decoding (`GraphPass.narrow`); the
+    tokens stay those of the default call."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=2)
     widths = []
@@ -137,7 +137,7 @@ def test_an_eager_tau_pass_on_a_cpu_feeds_no_column_that_is_a_hole_in_every_row(
 def test_an_eager_lossless_pass_on_a_cpu_feeds_the_tree_nodes_some_row_drafts(trained_toy, mode, monkeypatch):
     """A lossless pass of a static cache has the full tree's shape, but a row drafts only while its masks are
     confident: on a CPU an eager pass feeds the tree's nodes up to the last one some row drafts, and the masks after
-    them (`GraphPass.prune`), as the loop's dynamic passes feed the drafts there are. The tokens stay greedy
+    them (`GraphPass.prune`). The tokens stay greedy
     `generate()`'s, and the passes the whole pass's."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=1, seed=3)
@@ -161,7 +161,7 @@ def test_an_eager_lossless_pass_on_a_cpu_feeds_the_tree_nodes_some_row_drafts(tr
 @pytest.mark.parametrize("mode", ["tau=0.7", "lossless tree"])
 def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch):
     """A device-to-host read stalls the host until the device catches up, which a host-bound GPU step cannot afford:
-    with a static cache the decoding loop reads once per pass (which rows are still decoding), as generate() does."""
+    with a static cache the host reads once per pass (which rows are still decoding), as generate() does."""
     import traceback
 
     model, tok = trained_toy
@@ -187,21 +187,15 @@ def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch
     assert passes > 5 and len(reads) <= passes + 3 + len(compactions) and len(compactions) < passes / 4
 
 
-@pytest.mark.parametrize("in_graph", [True, False], ids=["graph pass", "loop"])
-def test_a_static_cache_squeezes_out_its_holes_and_keeps_the_tokens(trained_toy, monkeypatch, in_graph):
+def test_a_static_cache_squeezes_out_its_holes_and_keeps_the_tokens(trained_toy, monkeypatch):
     """A static cache holds the text and a few passes (`mars_cache_length`), not every slot the passes write: the
     drafts a pass rejects leave holes, squeezed out in place when the next pass would not fit. Tokens stay greedy
-    `generate()`'s, batched, in the graph pass and in the loop alike."""
-    from hf_mars.decoding import cache, graph
+    `generate()`'s, batched."""
+    from hf_mars.decoding import graph
     from hf_mars.decoding.settings import resolve_settings
 
-    monkeypatch.setattr(graph, "ENABLED", in_graph)
-    calls = []
-    for module in (cache, graph):  # the loop's cache calls it from `cache`, the graph pass from `graph`
-        compact = module.compact_static
-        monkeypatch.setattr(
-            module, "compact_static", lambda *a, compact=compact, **k: calls.append(1) or compact(*a, **k)
-        )
+    calls, compact = [], graph.compact_static
+    monkeypatch.setattr(graph, "compact_static", lambda *a, **k: calls.append(1) or compact(*a, **k))
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=13)
     mode = dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4)

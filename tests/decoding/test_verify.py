@@ -10,7 +10,6 @@ from helpers import Recorder, make_model, make_tokenizer, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
-from hf_mars.decoding.compat import CACHE_ARG
 
 
 def tokens_per_forward(stats):
@@ -286,7 +285,8 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
     """A lossless pass feeds [pending | drafts as a tree | one group of masks after the root and after each draft].
     Each draft, and each group, must compute exactly what a plain causal pass over the text it continues computes,
     in every row (a row with a missing draft and a left-padded row included)."""
-    from hf_mars.decoding.cache import MARSCache
+    from hf_mars.decoding.cache import StaticMARSCache
+    from hf_mars.decoding.runner import rows_cache
     from hf_mars.decoding.tree import DraftTree, tree_attention
 
     # float32 for eager: in float64 its padding mask overflows to -inf in its float32 softmax (NaN, transformers 5.23)
@@ -297,10 +297,10 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     real = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
-    cache = MARSCache(2, "cpu")
+    cache = StaticMARSCache(rows_cache(model, 2, 32), 2, "cpu")  # a runner's
     with torch.no_grad():
         mask_2d, positions = cache.step_inputs(real, 0)
-        model(input_ids=ids, attention_mask=mask_2d, position_ids=positions, **{CACHE_ARG: cache}, use_cache=True)
+        model(input_ids=ids, attention_mask=mask_2d, position_ids=positions, **cache.forward_kwargs(width))
         cache.commit(real, 0)
         pending = torch.tensor([[20], [21]])
         parents = [-1, 0, 1, -1]  # a chain of three, and a sibling of its first draft
@@ -311,7 +311,10 @@ def test_a_lossless_pass_computes_what_plain_passes_over_each_branch_compute(fam
         mask_2d, positions = cache.step_inputs(new_real, masks, tree)
         mask_4d = tree_attention(model, cache, tree, mask_2d, 1, masks)
         fed = torch.cat([pending, drafts, torch.full((2, (len(parents) + 1) * masks), mask_id)], dim=1)
-        logits = model(input_ids=fed, attention_mask=mask_4d, position_ids=positions, **{CACHE_ARG: cache}).logits
+        logits = model(
+            input_ids=fed, attention_mask=mask_4d, position_ids=positions, **cache.forward_kwargs(fed.shape[1])
+        )
+        logits = logits.logits
     lineage = {-1: []}
     for i, parent in enumerate(parents):
         lineage[i] = lineage[parent] + [i]

@@ -55,7 +55,7 @@ def _serve(
             if not rows.live and not waiting:
                 break
             held.append(len(rows.labels))
-            rows.step(model)
+            rows.step()
             stopped = [(label, tokens, passes) for label, tokens, done, passes in rows.rows() if done]
             rows.release([label for label, _, _ in stopped])
             finished.update({label: (tokens, passes) for label, tokens, passes in stopped})
@@ -192,7 +192,7 @@ def test_sliding_window_rows_decode_past_the_window_as_each_request_alone(family
 )
 def test_a_mask_schedule_serves_each_row_as_its_request_alone(trained_toy, mode):
     """A mask cost: each row keeps the schedule its prompt pass began (its rates, its last offer, its pass count),
-    so every request gets the tokens and passes of its prompt decoded alone by `generate()`'s loop. (In lossless mode
+    so every request gets the tokens and passes of its prompt decoded alone by `generate()`. (In lossless mode
     a row whose first drafts have another shape than the graph's tree verifies none in its first graph pass: one
     pass more, the same tokens.)"""
     model, tok = trained_toy
@@ -481,11 +481,11 @@ def test_a_runner_on_the_cache_of_one_that_is_gone_allocates_none_and_decodes_as
     assert runners[1].graph.kv is runners[0].graph.kv and runners[1].graph is not runners[0].graph
 
 
-def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_the_loops_tokens(trained_toy):
+def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_the_tokens(trained_toy):
     """An eager τ-mode pass on a CPU leaves out the pending columns that are holes in every row (`narrow`'s lead: the
     rows took fewer than B tokens last pass); its first fed column lands on the pass's first slot, so the runner's
     slot moves by the pending columns fed, not by B, and the device's next slot follows it. The tokens stay those of
-    the loop (`graph.ENABLED` off), which feeds every column."""
+    the same pass feeding every column (`graph.NARROWS` off, as on a GPU)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=19)
     moves, step = [], Runner.step
@@ -501,7 +501,7 @@ def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Runner, "step", recorded)
         ran = model.generate(**enc, max_new_tokens=30, mars_tau=0.5)
-        patch.setattr(graph, "ENABLED", False)
+        patch.setattr(graph, "NARROWS", False)
         looped = model.generate(**enc, max_new_tokens=30, mars_tau=0.5)
     assert moves and all(moved == fed for moved, fed in moves), moves
     assert any(fed < 4 for _, fed in moves), "premise: some pass left pending holes out"

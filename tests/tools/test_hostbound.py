@@ -27,7 +27,7 @@ def test_cli_host_bound_prints_the_proxy_table():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "30 layers, hidden 64" in result.stdout and "| 1 | MARS τ = 0.9 |" in result.stdout
     assert "batch 1: 1 tokens" in result.stdout and "7 tokens" in result.stdout  # the forward alone, per width
-    assert "| greedy, default call | 1 | MARS τ = 1, runner |" in result.stdout  # the default call too
+    assert "| greedy, default call | 1 | MARS τ = 1 |" in result.stdout  # the default call too
 
 
 def test_forward_costs_time_each_width_with_the_mask_a_pass_builds():
@@ -55,11 +55,8 @@ def test_compiled_pass_costs_compile_one_graph_per_mode(monkeypatch):
     before = counters["stats"]["unique_graphs"]
     rows = pass_costs(model, tokenizer, batch_sizes=(1,), max_new_tokens=6, repeats=2, compiled=True)
     # plain's forward; τ = 1, τ = 0.9, τ = 0.9 with the measured mask cost (its schedule in the pass), lossless and
-    # lossless with lookup each one whole pass (graph.py); the loop (timed beside them) one forward per pass shape:
-    # τ = 1, τ < 1 (both τ = 0.9 modes: a static cache feeds every mask) and lossless, compiled with its width
-    # dynamic, which lossless with lookup's wider pass reuses. Nothing compiles again in the timed repeats: one static
+    # lossless with lookup each one whole pass (graph.py). Nothing compiles again in the timed repeats: one static
     # cache holds every mode's passes.
-    assert counters["stats"]["unique_graphs"] - before == 1 + 5 + 3
-    loops = [f"{mode}, loop" for mode in MODES]
+    assert counters["stats"]["unique_graphs"] - before == 1 + 5
     methods = [r["method"] for r in rows]
-    assert sorted(methods) == sorted(["plain generate()", *MODES, *loops]) and all(r["ms"] > 0 for r in rows)
+    assert sorted(methods) == sorted(["plain generate()", *MODES]) and all(r["ms"] > 0 for r in rows)

@@ -18,7 +18,7 @@ REMOTE_FILES = (
     "costs.py",  # mars_lossless="auto": this machine's pass costs, read (hf_mars's tools time them); the best tree
     "scoring.py",  # logits processors, token choice, confidence
     "schedule.py",  # MaskSchedule: how many masks each row is offered
-    "cache.py",  # MARSCache: a DynamicCache that keeps real tokens only
+    "cache.py",  # StaticMARSCache: the books of a prompt's pass over a static cache; compaction, views
     "tree.py",  # DraftTree: lossless mode's draft tree, its attention pattern, prompt lookup
     "verify.py",  # lossless mode: verification of drafts, proposal of the next ones
     "commit.py",  # what a pass keeps: the tokens each row takes (EOS, length), its text, the next pending tokens

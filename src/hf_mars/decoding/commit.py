@@ -1,4 +1,4 @@
-"""What a pass keeps, for the loop (`session.py`) and the graph pass (`graph.py`) alike: how many of its tokens each
+"""What a pass keeps, for a prompt's pass (`session.py`) and the graph pass alike: how many of its tokens each
 row takes (EOS and the length limit), those tokens written into the row's text, and τ-mode's next pending tokens.
 
 This file is copied into MARS checkpoints (trust_remote_code).

@@ -150,12 +150,10 @@ def full_attention_config(config):
     return config
 
 
-def compiled_forward(model, generation_config, model_kwargs: dict):
-    """The compiled forward `generate()` would use for these kwargs (its own criteria), or `None`."""
+def compiles(model, generation_config, model_kwargs: dict) -> bool:
+    """Whether `generate()` would compile its forward for these kwargs (its own criteria)."""
     criteria = getattr(model, "_valid_auto_compile_criteria", None)
-    if criteria is None or not criteria(model_kwargs, generation_config):
-        return None
-    return many_shapes(model.get_compiled_call(generation_config.compile_config))
+    return criteria is not None and bool(criteria(model_kwargs, generation_config))
 
 
 # Shapes one compiled forward may take in a process: one per pass width and batch size that MARS runs (τ-mode, each

@@ -36,7 +36,7 @@ from .tree import canonical_candidates, runner_ups
 
 logger = logging.getLogger(__name__)
 
-# A tree must promise this much more than plain decoding: a bare forward's time leaves out the loop's host work per
+# A tree must promise this much more than plain decoding: a bare forward's time leaves out a pass's host work per
 # pass (choosing, verifying, cache bookkeeping), which plain decoding pays less of
 MARGIN = 1.1
 OVERHEAD_TREE_WIDTH = 4  # the pass width of the 2x1 tree, whose step overheads the table holds

@@ -5,14 +5,11 @@ exactly; plain settings run the base model's `generate()`. Otherwise `generate()
 processors, stopping criteria, cache) hands its inputs to `mars_decode`, which prepares a `Session` over the batch
 (`session.py`: the rows, their text, the next pass's inputs) and decodes it in a `Runner` (`runner.py`: the prompt's
 pass into the runner's rows, then `graph.py`'s graph pass until every row has stopped) on a static cache: the one
-`cache_implementation="static"` makes (whose pass may compile), or, for the default call (no cache asked for, or a
-dynamic one), one of its own (eager). Where no runner decodes the settings (`runner.no_runner`: an attention without
-4D masks, a compiled static call with processors only transformers applies; and a model over several devices) the
-session's own loop steps it.
+`cache_implementation="static"` makes (whose pass may compile, but for processors only transformers applies), or,
+for the default call (no cache asked for, or a dynamic one, whose K/V it takes), one of its own (eager). A model whose
+attention takes no 4D masks, or that spans several devices, is refused by name (`_check_one_runner`).
 `model.mars_session` decodes rows prepared the same way (`model.mars_rows`) in a runner of their own, for a caller
 that steps it itself (a server, the Space: rows join and leave between passes).
-
-The loop never asks which cache it has: both answer `cache.KVBook`.
 
 This file is copied into MARS checkpoints (trust_remote_code), with the sibling modules it imports.
 """
@@ -32,10 +29,10 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import MARSCache, StaticMARSCache, allocate_layers, prefix_cache
+from .cache import StaticMARSCache, allocate_layers, prefix_cache
 from .compat import (
     CACHE_ARG,
-    compiled_forward,
+    compiles,
     eos_token_ids,
     forward_takes,
     mark_user_cache,
@@ -48,7 +45,7 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .graph import GraphShape, captured, graph_pass_for, keep_cache, lend_cache
+from .graph import GraphShape, captured, graph_pass_for, keep_cache, lend_cache, processor_fields
 from .runner import Runner, graph_shape, rows_cache, runner_tree, serving_runner
 from .schedule import MaskSchedule
 from .scoring import check_stateless, without_implied_minimum
@@ -206,8 +203,8 @@ class MARSGenerationMixin(GenerationMixin):
             logprobs: record each decided token's log probability and this many alternatives, from the prompt's pass
                 on (`Runner.scored`).
 
-        Settings that no runner decodes (`runner.no_runner`: an attention without 4D masks, a compiled pass with
-        processors only transformers applies) are refused by name: `generate()` decodes them in its own loop."""
+        A compiled pass with processors only transformers applies is refused by name (`runner.no_runner`), where
+        `generate()` decodes them in an eager one."""
         if "max_rows" in kwargs:
             raise TypeError("`mars_session` takes `capacity`, the most rows its runner holds, not `max_rows`.")
         rows = self.mars_rows(input_ids, generation_config, max_rows=capacity, **kwargs)
@@ -328,14 +325,8 @@ def mars_decode(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
-        shape = _runner_shape(model, run)
-        if shape is None:
-            shape = _default_runner_shape(model, run, generation_config)
-        if shape is not None:  # every pass in the runner's graph pass (`runner.py`), the prompt's first
-            compile_config = _compile_config(generation_config) if run.plan.compiled else None
-            _decode_in_runner(model, run, shape, compile_config)
-        while run.live and shape is None:
-            run.step(model)
+        compile_config = _compile_config(generation_config) if run.plan.compiled else None
+        _decode_in_runner(model, run, _runner_shape(run), compile_config)
         return _finish(run, generation_config)
     finally:
         if getattr(run.cache, "kept_as", None):  # lent for this call: the next call of its size takes it
@@ -357,8 +348,11 @@ def prepare_rows(
     **model_kwargs,
 ) -> Session:
     """`model.mars_rows`' decoding method: what `generate()` prepared, as rows before their first pass."""
+    cache = model_cache(model_kwargs)
+    if cache is not None and bool(cache.get_seq_length() > 0):
+        raise ValueError("Rows a runner admits start from their prompt: pass no filled cache.")
     session = _prepare(
-        model, input_ids, logits_processor, stopping_criteria, generation_config, settings, None, model_kwargs
+        model, input_ids, logits_processor, stopping_criteria, generation_config, settings, None, model_kwargs, False
     )
     rows = input_ids.shape[0]
     session.labels = list(range(rows)) if labels is None else list(labels)
@@ -373,55 +367,39 @@ def prepare_rows(
     return session
 
 
-def _runner_shape(model, run: Session) -> GraphShape | None:
-    """The `GraphShape` of a runner that decodes this run, or None where the loop here must run: it needs a static
-    cache, then what `graph_shape` needs."""
-    cache = run.cache
-    if not isinstance(cache, StaticMARSCache):
-        return None
-    compiled = run.plan.compiled is not None
-    return graph_shape(model, run, run.text.sequences.shape[0], cache.size, runner_tree(run.plan), compiled)
+def _runner_shape(run: Session) -> GraphShape:
+    """The `GraphShape` of the runner that decodes this run on its static cache (`_cache` compiles no pass that
+    `graph_shape` would refuse)."""
+    batch, plan = run.text.sequences.shape[0], run.plan
+    return graph_shape(run, batch, run.cache.size, runner_tree(plan), plan.compiled)
 
 
-def _default_runner_shape(model, run: Session, generation_config) -> GraphShape | None:
-    """The default call (no cache asked for, or a dynamic one: transformers' default) decodes in a runner too: a static
-    cache of its own, sized as `cache_implementation="static"` sizes it (K/V for the whole budget, held from the
-    start), takes the place of the run's dynamic one, whose K/V it takes where a cache was passed in to be continued
-    (`_continued`), and the runner runs its passes eagerly (the cache it returns is a `DynamicCache`, as ever). None
-    (the loop runs, on a cache that grows) where the model spans several devices or no runner decodes these settings
-    (`runner.no_runner`)."""
-    cache, plan, text = run.cache, run.plan, run.text
-    if not isinstance(cache, MARSCache) or generation_config.cache_implementation not in (None, "dynamic"):
-        return None
-    if len(set(getattr(model, "hf_device_map", {"": None}).values())) > 1:
-        return None
-    batch, size = text.sequences.shape[0], own_cache_slots(run, generation_config.max_length - text.prompt_length)
-    shape = graph_shape(model, run, batch, size, runner_tree(plan))
-    if shape is None:
-        return None
-    static = StaticMARSCache(rows_cache(model, batch, size), batch, text.sequences.device)
-    if cache.length:
-        _carry_prefix(cache, static)
-    run.cache = static
-    return shape
-
-
-def _carry_prefix(cache: MARSCache, static: StaticMARSCache) -> None:
-    """The K/V of the first tokens of every row (a cache passed in to be continued) into the first slots of a
-    runner's static cache, and its books: the prompt's pass then writes the rest of the prompt after them."""
-    length = cache.length
+def _carry_prefix(cache, prompt_real: torch.Tensor, static: StaticMARSCache) -> None:
+    """The K/V of the first tokens of every row (`cache`, a dynamic cache passed in to be continued) into the first
+    slots of a runner's static cache, and its books (the slots `prompt_real` marks are real tokens): the prompt's pass
+    then writes the rest of the prompt after them."""
+    length = cache.get_seq_length()
+    if length >= prompt_real.shape[1]:
+        raise ValueError(
+            f"The cache passed holds {length} tokens, the input {prompt_real.shape[1]}: pass at least one new token."
+        )
+    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise ValueError("MARS decoding continues a cache of full-attention layers only (no sliding windows).")
     for mine, theirs in zip(static.kv.layers, cache.layers):
-        mine.keys[:, :, :length].copy_(theirs.keys)
-        mine.values[:, :, :length].copy_(theirs.values)
-    static.real[:, :length] = cache.real
-    static.next_position, static.length = cache.next_position.clone(), length
+        mine.keys[:, :, :length].copy_(theirs.keys[:, :, :length])
+        mine.values[:, :, :length].copy_(theirs.values[:, :, :length])
+    static.commit(prompt_real[:, :length], 0)
 
 
 def own_cache_slots(run: Session, budget: int) -> int:
     """The slots of a runner's own static cache for `run`'s rows and this budget: `static_cache_length`'s, rounded up
     to a multiple of `DEFAULT_SLOTS_STEP`."""
     plan = run.plan
-    size = static_cache_length(plan.settings, run.text.prompt_length, budget, plan.candidates, plan.lookup)
+    return _own_slots(plan.settings, run.text.prompt_length, budget, plan.candidates, plan.lookup)
+
+
+def _own_slots(settings: MARSSettings, prompt_length: int, budget: int, candidates, lookup) -> int:
+    size = static_cache_length(settings, prompt_length, budget, candidates, lookup)
     return -(-size // DEFAULT_SLOTS_STEP) * DEFAULT_SLOTS_STEP
 
 
@@ -431,13 +409,13 @@ def _compile_config(generation_config) -> CompileConfig:
 
 
 def _decode_in_runner(model, run: Session, shape: GraphShape, compile_config) -> None:
-    """Decode every row with a `Runner` over the run's own static cache: its prompt's pass (`Runner.admit`), then one
+    """Decode every row with a `Runner` over the run's static cache: its prompt's pass (`Runner.admit`), then one
     graph pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass, then
     what the passes decided back into the run. The pass is this call's alone while it decodes (`graph_pass_for`).
 
     What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
-    length limit are called as the loop calls them (on the runner's text; the rows they stop take nothing more), and
-    a streamer gets each pass's tokens. Each reads the device once or twice a pass."""
+    length limit are called as `generate()` calls them (on the runner's text: the rows they stop take nothing
+    more), and a streamer gets each pass's tokens. Each reads the device once or twice a pass."""
     with graph_pass_for(model, run.cache.kv, shape, compile_config, run.plan.processors) as g:
         runner = Runner(run.plan, g, log=True)
         runner.admit(run)
@@ -460,7 +438,7 @@ def _replay(runner: Runner, run: Session) -> int:
             stopping.judge(g.state.decoded, g.state.done)
             g.state.done.logical_or_(stopping.settled)
             torch.all(g.state.done, out=g.state.finished)
-        if streamer is not None:  # batch 1: the pass's tokens as one chunk, as the loop streams them
+        if streamer is not None:  # batch 1: the pass's tokens as one chunk
             kept = stopping.new_tokens[0] if judging else g.state.decoded[0]
             streamed = stream(streamer, g.state.sequences, run.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
@@ -485,8 +463,12 @@ def _unload(runner: Runner, run: Session, passes: int) -> None:
     runner.record()  # every pass's accepted tokens, into the run's stats
 
 
-def _prepare(model, input_ids, processors, criteria, generation_config, settings, streamer, model_kwargs) -> Session:
-    """Check what MARS can do exactly, then set up the cache, the mask schedule and the stopping criteria."""
+def _prepare(
+    model, input_ids, processors, criteria, generation_config, settings, streamer, model_kwargs, runner_cache=True
+) -> Session:
+    """Check what MARS can do exactly, then set up the cache (`runner_cache`: the static cache the run's runner
+    decodes on, else none: rows a runner of a caller's admits into its own), the mask schedule and the stopping
+    criteria."""
     batch, prompt_length = input_ids.shape
     device = input_ids.device
     processors = without_implied_minimum(processors)
@@ -501,8 +483,11 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     prompt_real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     do_sample, typical = generation_config.do_sample, settings.typical
     candidates, lookup = draft_shape(settings, do_sample, typical, processors)
-    cache, compiled = _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window)
-    cached = cache.length  # a cache passed in holds the first tokens of every row already
+    cache, compiled = None, False
+    if runner_cache:
+        shape = (settings, candidates, lookup, processors)
+        cache, compiled = _cache(model, generation_config, shape, model_kwargs, prompt_real)
+    cached = cache.length if cache is not None else 0  # a cache passed in holds the first tokens of every row already
     plan = Plan(
         settings=settings,
         processors=processors,
@@ -512,7 +497,6 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
         lookup=lookup,
         pad_token_id=pad_token_id,
         eos=eos,
-        logits_to_keep=supports_logits_to_keep(model),
         window=window,
         compiled=compiled,
         streamer=streamer,
@@ -528,32 +512,38 @@ def _prepare(model, input_ids, processors, criteria, generation_config, settings
     return Session(plan, text, feed, cache, schedule, Stopping(criteria, sequences, prompt_length, pad_token_id))
 
 
-def _cache(model, generation_config, settings, model_kwargs, prompt_real, candidates, lookup, window):
-    """`(cache, compiled forward or None)`. A `StaticCache` that `generate()` made (`cache_implementation="static"`)
-    or was given is sized for MARS, whose passes write more slots than they keep, with `generate()`'s own helper (it
-    remembers the size, so later calls reuse it and nothing recompiles); `generate()`'s rule decides on compiling.
-    A dynamic cache that holds the first tokens of every row (one a `generate()` call returned) is continued."""
+def _cache(model, generation_config, shape, model_kwargs, prompt_real) -> tuple[StaticMARSCache, bool]:
+    """`(the static cache the run's runner decodes on, whether its pass is compiled)`, for `shape`: `(settings,
+    candidates, lookup, processors)`. With `cache_implementation="static"`, the `StaticCache` that `generate()` made
+    or was given, sized for MARS, whose passes write more slots than they keep, with `generate()`'s own helper (it
+    remembers the size, so later calls reuse it and nothing recompiles); `generate()`'s rule decides on compiling,
+    but for processors only transformers applies, which an eager pass alone calls between slots. The default call (no
+    cache asked for, or a dynamic one: transformers' default): one of the runner's own, `own_cache_slots` wide (K/V
+    for the whole budget, held from the start), its pass eager; a dynamic cache passed in that holds the first tokens
+    of every row (one a `generate()` call returned) is carried into its first slots and continued."""
+    settings, candidates, lookup, processors = shape
     (batch, prompt_length), device = prompt_real.shape, prompt_real.device
+    budget = generation_config.max_length - prompt_length
     cache = model_cache(model_kwargs)
-    keep_retired = bool(generation_config.return_dict_in_generate)  # the output returns every row's cache
     filled = cache is not None and bool(cache.get_seq_length() > 0)
     if not isinstance(cache, StaticCache):
-        if not filled:
-            return MARSCache(batch, device, keep_retired), None
-        return _continued(cache, prompt_real, keep_retired), None
+        slots = _own_slots(settings, prompt_length, budget, candidates, lookup)
+        static = StaticMARSCache(rows_cache(model, batch, slots), batch, device)
+        if filled:
+            _carry_prefix(cache, prompt_real, static)
+        return static, False
     if filled:
         raise ValueError("MARS decoding starts from an empty static cache (a filled dynamic one it continues).")
     full = all(type(layer) is StaticLayer for layer in cache.layers)
     if not full and user_defined_cache(cache):
         raise ValueError("MARS decoding takes a static cache of full-attention layers only (it builds the windows).")
-    budget = generation_config.max_length - prompt_length
     size = static_cache_length(settings, prompt_length, budget, candidates, lookup)
-    compiled = compiled_forward(model, generation_config, model_kwargs)
+    compiled = compiles(model, generation_config, model_kwargs) and not processor_fields(processors)["calls"]
     made = static_cache_size(cache) < size or not full  # sliding layers keep a window of slots: MARS needs them all
     if made and user_defined_cache(cache):
         raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
     kept_as = None  # where a captured pass needs the same cache call after call, it is lent (`graph.captured`)
-    if not user_defined_cache(cache) and captured(device, compiled is not None):
+    if not user_defined_cache(cache) and captured(device, compiled):
         kept_as = (batch, model.dtype, str(device))
         lent = lend_cache(model, kept_as, size)
         if lent is not None:
@@ -565,18 +555,6 @@ def _cache(model, generation_config, settings, model_kwargs, prompt_real, candid
     static = StaticMARSCache(cache, batch, device)
     static.kept_as = kept_as
     return static, compiled
-
-
-def _continued(cache, prompt_real, keep_retired: bool) -> MARSCache:
-    """A MARS cache that continues `cache`, which holds K/V of the first tokens of every row of the prompt."""
-    length = cache.get_seq_length()
-    if length >= prompt_real.shape[1]:
-        raise ValueError(
-            f"The cache passed holds {length} tokens, the input {prompt_real.shape[1]}: pass at least one new token."
-        )
-    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-        raise ValueError("MARS decoding continues a cache of full-attention layers only (no sliding windows).")
-    return MARSCache.from_prefix(cache, prompt_real, keep_retired)
 
 
 def _finish(run: Session, generation_config):
@@ -619,18 +597,33 @@ def _check_decodable(model, generation_config, settings: MARSSettings, prompt_le
         raise ValueError("MARS decoding needs a decoder-only causal LM.")
     if not forward_takes(model, "position_ids", "attention_mask", CACHE_ARG):
         raise ValueError(f"{type(model).__name__}.forward must take position_ids, attention_mask and {CACHE_ARG}.")
-    if settings.verify and getattr(model.config, "_attn_implementation", None) not in BRANCHING:
-        raise ValueError(
-            "Lossless mode (`mars_verify`) feeds drafts as a tree, which needs an attention implementation that takes "
-            f"a 4D mask: one of {BRANCHING}, not {model.config._attn_implementation!r}."
-        )
+    _check_one_runner(model)
     return _check_cache_layers(model, generation_config, prompt_length, 1 + settings.drafts_per_pass)
 
 
+def _check_one_runner(model) -> None:
+    """What a runner's pass needs of the model: attention that takes the 4D masks it builds (holes, rows of other
+    lengths, draft trees, windows counted in positions), `logits_to_keep`, and one device for its cache and books."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in BRANCHING:
+        raise ValueError(
+            f"MARS decoding builds 4D attention masks, which {attention!r} does not take: load the model with "
+            f"attn_implementation= one of {BRANCHING} (or call `model.set_attn_implementation('sdpa')`)."
+        )
+    if not supports_logits_to_keep(model):
+        raise ValueError(f"MARS decoding needs {type(model).__name__}.forward to take `logits_to_keep`.")
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    if len(devices) > 1:
+        raise ValueError(
+            f"MARS decoding runs a model on one device (its runner keeps one cache and its books there); this one "
+            f"spans {sorted(map(str, devices))} (`device_map`): load it on one."
+        )
+
+
 def _check_cache_layers(model, generation_config, prompt_length: int, slots_per_token: int) -> SlidingWindow | None:
-    """Recurrent layers cannot drop masks. Sliding-window layers are exact where MARS builds their 4D masks (sdpa,
-    eager: windows counted in positions); elsewhere only while the generation fits in the window, since holes push
-    slots apart. `slots_per_token`: the most cache slots a pass may fill per token it yields (holes included)."""
+    """Recurrent layers cannot drop masks. A sliding window is exact where MARS builds its 4D masks (counted in
+    positions, since holes push slots apart); windows of several sizes only while the generation fits in the smallest.
+    `slots_per_token`: the most cache slots a pass may fill per token it yields (holes included)."""
     if recurrent(model):
         raise ValueError(
             f"{type(model).__name__} has recurrent/linear-attention layers, whose state cannot drop masks."
@@ -640,13 +633,12 @@ def _check_cache_layers(model, generation_config, prompt_length: int, slots_per_
     windows = {layer.sliding_window for layer, slides in zip(probe.layers, sliding) if slides}
     if not windows:
         return None
-    if len(windows) == 1 and model.config._attn_implementation in BRANCHING:
+    if len(windows) == 1:
         return SlidingWindow(windows.pop(), everywhere=all(sliding))
     longest = prompt_length + (generation_config.max_length - prompt_length) * slots_per_token
     if min(windows) < longest:
         raise ValueError(
-            f"Sliding-window attention ({min(windows)} tokens) is only exact with MARS while the whole generation "
-            f"fits in the window, unless the attention implementation takes a 4D mask ({BRANCHING}); this one may "
-            f"reach {longest} cache slots. Lower max_new_tokens, or load the model with attn_implementation='sdpa'."
+            f"Sliding-window layers of several windows ({sorted(windows)} tokens) are only exact with MARS while the "
+            f"whole generation fits in the smallest; this one may reach {longest} cache slots. Lower max_new_tokens."
         )
     return None

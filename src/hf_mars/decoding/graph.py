@@ -7,8 +7,8 @@ whose tensors keep their shapes and their addresses from pass to pass: what a pa
 at, each row's text, positions, drafts, whether it is done) is written in place, and nothing in it asks the host.
 On CUDA, under `generate()`'s compile path, the pass is captured once as a CUDA graph (the forward compiled by
 inductor inside it) and replayed: one launch and one read of `finished` per pass. On other devices under that path
-the whole pass is one compiled function; without it the same function runs eagerly, which is what the tests check
-against the loop of `generate.py`.
+the whole pass is one compiled function; without it the same function runs eagerly (the default call, and every
+pass on a CPU), which is what the tests check.
 
 What it runs: a static cache; greedy decoding and sampling, with the logits processors that read no more of the text
 than which tokens it holds and how many (`scoring.order_free`: the warpers, bans and biases of single tokens, a
@@ -16,11 +16,11 @@ repetition penalty, minimum lengths);
 τ-mode with all B-1 masks in every pass (τ >= 1 then accepts slot 0 alone: exactly greedy, or sampled; with a mask cost
 each row uses those its schedule offers) and lossless mode's exact verification over a whole draft tree (chain,
 runner-ups, prompt lookup), speculative sampling of a chain, or typical acceptance; sliding-window layers, whose
-windows the pass's masks hold. Choosing, verifying and proposing are the loop's own functions (`scoring.choose`,
+windows the pass's masks hold. Choosing, verifying and proposing are the prompt's pass's functions (`scoring.choose`,
 `verify.verify_greedy`, `verify.verify`, `verify.propose`, `tree.lookup`), written for few ops; this file adds
 what a pass of fixed shape needs around them. User stopping criteria, stop strings and a streamer are served by the
-host loop between passes. A `Runner` (`runner.py`) holds the rows a pass decodes: `generate()` hands its run to one
-where `runner.graph_shape` finds a shape, and runs everything else in its loop.
+host between passes. A `Runner` (`runner.py`) holds the rows a pass decodes: whatever the entry point, every MARS
+pass after the prompt's is this file's `graph_pass`.
 
 This file is copied into MARS checkpoints (trust_remote_code).
 """
@@ -64,8 +64,6 @@ WARMUP_PASSES = 2  # eager passes (real ones) before a CUDA graph is captured, a
 REACH_STEP = 32
 GRAPHS_KEPT = 8  # graph passes kept per model (their buffers and tables; K/V only where `captured`)
 SPARES_KEPT = 3  # more passes of one shape kept for threads that decode it at once
-# Whether `generate.py` hands runs over to the graph pass (`enabled()`); tools turn it off to measure the loop alone
-ENABLED = True
 # Whether an eager τ-mode pass on a CPU feeds only the pending columns some row holds (`GraphPass.narrow`): there a
 # pass costs its compute, and holes are compute spent on nothing; on a GPU a pass keeps its shape (launches are the
 # cost). Tools that count a GPU's host ops on a CPU turn it off
@@ -78,10 +76,6 @@ PRUNES_KEPT = 64  # `prune`'s tables kept per pass: one per set of tree nodes fe
 # Whether a pass captured on CUDA is compiled whole (its bookkeeping fused with the forward by inductor, then captured
 # as one CUDA graph) rather than its forward alone; off until a GPU's measurements choose it. Tools turn it on.
 FUSED = False
-
-
-def enabled() -> bool:
-    return ENABLED
 
 
 @dataclass(frozen=True)
@@ -297,7 +291,7 @@ class GraphPass:
 
     def record_scores(self, top: int | None) -> None:
         """From the next pass, record each token a pass decides: its log probability and the `top` likeliest at the
-        slot that decided it (`scoring.token_logprobs`, the loop's), into `scores`, `(batch, tokens)` and `(batch,
+        slot that decided it (`scoring.token_logprobs`, as a prompt's), into `scores`, `(batch, tokens)` and `(batch,
         tokens, top)` twice (None where `top` is 0); None: record nothing (a pass's cost). A captured pass records as
         it was captured."""
         if top == self.scoring:
@@ -352,8 +346,8 @@ class GraphPass:
 
     def feed_held(self) -> None:
         """Before an eager pass on a CPU (`NARROWS`), where a pass costs its compute: feed the rows from the first to
-        the last that still decodes or holds a token to cache (`take_rows`), and the masks that the loop's schedule
-        would feed them (`masks_to_feed`); in τ-mode skip the pending columns that are holes in every row still
+        the last that still decodes or holds a token to cache (`take_rows`), and the masks that the rows' schedule
+        offers them (`masks_to_feed`); in τ-mode skip the pending columns that are holes in every row still
         decoding (`narrow`), in lossless mode the tree's nodes no such row drafts (`prune`). A few reads of the
         device, which a CPU does not wait for. Elsewhere the whole pass."""
         shape, state = self.shape, self.state
@@ -380,8 +374,8 @@ class GraphPass:
 
     def masks_to_feed(self) -> int:
         """Masks per group that the next pass needs: none at τ >= 1 (no mask proposes there), else every one, or
-        under a schedule the cheapest count covering the largest offer of a row still decoding (`MaskSchedule.width`,
-        as the loop feeds them: a row ignores those past its own offer)."""
+        under a schedule the cheapest count covering the largest offer of a row still decoding
+        (`schedule.masks_covering`: a row ignores those past its own offer)."""
         shape, state = self.shape, self.state
         if self.aimed >= 1.0 or not shape.masks:
             return 0
@@ -665,8 +659,8 @@ def _tree_tables(shape: GraphShape) -> dict:
 
 
 def _relative_positions(shape: GraphShape) -> torch.Tensor:
-    """`(width,)`: each fed token's position past the last pending slot's, were every pending slot real: the loop's
-    positions (`cache.pass_positions`) of a row whose pending tokens end at position 0."""
+    """`(width,)`: each fed token's position past the last pending slot's, were every pending slot real: a prompt's
+    pass's positions (`cache.pass_positions`) of a row whose pending tokens end at position 0."""
     fed = torch.ones(1, shape.pending + len(shape.tree), dtype=torch.bool)
     return pass_positions(torch.zeros(1, dtype=torch.long), fed, shape.masks, shape.tree)[0] - (shape.pending - 1)
 
@@ -774,9 +768,9 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
 
 
 def _offer(g: GraphPass) -> torch.Tensor:
-    """`(batch,)` masks the schedule offers each row in this pass (none at τ >= 1), as the loop's `MaskSchedule`
+    """`(batch,)` masks the schedule offers each row in this pass (none at τ >= 1), as a prompt's pass's `MaskSchedule`
     offers them; in lossless mode `g.within` marks them (τ-mode reads them in `state.limits`). The pass still feeds
-    every mask (its shape stays), as a static cache does in the loop: a row ignores the masks past its offer."""
+    every mask (its shape stays): a row ignores the masks past its offer."""
     offered = offers(g.state.rates, g.state.time)
     if g.shape.verify:
         torch.lt(g.depths, offered[:, None], out=g.within)
@@ -784,7 +778,7 @@ def _offer(g: GraphPass) -> torch.Tensor:
 
 
 def _reschedule(g: GraphPass, offered, paid, path) -> None:
-    """What this pass's masks were worth, into the schedule (`MaskSchedule.update`, as the loop tells it): in
+    """What this pass's masks were worth, into the schedule (`MaskSchedule.update`'s rule): in
     τ-mode, the masks taken (`paid`) of those offered now; in lossless mode, the kept drafts that the last pass's
     offered masks proposed. Each row counts the pass (`_commit` moves `state.passes` with the counters: a row that is
     done no longer reads its schedule)."""
@@ -807,7 +801,7 @@ class KeptPath(NamedTuple):
 
 
 def _verify(g: GraphPass, logits: torch.Tensor):
-    """Exact verification of the tree from its (processed) scores (`verify.verify_greedy`, the loop's own):
+    """Exact verification of the tree from its (processed) scores (`verify.verify_greedy`, a prompt's pass's own):
     `(tokens, accepted, KeptPath)`. The model's tokens at the tree's nodes alone: the masks' logits are the next
     drafts' (`_propose`)."""
     if g.pruned is None:
@@ -820,9 +814,9 @@ def _verify(g: GraphPass, logits: torch.Tensor):
 
 
 def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
-    """Speculative sampling or typical acceptance of the (processed) scores, by `verify.verify` itself (the loop's):
+    """Speculative sampling or typical acceptance of the (processed) scores, by `verify.verify` itself (as a prompt's):
     `_verify`'s `(tokens, accepted, KeptPath)`. Speculative sampling (a chain) reads the drafts a pass fed alone
-    (`prune`): one random number per draft fed, as the loop draws them, so that at τ = 1 a seed draws plain
+    (`prune`): one random number per draft fed, as a prompt's pass draws them, so that at τ = 1 a seed draws plain
     sampling's tokens."""
     shape = g.shape
     fed = g.nodes_fed if shape.sampled and shape.typical is None else len(shape.tree)
@@ -839,7 +833,7 @@ def _verify_by_rule(g: GraphPass, logits: torch.Tensor):
 
 def _score(g: GraphPass, logits, histories: Histories | None, tokens, path) -> None:
     """Each decided token's log probability and the likeliest tokens at its slot (`GraphPass.record_scores`), from the
-    outputs that decided it, as the loop's modes find them (`deciding`): τ-mode's slots in order; lossless mode's root,
+    outputs that decided it, as a prompt's pass finds them (`deciding`): τ-mode's slots in order; lossless mode's root,
     then each kept draft's node on the path. Before `_commit`: a slot's scores are processed after the history as it
     stood before the pass and the tokens before it."""
     if path is not None and not g.tree.chain:
@@ -893,7 +887,7 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
 
 
 def _propose(g: GraphPass, logits, end) -> None:
-    """The next drafts, as the loop proposes them (`verify.propose`, then `tree.lookup` as `verify.add_lookup` adds
+    """The next drafts, as a prompt's pass makes them (`verify.propose`, then `tree.lookup` as `verify.add_lookup` adds
     its branch), written in the full tree's shape: from the masks after each row's `end`, the chain of confident
     tokens and their runner-ups (greedy or typical acceptance), drawn with the distributions they were drawn from
     (speculative sampling), then prompt lookup's branch. A slot that is not real holds any token, which nothing sees;
@@ -948,7 +942,7 @@ def _compiled(function, config, mode=None):
     """`function` compiled with `generate()`'s `CompileConfig` (its backend; inductor's `mode` if given, which here
     means no CUDA graphs of its own), once per function and config, allowed `RECOMPILE_LIMIT` shapes. Inductor draws
     random numbers with eager's generator (`fallback_random`): its own draw others, so a seed would not give the
-    loop's (and at τ = 1 `generate()`'s) tokens."""
+    eager pass's (and at τ = 1 `generate()`'s) tokens."""
     mode = mode or config.mode
     key = (function, config.backend, mode)
     if key not in _COMPILED:

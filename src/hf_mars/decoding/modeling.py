@@ -19,7 +19,7 @@ import transformers
 
 # Every sibling file is imported here by name: transformers loaders before 5.10 copy into their modules cache only the
 # files that the class's own file imports, not what those import in turn.
-from .cache import MARSCache, StaticMARSCache
+from .cache import StaticMARSCache
 from .commit import cut
 from .compat import TESTED_TRANSFORMERS, warn_if_untested
 from .costs import choose_tree
@@ -44,7 +44,6 @@ __all__ = [
     "GraphPass",
     "ordered_attention",
     "OrderedLinear",
-    "MARSCache",
     "MARSGenerateOutput",
     "MARSGenerationMixin",
     "MARSSettings",

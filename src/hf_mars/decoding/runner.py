@@ -24,9 +24,9 @@ import torch
 
 from .cache import StaticMARSCache, allocate_layers, cache_view
 from .compat import full_attention_config, static_cache_size
-from .graph import GraphPass, GraphShape, enabled, processor_fields
+from .graph import GraphPass, GraphShape, processor_fields
 from .scoring import follow_padding, processors_signature
-from .session import BRANCHING, draft_shape
+from .session import draft_shape
 from .settings import read_tau
 from .tree import NO_DRAFTS, DraftTree, canonical_candidates, depth_candidates, full_tree
 
@@ -168,9 +168,7 @@ class Runner:
         if not (same and processed and torch.equal(theirs.eos, mine.eos)):
             return False
         tree, compiled = _tree_of(self.tree_plan), not self.graph.eager
-        shape = graph_shape(
-            self.graph.model, other, self.shape.batch, self.shape.slots, self.shape.tree, compiled, **tree
-        )
+        shape = graph_shape(other, self.shape.batch, self.shape.slots, self.shape.tree, compiled, **tree)
         # the processors' row layout (where each text starts) is each row's own; the rest must be equal
         return shape is not None and replace(shape, processors=()) == replace(self.shape, processors=())
 
@@ -198,7 +196,7 @@ class Runner:
     @_in_own_mode
     def admit(self, other) -> None:
         """`other`'s rows (a session prepared with the same settings, before any pass) into adjacent free rows: their
-        prompt's pass (the session's own, `Session.step`) writes its K/V straight into those rows of the runner's
+        prompt's pass (`Session.prompt_pass`) writes its K/V straight into those rows of the runner's
         cache, ending just before the slot the next pass writes; then each row's text and what it decodes next go
         into the pass's state. `other` is spent afterwards."""
         reason = self.refusal(other)
@@ -209,7 +207,7 @@ class Runner:
         self._open_slots(width)
         start = self.slot - width
         other.cache = self._rows_cache(other, first, rows, start, min(self.slot + self.shape.width, self.shape.slots))
-        other.step(self.graph.model)  # the prompt's pass
+        other.prompt_pass(self.graph.model)
         for written in self.graph.lengths or []:  # each layer's next write: the runner's slot
             written.fill_(self.slot)
         targets = torch.arange(first, first + rows, device=self.graph.state.done.device)
@@ -260,7 +258,6 @@ class Runner:
         for layer in view.layers if self.graph.lengths else ():  # its own count of written slots, from `start`
             layer.cumulative_length = torch.zeros_like(layer.cumulative_length)
         cache = StaticMARSCache(view, rows, self.graph.state.done.device)
-        cache.stacked = None  # the pass fits: never compacted
         return cache
 
     def _place(self, other, targets: torch.Tensor, start: int) -> None:
@@ -285,9 +282,8 @@ class Runner:
             self.stats = other.stats
 
     @_in_own_mode
-    def step(self, model=None) -> None:
-        """One pass for every row (free rows decode nothing): one launch, or one graph replay. (`model`: the runner's
-        own, as a `Session` is stepped.)"""
+    def step(self) -> None:
+        """One pass for every row (free rows decode nothing): one launch, or one graph replay."""
         g, state = self.graph, self.graph.state
         tau = read_tau(self.plan.settings.tau)
         if tau != self.tau:
@@ -464,36 +460,27 @@ def widest_plan(plan, trees):
     return replace(plan, settings=settings, candidates=candidates, lookup=lookup)
 
 
-def no_runner(model, plan, compiled: bool = False) -> str | None:
-    """Why no runner decodes `plan`'s rows (where `generate()` runs its own loop), or None where one does."""
-    attention = model.config._attn_implementation
-    if attention not in BRANCHING:
-        return (
-            f"the graph pass builds 4D attention masks, which {attention!r} does not take: load the model with one "
-            f"of {BRANCHING} (attn_implementation=...)"
-        )
-    if not plan.logits_to_keep:
-        return f"{type(model).__name__}.forward takes no `logits_to_keep`"
+def no_runner(plan, compiled: bool = False) -> str | None:
+    """Why no runner decodes `plan`'s rows, or None where one does: a compiled pass calls no logits processor that
+    transformers alone applies. (What the model must be, `generate()` checks first: `_check_one_runner`.)"""
     if compiled and processor_fields(plan.processors)["calls"]:
         return (
             "a compiled pass cannot call logits processors that only transformers applies (a grammar, bad words or "
             "sequence biases of several tokens, forced tokens) between its slots: decode them eagerly"
         )
-    if not enabled():
-        return "the graph pass is turned off (`graph.ENABLED`)"
     return None
 
 
-def graph_shape(model, run, batch: int, slots: int, tree: DraftTree, compiled: bool = False, **plan):
+def graph_shape(run, batch: int, slots: int, tree: DraftTree, compiled: bool = False, **plan):
     """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where only the loop can. Warpers, single-token bans and biases, repetition penalties, minimum
-    lengths and n-gram bans run in any pass by MARS's rules (`scoring.by_rules`); logits processors that transformers
-    alone applies (a grammar, bans and biases of several tokens, forced tokens) are called on each slot's text, which
-    an eager pass can do and a `compiled` one cannot. A mask cost's schedule runs in the pass too, which feeds every
-    mask, as the loop does on a static cache. Stopping criteria other than EOS and the length limit, and a streamer,
-    are served from the host after each pass. `plan`: fields of `run.plan` replaced (a runner's wider tree)."""
+    full `tree`, or None where no runner can (`no_runner`). Warpers, single-token bans and biases, repetition
+    penalties, minimum lengths and n-gram bans run in any pass by MARS's rules (`scoring.by_rules`); logits processors
+    that transformers alone applies (a grammar, bans and biases of several tokens, forced tokens) are called on each
+    slot's text, which an eager pass can do and a `compiled` one cannot. A mask cost's schedule runs in the pass too,
+    which feeds every mask. Stopping criteria other than EOS and the length limit, and a streamer, are served from the
+    host after each pass. `plan`: fields of `run.plan` replaced (a runner's wider tree)."""
     plan = replace(run.plan, **plan) if plan else run.plan
-    if no_runner(model, plan, compiled) is not None:
+    if no_runner(plan, compiled) is not None:
         return None
     settings, processing = plan.settings, processor_fields(plan.processors)
     verify = settings.verify
@@ -531,9 +518,9 @@ def serving_runner(
     their settings: their K/V storage is not allocated again); else one is allocated."""
     tree_plan = widest_plan(first.plan, trees) if trees and compile_config is None else first.plan
     compiled = compile_config is not None
-    shape = graph_shape(model, first, capacity, slots, runner_tree(tree_plan), compiled, **_tree_of(tree_plan))
+    shape = graph_shape(first, capacity, slots, runner_tree(tree_plan), compiled, **_tree_of(tree_plan))
     if shape is None:
-        raise ValueError(f"No runner decodes these rows: {no_runner(model, tree_plan, compiled)}.")
+        raise ValueError(f"No runner decodes these rows: {no_runner(tree_plan, compiled)}.")
     if kv is None or static_cache_size(kv) != slots or kv.layers[0].keys.shape[0] != capacity:
         kv = rows_cache(model, capacity, slots)
     graph = GraphPass(model, kv, shape, compile_config, first.plan.processors)

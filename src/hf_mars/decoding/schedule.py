@@ -52,12 +52,6 @@ class MaskSchedule:
             return torch.full_like(rows, self.most)
         return offers(torch.nn.functional.pad(self.rate[rows], (1, 0), value=1.0), self.time)
 
-    def width(self, offered: torch.Tensor) -> int:
-        """Masks to feed for these offers: the cheapest count that covers the largest."""
-        if self.constant:
-            return int(offered.max()) if offered.numel() else 0
-        return masks_covering(offered, self.time)
-
     def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
         """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
         if not self.constant:
@@ -67,7 +61,7 @@ class MaskSchedule:
 def offers(rates: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
     """`(rows,)` masks each row is offered: the count that maximises its expected tokens per unit of `time`, from
     its acceptance rate of each mask after a first column of ones (slot 0's token, always taken; a graph pass keeps
-    its rates so, the loop pads them). Tensors alone, so that the loop and the graph pass (`graph.py`) share it."""
+    its rates so, a prompt's pass pads them). Tensors alone, so that a prompt's pass and the graph pass share it."""
     reach = rates.cumprod(dim=1)  # 1 (slot 0), then R_j: mask j's tokens
     return reach.cumsum(dim=1).div_(time).argmax(dim=1)  # tokens with k masks; the first maximum: fewer masks
 

@@ -7,22 +7,19 @@ always accepted; then slots are accepted left to right while their confidence is
 fed at all: that is exactly greedy (or sampled) autoregressive decoding, at its cost. Lossless mode (`mars_verify`)
 feeds a pass's mask predictions back as drafts that the next pass verifies (`verify.py`).
 
+`generate()` and `model.mars_rows` prepare a `Session` over their rows (`generate.py`): `Plan` (fixed before the first
+pass), `Text` (every row's text and progress; a row decodes while `active`) and `Feed` (what the next pass feeds). A
+`Runner` (`runner.py`) runs the rows' prompt's pass with `Session.step`, which writes the prompt's K/V straight into
+the runner's rows (`cache.StaticMARSCache`, a view of them), then loads what each row decodes next into its graph
+pass (`graph.py`), which runs every later pass with the same scoring, verification and commit functions.
+
 `Session.step` is one pass of named phases: `_forward` (one pass over `[pending | drafts | masks]`), `_accept` (τ's
 test, or verification: which tokens each row takes), `_commit` (write them: K/V into the cache, tokens into the
-text, which the stopping criteria judge; stream them), `_next_inputs` (what the next pass feeds) and `_retire` (rows
-that stopped stop decoding). τ is read before every pass, so it may be a number, a callable, or a `TauController`
-changed while a generation runs. What differs between the modes is behind one seam, `Plan.mode`: `TauMode` and
-`LosslessMode` each say what a pass accepts (`accept`: τ's test, or `verify`'s exact, typical or sampled
-verification), what the cache keeps of it (`commit`) and what the next pass feeds (`propose`: the accepted tokens, or
-the next drafts from the masks and prompt lookup), so the phases hold no mode branch. A session's state is three
-small objects: `Plan` (fixed before the first pass), `Text` (every row's text and progress; a row decodes while
-`active`) and `Feed` (what the next pass feeds).
-
-`generate()` prepares a session over its batch (`generate.py`; `model.mars_rows` for a caller's rows), whose prompt's
-pass a `Runner` runs into its own rows (`runner.py`), every later pass in its graph pass; where no runner decodes the
-settings (`runner.no_runner`), `generate()` steps the session itself until every row has stopped.
-
-The pass never asks which cache it has: both answer `cache.KVBook` (`generate.py` says which it makes).
+text, which the stopping criteria then judge), `_next_inputs` (what the next pass feeds) and `_retire` (rows that
+stopped stop decoding). What differs between the modes is behind one seam, `Plan.mode`: `TauMode` and `LosslessMode`
+each say what a pass accepts (`accept`: τ's test, or `verify`'s exact, typical or sampled verification), what the
+cache keeps of it (`commit`) and what the next pass feeds (`propose`: the accepted tokens, or the next drafts from
+the masks and prompt lookup), so the phases hold no mode branch.
 
 This file is copied into MARS checkpoints (trust_remote_code), with the sibling modules it imports.
 """
@@ -30,13 +27,12 @@ This file is copied into MARS checkpoints (trust_remote_code), with the sibling 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from .cache import KVBook
+from .cache import StaticMARSCache
 from .commit import cut, right_align, write_taken
 from .schedule import MaskSchedule
 from .scoring import (
@@ -54,9 +50,6 @@ from .verify import Drafts, add_lookup, propose, verify
 
 # Attention implementations that take the 4D masks of lossless passes (a tree of drafts), built once per pass
 BRANCHING = ("sdpa", "eager", "ordered")
-# Squeeze holes out of a batched cache once they are this share of it (see `MARSCache.compact`).
-_COMPACT_AT = 0.5
-_COMPACT_EVERY = 8  # passes between checks (each one a device-to-host transfer)
 
 
 @dataclass
@@ -118,9 +111,8 @@ class Plan:
     lookup: int  # lossless mode: tokens of prompt lookup's branch (0 where drafts stay a chain)
     pad_token_id: int
     eos: torch.Tensor
-    logits_to_keep: bool
     window: SlidingWindow | None  # the model's sliding window, whose masks MARS builds (None: no sliding layers)
-    compiled: Callable | None  # the compiled forward of passes after the first (a static cache), else None
+    compiled: bool  # the runner's pass is compiled (`generate()`'s compile path on a static cache)
     streamer: object = None
 
     @property
@@ -154,7 +146,6 @@ class Feed:
     pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
     pending_real: torch.Tensor
     drafts: Drafts
-    dense: bool | None = None  # whether the pending tokens fill their slots (no holes); None: not known
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """The fed rows' entries of a batch's per-row `tensor`: `tensor[rows]`, or, where every row is fed, `tensor`
@@ -171,8 +162,8 @@ class Feed:
 
 @dataclass
 class Session:
-    """The rows MARS decodes together, carried from pass to pass: `step` runs one pass for every row still decoding
-    (the prompt's pass, which a `Runner` runs into its rows; every pass where no runner decodes the settings).
+    """Rows prepared for MARS decoding, before their prompt's pass, which `prompt_pass` runs (a `Runner` runs it into
+    its rows, then decodes on in its graph pass).
 
     `labels`: one per row, in order (whatever the caller names its rows by); `log`: whether every pass is recorded in
     `stats` (`generate()`'s `MARSStats`; a runner that lives as long as a server keeps no per-pass log).
@@ -184,7 +175,7 @@ class Session:
     plan: Plan
     text: Text
     feed: Feed
-    cache: KVBook
+    cache: StaticMARSCache | None  # where the prompt's pass writes (a runner's rows; None before `Runner.admit`)
     schedule: MaskSchedule
     stopping: Stopping
     stats: MARSStats = field(default_factory=MARSStats)
@@ -195,9 +186,9 @@ class Session:
     scored: tuple | None = None
 
     @torch.no_grad()
-    def step(self, model) -> None:
-        """One forward pass for every row still decoding: its tokens are in `text` when it returns. Without autograd,
-        as `generate()` decodes (the session was prepared by it), whatever mode the caller is in."""
+    def prompt_pass(self, model) -> None:
+        """The rows' prompt's pass: its tokens are in `text` when it returns, what each row feeds next in `feed`.
+        Without autograd, as `generate()` decodes (the session was prepared by it), whatever mode the caller is in."""
         step = _forward(model, self, read_tau(self.plan.settings.tau))
         tokens, accepted = _accept(self, step)
         _commit(self, step, tokens, accepted)
@@ -242,20 +233,19 @@ def _forward(model, run: Session, tau: float) -> Pass:
     tree = feed.drafts.tree
     groups = len(tree) + 1
     new_real = torch.cat([feed.pending_real, feed.drafts.real], dim=1)
-    mask_2d, position_ids = cache.step_inputs(new_real, masks, tree, feed.dense if not len(tree) else None)
+    mask_2d, position_ids = cache.step_inputs(new_real, masks, tree)
     attention_mask = _attention_mask(model, run, tree, mask_2d, masks, position_ids)
     mask_ids = feed.pending.new_full((feed.rows.numel(), groups * masks), plan.settings.mask_token_id)
     needed = len(tree) + 1 + groups * masks
-    forward = plan.compiled if plan.compiled is not None and run.stats.forward_passes else model  # prefill: eager
     input_ids = torch.cat([feed.pending, feed.drafts.tokens, mask_ids], dim=1)
-    outputs = forward(
+    outputs = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=True,
         **cache.forward_kwargs(input_ids.shape[1]),
         return_dict=True,
-        **({"logits_to_keep": needed} if plan.logits_to_keep else {}),
+        logits_to_keep=needed,
     )
     logits = outputs.logits[:, -needed:].float()
     lengths = run.text.prompt_length + feed.of(run.text.decoded)
@@ -267,14 +257,12 @@ def _forward(model, run: Session, tau: float) -> Pass:
 
 
 def _attention_mask(model, run: Session, tree, mask_2d, masks: int, position_ids):
-    """What the forward takes as its attention mask. The 2D slot map (or None: no holes) where the model's own causal
-    mask is exact; else 4D masks built here, once per pass: for a draft tree, for a wide pass where the cache leaves
-    it to MARS (rather than to every layer), and, with sliding-window layers, wherever slots are not positions
-    (holes, padding, a static cache), since the model would count its window in slots."""
+    """What the forward takes as its attention mask: the 2D slot map where the model's own causal mask is exact; else
+    4D masks built here, once per pass: for a draft tree and, with sliding-window layers, since the model would count
+    its window in slots, which holes and padding push apart from positions."""
     window = run.plan.window
     windowed = window is not None and mask_2d is not None
-    wide = run.cache.wide_mask(position_ids.shape[1]) and model.config._attn_implementation in BRANCHING
-    if not (len(tree) or windowed or wide):
+    if not (len(tree) or windowed):
         return mask_2d
     build = functools.partial(tree_attention, model, run.cache, tree, mask_2d, run.feed.pending.shape[1], masks)
     if window is None:
@@ -332,29 +320,13 @@ def _next_inputs(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch
 
 
 def _retire(run: Session) -> None:
-    """Rows that stopped, or reached EOS or the length limit, stop decoding. The cache decides whether they leave its
-    batch (a dynamic one drops them, so they stop costing compute) or stay, idle (a static one, so that shapes stay,
-    as `generate()` keeps finished rows)."""
+    """Rows that stopped, or reached EOS or the length limit, stop decoding: they stay in the runner's rows, done
+    (the pass decodes nothing for them), and feed no drafts."""
     text, feed = run.text, run.feed
-    idle = ~feed.of(text.active) if run.cache.fixed_shapes else None  # rows that had stopped before this pass
     stopped = feed.of(text.ended) | feed.of(run.stopping.settled)
     feed.put(text.active, ~stopped)
-    _stop_rows(run, stopped, idle)
-    run.cache.tidy(run.stats.forward_passes, _COMPACT_EVERY, _COMPACT_AT)
-
-
-def _stop_rows(run: Session, stopped: torch.Tensor, idle: torch.Tensor | None) -> None:
-    """The feed's rows that `stopped` leave the cache's batch (a dynamic cache drops them), or stay in it idle (a
-    static one): they feed no drafts, and once their last tokens are cached (`idle`: by the pass before) nothing
-    real, so that their passes fill no more slots of the cache."""
-    feed = run.feed
-    alive, run.live = run.cache.retire(stopped)
-    if alive is not None:
-        feed.rows, feed.pending, feed.pending_real = feed.rows[alive], feed.pending[alive], feed.pending_real[alive]
-        feed.drafts = feed.drafts.select(alive)
-    elif run.cache.fixed_shapes:
-        feed.pending_real = feed.pending_real & ~idle[:, None]
-        feed.drafts.real = feed.drafts.real & ~stopped[:, None]
+    feed.drafts.real = feed.drafts.real & ~stopped[:, None]
+    run.live = bool((~stopped).any())
 
 
 class TauMode:
@@ -379,17 +351,16 @@ class TauMode:
     @staticmethod
     def commit(run: Session, step: Pass) -> None:
         """The pending tokens' K/V stay; the masks' go."""
-        run.cache.commit(run.feed.pending_real, step.masks, run.feed.dense)
+        run.cache.commit(run.feed.pending_real, step.masks)
 
     @staticmethod
     def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """This pass's accepted tokens, right-aligned (shorter rows leave holes in the cache)."""
         plan, feed = run.plan, run.feed
         if tokens.shape[1] == 1:  # no masks were fed: one token each
-            feed.pending, feed.pending_real, feed.dense = tokens, torch.ones_like(tokens, dtype=torch.bool), True
+            feed.pending, feed.pending_real = tokens, torch.ones_like(tokens, dtype=torch.bool)
             return
-        width, feed.dense = run.cache.pending_width(tokens.shape[1], accepted)
-        feed.pending, feed.pending_real = right_align(tokens, accepted, width, plan.pad_token_id)
+        feed.pending, feed.pending_real = right_align(tokens, accepted, tokens.shape[1], plan.pad_token_id)
 
 
 class LosslessMode:
@@ -436,11 +407,10 @@ class LosslessMode:
         followed the last kept draft (their scores processed with the pass's, `accept`, or here after the text as it
         now stands, for processors that read each slot's own text)."""
         plan, feed = run.plan, run.feed
-        feed.dense = None  # unknown: drafts may leave slots empty
         rows = feed.rows
         feed.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
         feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
-        full = run.cache.fixed_shapes  # the tree keeps its whole shape, filled or not
+        full = True  # the tree keeps its whole shape, filled or not (the runner's pass has its shape)
         drafts = Drafts.none(rows.numel(), rows.device)
         lengths = run.text.prompt_length + feed.of(run.text.decoded)
         if step.masks:

@@ -48,10 +48,6 @@ class Drafts:
             torch.empty(rows, 0, dtype=torch.bool, device=device),
         )
 
-    def select(self, alive: torch.Tensor) -> Drafts:
-        proposals = None if self.proposals is None else self.proposals[alive]
-        return Drafts(self.tokens[alive], self.real[alive], self.tree, proposals)
-
 
 def verify(
     logits,

@@ -501,7 +501,7 @@ class MARSEngine(BaseGenerateManager):
         tau = self._choose_tau(runner, decoding)
         reach = _reach(runner.plan)
         try:
-            runner.step(self.model)
+            runner.step()
             self.metrics.passed(decoding)
         except Exception as error:  # noqa: BLE001 - the rows are answered with it; the server goes on
             logger.exception("a pass failed; its %d rows are answered with the error", len(runner.labels))

@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
 
 from ...convert import to_mars
 from ...decoding import graph
-from ...decoding.cache import MARSCache
-from ...decoding.compat import CACHE_ARG
+from ...decoding.cache import StaticMARSCache
+from ...decoding.runner import rows_cache
 from ...decoding.tree import NO_DRAFTS, tree_attention
 from ..checkpoints.toy import toy_tokenizer
 from .calibrate import auto_mask_cost
@@ -105,8 +105,6 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
     for name, mars in MODES.items():
         mars = _resolved(model, inputs.input_ids.shape[0], mars)
         runs[name] = functools.partial(model.generate, **mars, **kwargs)
-        if extra:  # static: the graph pass, and the loop alone beside it
-            runs[f"{name}, loop"] = functools.partial(_loop_only, runs[name])
     times, passes = {name: [] for name in runs}, {}
     with torch.no_grad():
         for name, run in runs.items():  # warm-up, which counts the passes (plain's: one a token)
@@ -120,36 +118,28 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
     return {name: statistics.median(t) for name, t in times.items()}, passes
 
 
-def _loop_only(call, **kwargs):
-    """`call(**kwargs)` with every pass run by the loop of `generate.py` (`graph.ENABLED` off)."""
-    graph.ENABLED = False
-    try:
-        return call(**kwargs)
-    finally:
-        graph.ENABLED = True
-
-
 def forward_costs(model, batch: int = 1, widths=(1, 2, 4, 7), context: int = 24, repeats: int = 30) -> dict:
-    """ms of the model's forward alone over `width` new tokens after `context` cached ones, with the attention mask a
-    MARS pass builds (none for one token, as a plain step): the floor under what a pass of that width can cost,
-    whatever the decoding loop does. Widths take turns; medians."""
+    """ms of the model's forward alone over `width` new tokens after `context` cached ones, on a runner's static
+    cache with the attention mask a MARS pass builds (the slot map for one token, as a plain step takes it): the floor
+    under what a pass of that width can cost, whatever the decoding around it does. Widths take turns; medians."""
 
     ids = torch.full((batch, context + max(widths)), 7)
-    cache = MARSCache(batch, ids.device)
+    cache = StaticMARSCache(rows_cache(model, batch, context + max(widths)), batch, ids.device)
     times = {width: [] for width in widths}
     with torch.no_grad():
-        model(input_ids=ids[:, :context], **{CACHE_ARG: cache}, use_cache=True)
-        cache.commit(torch.ones(batch, context, dtype=torch.bool), 0, dense=True)
+        mask, positions = cache.step_inputs(torch.ones(batch, context, dtype=torch.bool), 0)
+        model(input_ids=ids[:, :context], attention_mask=mask, position_ids=positions, **cache.forward_kwargs(context))
+        cache.commit(torch.ones(batch, context, dtype=torch.bool), 0)
         for _ in range(repeats + 1):  # the first round warms up
             for width in widths:
                 start = time.perf_counter()
-                mask, positions = cache.step_inputs(torch.ones(batch, width, dtype=torch.bool), 0, dense=True)
+                mask, positions = cache.step_inputs(torch.ones(batch, width, dtype=torch.bool), 0)
                 if width > 1:
                     mask = tree_attention(model, cache, NO_DRAFTS, mask, width, 0)
                 kwargs = dict(attention_mask=mask, position_ids=positions, logits_to_keep=width)
-                model(input_ids=ids[:, context : context + width], **{CACHE_ARG: cache}, use_cache=True, **kwargs)
+                model(input_ids=ids[:, context : context + width], **cache.forward_kwargs(width), **kwargs)
                 times[width].append(time.perf_counter() - start)
-                cache.crop(-width)
+                cache.commit(torch.zeros(batch, 0, dtype=torch.bool), width)  # the layers step back over the pass
     return {width: 1000 * statistics.median(t[1:]) for width, t in times.items()}
 
 
@@ -169,15 +159,13 @@ def host_ops(
     model, tokenizer, batch_sizes=(1, 4), max_new_tokens: int = 48, decodings=("greedy",), default=()
 ) -> list[dict]:
     """aten ops dispatched outside the model's forward, per plain `generate()` step and per MARS pass, with a static
-    cache, eager: what a GPU's host launches around the forward. Each MARS mode runs through the graph pass and
-    through the loop of `generate.py` alone (`graph.ENABLED = False`), in each of `decodings` (`DECODINGS`' names),
-    against the plain step of the same decoding; the prompt's pass counts with the rest. Both are called alike,
-    returning the sequences alone (`return_dict_in_generate` would add, once per run, the building of the returned
-    cache, which MARS gathers from its own). The decodings in `default` run as the default call too (no cache
-    argument: MARS's eager runner on a static cache of its own), against plain's step on its dynamic cache. Graph
-    passes keep their
-    shape and attend to every slot, as a captured pass on a GPU does (`graph.NARROWS` off, a reach as wide as the
-    cache)."""
+    cache, eager: what a GPU's host launches around the forward. Each MARS mode runs in its runner's graph pass, in
+    each of `decodings` (`DECODINGS`' names), against the plain step of the same decoding; the prompt's pass counts
+    with the rest. Both are called alike, returning the sequences alone (`return_dict_in_generate` would add, once per
+    run, the building of the returned cache, which MARS gathers from its own). The decodings in `default` run as the
+    default call too (no cache argument: MARS's eager runner on a static cache of its own), against plain's step on
+    its dynamic cache. Graph passes keep their shape and attend to every slot, as a captured pass on a GPU does
+    (`graph.NARROWS` off, a reach as wide as the cache)."""
     rows, kept = [], (graph.NARROWS, graph.REACH_STEP)
     graph.NARROWS, graph.REACH_STEP = False, 1 << 30
     try:
@@ -199,26 +187,23 @@ def _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens: int, decod
             inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
             kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **cache_kwargs)
             common = dict(batch=batch, decoding=decoding if cache == "static" else f"{decoding}, {cache}")
-            rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common, static=cache == "static")
+            rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common)
     return rows
 
 
-def _host_ops_rows(model, kwargs: dict, common: dict, static: bool) -> list[dict]:
-    """`host_ops`' rows for one decoding, cache and batch: plain's step, then each mode's pass (through the graph
-    pass and the loop on a static cache; the default call's runner otherwise)."""
+def _host_ops_rows(model, kwargs: dict, common: dict) -> list[dict]:
+    """`host_ops`' rows for one decoding, cache and batch: plain's step, then each mode's pass."""
     plain = _per_pass(model, functools.partial(GenerationMixin.generate, model), kwargs)
     rows = [dict(**common, method="plain generate()", **plain, ratio=1.0, kernel_ratio=1.0, steady_ratio=1.0)]
     for name, mars in MODES.items():
         call = functools.partial(model.generate, **_resolved(model, common["batch"], mars))
-        paths = (("one graph", call), ("loop", functools.partial(_loop_only, call))) if static else (("runner", call),)
-        for path, run in paths:
-            row = dict(**common, method=f"{name}, {path}", **_per_pass(model, run, kwargs))
-            row.update(
-                ratio=row["ops"] / plain["ops"],
-                kernel_ratio=row["kernels"] / plain["kernels"],
-                steady_ratio=row["steady"] / plain["steady"],
-            )
-            rows.append(row)
+        row = dict(**common, method=name, **_per_pass(model, call, kwargs))
+        row.update(
+            ratio=row["ops"] / plain["ops"],
+            kernel_ratio=row["kernels"] / plain["kernels"],
+            steady_ratio=row["steady"] / plain["steady"],
+        )
+        rows.append(row)
     return rows
 
 
