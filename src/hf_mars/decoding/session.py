@@ -140,24 +140,12 @@ class Text:
 
 @dataclass
 class Feed:
-    """What the next pass feeds, for the rows the cache holds (`rows`: their indices in the batch, in its order)."""
+    """What the next pass feeds, for every row of the batch (`rows`: their indices, in order)."""
 
     rows: torch.Tensor
     pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
     pending_real: torch.Tensor
     drafts: Drafts
-
-    def of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The fed rows' entries of a batch's per-row `tensor`: `tensor[rows]`, or, where every row is fed, `tensor`
-        itself (rows are the batch's indices in order, so as many are all of them): no gather."""
-        return tensor if self.rows.numel() == tensor.shape[0] else tensor[self.rows]
-
-    def put(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
-        """`tensor[rows] = values`, in place (`of`'s inverse)."""
-        if self.rows.numel() == tensor.shape[0]:
-            tensor.copy_(values)
-        else:
-            tensor[self.rows] = values
 
 
 @dataclass
@@ -248,10 +236,10 @@ def _forward(model, run: Session, tau: float) -> Pass:
         logits_to_keep=needed,
     )
     logits = outputs.logits[:, -needed:].float()
-    lengths = run.text.prompt_length + feed.of(run.text.decoded)
+    lengths = run.text.prompt_length + run.text.decoded
     histories = None
     if plan.processors:
-        histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths, feed.of(run.text.joined))
+        histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths, run.text.joined)
     every_mask = tau < 1.0 and run.schedule.constant and masks == run.schedule.most
     return Pass(tau, offered, masks, logits, histories, every_mask=every_mask)
 
@@ -279,9 +267,9 @@ def _accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
     if run.logprobs is not None:
         scored = token_logprobs(run.plan.mode.deciding(run, step, tokens), step.histories, tokens, run.logprobs)
         run.scored = (feed.rows, *scored)
-    left, idle = feed.of(text.budget) - feed.of(text.decoded), ~feed.of(text.active)
+    left, idle = text.budget - text.decoded, ~text.active
     accepted, ended = cut(tokens, accepted, left, idle, run.plan.eos)
-    feed.put(text.ended, feed.of(text.ended) | ended)
+    text.ended |= ended
     return tokens, accepted
 
 
@@ -293,10 +281,10 @@ def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tens
     rows, width = feed.rows, tokens.shape[1]
     plan.mode.commit(run, step)
     slots = torch.arange(width, device=tokens.device)
-    positions = (text.prompt_length + feed.of(text.decoded))[:, None] + slots  # `sequences` has room past the budget
+    positions = (text.prompt_length + text.decoded)[:, None] + slots  # `sequences` has room past the budget
     write_taken(text.sequences, rows[:, None], positions, tokens, slots >= accepted[:, None], plan.pad_token_id)
     text.decoded.index_add_(0, rows, accepted)
-    text.passes.index_add_(0, rows, feed.of(text.active).long())  # idle rows take no pass
+    text.passes.index_add_(0, rows, text.active.long())  # idle rows take no pass
     streamed = int(run.stopping.new_tokens[0]) if plan.streamer is not None else 0
     run.stopping.judge(text.decoded, text.ended)
     run.stats.forward_passes += 1
@@ -323,8 +311,8 @@ def _retire(run: Session) -> None:
     """Rows that stopped, or reached EOS or the length limit, stop decoding: they stay in the runner's rows, done
     (the pass decodes nothing for them), and feed no drafts."""
     text, feed = run.text, run.feed
-    stopped = feed.of(text.ended) | feed.of(run.stopping.settled)
-    feed.put(text.active, ~stopped)
+    stopped = text.ended | run.stopping.settled
+    text.active.copy_(~stopped)
     feed.drafts.real = feed.drafts.real & ~stopped[:, None]
     run.live = bool((~stopped).any())
 
@@ -412,7 +400,7 @@ class LosslessMode:
         feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
         full = True  # the tree keeps its whole shape, filled or not (the runner's pass has its shape)
         drafts = Drafts.none(rows.numel(), rows.device)
-        lengths = run.text.prompt_length + feed.of(run.text.decoded)
+        lengths = run.text.prompt_length + run.text.decoded
         if step.masks:
             if step.histories is not None:  # the text now holds this pass's tokens
                 step.histories = step.histories.after(run.text.sequences, tokens, accepted)
@@ -423,5 +411,5 @@ class LosslessMode:
             proposal = (step.histories, step.tau, step.within, plan.settings.confidence, sampled, plan.candidates)
             drafts = propose(followed, *proposal, plan.pad_token_id, full)
         if plan.lookup:
-            drafts = add_lookup(drafts, feed.of(run.text.sequences), lengths, plan.lookup, plan.pad_token_id, full)
+            drafts = add_lookup(drafts, run.text.sequences, lengths, plan.lookup, plan.pad_token_id, full)
         feed.drafts = drafts
