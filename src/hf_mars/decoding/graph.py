@@ -155,8 +155,8 @@ class GraphState:
     fed: torch.Tensor  # (batch, width) the pass's input: pending tokens, drafts, then the masks (written once)
     fed_real: torch.Tensor  # (batch, width) which of them are real (the masks always)
     tau: torch.Tensor  # () the τ of the next pass (inf: accept or propose nothing)
-    limits: torch.Tensor  # (masks + 1, masks) τ-mode: what each mask's token must score, by the row's offer (`aim`)
-    step: torch.Tensor  # (1,) passes run
+    limits: torch.Tensor  # (masks + 1, masks) τ-mode: what each mask's token must score, by the row's offer
+    logged: torch.Tensor  # (1,) passes run since the log was last emptied: the row of `accepted_log` the next writes
     accepted_log: torch.Tensor  # (slots, batch) tokens each row took in each pass
     rates: torch.Tensor  # (batch, masks + 1) ones (zeros at τ >= 1: no offer), then the schedule's acceptance rates
     rate: torch.Tensor  # (batch, masks) those rates (`MaskSchedule.rate`), a view
@@ -191,7 +191,7 @@ class GraphState:
             fed_real=fed_real,
             tau=torch.zeros((), dtype=torch.float32, device=device),
             limits=torch.zeros(shape.masks + 1, shape.masks, dtype=torch.float32, device=device),
-            step=torch.zeros(1, **long),
+            logged=torch.zeros(1, **long),
             accepted_log=torch.zeros(slots, batch, **long),
             rates=rates,
             rate=rates[:, 1:],
@@ -222,13 +222,13 @@ class GraphPass:
         self.state = state = GraphState.empty(shape, device)
         on_cuda = captured(device, compile_config is not None)
         self.capture = on_cuda  # sampling too: `scoring.draw` reads nothing back from the device
-        self.forward, self.step = model, graph_pass
+        self.forward, self.pass_function = model, graph_pass
         self.eager = compile_config is None  # shapes may change between passes (`attend`, `feed_held`)
         self.narrows = self.eager and device.type == "cpu"  # where a pass costs its compute (`feed_held`)
         if on_cuda and not FUSED:  # the forward compiled without CUDA graphs of its own; the pass around it captured
             self.forward = _compiled(model.__call__, compile_config, "default")
         elif compile_config is not None:  # the whole pass compiled as one function (on CUDA, then captured whole)
-            self.step = _compiled(graph_pass, compile_config, "default" if on_cuda else None)
+            self.pass_function = _compiled(graph_pass, compile_config, "default" if on_cuda else None)
         self.eos = torch.zeros(shape.eos, dtype=torch.long, device=device)
         self._views(shape, state)
         for name, table in _tables(shape, model.dtype).items():
@@ -241,7 +241,7 @@ class GraphPass:
         self.masks_fed, self.nodes_fed = shape.masks, len(shape.tree)  # what the pass feeds (`feed_held`)
         self.nodes_drafted = None  # the tree's nodes a runner's rows draft now (`Runner.retree`), None: every one
         self.masks_limit = shape.masks  # the masks per group they use (a smaller block's tree: `within` marks them)
-        self.aimed = 1.0  # τ, as `aim` last set it
+        self.tau = 1.0  # τ, as `set_tau` last set it
         self.pruned, self.prunes = None, {}  # `prune`'s tables
         self.fed_rows = self.rows_view = self.gathered = None  # `take_rows`' rows, their cache, their K/V copied
         self.flops_per_column = 2 * model.num_parameters()  # what a row's fed column costs, past `bound_columns`
@@ -257,7 +257,7 @@ class GraphPass:
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
         self.offer_grid = self.depths < torch.arange(shape.masks + 1, device=device)[:, None]  # [k, j]: j of k offered
-        self.rates_first, self.unreachable = state.rates[:, 0], torch.tensor(math.inf, device=device)  # for `aim`
+        self.rates_first, self.unreachable = state.rates[:, 0], torch.tensor(math.inf, device=device)  # for `set_tau`
         self.lookup = lookup_columns(shape.batch, shape.slots, shape.lookup, device) if shape.lookup else None
         self.proposals = None  # speculative sampling: the distribution each draft was drawn from, and the next's
         if shape.verify and shape.sampled and shape.typical is None:
@@ -284,7 +284,7 @@ class GraphPass:
         # count (which the mask schedule reads) by one, each layer's write count back over masks
         state = self.state
         masked = self.shape.width > self.shape.kept
-        self.counters = [self.slots, self.sees_columns, state.step, state.passes] + (self.lengths if masked else [])
+        self.counters = [self.slots, self.sees_columns, state.logged, state.passes] + (self.lengths if masked else [])
         self.advance = None
         self.advance_by(self.shape.kept)
         self.graph, self.eager_runs = None, 0
@@ -377,7 +377,7 @@ class GraphPass:
         under a schedule the cheapest count covering the largest offer of a row still decoding
         (`schedule.masks_covering`: a row ignores those past its own offer)."""
         shape, state = self.shape, self.state
-        if self.aimed >= 1.0 or not shape.masks:
+        if self.tau >= 1.0 or not shape.masks:
             return 0
         if not shape.scheduled:
             return self.masks_limit
@@ -549,12 +549,12 @@ class GraphPass:
         torch.add(self.pass_slots, slot, out=self.slots)
         torch.sub(self.key_columns, slot, out=self.sees_columns)
 
-    def aim(self, tau: float) -> None:
+    def set_tau(self, tau: float) -> None:
         """τ for the passes to come, as the state holds it: inf at τ >= 1 (a pass then accepts or proposes nothing past
         slot 0, even a probability rounded to 1), where the schedule's rates start (at τ >= 1 from 0, so that every
         offer is worth nothing and the first, no mask, is made: `schedule.offers`), and the τ each offer sets each
         mask's token (inf past the offer), which τ-mode reads with one index a pass."""
-        state, self.aimed = self.state, tau
+        state, self.tau = self.state, tau
         state.tau.fill_(tau if tau < 1.0 else math.inf)
         if self.shape.scheduled:
             self.rates_first.fill_(float(tau < 1.0))
@@ -597,17 +597,17 @@ class GraphPass:
         elif self.capture and self.eager_runs >= WARMUP_PASSES:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):  # records the pass; nothing runs until `replay`
-                self.step(self)
+                self.pass_function(self)
             self.graph.replay()
         elif self.capture:  # warm-up passes run on a side stream, as CUDA graph capture requires
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.step(self)
+                self.pass_function(self)
             torch.cuda.current_stream().wait_stream(stream)
             self.eager_runs += 1
         else:
-            self.step(self)
+            self.pass_function(self)
 
 
 def _tables(shape: GraphShape, dtype) -> dict:
@@ -762,7 +762,7 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     if offered is not None:
         _reschedule(g, offered, paid, path)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
-    state.accepted_log.index_put_((state.step,), accepted)
+    state.accepted_log.index_put_((state.logged,), accepted)
     state.done.logical_or_(ended)
     return tokens, accepted, path
 

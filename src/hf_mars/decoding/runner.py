@@ -61,7 +61,7 @@ class Runner:
         state.done.fill_(True)  # every row free
         state.sequences.fill_(plan.pad_token_id)
         state.write_offsets.copy_(graph.offsets + 1)  # a free row's text: one pad (processors read it)
-        state.step.zero_()
+        state.logged.zero_()
         graph.eos.copy_(plan.eos)
         graph.move_to(0)
         long = dict(dtype=torch.long, device=state.done.device)
@@ -287,19 +287,19 @@ class Runner:
         g, state = self.graph, self.graph.state
         tau = read_tau(self.plan.settings.tau)
         if tau != self.tau:
-            g.aim(tau)
+            g.set_tau(tau)
             self.tau = tau
         if self.slot + self.shape.width > self.shape.slots:
             self._compact()
         if self.stats is not None and self.passes_run == self.shape.slots:  # the log is full: recorded, then reused
             self.record()
-            state.step.zero_()
+            state.logged.zero_()
             self.passes_run = self.logged = 0
         if g.eager:  # attention over the slots in use, in steps, and no column that is a hole in every row
             self._reach()
             g.feed_held()
         if not self.log:
-            state.step.zero_()  # each pass's accepted counts are read after it, in row 0
+            state.logged.zero_()  # each pass's accepted counts are read after it, in row 0
         g.run()
         self.slot += g.advance - g.lead  # the slots the pass fed before its masks (`narrow`, `prune`)
         self.steps += 1
@@ -352,7 +352,7 @@ class Runner:
     def last_accepted(self) -> torch.Tensor:
         """`(capacity,)` tokens each row took in the last pass."""
         state = self.graph.state
-        return state.accepted_log[state.step - 1][0] if self.log else state.accepted_log[0]
+        return state.accepted_log[state.logged - 1][0] if self.log else state.accepted_log[0]
 
     @_in_own_mode
     def rows(self) -> list[tuple[object, list[int], bool, int]]:

@@ -9,12 +9,12 @@ feeds a pass's mask predictions back as drafts that the next pass verifies (`ver
 
 `generate()` and `model.mars_rows` prepare a `Session` over their rows (`generate.py`): `Plan` (fixed before the first
 pass), `Text` (every row's text and progress; a row decodes while `active`) and `Feed` (what the next pass feeds). A
-`Runner` (`runner.py`) runs the rows' prompt's pass with `Session.step`, which writes the prompt's K/V straight into
-the runner's rows (`cache.StaticMARSCache`, a view of them), then loads what each row decodes next into its graph
+`Runner` (`runner.py`) runs the rows' prompt's pass, `Session.prompt_pass`, which writes the prompt's K/V straight
+into the runner's rows (`cache.StaticMARSCache`, a view of them), then loads what each row decodes next into its graph
 pass (`graph.py`), which runs every later pass with the same scoring, verification and commit functions.
 
-`Session.step` is one pass of named phases: `_forward` (one pass over `[pending | drafts | masks]`), `_accept` (τ's
-test, or verification: which tokens each row takes), `_commit` (write them: K/V into the cache, tokens into the
+`Session.prompt_pass` is one pass of named phases: `_forward` (one pass over `[pending | drafts | masks]`), `_accept`
+(τ's test, or verification: which tokens each row takes), `_commit` (write them: K/V into the cache, tokens into the
 text, which the stopping criteria then judge), `_next_inputs` (what the next pass feeds) and `_retire` (rows that
 stopped stop decoding). What differs between the modes is behind one seam, `Plan.mode`: `TauMode` and `LosslessMode`
 each say what a pass accepts (`accept`: τ's test, or `verify`'s exact, typical or sampled verification), what the
