@@ -276,6 +276,30 @@ def test_sampled_and_penalised_graph_passes_run_compiled_as_they_run_eagerly(thi
     assert torch.equal(compiled, model.generate(**enc, **common))
 
 
+@pytest.mark.parametrize("mode", ["tau=1", "lossless chain", "lossless tree and lookup"])
+def test_a_compiled_call_with_transformers_own_processors_decodes_eagerly_in_the_runner(thin, mode):
+    """A compiled pass cannot call the processors only transformers applies (a ban of several tokens) between its
+    slots: under `generate()`'s compile path such a call runs its runner eagerly (nothing compiles; the loop ran it
+    once), every pass after the prompt's a graph pass that calls them, with plain `generate()`'s tokens under the
+    same ban, which changes the text."""
+    model, tok = thin
+    enc = tok(prompts(3, 4), return_tensors="pt", padding=True)
+    plain = dict(max_new_tokens=24, do_sample=False, pad_token_id=PAD)
+    unbanned = new_tokens(GenerationMixin.generate(model, **enc, **plain), enc)
+    ban = dict(bad_words_ids=[max(unbanned, key=len)[:2]])  # the longest row's first two tokens: no EOS among them
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # generate() compiles on GPUs only unless told
+    torch._dynamo.reset()
+    counters.clear()
+    model.__dict__.pop("_mars_graphs", None)
+    out = model.generate(**enc, compile_config=config, cache_implementation="static", **plain, **ban, **MODES[mode])
+    assert not counters["stats"]["unique_graphs"], "nothing may compile"
+    shapes = list(model.__dict__.get("_mars_graphs", {}))
+    assert shapes and all(shape.calls for shape, *_ in shapes), "the graph pass calls the processors"
+    banned = new_tokens(GenerationMixin.generate(model, **enc, **plain, **ban), enc)
+    assert new_tokens(out, enc) == banned and banned != unbanned
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_draw_is_torch_multinomials_seed_for_seed(dtype):
     """`scoring.draw`, which reads nothing back from the device, draws what `torch.multinomial(probs, 1)` draws
