@@ -1082,10 +1082,18 @@ def test_a_tau_range_alone_on_the_server_runs_at_its_highest_tau_and_keeps_greed
     assert usage.mars_tau == {"mean": 1.0, "min": 1.0, "max": 1.0}
 
 
-def test_under_load_ranged_rows_stay_in_their_range_and_single_tau_rows_are_never_changed(server):
+def test_under_load_ranged_rows_stay_in_their_range_and_single_tau_rows_are_never_changed(server, monkeypatch):
     """Twelve rows allowing [0.5, 1] arrive with four at τ = 1: the ranged rows' τ moves with the load and never
-    leaves their range (on the graph pass, whose every pass is as wide at any τ, it falls below 1 under this load);
-    the τ = 1 rows keep greedy `generate()`'s text and report no τ range."""
+    leaves their range (it falls below 1 under this load, the policy deciding by the load alone: the pass costs that
+    the server times in the background, on a machine the other tests keep busy, could say either way); the τ = 1 rows
+    keep greedy `generate()`'s text and report no τ range."""
+    from hf_mars.serving import engine as engine_module
+
+    def unmeasured(*args, **kwargs):
+        raise engine_module.NotMeasured("not in this test")
+
+    monkeypatch.setattr(engine_module, "pass_costs", unmeasured)
+    monkeypatch.setattr(server["engine"], "_policies", {})  # built again here, reading no costs (restored after)
     url, model = server["url"], server["path"]
     fields = [{"mars_tau": 1.0} if i % 4 == 3 else {"mars_tau": [0.5, 1.0]} for i in range(16)]
     jobs = [(f"count {i} to {i + 9}", mode) for i, mode in enumerate(fields)]
