@@ -27,8 +27,7 @@ def distributions(rows):
     return probs.log()
 
 
-@pytest.mark.parametrize("full_tree", [False, True])
-def test_runner_ups_of_each_depth_are_siblings_of_that_depth_s_chain_draft(full_tree):
+def test_runner_ups_of_each_depth_are_siblings_of_that_depth_s_chain_draft():
     followed = distributions(
         [
             [{1: 0.5, 2: 0.32, 3: 0.18}, {4: 0.6, 5: 0.39}, {6: 0.99}],  # a chain of three, confident runner-ups
@@ -37,7 +36,7 @@ def test_runner_ups_of_each_depth_are_siblings_of_that_depth_s_chain_draft(full_
     )
     settings = MARSSettings(tau=0.3, block_size=4, mask_token_id=0, verify=True, draft_candidates=(3, 2))
     within = torch.ones(2, 3, dtype=torch.bool)
-    drafts = propose(followed, None, 0.3, within, settings.confidence, False, (3, 2), -1, full_tree)
+    drafts = propose(followed, None, 0.3, within, settings.confidence, False, (3, 2), -1)
     # The chain, mask 1's two runner-ups after the root, mask 2's runner-up after the chain's first draft
     assert drafts.tree.parents == (-1, 0, 1, -1, -1, 0)
     assert drafts.tree.depths.tolist() == [1, 2, 3, 1, 1, 2]
@@ -45,9 +44,9 @@ def test_runner_ups_of_each_depth_are_siblings_of_that_depth_s_chain_draft(full_
     assert drafts.real[0].tolist() == [True, True, True, True, False, True]
     assert drafts.real[1].tolist() == [True, False, False, False, False, False]  # nothing past the chain's end
     # An int N is [N]: runner-ups for the first draft only, today's trees
-    drafts = propose(followed, None, 0.0, within, settings.confidence, False, 3, -1, full_tree)
+    drafts = propose(followed, None, 0.0, within, settings.confidence, False, 3, -1)
     assert drafts.tree.parents == (-1, 0, 1, -1, -1)
-    per_depth = propose(followed, None, 0.0, within, settings.confidence, False, (3, 1, 1), -1, full_tree)
+    per_depth = propose(followed, None, 0.0, within, settings.confidence, False, (3, 1, 1), -1)
     assert per_depth.tree == drafts.tree
 
 

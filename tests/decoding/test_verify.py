@@ -166,9 +166,9 @@ def test_a_lossless_pass_scores_every_slot_at_once_each_mask_after_its_nodes_pat
     # root, the draft (after 5), the root's masks, the draft's masks (after 5)
     assert scores.argmax(dim=-1)[0].tolist() == [5, 6, 5, 5, 6, 6]
     after_draft = Histories(penalty, torch.tensor([[1, 2, 5]]), None, torch.tensor([3]))
-    in_order = propose(logits[:, 4:], after_draft, 0.0, None, "probability", False, 1, 0, full_tree=True)
+    in_order = propose(logits[:, 4:], after_draft, 0.0, None, "probability", False, 1, 0)
     assert in_order.tokens[0].tolist() == [6, 5]  # premise: in order, the mask before penalises 6 at the next
-    at_once = propose(scores[:, 4:], None, 0.0, None, "probability", False, 1, 0, full_tree=True)
+    at_once = propose(scores[:, 4:], None, 0.0, None, "probability", False, 1, 0)
     assert at_once.tokens[0].tolist() == [6, 6] and at_once.real.all()
 
 

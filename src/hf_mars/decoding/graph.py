@@ -913,9 +913,7 @@ def _propose_from_masks(g: GraphPass, logits, end) -> None:
     buffer = None if g.proposals is None else g.proposed
     tau, measure, candidates = state.tau, shape.confidence, shape.candidates
     histories = g.histories() if shape.calls else None  # raw masks, scored after the text as it now stands
-    drafts = propose(
-        followed, histories, tau, within, measure, sampled, candidates, None, full_tree=True, buffer=buffer
-    )
+    drafts = propose(followed, histories, tau, within, measure, sampled, candidates, None, buffer=buffer)
     g.from_masks.copy_(drafts.tokens)
     into(g.from_masks_real, torch.logical_and, drafts.real, g.live_column)
 

@@ -398,7 +398,6 @@ class LosslessMode:
         rows = feed.rows
         feed.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
         feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
-        full = True  # the tree keeps its whole shape, filled or not (the runner's pass has its shape)
         drafts = Drafts.none(rows.numel(), rows.device)
         lengths = run.text.prompt_length + run.text.decoded
         if step.masks:
@@ -409,7 +408,7 @@ class LosslessMode:
             followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
             sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
             proposal = (step.histories, step.tau, step.within, plan.settings.confidence, sampled, plan.candidates)
-            drafts = propose(followed, *proposal, plan.pad_token_id, full)
+            drafts = propose(followed, *proposal, plan.pad_token_id)
         if plan.lookup:
-            drafts = add_lookup(drafts, run.text.sequences, lengths, plan.lookup, plan.pad_token_id, full)
+            drafts = add_lookup(drafts, run.text.sequences, lengths, plan.lookup, plan.pad_token_id)
         feed.drafts = drafts

@@ -106,9 +106,9 @@ def runner_ups(candidates) -> int:
 
 
 def full_tree(masks: int, candidates, lookup: int) -> DraftTree:
-    """The whole tree that lossless passes on a static cache propose (`verify.propose` with `full_tree`, then
-    `lookup`'s branch): the chain of `masks` drafts, the runner-ups of each depth after the chain's draft above it,
-    then prompt lookup's branch of `lookup` drafts from the root."""
+    """The whole tree that every lossless pass proposes (`verify.propose`, then `lookup`'s branch): the chain of
+    `masks` drafts, the runner-ups of each depth after the chain's draft above it, then prompt lookup's branch of
+    `lookup` drafts from the root."""
     parents = tuple(range(-1, masks - 1))
     for depth, count in enumerate(depth_candidates(candidates, masks), start=1):
         parents += (depth - 2,) * (count - 1)

@@ -180,7 +180,6 @@ def propose(
     do_sample: bool,
     candidates,
     pad_token_id: int,
-    full_tree: bool = False,
     buffer=None,
 ):
     """The next drafts from the masks that followed each row's last kept token (`followed`: `(rows, masks, vocab)`).
@@ -188,8 +187,8 @@ def propose(
     A chain of the masks' confident tokens, plus confident runner-ups at the depths `candidates` (an int or per-depth
     counts, `mars_draft_candidates`) gives them, each where the chain reaches its depth (greedy only). With sampling,
     each draft keeps the distribution it was drawn from, zeroed where it would not have been proposed, which is what
-    speculative sampling needs. Slots that no row fills are left out, unless `full_tree` (a static cache): then the
-    tree always has its whole shape, so every pass has one. `within`: the masks each row was offered (None: all);
+    speculative sampling needs. The tree always has its whole shape, filled or not, so that a runner's every pass has
+    one (a slot no row fills is not real). `within`: the masks each row was offered (None: all);
     `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees). `buffer`: where the
     caller keeps the proposals (a graph pass: the first `masks` positions of a buffer whose next one stays zero),
     written in place and returned as the drafts' own.
@@ -201,19 +200,13 @@ def propose(
     confident = confs >= tau if within is None else (confs >= tau) & within
     prefix = torch.cummin(confident, dim=1).values  # up to the first unconfident mask
     counts = depth_candidates(candidates, followed.shape[1])
-    counted = not full_tree or max(counts, default=1) > 1
-    count = prefix.sum(dim=1) if counted else None  # each row's chain length, where something reads it
+    count = prefix.sum(dim=1) if max(counts, default=1) > 1 else None  # each row's chain length, for runner-ups
     others = _runner_ups(q, guesses, count, tau, counts)
-    if full_tree:
-        chain, fed = followed.shape[1], [True] * len(others)
-        real = prefix
-    else:  # drafts that no row proposes are not fed: one read from the device says how many there are
-        chain, *fed = torch.stack([count.max(), *(real.any().long() for _, _, real in others)]).tolist()
-        real, guesses = prefix[:, :chain], guesses[:, :chain]
+    chain, real = followed.shape[1], prefix
     tokens = _padded(guesses, real, pad_token_id)
     parents = tuple(range(-1, chain - 1))
-    for (depth, siblings, sibling_real), feed in zip(others, fed):
-        if feed and chain >= depth:
+    for depth, siblings, sibling_real in others:
+        if chain >= depth:
             tokens = torch.cat([tokens, _padded(siblings, sibling_real, pad_token_id)], dim=1)
             real = torch.cat([real, sibling_real], dim=1)
             parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
@@ -252,16 +245,11 @@ def _runner_ups(q, guesses, count, tau: float, counts: tuple[int, ...]) -> list:
     return found
 
 
-def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int, full_tree=False) -> Drafts:
-    """One more branch: what followed the text's last n-gram where it occurred before (`tree.lookup`); all
-    `num_tokens` slots if `full_tree` (see `propose`)."""
+def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id: int) -> Drafts:
+    """One more branch: what followed the text's last n-gram where it occurred before (`tree.lookup`), all
+    `num_tokens` slots of it, found or not (see `propose`)."""
     found, found_real = lookup(sequences, lengths, num_tokens)
-    reach = num_tokens if full_tree else int(found_real.sum(dim=1).max())
-    if not reach:
-        return drafts
-    if reach < num_tokens:
-        found, found_real = found[:, :reach], found_real[:, :reach]
-    start = len(drafts.tree)
+    start, reach = len(drafts.tree), num_tokens
     tokens = torch.cat([drafts.tokens, _padded(found, found_real, pad_token_id)], dim=1)
     real = torch.cat([drafts.real, found_real], dim=1)
     parents = drafts.tree.parents + (-1,) + tuple(range(start, start + reach - 1))
