@@ -92,25 +92,32 @@ def test_a_static_cache_that_is_too_small_is_grown_or_refused(trained_toy):
             model.generate(**enc, max_new_tokens=40, **{CACHE_ARG: small}, **mode)
 
 
-def test_compiled_mars_reuses_one_graph_and_equals_the_dynamic_cache():
-    """generate()'s compile path (`compile_config`) compiles the passes after the first; every pass has one shape,
-    so after a warm-up generation nothing recompiles (dynamo's recompile check would raise). The eager backend keeps
-    the test fast; it guards and recompiles exactly as inductor does."""
+@pytest.mark.parametrize("static", [True, False], ids=["static cache", "default call"])
+def test_compiled_mars_reuses_one_graph_and_equals_the_eager_runner(static):
+    """generate()'s compile path (`compile_config`) compiles the passes after the first, on the static cache a
+    `cache_implementation="static"` call asks for and on the default call's own (no cache argument: on a GPU the
+    default call is the compiled one); every pass has one shape, so after a warm-up generation nothing recompiles
+    (dynamo's recompile check would raise). `disable_compile` compiles nothing. The eager backend keeps the test
+    fast; it guards and recompiles exactly as inductor does."""
     tok = make_tokenizer()
     model = hf_mars.to_mars(make_model("llama"), tok, block_size=4)
     enc = toy_prompts(tok, n=3, seed=5)
     config = CompileConfig(backend="eager", mode=None)
     config._compile_all_devices = True  # generate() compiles on GPUs only unless told
     torch._dynamo.reset()
+    counters.clear()
     for mode in (dict(mars_tau=0.0), dict(mars_verify=True, mars_draft_candidates=2, mars_lookup=2)):
-        kwargs = dict(cache_implementation="static", compile_config=config, **mode)
-        warm = run(model, enc, False, **kwargs)  # cache_implementation comes from kwargs here
+        kwargs = dict(compile_config=config, **mode)
+        warm = run(model, enc, static, **kwargs)
         graphs = counters["stats"]["unique_graphs"]
         assert graphs >= 1, "the passes must run compiled"
         with torch._dynamo.config.patch(error_on_recompile=True):
-            again = run(model, enc, False, **kwargs)
+            again = run(model, enc, static, **kwargs)
         assert counters["stats"]["unique_graphs"] == graphs
         assert again.mars_stats.forward_passes > 1
+        eager = run(model, enc, static, disable_compile=True, **kwargs)
+        assert counters["stats"]["unique_graphs"] == graphs, "disable_compile: nothing compiles"
+        assert torch.equal(warm.sequences, eager.sequences)
         assert torch.equal(warm.sequences, run(model, enc, False, **mode).sequences)
 
 

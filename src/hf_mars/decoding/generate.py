@@ -5,9 +5,10 @@ exactly; plain settings run the base model's `generate()`. Otherwise `generate()
 processors, stopping criteria, cache) hands its inputs to `mars_decode`, which prepares a `Session` over the batch
 (`session.py`: the rows, their text, the next pass's inputs) and decodes it in a `Runner` (`runner.py`: the prompt's
 pass into the runner's rows, then `graph.py`'s graph pass until every row has stopped) on a static cache: the one
-`cache_implementation="static"` makes (whose pass may compile, but for processors only transformers applies), or,
-for the default call (no cache asked for, or a dynamic one, whose K/V it takes), one of its own (eager). A model whose
-attention takes no 4D masks, or that spans several devices, is refused by name (`_check_one_runner`).
+`cache_implementation="static"` makes, or, for the default call (no cache asked for, or a dynamic one, whose K/V it
+takes), one of its own. Either way its pass compiles by `generate()`'s rule for a static cache (on a GPU, captured),
+but for processors only transformers applies. A model whose attention takes no 4D masks, or that spans several
+devices, is refused by name (`_check_one_runner`).
 `model.mars_session` decodes rows prepared the same way (`model.mars_rows`) in a runner of their own, for a caller
 that steps it itself (a server, the Space: rows join and leave between passes).
 
@@ -35,6 +36,7 @@ from .compat import (
     compiles,
     eos_token_ids,
     forward_takes,
+    full_attention_config,
     mark_user_cache,
     model_cache,
     new_static_cache,
@@ -46,7 +48,7 @@ from .compat import (
     with_cache,
 )
 from .graph import GraphShape, captured, graph_pass_for, keep_cache, lend_cache, processor_fields
-from .runner import Runner, graph_shape, rows_cache, runner_tree, serving_runner
+from .runner import Runner, graph_shape, runner_tree, serving_runner
 from .schedule import MaskSchedule
 from .scoring import check_stateless, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
@@ -516,45 +518,59 @@ def _cache(model, generation_config, shape, model_kwargs, prompt_real) -> tuple[
     """`(the static cache the run's runner decodes on, whether its pass is compiled)`, for `shape`: `(settings,
     candidates, lookup, processors)`. With `cache_implementation="static"`, the `StaticCache` that `generate()` made
     or was given, sized for MARS, whose passes write more slots than they keep, with `generate()`'s own helper (it
-    remembers the size, so later calls reuse it and nothing recompiles); `generate()`'s rule decides on compiling,
-    but for processors only transformers applies, which an eager pass alone calls between slots. The default call (no
-    cache asked for, or a dynamic one: transformers' default): one of the runner's own, `own_cache_slots` wide (K/V
-    for the whole budget, held from the start), its pass eager; a dynamic cache passed in that holds the first tokens
-    of every row (one a `generate()` call returned) is carried into its first slots and continued."""
+    remembers the size, so later calls reuse it and nothing recompiles). The default call (no cache asked for, or a
+    dynamic one: transformers' default): one of the runner's own, `own_cache_slots` wide (K/V for the whole budget,
+    held from the start); a dynamic cache passed in that holds the first tokens of every row (one a `generate()` call
+    returned) is carried into its first slots and continued. Either way the runner decodes on a static cache, so
+    `generate()`'s rule for one decides on compiling (on a GPU, unless `disable_compile`): the default call is the
+    fast one too. Not for processors only transformers applies, which an eager pass alone calls between slots."""
     settings, candidates, lookup, processors = shape
     (batch, prompt_length), device = prompt_real.shape, prompt_real.device
     budget = generation_config.max_length - prompt_length
     cache = model_cache(model_kwargs)
     filled = cache is not None and bool(cache.get_seq_length() > 0)
+    calls = processor_fields(processors)["calls"]
     if not isinstance(cache, StaticCache):
         slots = _own_slots(settings, prompt_length, budget, candidates, lookup)
-        static = StaticMARSCache(rows_cache(model, batch, slots), batch, device)
+        own = StaticCache(config=full_attention_config(model.config), max_cache_len=slots)  # allocated once chosen
+        compiled = compiles(model, generation_config, {CACHE_ARG: own}) and not calls
+        kept_as = _kept_as(model, compiled, batch, device)
+        static = _runner_cache(model, (kept_as and lend_cache(model, kept_as, slots)) or own, batch, device, kept_as)
         if filled:
             _carry_prefix(cache, prompt_real, static)
-        return static, False
+        return static, compiled
     if filled:
         raise ValueError("MARS decoding starts from an empty static cache (a filled dynamic one it continues).")
     full = all(type(layer) is StaticLayer for layer in cache.layers)
     if not full and user_defined_cache(cache):
         raise ValueError("MARS decoding takes a static cache of full-attention layers only (it builds the windows).")
     size = static_cache_length(settings, prompt_length, budget, candidates, lookup)
-    compiled = compiles(model, generation_config, model_kwargs) and not processor_fields(processors)["calls"]
+    compiled = compiles(model, generation_config, model_kwargs) and not calls
     made = static_cache_size(cache) < size or not full  # sliding layers keep a window of slots: MARS needs them all
     if made and user_defined_cache(cache):
         raise ValueError(f"MARS decoding needs a StaticCache of at least {size} slots here (max_cache_len).")
-    kept_as = None  # where a captured pass needs the same cache call after call, it is lent (`graph.captured`)
-    if not user_defined_cache(cache) and captured(device, compiled):
-        kept_as = (batch, model.dtype, str(device))
-        lent = lend_cache(model, kept_as, size)
-        if lent is not None:
-            cache, made = lent, False
-            model_kwargs[CACHE_ARG] = lent
+    kept_as = None if user_defined_cache(cache) else _kept_as(model, compiled, batch, device)
+    lent = lend_cache(model, kept_as, size) if kept_as else None
+    if lent is not None:
+        cache, made = lent, False
+        model_kwargs[CACHE_ARG] = lent
     if made:
         cache = new_static_cache(model, generation_config, batch, size, model_kwargs, full_layers=not full)
-    allocate_layers(cache, model, batch)
-    static = StaticMARSCache(cache, batch, device)
+    return _runner_cache(model, cache, batch, device, kept_as), compiled
+
+
+def _kept_as(model, compiled: bool, batch: int, device):
+    """Where a captured pass decodes: the key its static cache is kept under between calls (it writes the addresses
+    it was captured on, so the cache outlives each call, lent to the next that fits: `graph.lend_cache`); else None."""
+    return (batch, model.dtype, str(device)) if captured(device, compiled) else None
+
+
+def _runner_cache(model, kv, batch: int, device, kept_as) -> StaticMARSCache:
+    """The run's books over `kv`, its layers allocated; given back under `kept_as` when the call ends."""
+    allocate_layers(kv, model, batch)
+    static = StaticMARSCache(kv, batch, device)
     static.kept_as = kept_as
-    return static, compiled
+    return static
 
 
 def _finish(run: Session, generation_config):

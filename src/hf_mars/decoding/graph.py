@@ -7,8 +7,8 @@ whose tensors keep their shapes and their addresses from pass to pass: what a pa
 at, each row's text, positions, drafts, whether it is done) is written in place, and nothing in it asks the host.
 On CUDA, under `generate()`'s compile path, the pass is captured once as a CUDA graph (the forward compiled by
 inductor inside it) and replayed: one launch and one read of `finished` per pass. On other devices under that path
-the whole pass is one compiled function; without it the same function runs eagerly (the default call, and every
-pass on a CPU), which is what the tests check.
+the whole pass is one compiled function; without it the same function runs eagerly (every pass on a CPU, and a call
+with processors only transformers applies), which is what the tests check.
 
 What it runs: a static cache; greedy decoding and sampling, with the logits processors that read no more of the text
 than which tokens it holds and how many (`scoring.order_free`: the warpers, bans and biases of single tokens, a

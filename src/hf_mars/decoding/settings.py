@@ -263,14 +263,14 @@ CALL_KEYS = ("cache_implementation", "compile_config", "disable_compile", "logit
 
 def compiles(model, configs, call: dict):
     """The `CompileConfig` that `generate()` compiles this call's passes with, or None where it does not compile
-    them. Its own rule: a static cache, compiling not disabled, on a GPU (elsewhere only with a `compile_config` told
-    to compile on every device)."""
+    them. Its own rule for a static cache, which every MARS call's runner decodes on (the default call's its own):
+    compiling not disabled, on a GPU (elsewhere only with a `compile_config` told to compile on every device)."""
 
     def read(name):
         return _first_set(call.get(name), *(getattr(c, name, None) for c in configs))
 
     config = read("compile_config")
-    if read("cache_implementation") != "static" or read("disable_compile"):
+    if read("disable_compile"):
         return None
     if model.device.type == "cuda":
         return config or CompileConfig()
