@@ -13,13 +13,13 @@ pass), `Text` (every row's text and progress; a row decodes while `active`) and 
 into the runner's rows (`cache.StaticMARSCache`, a view of them), then loads what each row decodes next into its graph
 pass (`graph.py`), which runs every later pass with the same scoring, verification and commit functions.
 
-`Session.prompt_pass` is one pass of named phases: `_forward` (one pass over `[pending | drafts | masks]`), `_accept`
-(τ's test, or verification: which tokens each row takes), `_commit` (write them: K/V into the cache, tokens into the
-text, which the stopping criteria then judge), `_next_inputs` (what the next pass feeds) and `_retire` (rows that
-stopped stop decoding). What differs between the modes is behind one seam, `Plan.mode`: `TauMode` and `LosslessMode`
-each say what a pass accepts (`accept`: τ's test, or `verify`'s exact, typical or sampled verification), what the
-cache keeps of it (`commit`) and what the next pass feeds (`propose`: the accepted tokens, or the next drafts from
-the masks and prompt lookup), so the phases hold no mode branch.
+`Session.prompt_pass` is one pass of named phases: `_forward` (one pass over `[prompt | masks]`: a prompt has no
+drafts), `_accept` (τ's test, or verification of no drafts: which tokens each row takes), `_commit` (write them: K/V
+into the cache, tokens into the text, which the stopping criteria then judge), `_next_inputs` (what the first graph
+pass feeds) and `_retire` (rows that stopped stop decoding). What differs between the modes is behind one seam,
+`Plan.mode`: `TauMode` and `LosslessMode` each say what the pass accepts (`accept`: τ's test, or `verify`'s exact,
+typical or sampled choice of the root token) and what the next pass feeds (`propose`: the accepted tokens, or the
+first drafts from the masks and prompt lookup), so the phases hold no mode branch.
 
 This file is copied into MARS checkpoints (trust_remote_code), with the sibling modules it imports.
 """
@@ -45,7 +45,7 @@ from .scoring import (
 )
 from .settings import MARSSettings, read_tau
 from .stopping import Stopping, stream
-from .tree import tree_attention
+from .tree import NO_DRAFTS, tree_attention
 from .verify import Drafts, add_lookup, propose, verify
 
 # Attention implementations that take the 4D masks of lossless passes (a tree of drafts), built once per pass
@@ -117,7 +117,7 @@ class Plan:
 
     @property
     def mode(self) -> type[TauMode] | type[LosslessMode]:
-        """What accepts a pass's tokens, what the cache keeps of it, and what the next pass feeds."""
+        """What accepts the prompt's pass's tokens, and what the runner's first pass feeds."""
         return LosslessMode if self.settings.verify else TauMode
 
 
@@ -196,10 +196,8 @@ class Pass:
     tau: float
     offered: torch.Tensor  # (rows,) masks each row may use
     masks: int  # masks per group (the largest offer, or more where that is cheaper)
-    logits: torch.Tensor  # (rows, outputs, vocab): at the root, at each draft, then each group of masks
+    logits: torch.Tensor  # (rows, 1 + masks, vocab): at the last prompt token, then at each mask
     histories: Histories | None
-    end: torch.Tensor | None = None  # lossless mode: where each row's kept drafts end (0: the root)
-    kept_drafts: torch.Tensor | None = None  # lossless mode: (rows, drafts) the drafts verified and kept
     every_mask: bool = False  # every row may use every mask fed (no schedule, τ < 1)
 
     @property
@@ -211,21 +209,16 @@ class Pass:
 
 
 def _forward(model, run: Session, tau: float) -> Pass:
-    """One forward pass over `[pending | drafts | masks]`: one group of masks after the root (τ-mode: the only one)
-    and, in lossless mode, one after each draft, each continuing the text it follows (see `DraftTree`). How many
-    masks a group has is the cache's call (a static cache feeds all B-1, whatever a row is offered, so that its shape
-    stays)."""
+    """One forward pass over `[prompt (left-padded) | masks]`. How many masks is the cache's call (all B-1, whatever a
+    row is offered, so that the first drafts have the runner's tree)."""
     plan, feed, cache = run.plan, run.feed, run.cache
     offered = run.schedule.offer(feed.rows) if tau < 1.0 else torch.zeros_like(feed.rows)
     masks = cache.masks_per_group(run.schedule, offered, tau, plan.settings.verify and not plan.do_sample)
-    tree = feed.drafts.tree
-    groups = len(tree) + 1
-    new_real = torch.cat([feed.pending_real, feed.drafts.real], dim=1)
-    mask_2d, position_ids = cache.step_inputs(new_real, masks, tree)
-    attention_mask = _attention_mask(model, run, tree, mask_2d, masks, position_ids)
-    mask_ids = feed.pending.new_full((feed.rows.numel(), groups * masks), plan.settings.mask_token_id)
-    needed = len(tree) + 1 + groups * masks
-    input_ids = torch.cat([feed.pending, feed.drafts.tokens, mask_ids], dim=1)
+    mask_2d, position_ids = cache.step_inputs(feed.pending_real, masks)
+    attention_mask = _attention_mask(model, run, mask_2d, masks, position_ids)
+    mask_ids = feed.pending.new_full((feed.rows.numel(), masks), plan.settings.mask_token_id)
+    needed = 1 + masks
+    input_ids = torch.cat([feed.pending, mask_ids], dim=1)
     outputs = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -244,17 +237,14 @@ def _forward(model, run: Session, tau: float) -> Pass:
     return Pass(tau, offered, masks, logits, histories, every_mask=every_mask)
 
 
-def _attention_mask(model, run: Session, tree, mask_2d, masks: int, position_ids):
-    """What the forward takes as its attention mask: the 2D slot map where the model's own causal mask is exact; else
-    4D masks built here, once per pass: for a draft tree and, with sliding-window layers, since the model would count
-    its window in slots, which holes and padding push apart from positions."""
+def _attention_mask(model, run: Session, mask_2d, masks: int, position_ids):
+    """What the forward takes as its attention mask: the 2D slot map where the model's own causal mask is exact; with
+    sliding-window layers, 4D masks built here, since the model would count its window in slots, which padding pushes
+    apart from positions."""
     window = run.plan.window
-    windowed = window is not None and mask_2d is not None
-    if not (len(tree) or windowed):
+    if window is None or mask_2d is None:
         return mask_2d
-    build = functools.partial(tree_attention, model, run.cache, tree, mask_2d, run.feed.pending.shape[1], masks)
-    if window is None:
-        return build()
+    build = functools.partial(tree_attention, model, run.cache, NO_DRAFTS, mask_2d, run.feed.pending.shape[1], masks)
     sliding = build(window=window.size, positions=position_ids)
     return sliding if window.everywhere else {"full_attention": build(), "sliding_attention": sliding}
 
@@ -265,7 +255,8 @@ def _accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
     text, feed = run.text, run.feed
     tokens, accepted = run.plan.mode.accept(run, step)
     if run.logprobs is not None:
-        scored = token_logprobs(run.plan.mode.deciding(run, step, tokens), step.histories, tokens, run.logprobs)
+        deciding = step.logits[:, : tokens.shape[1]]  # τ-mode's slots in order; lossless mode's root
+        scored = token_logprobs(deciding, step.histories, tokens, run.logprobs)
         run.scored = (feed.rows, *scored)
     left, idle = text.budget - text.decoded, ~text.active
     accepted, ended = cut(tokens, accepted, left, idle, run.plan.eos)
@@ -279,7 +270,7 @@ def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tens
     would; stream them."""
     plan, text, feed = run.plan, run.text, run.feed
     rows, width = feed.rows, tokens.shape[1]
-    plan.mode.commit(run, step)
+    run.cache.commit(feed.pending_real, step.masks)  # the prompt's K/V stay; the masks' go
     slots = torch.arange(width, device=tokens.device)
     positions = (text.prompt_length + text.decoded)[:, None] + slots  # `sequences` has room past the budget
     write_taken(text.sequences, rows[:, None], positions, tokens, slots >= accepted[:, None], plan.pad_token_id)
@@ -332,16 +323,6 @@ class TauMode:
         return tokens, paid + 1
 
     @staticmethod
-    def deciding(run: Session, step: Pass, tokens: torch.Tensor) -> torch.Tensor:
-        """The outputs that decided `tokens` (`token_logprobs`): the slots in order."""
-        return step.logits[:, : tokens.shape[1]]
-
-    @staticmethod
-    def commit(run: Session, step: Pass) -> None:
-        """The pending tokens' K/V stay; the masks' go."""
-        run.cache.commit(run.feed.pending_real, step.masks)
-
-    @staticmethod
     def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """This pass's accepted tokens, right-aligned (shorter rows leave holes in the cache)."""
         plan, feed = run.plan, run.feed
@@ -352,63 +333,43 @@ class TauMode:
 
 
 class LosslessMode:
-    """Lossless mode: a pass verifies the drafts it was fed (exactly, typically, or by sampling: `verify`), and the
-    masks that followed the last kept draft propose the next ones (`propose`, plus prompt lookup's branch)."""
+    """Lossless mode: the prompt's pass verifies no drafts (its root token is chosen as `verify` chooses it: greedy,
+    typical or sampled), and its masks propose the first ones (`propose`, plus prompt lookup's branch)."""
 
     @staticmethod
     def accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
-        """The verified prefix of the drafts. The drafts the last pass's masks proposed paid for what was kept."""
+        """The root token. No draft was fed, so none paid for the masks the schedule offered."""
         plan, feed, schedule = run.plan, run.feed, run.schedule
-        tree, rows = feed.drafts.tree, feed.rows
+        rows = feed.rows
         if step.histories is not None:  # every slot scored at once where the processors allow it
-            lineage = tree.scored_lineage(step.masks, step.logits.device)
+            lineage = NO_DRAFTS.scored_lineage(step.masks, step.logits.device)
             scores = scored_at_once(step.logits, step.histories, feed.drafts.tokens, lineage)
-            if scores is not None:  # the drafts' and the next drafts' (`propose`) scores
+            if scores is not None:  # the root's and the masks' (`propose`) scores
                 step.logits, step.histories = scores, None
-        tokens, accepted, step.kept_drafts, step.end = verify(
-            step.logits[:, : len(tree) + 1], feed.drafts, step.histories, plan.do_sample, plan.typical
+        tokens, accepted, kept, _ = verify(
+            step.logits[:, :1], feed.drafts, step.histories, plan.do_sample, plan.typical
         )
         if not schedule.constant:
-            paid = step.kept_drafts[:, : tree.from_masks].sum(dim=1)
-            schedule.update(rows, schedule.last[rows], paid, run.text.passes[rows])
+            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), run.text.passes[rows])
             schedule.last[rows] = step.offered
         return tokens, accepted
 
     @staticmethod
-    def deciding(run: Session, step: Pass, tokens: torch.Tensor) -> torch.Tensor:
-        """The outputs that verified `tokens` (`token_logprobs`): the root's, then each kept draft's on the path."""
-        tree = run.feed.drafts.tree.on(step.logits.device)
-        if tree.chain:
-            return step.logits[:, : tokens.shape[1]]
-        path = tree.path.index_select(0, step.end)  # (rows, depth + 1)
-        return step.logits.gather(1, path[..., None].expand(-1, -1, step.logits.shape[-1]))
-
-    @staticmethod
-    def commit(run: Session, step: Pass) -> None:
-        """The root and the kept drafts are cached; rejected drafts leave holes, the masks go."""
-        fed = torch.cat([run.feed.pending_real, step.kept_drafts], dim=1)
-        run.cache.commit(fed, (len(run.feed.drafts.tree) + 1) * step.masks)
-
-    @staticmethod
     def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
-        """The last token (kept drafts are cached already) and the next drafts, proposed by the group of masks that
-        followed the last kept draft (their scores processed with the pass's, `accept`, or here after the text as it
-        now stands, for processors that read each slot's own text)."""
+        """The root token and the first drafts, proposed by the masks (their scores processed with the root's,
+        `accept`, or here after the text as it now stands, for processors that read each slot's own text), in the
+        runner's full tree."""
         plan, feed = run.plan, run.feed
-        rows = feed.rows
-        feed.pending = tokens.gather(1, (accepted - 1).clamp(min=0)[:, None])
+        feed.pending = tokens[:, :1]
         feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
-        drafts = Drafts.none(rows.numel(), rows.device)
-        lengths = run.text.prompt_length + run.text.decoded
+        drafts = Drafts.none(feed.rows.numel(), feed.rows.device)
         if step.masks:
-            if step.histories is not None:  # the text now holds this pass's tokens
+            if step.histories is not None:  # the text now holds the root token
                 step.histories = step.histories.after(run.text.sequences, tokens, accepted)
-            groups = len(feed.drafts.tree) + 1
-            followed = step.logits[:, groups:].unflatten(1, (groups, step.masks))
-            followed = followed[torch.arange(rows.numel(), device=rows.device), step.end]
             sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
             proposal = (step.histories, step.tau, step.within, plan.settings.confidence, sampled, plan.candidates)
-            drafts = propose(followed, *proposal, plan.pad_token_id)
+            drafts = propose(step.logits[:, 1:], *proposal, plan.pad_token_id)
         if plan.lookup:
+            lengths = run.text.prompt_length + run.text.decoded
             drafts = add_lookup(drafts, run.text.sequences, lengths, plan.lookup, plan.pad_token_id)
         feed.drafts = drafts
