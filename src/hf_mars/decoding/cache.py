@@ -79,10 +79,6 @@ class StaticMARSCache:
         slots = torch.arange(self.length, self.length + width, device=self.real.device)
         return {CACHE_ARG: self.kv, "cache_position": slots}
 
-    def real_slots(self, batch_size: int):
-        """`(real, [(keys, values) per layer])`: which committed slots hold tokens, and every layer's K/V."""
-        return self.real[:, : self.length], [(layer.keys, layer.values) for layer in self.kv.layers]
-
     def commit(self, new_real: torch.BoolTensor, num_masks: int) -> None:
         """After a pass: the layers step back over the masks, and the real tokens just cached are recorded."""
         if num_masks and self.counts_writes:  # else the next pass's `cache_position` overwrites them
@@ -211,15 +207,16 @@ def _cache_over(kv, tensors):
     return view
 
 
-def prefix_cache(cache, tokens_at: torch.Tensor, limits: torch.Tensor) -> DynamicCache:
-    """What `generate()` returns as its cache, from a MARS cache: a plain `DynamicCache` of the first `n` positions of
-    the output sequences, with no holes, so that a later `generate()` (MARS or not) continues from it.
+def prefix_cache(real: torch.Tensor, kv, tokens_at: torch.Tensor, limits: torch.Tensor) -> DynamicCache:
+    """What `generate()` returns as its cache, from a runner's static cache `kv` whose slots `real` marks (`(batch,
+    slots)`, from its first): a plain `DynamicCache` of the first `n` positions of the output sequences, with no
+    holes, so that a later `generate()` (MARS or not) continues from it.
 
     `tokens_at` `(batch, width)`: which positions of the output hold tokens (not padding); row b's real slots are
     those tokens, in order. `n` is the least, over the rows, of how far a row's real slots reach and `limits[b]`
     (what the output keeps). Padding positions hold zeros: the attention mask hides them.
     """
-    real, kv = cache.real_slots(tokens_at.shape[0])
+    kv = [(layer.keys, layer.values) for layer in kv.layers]
     rank = tokens_at.long().cumsum(dim=1) - 1  # which real slot each position's token is
     reach = (rank < real.sum(dim=1, keepdim=True)).long().cumprod(dim=1).sum(dim=1)  # positions a row's slots cover
     length = int(torch.minimum(reach, limits).min())

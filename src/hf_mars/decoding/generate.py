@@ -328,8 +328,7 @@ def mars_decode(
         streamer.put(input_ids.cpu())
     try:
         compile_config = _compile_config(generation_config) if run.plan.compiled else None
-        _decode_in_runner(model, run, _runner_shape(run), compile_config)
-        return _finish(run, generation_config)
+        return _decode_in_runner(model, run, _runner_shape(run), compile_config, generation_config)
     finally:
         if getattr(run.cache, "kept_as", None):  # lent for this call: the next call of its size takes it
             keep_cache(model, run.cache.kept_as, run.cache.kv)
@@ -410,10 +409,10 @@ def _compile_config(generation_config) -> CompileConfig:
     return generation_config.compile_config or CompileConfig()
 
 
-def _decode_in_runner(model, run: Session, shape: GraphShape, compile_config) -> None:
+def _decode_in_runner(model, run: Session, shape: GraphShape, compile_config, generation_config):
     """Decode every row with a `Runner` over the run's static cache: its prompt's pass (`Runner.admit`), then one
     graph pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass, then
-    what the passes decided back into the run. The pass is this call's alone while it decodes (`graph_pass_for`).
+    `generate()`'s output, read from the runner. The pass is this call's alone while it decodes (`graph_pass_for`).
 
     What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
     length limit are called as `generate()` calls them (on the runner's text: the rows they stop take nothing
@@ -422,7 +421,7 @@ def _decode_in_runner(model, run: Session, shape: GraphShape, compile_config) ->
         runner = Runner(run.plan, g, log=True)
         runner.admit(run)
         passes = _replay(runner, run) if run.live else 0  # the prompt's pass may have ended every row
-        _unload(runner, run, passes)
+        return _finish(runner, run, passes, generation_config)
 
 
 def _replay(runner: Runner, run: Session) -> int:
@@ -445,24 +444,6 @@ def _replay(runner: Runner, run: Session) -> int:
             streamed = stream(streamer, g.state.sequences, run.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
             return passes
-
-
-def _unload(runner: Runner, run: Session, passes: int) -> None:
-    """What the runner's `passes` passes decided, back into the run (its cache filled up to the runner's slot), for
-    `_finish`."""
-    text, cache, state, slot = run.text, run.cache, runner.graph.state, runner.slot
-    taken = state.accepted_log[:passes]  # (passes, batch): a row takes a token in every pass it decodes in
-    text.sequences.copy_(state.sequences[:, : text.sequences.shape[1]])
-    text.decoded.copy_(state.decoded)
-    text.passes.add_((taken > 0).sum(dim=0))
-    cache.real.copy_(state.real)
-    cache.real[:, slot:].fill_(False)  # the last pass's masks
-    cache.next_position = state.last_position - runner.graph.pending_real.sum(dim=1) + 1
-    cache.length = slot
-    if run.stopping.per_row:  # EOS and the length limit alone: each row's own count (else the criteria kept theirs)
-        run.stopping.new_tokens = state.decoded.clone()
-    run.stopping.sequences = text.sequences
-    runner.record()  # every pass's accepted tokens, into the run's stats
 
 
 def _prepare(
@@ -573,21 +554,27 @@ def _runner_cache(model, kv, batch: int, device, kept_as) -> StaticMARSCache:
     return static
 
 
-def _finish(run: Session, generation_config):
-    plan, text = run.plan, run.text
+def _finish(runner: Runner, run: Session, passes: int, generation_config):
+    """`generate()`'s output, read from the runner after its `passes` passes: the sequences, `MARSStats` (every pass's
+    accepted tokens) and, where asked for, the cache as a `DynamicCache` of the text's K/V (`prefix_cache`)."""
+    plan, text, state = run.plan, run.text, runner.graph.state
     if plan.streamer is not None:
         plan.streamer.end()
-    new_tokens = run.stopping.new_tokens
-    run.stats.new_tokens, run.stats.passes_per_row = new_tokens, text.passes
-    sequences = text.sequences[:, : text.prompt_length + int(new_tokens.max())]
+    # EOS and the length limit alone: each row's own count (else the criteria's, judged on the runner's text)
+    new_tokens = state.decoded.clone() if run.stopping.per_row else run.stopping.new_tokens
+    stats = runner.record()  # every pass's accepted tokens; a row takes a token in every pass it decodes in
+    stats.new_tokens = new_tokens
+    stats.passes_per_row = text.passes + (state.accepted_log[:passes] > 0).sum(dim=0)
+    sequences = state.sequences[:, : text.prompt_length + int(new_tokens.max())].clone()
     if not generation_config.return_dict_in_generate:
         return sequences
     cache = None
     if generation_config.use_cache is not False:  # as `generate()`: K/V of every position but the last
         limits = (text.prompt_length + new_tokens).clamp(max=sequences.shape[1] - 1)
         tokens_at = torch.cat([text.prompt_real, text.prompt_real.new_ones(sequences.shape)], dim=1)
-        cache = prefix_cache(run.cache, tokens_at[:, : sequences.shape[1]], limits)
-    return with_cache(MARSGenerateOutput, cache, sequences=sequences, mars_stats=run.stats)
+        real = state.real[:, : runner.slot]  # the slots the passes kept (the last pass's masks are past them)
+        cache = prefix_cache(real, runner.graph.kv, tokens_at[:, : sequences.shape[1]], limits)
+    return with_cache(MARSGenerateOutput, cache, sequences=sequences, mars_stats=stats)
 
 
 def _check_decodable(model, generation_config, settings: MARSSettings, prompt_length: int, processors):
