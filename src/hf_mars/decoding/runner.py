@@ -277,7 +277,7 @@ class Runner:
         self.lead[targets] = (~text.prompt_real).sum(dim=1) - text.joined  # the padding of its own batch
         self.passes[targets] = text.passes
         self._follow_padding(text.prompt_length + 1)
-        load_rows(g, other, targets, torch.arange(targets.numel(), device=targets.device))
+        load_rows(g, other, targets)
         if self.log and self.stats is None:  # the first rows' stats, their prompt's pass in them, go on here
             self.stats = other.stats
 
@@ -536,44 +536,43 @@ def rows_cache(model, rows: int, slots: int):
     return kv
 
 
-def load_rows(g: GraphPass, run, targets: torch.Tensor, index: torch.Tensor) -> None:
-    """What the fed rows `index` of `run` (a session after its prompt's pass; text rows `run.feed.rows[index]`) decode
-    next, into the graph pass's rows `targets`: budget and count, whether done, the last pending position, the
-    pending tokens and drafts, the mask schedule; then every row's text end and the tokens each history holds, found
-    from the text."""
+def load_rows(g: GraphPass, run, targets: torch.Tensor) -> None:
+    """What each row of `run` (a session after its prompt's pass) decodes next, into the graph pass's rows `targets`:
+    budget and count, whether done, the last pending position, the pending tokens and drafts, the mask schedule; then
+    every row's text end and the tokens each history holds, found from the text."""
     plan, text, feed, state = run.plan, run.text, run.feed, g.state
-    rows = feed.rows[index]
     whole = targets.numel() == state.done.numel()  # every row, in order: copied whole
 
-    def put(buffer, values, by=None):  # `buffer`'s rows `targets` <- `values`' rows `by`, or a number
-        number = not isinstance(values, torch.Tensor)
-        if whole:
-            buffer.fill_(values) if number else buffer.copy_(values if by is None else values[by])
+    def put(buffer, values):  # `buffer`'s rows `targets` <- `values`, or a number
+        if not whole:
+            buffer[targets] = values
+        elif isinstance(values, torch.Tensor):
+            buffer.copy_(values)
         else:
-            buffer[targets] = values if number else values[by]
+            buffer.fill_(values)
 
-    put(state.budget, text.budget, rows)
-    put(state.decoded, text.decoded, rows)
-    put(g.live, text.active, rows)
-    put(state.done, ~text.active, rows)
-    put(state.last_position, run.cache.next_position + feed.pending_real.sum(dim=1) - 1, index)
+    put(state.budget, text.budget)
+    put(state.decoded, text.decoded)
+    put(g.live, text.active)
+    put(state.done, ~text.active)
+    put(state.last_position, run.cache.next_position + feed.pending_real.sum(dim=1) - 1)
     pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
-    put(g.pending, torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id), index)
-    put(g.pending_real, torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False), index)
+    put(g.pending, torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id))
+    put(g.pending_real, torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
     if feed.drafts.tree == g.shape.tree:
-        put(g.drafts, feed.drafts.tokens, index)
-        put(g.drafts_real, feed.drafts.real, index)
+        put(g.drafts, feed.drafts.tokens)
+        put(g.drafts_real, feed.drafts.real)
         if g.proposals is not None:
-            put(g.proposals, feed.drafts.proposals, index)
+            put(g.proposals, feed.drafts.proposals)
     else:  # drafts of another shape: the next pass verifies none, drawing from the model alone
         put(g.drafts_real, False)
         if g.proposals is not None:
             put(g.proposals, 0)
     if g.shape.scheduled:  # each row's mask schedule, as its last pass left it (every row's costs are the run's)
         state.time.copy_(run.schedule.time)
-        put(state.rate, run.schedule.rate, rows)
-        put(state.last, run.schedule.last, rows)
-        put(state.passes, text.passes, rows)
+        put(state.rate, run.schedule.rate)
+        put(state.last, run.schedule.last)
+        put(state.passes, text.passes)
     torch.add(g.text_start, state.decoded, out=state.text_end)
     torch.sub(state.text_end, 1, out=state.text_last)
     g.find_held()
