@@ -6,6 +6,8 @@
 Wraps the phases of the graph pass (`hf_mars/decoding/graph.py`, which runs every pass after a prompt's) with timers
 (nothing is changed in how they run) and times the model's forward with hooks; "host and other" is what remains of
 the wall-clock time: the runner's Python between passes, the prompt's pass's own phases and `generate()`'s set-up.
+A second run counts the aten ops each part dispatches (outside the forward's: what a GPU's host launches, op by op,
+where the pass is not captured), per pass.
 Default model: the shipped checkpoint; prompts:
 the held-out GSM8K/HumanEval mix of `hf-mars bench`. `--ops N` then decodes the first batch again under
 `torch.profiler` and prints the N operators that take the most time, which splits the forward itself (matrix
@@ -19,6 +21,7 @@ import time
 from collections import defaultdict
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_mars.decoding import graph
 from hf_mars.tools.checkpoints.loading import load_checkpoint
@@ -67,6 +70,7 @@ def main():
     encode = lambda batch: tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)  # noqa: E731
     model.generate(**encode(batches[0]), max_new_tokens=8, mars_tau=args.tau, mars_verify=args.verify)  # warm-up
     totals, wall, (passes, row_passes, tokens) = timed_runs(model, [encode(b) for b in batches], args)
+    ops, ops_passes = counted_run(model, encode(batches[0]), args)
     mode = "lossless" if args.verify else "MARS"
     print(
         f"{mode} τ={args.tau}, batch {args.batch_size}: {passes} passes, {tokens} tokens, "
@@ -74,7 +78,8 @@ def main():
         f"({torch.get_num_threads()} threads, {args.dtype})"
     )
     for part in ("forward", *GROUPS, "host and other"):
-        print(f"  {part:<30} {1000 * totals[part] / passes:7.2f} ms/pass  {100 * totals[part] / wall:5.1f}%")
+        count, ms, share = ops[part] / ops_passes, 1000 * totals[part] / passes, 100 * totals[part] / wall
+        print(f"  {part:<30} {count:6.1f} ops/pass {ms:7.2f} ms/pass  {share:5.1f}%")
     if args.ops:  # a separate run: the profiler's own overhead stays out of the figures above
         print_ops(model, encode(batches[0]), args)
 
@@ -115,6 +120,57 @@ def timed_runs(model, batches: list, args):
             hook.remove()
     totals["host and other"] = wall - sum(totals.values())
     return totals, wall, (passes, row_passes, tokens)
+
+
+class PhaseOps(TorchDispatchMode):
+    """Counts the aten ops dispatched in each part: the innermost group of functions running, "forward" inside the
+    model's, else "host and other"."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts, self.parts = defaultdict(int), ["host and other"]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[self.parts[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+    def within(self, owner, name, part):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            self.parts.append(part)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.parts.pop()
+
+        setattr(owner, name, wrapper)
+        return lambda: setattr(owner, name, original)
+
+
+def counted_run(model, inputs, args) -> tuple[dict, int]:
+    """`(aten ops by part, passes)` of one more run of the first batch."""
+    counter = PhaseOps()
+    restore = [counter.within(owner, name, group) for group, items in GROUPS.items() for owner, name in items]
+    hooks = [
+        model.register_forward_pre_hook(lambda *_: counter.parts.append("forward")),
+        model.register_forward_hook(lambda *_: counter.parts.remove("forward")),  # None: the output stays
+    ]
+    try:
+        with counter:
+            out = model.generate(
+                **inputs,
+                max_new_tokens=args.max_new_tokens,
+                mars_tau=args.tau,
+                mars_verify=args.verify,
+                return_dict_in_generate=True,
+            )
+    finally:
+        for undo in restore:
+            undo()
+        for hook in hooks:
+            hook.remove()
+    return counter.counts, out.mars_stats.forward_passes
 
 
 def print_ops(model, inputs, args) -> None:
