@@ -205,11 +205,10 @@ def propose(
     chain, real = followed.shape[1], prefix
     tokens = _padded(guesses, real, pad_token_id)
     parents = tuple(range(-1, chain - 1))
-    for depth, siblings, sibling_real in others:
-        if chain >= depth:
-            tokens = torch.cat([tokens, _padded(siblings, sibling_real, pad_token_id)], dim=1)
-            real = torch.cat([real, sibling_real], dim=1)
-            parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
+    for depth, siblings, sibling_real in others:  # every depth is the chain's: it is as long as the masks
+        tokens = torch.cat([tokens, _padded(siblings, sibling_real, pad_token_id)], dim=1)
+        real = torch.cat([real, sibling_real], dim=1)
+        parents += (depth - 2,) * siblings.shape[1]  # after the chain's draft of the depth above (-1: the root)
     proposals = None
     if do_sample:  # q': what each mask would have proposed, and nothing past the masks (see `_verify_sampled`)
         proposed = (q >= tau) if measure == "probability" else confident[..., None]
@@ -249,8 +248,8 @@ def add_lookup(drafts: Drafts, sequences, lengths, num_tokens: int, pad_token_id
     """One more branch: what followed the text's last n-gram where it occurred before (`tree.lookup`), all
     `num_tokens` slots of it, found or not (see `propose`)."""
     found, found_real = lookup(sequences, lengths, num_tokens)
-    start, reach = len(drafts.tree), num_tokens
+    start = len(drafts.tree)
     tokens = torch.cat([drafts.tokens, _padded(found, found_real, pad_token_id)], dim=1)
     real = torch.cat([drafts.real, found_real], dim=1)
-    parents = drafts.tree.parents + (-1,) + tuple(range(start, start + reach - 1))
+    parents = drafts.tree.parents + (-1,) + tuple(range(start, start + num_tokens - 1))
     return Drafts(tokens, real, DraftTree.of(parents, start), drafts.proposals)
