@@ -536,7 +536,7 @@ def test_a_runner_takes_up_a_grammar_between_passes_and_drops_it_each_row_exact(
         runner.admit(first)
         runner.step()
         drafted.append(runner.graph.nodes_drafted)
-        runner.use_processors(LogitsProcessorList([grammars(runner.held)]))
+        runner.use_processors(LogitsProcessorList([grammars(runner.row_labels)]))
         joining = model.mars_rows(
             prompts[1][None],
             labels=["json"],
@@ -546,7 +546,9 @@ def test_a_runner_takes_up_a_grammar_between_passes_and_drops_it_each_row_exact(
             **mode,
         )
         runner.admit(joining)
-        runner.plan.processors[0].assign([(label, grammar if label == "json" else None) for label in runner.held])
+        runner.plan.processors[0].assign(
+            [(label, grammar if label == "json" else None) for label in runner.row_labels]
+        )
         while runner.live:
             runner.step()
             drafted.append(runner.graph.nodes_drafted)

@@ -1349,7 +1349,7 @@ def test_requests_waiting_take_every_free_row_even_where_the_free_rows_are_apart
         engine.runner.condenses = False  # as a compiled runner's rows stay where they are (`Runner._condense`)
         while any(r in engine.runner.labels for r in (first[0], first[2])):
             engine._step()
-        assert engine.runner.held[1:4:2] == [first[1], first[3]], "premise: the free rows are 0 and 2"
+        assert engine.runner.row_labels[1:4:2] == [first[1], first[3]], "premise: the free rows are 0 and 2"
         assert engine.runner.room == 1
         later = [request(i, 12) for i in (4, 5)]
         engine._waiting = list(later)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 REMOTE_FILES = (
     "modeling.py",  # the MARS<Base> classes that a checkpoint's auto_map names
-    "generate.py",  # MARSGenerationMixin.generate: a session over the batch, stepped until every row stops
-    "session.py",  # Session: the rows decoded together and the pass (step), rows joining and leaving (admit, release)
+    "generate.py",  # MARSGenerationMixin.generate: the batch admitted into a runner, stepped until every row stops
+    "session.py",  # Session: rows prepared as generate() prepares its batch, and their prompt's pass
     "graph.py",  # the pass as one fixed-shape function: a CUDA graph on a GPU (static cache)
     "runner.py",  # Runner: fixed rows over one graph pass and its static cache, rows joining (admit) and leaving
     "settings.py",  # MARSSettings: the validated mars_* arguments of one call

@@ -323,15 +323,17 @@ def mars_decode(
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("Streamers take one sequence: batch size must be 1 with `streamer`.")
     criteria = stopping_criteria
-    run = _prepare(model, input_ids, logits_processor, criteria, generation_config, settings, streamer, model_kwargs)
+    session = _prepare(
+        model, input_ids, logits_processor, criteria, generation_config, settings, streamer, model_kwargs
+    )
     if streamer is not None:
         streamer.put(input_ids.cpu())
     try:
-        compile_config = _compile_config(generation_config) if run.plan.compiled else None
-        return _decode_in_runner(model, run, _runner_shape(run), compile_config, generation_config)
+        compile_config = _compile_config(generation_config) if session.plan.compiled else None
+        return _decode_in_runner(model, session, _runner_shape(session), compile_config, generation_config)
     finally:
-        if getattr(run.cache, "kept_as", None):  # lent for this call: the next call of its size takes it
-            keep_cache(model, run.cache.kept_as, run.cache.kv)
+        if getattr(session.cache, "kept_as", None):  # lent for this call: the next call of its size takes it
+            keep_cache(model, session.cache.kept_as, session.cache.kv)
 
 
 def prepare_rows(
@@ -368,11 +370,11 @@ def prepare_rows(
     return session
 
 
-def _runner_shape(run: Session) -> GraphShape:
+def _runner_shape(session: Session) -> GraphShape:
     """The `GraphShape` of the runner that decodes this run on its static cache (`_cache` compiles no pass that
     `graph_shape` would refuse)."""
-    batch, plan = run.text.sequences.shape[0], run.plan
-    return graph_shape(run, batch, run.cache.size, runner_tree(plan), plan.compiled)
+    batch, plan = session.text.sequences.shape[0], session.plan
+    return graph_shape(session, batch, session.cache.size, runner_tree(plan), plan.compiled)
 
 
 def _carry_prefix(cache, prompt_real: torch.Tensor, static: StaticMARSCache) -> None:
@@ -392,11 +394,11 @@ def _carry_prefix(cache, prompt_real: torch.Tensor, static: StaticMARSCache) -> 
     static.commit(prompt_real[:, :length], 0)
 
 
-def own_cache_slots(run: Session, budget: int) -> int:
+def own_cache_slots(session: Session, budget: int) -> int:
     """The slots of a runner's own static cache for `run`'s rows and this budget: `static_cache_length`'s, rounded up
     to a multiple of `DEFAULT_SLOTS_STEP`."""
-    plan = run.plan
-    return _own_slots(plan.settings, run.text.prompt_length, budget, plan.candidates, plan.lookup)
+    plan = session.plan
+    return _own_slots(plan.settings, session.text.prompt_length, budget, plan.candidates, plan.lookup)
 
 
 def _own_slots(settings: MARSSettings, prompt_length: int, budget: int, candidates, lookup) -> int:
@@ -409,7 +411,7 @@ def _compile_config(generation_config) -> CompileConfig:
     return generation_config.compile_config or CompileConfig()
 
 
-def _decode_in_runner(model, run: Session, shape: GraphShape, compile_config, generation_config):
+def _decode_in_runner(model, session: Session, shape: GraphShape, compile_config, generation_config):
     """Decode every row with a `Runner` over the run's static cache: its prompt's pass (`Runner.admit`), then one
     graph pass (one graph replay under `generate()`'s compile path on CUDA) and one read of `finished` per pass, then
     `generate()`'s output, read from the runner. The pass is this call's alone while it decodes (`graph_pass_for`).
@@ -417,17 +419,17 @@ def _decode_in_runner(model, run: Session, shape: GraphShape, compile_config, ge
     What only the host can do runs between passes, and only when asked for: stopping criteria beyond EOS and the
     length limit are called as `generate()` calls them (on the runner's text: the rows they stop take nothing
     more), and a streamer gets each pass's tokens. Each reads the device once or twice a pass."""
-    with graph_pass_for(model, run.cache.kv, shape, compile_config, run.plan.processors) as g:
-        runner = Runner(run.plan, g, log=True)
-        runner.admit(run)
-        passes = _replay(runner, run) if run.live else 0  # the prompt's pass may have ended every row
-        return _finish(runner, run, passes, generation_config)
+    with graph_pass_for(model, session.cache.kv, shape, compile_config, session.plan.processors) as g:
+        runner = Runner(session.plan, g, log=True)
+        runner.admit(session)
+        passes = _replay(runner, session) if session.live else 0  # the prompt's pass may have ended every row
+        return _finish(runner, session, passes, generation_config)
 
 
-def _replay(runner: Runner, run: Session) -> int:
+def _replay(runner: Runner, session: Session) -> int:
     """Runner passes until every row is done, the host serving stopping criteria and the streamer between them:
     the passes run."""
-    g, passes, stopping, streamer = runner.graph, 0, run.stopping, run.plan.streamer
+    g, passes, stopping, streamer = runner.graph, 0, session.stopping, session.plan.streamer
     judging = not stopping.per_row
     if judging:
         stopping.sequences = g.state.sequences  # the criteria read (and pad) the text the graph writes
@@ -441,7 +443,7 @@ def _replay(runner: Runner, run: Session) -> int:
             torch.all(g.state.done, out=g.state.finished)
         if streamer is not None:  # batch 1: the pass's tokens as one chunk
             kept = stopping.new_tokens[0] if judging else g.state.decoded[0]
-            streamed = stream(streamer, g.state.sequences, run.text.prompt_length, streamed, int(kept))
+            streamed = stream(streamer, g.state.sequences, session.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
             return passes
 
@@ -554,14 +556,14 @@ def _runner_cache(model, kv, batch: int, device, kept_as) -> StaticMARSCache:
     return static
 
 
-def _finish(runner: Runner, run: Session, passes: int, generation_config):
+def _finish(runner: Runner, session: Session, passes: int, generation_config):
     """`generate()`'s output, read from the runner after its `passes` passes: the sequences, `MARSStats` (every pass's
     accepted tokens) and, where asked for, the cache as a `DynamicCache` of the text's K/V (`prefix_cache`)."""
-    plan, text, state = run.plan, run.text, runner.graph.state
+    plan, text, state = session.plan, session.text, runner.graph.state
     if plan.streamer is not None:
         plan.streamer.end()
     # EOS and the length limit alone: each row's own count (else the criteria's, judged on the runner's text)
-    new_tokens = state.decoded.clone() if run.stopping.per_row else run.stopping.new_tokens
+    new_tokens = state.decoded.clone() if session.stopping.per_row else session.stopping.new_tokens
     stats = runner.record()  # every pass's accepted tokens; a row takes a token in every pass it decodes in
     stats.new_tokens = new_tokens
     stats.passes_per_row = text.passes + (state.accepted_log[:passes] > 0).sum(dim=0)

@@ -47,13 +47,13 @@ from .scoring import (
     by_rules,
     choose,
     history_free,
-    into,
     kept_noise,
     masks_taken,
     processed,
     processors_signature,
     scored_at_once,
     token_logprobs,
+    write_into,
 )
 from .tree import DraftTree, lookup_columns, lookup_in
 from .verify import Drafts, propose, verify, verify_greedy
@@ -233,10 +233,14 @@ class GraphPass:
         self._views(shape, state)
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
-        self.sees_columns = self.key_columns.clone()  # the column of `sees` each key slot reads (`move_to`)
-        self.whole = (state.real, state.real[:, None, None, :], self.sees_columns)  # what attention reads of them
+        self.visibility_at = self.key_columns.clone()  # the column of `visibility` each key slot reads (`move_to`)
+        self.whole = (
+            state.real,
+            state.real[:, None, None, :],
+            self.visibility_at,
+        )  # what attention reads of them
         self.lead, self.tail = 0, 0  # `narrow`'s cut, and its views
-        self.leads = {(0, 0): (state.fed, self.relative, self.sees, self.slots)}
+        self.leads = {(0, 0): (state.fed, self.relative, self.visibility, self.slots)}
         self.marks = {0: (self.slots, state.fed_real)}
         self.masks_fed, self.nodes_fed = shape.masks, len(shape.tree)  # what the pass feeds (`feed_held`)
         self.nodes_drafted = None  # the tree's nodes a runner's rows draft now (`Runner.retree`), None: every one
@@ -253,7 +257,7 @@ class GraphPass:
         self.targets = torch.zeros(shape.batch, len(shape.tree) + 1, dtype=torch.long, device=device)  # `_verify`'s
         self.scored_lineage = shape.tree.scored_lineage(shape.masks, device) if shape.verify else None
         self._processor_buffers(model, shape, processors, device)
-        self.within = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
+        self.on_offer = torch.ones(shape.batch, shape.masks, dtype=torch.bool, device=device)  # masks offered
         self.one_each = torch.ones(shape.batch, dtype=torch.long, device=device)  # τ >= 1: the tokens a row takes
         self.depths = torch.arange(shape.masks, device=device)
         self.offer_grid = self.depths < torch.arange(shape.masks + 1, device=device)[:, None]  # [k, j]: j of k offered
@@ -280,11 +284,11 @@ class GraphPass:
         self.lengths = [layer.cumulative_length for layer in kv.layers] if counts_static_writes(kv) else []
         self.reach = None
         self.attend(self.shape.slots)
-        # A pass moves these on: its slots by what it keeps (its columns of `sees` back), the step and each row's pass
-        # count (which the mask schedule reads) by one, each layer's write count back over masks
+        # A pass moves these on: its slots by what it keeps (its columns of `visibility` back), the step and each row's
+        # pass count (which the mask schedule reads) by one, each layer's write count back over masks
         state = self.state
         masked = self.shape.width > self.shape.kept
-        self.counters = [self.slots, self.sees_columns, state.logged, state.passes] + (self.lengths if masked else [])
+        self.counters = [self.slots, self.visibility_at, state.logged, state.passes] + (self.lengths if masked else [])
         self.advance = None
         self.advance_by(self.shape.kept)
         self.graph, self.eager_runs = None, 0
@@ -333,15 +337,15 @@ class GraphPass:
     def attend(self, reach: int) -> None:
         """Let the passes to come attend to the cache's first `reach` slots only (eager passes, on a cache far wider
         than the rows' texts: a server's slots, a long budget's), until the reach moves: the cache's layers, the slot
-        map and `sees`' columns as views that long, made here once. The passes must write before `reach`."""
+        map and `visibility`' columns as views that long, made here once. The passes must write before `reach`."""
         if reach == self.reach:
             return
         self.reach, kv = reach, self.kv
         if reach == self.shape.slots:  # the views made once (`_views`)
-            self.attended, self.real_reach, self.real_keys, self.sees_reach = kv, *self.whole
+            self.attended, self.real_reach, self.real_keys, self.reach_columns = kv, *self.whole
             return
         self.real_reach = self.state.real[:, :reach]
-        self.real_keys, self.sees_reach = self.real_reach[:, None, None, :], self.sees_columns[:reach]
+        self.real_keys, self.reach_columns = self.real_reach[:, None, None, :], self.visibility_at[:reach]
         self.attended = cache_view(kv, slice(reach), stacked=self.stacked)
 
     def feed_held(self) -> None:
@@ -438,7 +442,7 @@ class GraphPass:
         first = int(state.real[sources, :slots].any(dim=0).float().argmax())  # a held row holds a slot
         rows = [state.text, state.write_offsets, state.budget, state.decoded, state.text_end, state.text_last]
         rows += [state.done, state.real, state.last_position, state.fed, state.fed_real, state.rates, state.last]
-        rows += [state.passes, self.live, self.within, self.targets, *self.held]
+        rows += [state.passes, self.live, self.on_offer, self.targets, *self.seen_tokens]
         rows += [t for t in (self.spare_text, self.proposals) if t is not None]
         for tensor in rows:
             tensor.index_copy_(0, targets, tensor.index_select(0, sources))
@@ -457,16 +461,22 @@ class GraphPass:
         """Let the next τ-mode pass skip its first `lead` columns, pending slots that are holes in every row still
         decoding (τ-mode right-aligns the tokens a row took last, up to B), and its last `tail`, masks no such row uses
         (`masks_to_feed`): it feeds the rest. Its first fed column lands on the slot the pass would have written first
-        (its slots and `sees`' columns start `lead` back), so the passes move on by the slots they fed, not by B: the
-        next starts after this one's last pending column. Eager passes only: the views are kept, one set per cut."""
+        (its slots and `visibility`' columns start `lead` back), so the passes move on by the slots they fed, not by
+        B: the next starts after this one's last pending column. Eager passes only: the views are kept, one set per
+        cut."""
         if (lead, tail) not in self.leads:
-            fed, relative, sees, slots = self.leads[0, 0]
+            fed, relative, visibility, slots = self.leads[0, 0]
             end = self.shape.width - tail
-            self.leads[lead, tail] = (fed[:, lead:end], relative[lead:end], sees[:, :, lead:end], slots[lead:end])
+            self.leads[lead, tail] = (
+                fed[:, lead:end],
+                relative[lead:end],
+                visibility[:, :, lead:end],
+                slots[lead:end],
+            )
             self.marks[lead] = (self.slots[lead:], self.state.fed_real[:, lead:])  # the slots it marks real or not
         self.lead, self.tail = lead, tail
         if lead:
-            torch._foreach_add_([self.slots, self.sees_columns], [-lead, lead])
+            torch._foreach_add_([self.slots, self.visibility_at], [-lead, lead])
 
     def prune(self, nodes: tuple[int, ...], masks: int) -> None:
         """Let the next lossless pass feed the tree's drafts `nodes` alone (indices, in order), no row still decoding
@@ -486,13 +496,19 @@ class GraphPass:
                 self.prunes.clear()
             columns = _node_columns(shape, nodes, masks)
             visible = shape.tree.visibility(shape.pending, shape.masks)[columns][:, columns]
-            sees = _sees(visible, shape.slots, self.shut.cpu()).to(self.shut.device)
+            visibility = _visibility(visible, shape.slots, self.blocked.cpu()).to(self.blocked.device)
             columns = columns.to(self.slots.device)
             order = None  # the node each draft slot holds, where the nodes fed are not the tree's first ones
             if nodes != tuple(range(len(nodes))):
                 order = torch.tensor(nodes + tuple(n for n in range(len(shape.tree)) if n not in nodes))
                 order = order.to(self.slots.device)
-            self.prunes[nodes, masks] = (columns, self.relative[columns], sees, self.slots[: columns.numel()], order)
+            self.prunes[nodes, masks] = (
+                columns,
+                self.relative[columns],
+                visibility,
+                self.slots[: columns.numel()],
+                order,
+            )
         self.pruned = self.prunes[nodes, masks]
 
     def use_processors(self, processors) -> None:
@@ -521,7 +537,9 @@ class GraphPass:
         sampled_drafts = shape.verify and shape.sampled and shape.typical is None  # `proposals`
         needs_vocab = penalties or sampled_drafts or bans or drawn_in_order
         self.vocab = model.get_output_embeddings().weight.shape[0] if needs_vocab else None
-        self.held = [torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties]
+        self.seen_tokens = [
+            torch.zeros(shape.batch, self.vocab + 1, dtype=torch.bool, device=device) for _ in penalties
+        ]
         self.spare_text = torch.zeros_like(self.state.sequences) if bans else None
         self.ngrams = self.histories(found=False).ngram_windows(self.vocab, self.spare_text) if bans else None
         self.noise = kept_noise(shape.masks + 1, shape.batch, self.vocab, device) if drawn_in_order else None
@@ -545,9 +563,9 @@ class GraphPass:
 
     def move_to(self, slot: int) -> None:
         """The next pass writes the cache from `slot` on (a run's first pass here, after compaction, after a row
-        joins): its slots, and the column of `sees` each key slot reads. Each pass then moves them itself."""
+        joins): its slots, and the column of `visibility` each key slot reads. Each pass then moves them itself."""
         torch.add(self.pass_slots, slot, out=self.slots)
-        torch.sub(self.key_columns, slot, out=self.sees_columns)
+        torch.sub(self.key_columns, slot, out=self.visibility_at)
 
     def set_tau(self, tau: float) -> None:
         """τ for the passes to come, as the state holds it: inf at τ >= 1 (a pass then accepts or proposes nothing past
@@ -564,7 +582,7 @@ class GraphPass:
         """What the logits processors read: every row's text as it stands, each history to its decoded tokens, the
         tokens each holds those of `held` and n-gram bans' windows over `spare_text` (unless not `found`: then found
         from the text)."""
-        held, ngrams = (self.held or None, self.ngrams) if found else (None, None)
+        held, ngrams = (self.seen_tokens or None, self.ngrams) if found else (None, None)
         text, ends = self.state.sequences, self.state.text_end
         rows = self.rows[:, 0] if self.shape.calls else None  # transformers' processors: every row's text, by length
         return Histories(self.processors, text, rows, ends, ids=self.ids, seen=held, ngrams=ngrams)
@@ -572,8 +590,8 @@ class GraphPass:
     def find_held(self) -> None:
         """`held` and `spare_text` found anew from every row's text, once rows are loaded (`runner.load_rows`)."""
         fresh = self.histories(found=False)
-        if self.held:
-            torch._foreach_copy_(self.held, fresh.seen(self.vocab))
+        if self.seen_tokens:
+            torch._foreach_copy_(self.seen_tokens, fresh.seen(self.vocab))
         if self.spare_text is not None:
             self.spare_text.copy_(fresh.spare_text(self.vocab))
 
@@ -613,15 +631,15 @@ class GraphPass:
 def _tables(shape: GraphShape, dtype) -> dict:
     """The constants a pass indexes (see `GraphPass`), on the host."""
     width, slots = shape.width, shape.slots
-    shut = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     tables = dict(
-        sees=_sees(shape.tree.visibility(shape.pending, shape.masks), slots, shut),
+        visibility=_visibility(shape.tree.visibility(shape.pending, shape.masks), slots, blocked),
         key_columns=torch.arange(slots) + slots,
         pass_slots=torch.arange(width),
         relative=_relative_positions(shape),
         offsets=torch.arange(shape.tokens),
         untaken=torch.arange(shape.tokens) >= torch.arange(shape.tokens + 1)[:, None],  # by tokens taken: the rest
-        shut=shut,  # the additive mask's value where a query sees nothing
+        blocked=blocked,  # the additive mask's value where a query sees nothing
     )
     if shape.scheduled:
         tables.update(moves=rate_moves(shape.masks))
@@ -634,12 +652,12 @@ def _tables(shape: GraphShape, dtype) -> dict:
     return tables
 
 
-def _sees(visible: torch.Tensor, slots: int, shut: torch.Tensor) -> torch.Tensor:
+def _visibility(visible: torch.Tensor, slots: int, blocked: torch.Tensor) -> torch.Tensor:
     """`(1, 1, fed, 2 * slots)` additive mask values by key slot - pass slot + `slots`: before the pass every real slot
     is seen, within it what `visible` (fed x fed) allows, nothing after it."""
     fed = visible.shape[0]
     before, after = torch.ones(fed, slots, dtype=torch.bool), torch.zeros(fed, slots - fed, dtype=torch.bool)
-    return torch.where(torch.cat([before, visible, after], 1), torch.zeros_like(shut), shut)[None, None]
+    return torch.where(torch.cat([before, visible, after], 1), torch.zeros_like(blocked), blocked)[None, None]
 
 
 def _node_columns(shape: GraphShape, nodes: tuple[int, ...], masks: int) -> torch.Tensor:
@@ -681,11 +699,11 @@ def _forward(g: GraphPass) -> torch.Tensor:
     """The pass's forward: its slots marked in the slot map, positions counted in real tokens, a 4D mask of the slot
     map and the tree's visibility. The logits from the last pending token on, in float32."""
     shape, state = g.shape, g.state
-    fed, relative, sees, slots = g.leads[g.lead, g.tail]  # every column, or those `narrow` leaves
+    fed, relative, visibility, slots = g.leads[g.lead, g.tail]  # every column, or those `narrow` leaves
     (marked, fed_real), kept = g.marks[g.lead], shape.width - shape.pending + 1 - g.tail
     last, kv = g.last_column, g.attended
     if g.pruned is not None:  # lossless mode, the nodes no row drafts left out (`prune`)
-        columns, relative, sees, slots, _ = g.pruned
+        columns, relative, visibility, slots, _ = g.pruned
         fed, fed_real, marked, kept = state.fed.index_select(1, columns), fed_real[:, columns], slots, len(columns)
     state.real.index_copy_(1, marked, fed_real)
     if g.fed_rows is not None:  # the rows that decode alone (`take_rows`)
@@ -695,7 +713,7 @@ def _forward(g: GraphPass) -> torch.Tensor:
         positions.clamp_(min=0)
     out = g.forward(
         input_ids=fed,
-        attention_mask=_slot_attention(g, positions, sees, slots, g.fed_rows),
+        attention_mask=_slot_attention(g, positions, visibility, slots, g.fed_rows),
         position_ids=positions,
         use_cache=True,
         return_dict=True,
@@ -728,19 +746,19 @@ def _narrow_logits(g: GraphPass, logits: torch.Tensor) -> torch.Tensor:
     return g.logits_buffer
 
 
-def _slot_attention(g: GraphPass, positions: torch.Tensor, sees: torch.Tensor, slots: torch.Tensor, rows=None):
+def _slot_attention(g: GraphPass, positions: torch.Tensor, visibility: torch.Tensor, slots: torch.Tensor, rows=None):
     """`(batch, 1, fed, reach)` additive mask of a pass whose fed columns are written at `slots`: a query sees the
-    real slots before the pass and, within it, the real ones the tree's visibility allows (`sees`: its rows for the
-    fed columns). With sliding-window layers, theirs also hides the keys `window` positions or more behind a query,
+    real slots before the pass and, within it, the real ones the tree allows (`visibility`: its rows for the fed
+    columns). With sliding-window layers, theirs also hides the keys `window` positions or more behind a query,
     counted in positions, not slots (holes push slots apart): a real slot before the pass holds the row's token of its
     rank, the pass's own slots their fed positions. `rows`: the rows fed (`GraphPass.take_rows`), None for all."""
     real_keys, real = (g.real_keys, g.real_reach) if rows is None else (g.real_keys[rows], g.real_reach[rows])
-    full = torch.where(real_keys, sees.index_select(3, g.sees_reach), g.shut)
+    full = torch.where(real_keys, visibility.index_select(3, g.reach_columns), g.blocked)
     if not g.shape.window:
         return full
     keys = (real.cumsum(dim=1) - 1).index_copy_(1, slots, positions)
     near = keys[:, None, None, :] > (positions - g.shape.window)[:, None, :, None]
-    sliding = torch.where(near, full, g.shut)
+    sliding = torch.where(near, full, g.blocked)
     return sliding if g.shape.sliding_only else {"full_attention": full, "sliding_attention": sliding}
 
 
@@ -748,19 +766,19 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
     """`(tokens, accepted, path)`: τ's test or exact verification, then EOS and the length limit. `path`: lossless
     mode's `KeptPath`; else None."""
     shape, state = g.shape, g.state
-    path = paid = None
+    path = masks_used = None
     offered = _offer(g) if shape.scheduled else None
     if shape.verify:
         tokens, accepted, path = _verify_by_rule(g, logits) if shape.by_rule else _verify(g, logits)
     else:
         tokens, confs = choose(logits, histories, shape.sampled, shape.confidence, noise=g.noise)
         if shape.masks:  # with a schedule, each mask's τ by the row's offer (inf past it)
-            paid = masks_taken(confs, state.tau if offered is None else state.limits.index_select(0, offered))
-            accepted = paid + 1
+            masks_used = masks_taken(confs, state.tau if offered is None else state.limits.index_select(0, offered))
+            accepted = masks_used + 1
         else:  # τ >= 1 throughout: one token a pass, no masks (`cut` makes a new tensor of it)
             accepted = g.one_each
     if offered is not None:
-        _reschedule(g, offered, paid, path)
+        _reschedule(g, offered, masks_used, path)
     accepted, ended = cut(tokens, accepted, state.budget - state.decoded, state.done, g.eos)
     state.accepted_log.index_put_((state.logged,), accepted)
     state.done.logical_or_(ended)
@@ -769,25 +787,25 @@ def _accept(g: GraphPass, logits: torch.Tensor, histories: Histories | None):
 
 def _offer(g: GraphPass) -> torch.Tensor:
     """`(batch,)` masks the schedule offers each row in this pass (none at τ >= 1), as a prompt's pass's `MaskSchedule`
-    offers them; in lossless mode `g.within` marks them (τ-mode reads them in `state.limits`). The pass still feeds
+    offers them; in lossless mode `g.on_offer` marks them (τ-mode reads them in `state.limits`). The pass still feeds
     every mask (its shape stays): a row ignores the masks past its offer."""
     offered = offers(g.state.rates, g.state.time)
     if g.shape.verify:
-        torch.lt(g.depths, offered[:, None], out=g.within)
+        torch.lt(g.depths, offered[:, None], out=g.on_offer)
     return offered
 
 
-def _reschedule(g: GraphPass, offered, paid, path) -> None:
+def _reschedule(g: GraphPass, offered, masks_used, path) -> None:
     """What this pass's masks were worth, into the schedule (`MaskSchedule.update`'s rule): in
-    τ-mode, the masks taken (`paid`) of those offered now; in lossless mode, the kept drafts that the last pass's
+    τ-mode, the masks taken (`masks_used`) of those offered now; in lossless mode, the kept drafts that the last pass's
     offered masks proposed. Each row counts the pass (`_commit` moves `state.passes` with the counters: a row that is
     done no longer reads its schedule)."""
     state = g.state
     if path is None:
-        rates_after(state.rate, offered, paid, state.passes, g.moves, out=state.rate)
+        rates_after(state.rate, offered, masks_used, state.passes, g.moves, out=state.rate)
     else:
-        paid = path.kept[:, : g.shape.tree.from_masks].sum(dim=1)
-        rates_after(state.rate, state.last, paid, state.passes, g.moves, out=state.rate)
+        masks_used = path.kept[:, : g.shape.tree.from_masks].sum(dim=1)
+        rates_after(state.rate, state.last, masks_used, state.passes, g.moves, out=state.rate)
         state.last.copy_(offered)
 
 
@@ -856,9 +874,9 @@ def _commit(g: GraphPass, tokens, accepted, path) -> None:
     untaken = g.untaken.index_select(0, accepted)
     columns = g.decoded_column + state.write_offsets
     write_taken(state.sequences, g.rows, columns, tokens, untaken, g.shape.pad_token_id)
-    if g.held or g.spare_text is not None:  # the spare id where a row did not take it
+    if g.seen_tokens or g.spare_text is not None:  # the spare id where a row did not take it
         taken = tokens.masked_fill(untaken, g.vocab)
-        for held in g.held:  # the taken tokens, held now (those not taken into the spare column)
+        for held in g.seen_tokens:  # the taken tokens, held now (those not taken into the spare column)
             held.scatter_(1, taken, True)
         if g.spare_text is not None:  # over the tokens that this pass's slots wrote after each history
             g.spare_text.index_put_((g.rows, columns), taken)
@@ -876,10 +894,10 @@ def _next_inputs(g: GraphPass, logits, tokens, accepted, path) -> None:
         if shape.pending == 1:
             g.pending.copy_(tokens)
         else:
-            into(g.pending, torch.gather, tokens, 1, g.align.index_select(0, accepted))
-        into(g.pending_real, torch.index_select, g.align_real, 0, accepted)
+            write_into(g.pending, torch.gather, tokens, 1, g.align.index_select(0, accepted))
+        write_into(g.pending_real, torch.index_select, g.align_real, 0, accepted)
         return
-    into(g.pending, torch.gather, path.source, 1, path.column)  # the bonus token (a row that took fewer is done)
+    write_into(g.pending, torch.gather, path.source, 1, path.column)  # the bonus token (a row that took fewer is done)
     g.pending_real.copy_(g.live_column)  # real unless the row was done before this pass
     torch.logical_not(g.state.done, out=g.live)
     if len(shape.tree):
@@ -901,7 +919,7 @@ def _propose(g: GraphPass, logits, end) -> None:
         _propose_from_masks(g, logits, end)
     if shape.lookup:
         found, real = lookup_in(state.text, g.text_last_column, g.lookup, out=g.from_lookup)
-        into(g.from_lookup_real, torch.logical_and, real, g.live_column)
+        write_into(g.from_lookup_real, torch.logical_and, real, g.live_column)
 
 
 def _propose_from_masks(g: GraphPass, logits, end) -> None:
@@ -909,13 +927,13 @@ def _propose_from_masks(g: GraphPass, logits, end) -> None:
     shape, state = g.shape, g.state
     followed = logits[g.rows, g.group.index_select(0, end)]  # (batch, masks, vocab): the masks after `end`
     sampled = shape.sampled and shape.typical is None
-    within = g.within if shape.scheduled or g.masks_limit < shape.masks else None
+    on_offer = g.on_offer if shape.scheduled or g.masks_limit < shape.masks else None
     buffer = None if g.proposals is None else g.proposed
     tau, measure, candidates = state.tau, shape.confidence, shape.candidates
     histories = g.histories() if shape.calls else None  # raw masks, scored after the text as it now stands
-    drafts = propose(followed, histories, tau, within, measure, sampled, candidates, None, buffer=buffer)
+    drafts = propose(followed, histories, tau, on_offer, measure, sampled, candidates, None, buffer=buffer)
     g.from_masks.copy_(drafts.tokens)
-    into(g.from_masks_real, torch.logical_and, drafts.real, g.live_column)
+    write_into(g.from_masks_real, torch.logical_and, drafts.real, g.live_column)
 
 
 def _scored(g: GraphPass, logits: torch.Tensor) -> tuple[torch.Tensor, Histories | None]:

@@ -67,8 +67,8 @@ class Runner:
         long = dict(dtype=torch.long, device=state.done.device)
         self.lead = torch.zeros(capacity, **long)  # the left padding each row's text keeps
         self.passes = torch.zeros(capacity, **long)  # the passes each row took part in
-        self.held: list = [None] * capacity  # each row's label, None where free
-        self.slot, self.tau, self.steps = 0, None, 0
+        self.row_labels: list = [None] * capacity  # each row's label, None where free
+        self.slot, self.tau, self.unread_passes = 0, None, 0
         self.stats, self.passes_run, self.logged = None, 0, 0  # `record`'s
         self.inference = torch.is_inference_mode_enabled()  # the mode its verbs run in (`_in_own_mode`)
         self.scored = None
@@ -79,7 +79,7 @@ class Runner:
 
     @property
     def labels(self) -> list:
-        return [label for label in self.held if label is not None]
+        return [label for label in self.row_labels if label is not None]
 
     @property
     def live(self) -> bool:
@@ -93,10 +93,10 @@ class Runner:
     @property
     def room(self) -> int:
         """The most rows that can join at once: the longest run of adjacent free rows."""
-        longest = run = 0
-        for label in self.held:
-            run = run + 1 if label is None else 0
-            longest = max(longest, run)
+        longest = adjacent = 0
+        for label in self.row_labels:
+            adjacent = adjacent + 1 if label is None else 0
+            longest = max(longest, adjacent)
         return longest
 
     @property
@@ -138,7 +138,7 @@ class Runner:
         g.nodes_drafted = None if bool(drafted.all()) else drafted.to(g.state.done.device)
         g.masks_limit = masks
         if not self.shape.scheduled:  # the masks a pass's drafts are proposed from
-            g.within.copy_((g.depths < masks).expand_as(g.within))
+            g.on_offer.copy_((g.depths < masks).expand_as(g.on_offer))
 
     @_in_own_mode
     def use_processors(self, processors) -> None:
@@ -181,7 +181,7 @@ class Runner:
         rows = other.text.sequences.shape[0]
         if rows > self.room:
             return f"{rows} rows, {self.room} adjacent free"
-        if getattr(other.cache, "kv", None) is self.graph.kv:  # `generate()`'s run, which sized the cache for its rows
+        if getattr(other.cache, "kv", None) is self.graph.kv:  # `generate()`'s, which sized the cache for its rows
             return None
         needed = self.slots_needed(other)
         if needed > self.shape.slots:
@@ -212,7 +212,7 @@ class Runner:
             written.fill_(self.slot)
         targets = torch.arange(first, first + rows, device=self.graph.state.done.device)
         self._place(other, targets, start)
-        self.held[first : first + rows] = list(other.labels or range(rows))  # `generate()`'s rows: by their index
+        self.row_labels[first : first + rows] = list(other.labels or range(rows))  # `generate()`'s: by index
         if other.logprobs is not None:  # recorded for every row from the next pass, as many alternatives as any asks
             self.logprobs = max(self.logprobs or 0, other.logprobs)
             fed, *scored = other.scored  # their prompt's pass: their first tokens'
@@ -221,10 +221,10 @@ class Runner:
 
     def _free_run(self, rows: int) -> int:
         """The first of `rows` adjacent free rows."""
-        run = 0
-        for index, label in enumerate(self.held):
-            run = run + 1 if label is None else 0
-            if run == rows:
+        adjacent = 0
+        for index, label in enumerate(self.row_labels):
+            adjacent = adjacent + 1 if label is None else 0
+            if adjacent == rows:
                 return index - rows + 1
         raise ValueError(f"{rows} rows, {self.room} adjacent free")
 
@@ -302,7 +302,7 @@ class Runner:
             state.logged.zero_()  # each pass's accepted counts are read after it, in row 0
         g.run()
         self.slot += g.advance - g.lead  # the slots the pass fed before its masks (`narrow`, `prune`)
-        self.steps += 1
+        self.unread_passes += 1
         if g.scoring is not None:
             held = self._places().ge(0).nonzero().flatten()
             places = torch.arange(held.numel(), device=held.device)
@@ -325,7 +325,7 @@ class Runner:
 
     def _places(self) -> torch.Tensor:
         """`(capacity,)` each held row's place among the held rows (`rows()`' order), -1 where free."""
-        held = torch.tensor([label is not None for label in self.held], device=self.graph.state.done.device)
+        held = torch.tensor([label is not None for label in self.row_labels], device=self.graph.state.done.device)
         return torch.where(held, held.long().cumsum(0) - 1, -1)
 
     def _reach(self) -> None:
@@ -343,7 +343,7 @@ class Runner:
 
     def _compact(self) -> None:
         """Squeeze the holes out of the cache (free rows hold none)."""
-        free = [row for row, label in enumerate(self.held) if label is None]
+        free = [row for row, label in enumerate(self.row_labels) if label is None]
         if free:
             self.graph.state.real[free] = False
         self.slot = self.graph.compact(self.slot)
@@ -360,15 +360,15 @@ class Runner:
         reads from the device (the counts, then the tokens they reach). A server reads them after every pass (a row's
         passes are counted here, from the last pass's tokens)."""
         state = self.graph.state
-        if self.steps:  # a row takes a token in every pass it decodes in
+        if self.unread_passes:  # a row takes a token in every pass it decodes in
             self.passes += self.last_accepted > 0
-            self.steps = 0
+            self.unread_passes = 0
         counts = torch.stack([state.decoded, state.done.long(), self.passes, state.text_end])
         decoded, done, passes, ends = counts.tolist()
         text = state.sequences[:, : max(ends)].tolist()
         return [
             (label, text[row][ends[row] - decoded[row] : ends[row]], bool(done[row]), passes[row])
-            for row, label in enumerate(self.held)
+            for row, label in enumerate(self.row_labels)
             if label is not None
         ]
 
@@ -377,9 +377,9 @@ class Runner:
         """The rows of these labels stop decoding and are free at once: they feed nothing more (their last tokens
         need no caching), and where an eager pass on a CPU computes the rows from the first held to the last, the last
         held rows move into the free rows before them (`_condense`)."""
-        rows = [self.held.index(label) for label in labels]
+        rows = [self.row_labels.index(label) for label in labels]
         for row in rows:
-            self.held[row] = None
+            self.row_labels[row] = None
         self.graph.free(torch.tensor(rows, dtype=torch.long, device=self.graph.state.done.device))
         if self.condenses and self.graph.cuts:
             self._condense()
@@ -389,8 +389,8 @@ class Runner:
         computes no free row (`GraphPass.take_rows` feeds the rows from the first held to the last): one copy of a
         moved row's K/V and state (`GraphPass.move_rows`, vLLM's condensing of its persistent batch), where the free
         rows between would have been computed in every pass until another row joined there."""
-        free = [row for row, label in enumerate(self.held) if label is None]
-        held = [row for row, label in enumerate(self.held) if label is not None]
+        free = [row for row, label in enumerate(self.row_labels) if label is None]
+        held = [row for row, label in enumerate(self.row_labels) if label is not None]
         moves = []
         while free and held and free[0] < held[-1]:
             moves.append((held.pop(), free.pop(0)))
@@ -400,7 +400,7 @@ class Runner:
         sources, targets = (torch.tensor(rows, device=device) for rows in zip(*moves))
         self.graph.move_rows(sources, targets, self.slot)
         for source, target in moves:
-            self.held[target], self.held[source] = self.held[source], None
+            self.row_labels[target], self.row_labels[source] = self.row_labels[source], None
         for tensor in (self.lead, self.passes):
             tensor.index_copy_(0, targets, tensor.index_select(0, sources))
         self._follow_padding(int(self.lead.max()) + 1)
@@ -471,15 +471,15 @@ def no_runner(plan, compiled: bool = False) -> str | None:
     return None
 
 
-def graph_shape(run, batch: int, slots: int, tree: DraftTree, compiled: bool = False, **plan):
-    """The `GraphShape` of `batch` rows decoding as `run`'s do, on a static cache of `slots` slots with lossless mode's
-    full `tree`, or None where no runner can (`no_runner`). Warpers, single-token bans and biases, repetition
+def graph_shape(session, batch: int, slots: int, tree: DraftTree, compiled: bool = False, **plan):
+    """The `GraphShape` of `batch` rows decoding as `session`'s do, on a static cache of `slots` slots with lossless
+    mode's full `tree`, or None where no runner can (`no_runner`). Warpers, single-token bans and biases, repetition
     penalties, minimum lengths and n-gram bans run in any pass by MARS's rules (`scoring.by_rules`); logits processors
     that transformers alone applies (a grammar, bans and biases of several tokens, forced tokens) are called on each
     slot's text, which an eager pass can do and a `compiled` one cannot. A mask cost's schedule runs in the pass too,
     which feeds every mask. Stopping criteria other than EOS and the length limit, and a streamer, are served from the
     host after each pass. `plan`: fields of `run.plan` replaced (a runner's wider tree)."""
-    plan = replace(run.plan, **plan) if plan else run.plan
+    plan = replace(session.plan, **plan) if plan else session.plan
     if no_runner(plan, compiled) is not None:
         return None
     settings, processing = plan.settings, processor_fields(plan.processors)
@@ -503,7 +503,7 @@ def graph_shape(run, batch: int, slots: int, tree: DraftTree, compiled: bool = F
         **processing,
         window=plan.window.size if plan.window else 0,
         sliding_only=bool(plan.window and plan.window.everywhere),
-        scheduled=bool(masks) and not run.schedule.constant,
+        scheduled=bool(masks) and not session.schedule.constant,
     )
 
 
@@ -536,11 +536,11 @@ def rows_cache(model, rows: int, slots: int):
     return kv
 
 
-def load_rows(g: GraphPass, run, targets: torch.Tensor) -> None:
-    """What each row of `run` (a session after its prompt's pass) decodes next, into the graph pass's rows `targets`:
+def load_rows(g: GraphPass, session, targets: torch.Tensor) -> None:
+    """What each row of `session` (after its prompt's pass) decodes next, into the graph pass's rows `targets`:
     budget and count, whether done, the last pending position, the pending tokens and drafts, the mask schedule; then
     every row's text end and the tokens each history holds, found from the text."""
-    plan, text, feed, state = run.plan, run.text, run.feed, g.state
+    plan, text, feed, state = session.plan, session.text, session.feed, g.state
     whole = targets.numel() == state.done.numel()  # every row, in order: copied whole
 
     def put(buffer, values):  # `buffer`'s rows `targets` <- `values`, or a number
@@ -555,7 +555,7 @@ def load_rows(g: GraphPass, run, targets: torch.Tensor) -> None:
     put(state.decoded, text.decoded)
     put(g.live, text.active)
     put(state.done, ~text.active)
-    put(state.last_position, run.cache.next_position + feed.pending_real.sum(dim=1) - 1)
+    put(state.last_position, session.cache.next_position + feed.pending_real.sum(dim=1) - 1)
     pad = g.shape.pending - feed.pending.shape[1]  # τ-mode after a pass without masks: holes on the left
     put(g.pending, torch.nn.functional.pad(feed.pending, (pad, 0), value=plan.pad_token_id))
     put(g.pending_real, torch.nn.functional.pad(feed.pending_real, (pad, 0), value=False))
@@ -569,9 +569,9 @@ def load_rows(g: GraphPass, run, targets: torch.Tensor) -> None:
         if g.proposals is not None:
             put(g.proposals, 0)
     if g.shape.scheduled:  # each row's mask schedule, as its last pass left it (every row's costs are the run's)
-        state.time.copy_(run.schedule.time)
-        put(state.rate, run.schedule.rate)
-        put(state.last, run.schedule.last)
+        state.time.copy_(session.schedule.time)
+        put(state.rate, session.schedule.rate)
+        put(state.last, session.schedule.last)
         put(state.passes, text.passes)
     torch.add(g.text_start, state.decoded, out=state.text_end)
     torch.sub(state.text_end, 1, out=state.text_last)

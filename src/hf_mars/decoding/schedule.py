@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .scoring import into
+from .scoring import write_into
 
 # EMA weight of each observed acceptance; pull of an unoffered mask's rate back toward 1 (every PROBE_EVERY-th pass
 # of a row), which is how a row that stopped offering a mask tries it again.
@@ -52,10 +52,12 @@ class MaskSchedule:
             return torch.full_like(rows, self.most)
         return offers(torch.nn.functional.pad(self.rate[rows], (1, 0), value=1.0), self.time)
 
-    def update(self, rows: torch.Tensor, offered: torch.Tensor, paid: torch.Tensor, passes: torch.Tensor) -> None:
-        """`rows`, in their `passes`-th pass, were offered `offered` masks, of which the first `paid` were accepted."""
+    def update(
+        self, rows: torch.Tensor, offered: torch.Tensor, masks_used: torch.Tensor, passes: torch.Tensor
+    ) -> None:
+        """`rows`, in their `passes`-th pass, were offered `offered` masks and used the first `masks_used`."""
         if not self.constant:
-            self.rate[rows] = rates_after(self.rate[rows], offered, paid, passes, self.moves)
+            self.rate[rows] = rates_after(self.rate[rows], offered, masks_used, passes, self.moves)
 
 
 def offers(rates: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
@@ -76,26 +78,26 @@ def masks_covering(offered: torch.Tensor, time: torch.Tensor) -> int:
 def rate_moves(most: int) -> torch.Tensor:
     """`(PROBE_EVERY, most + 1, most + 1, 2, most)`: how one pass moves each mask's rate, as `rate * scale + shift`
     (`[..., 0, :]` the scale, `[..., 1, :]` the shift), by the row's passes modulo `PROBE_EVERY`, the masks it was
-    offered and how many of them paid. A mask seen (offered, every mask before it accepted) moves `RATE_STEP` of the
+    offered and how many of them it used. A mask seen (offered, every mask before it used) moves `RATE_STEP` of the
     way toward what happened to it; one not offered drifts `RECOVER` of the way back toward "accepted" on a row's
     every `PROBE_EVERY`-th pass; the rest stay. A table, so that a pass reads its moves with one index (`rates_after`)
     rather than working the cases out in a dozen ops; made once per count, on the host (read it, never write it)."""
-    phase, offered, paid, depth = torch.meshgrid(
+    phase, offered, masks_used, depth = torch.meshgrid(
         *(torch.arange(n) for n in (PROBE_EVERY, most + 1, most + 1, most)), indexing="ij"
     )
-    seen = (depth < offered) & (depth <= paid)
+    seen = (depth < offered) & (depth <= masks_used)
     recover = (depth >= offered) & (phase == 0)
     one, zero = torch.ones((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     scale = torch.where(seen, 1 - RATE_STEP, torch.where(recover, 1 - RECOVER, one))
-    shift = torch.where(seen, RATE_STEP * (depth < paid).double(), torch.where(recover, RECOVER, zero))
+    shift = torch.where(seen, RATE_STEP * (depth < masks_used).double(), torch.where(recover, RECOVER, zero))
     return torch.stack([scale, shift], dim=3)
 
 
-def rates_after(rate, offered, paid, passes, moves, out=None) -> torch.Tensor | None:
-    """Each row's `rate` once a pass (its `passes`-th) offered it `offered` masks, of which the first `paid` were
+def rates_after(rate, offered, masks_used, passes, moves, out=None) -> torch.Tensor | None:
+    """Each row's `rate` once a pass (its `passes`-th) offered it `offered` masks, of which the first `masks_used` were
     accepted (`moves`: `rate_moves`' table); written into `out` where given (`rate` itself: element by element)."""
-    scale, shift = moves[passes % PROBE_EVERY, offered, paid].unbind(dim=1)
+    scale, shift = moves[passes % PROBE_EVERY, offered, masks_used].unbind(dim=1)
     if out is None:
         return torch.addcmul(shift, rate, scale)
-    into(out, torch.addcmul, shift, rate, scale)
+    write_into(out, torch.addcmul, shift, rate, scale)
     return None

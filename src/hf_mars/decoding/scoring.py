@@ -652,7 +652,7 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
 
-def into(out: torch.Tensor, op, *args) -> None:
+def write_into(out: torch.Tensor, op, *args) -> None:
     """`op(*args, out=out)`, one kernel where a pass runs eagerly or is captured; compiled, `out.copy_(op(*args))`,
     which inductor fuses into one, since dynamo refuses `out=` a view (a graph break). A pass writes its buffers so."""
     if torch.compiler.is_compiling():
@@ -692,13 +692,13 @@ def choose(logits, histories: Histories | None, do_sample: bool, measure: str, w
     return (tokens, confs, probs) if with_probs else (tokens, confs)
 
 
-def masks_taken(confs: torch.Tensor, tau, within: torch.Tensor | None = None) -> torch.Tensor:
+def masks_taken(confs: torch.Tensor, tau, on_offer: torch.Tensor | None = None) -> torch.Tensor:
     """`(rows,)` masks whose tokens τ-mode takes from a pass whose slots scored `confs` (besides slot 0's, which it
     always takes): each mask's token while it and every one before it are at least `tau` confident (and, with a mask
     schedule, `within` the masks the row was offered). What the schedule learns from, one less than the tokens."""
     confident = confs[:, 1:] >= tau
-    if within is not None:
-        confident &= within
+    if on_offer is not None:
+        confident &= on_offer
     return confident.cumprod(dim=1).sum(dim=1)
 
 

@@ -177,10 +177,10 @@ class Session:
     def prompt_pass(self, model) -> None:
         """The rows' prompt's pass: its tokens are in `text` when it returns, what each row feeds next in `feed`.
         Without autograd, as `generate()` decodes (the session was prepared by it), whatever mode the caller is in."""
-        step = _forward(model, self, read_tau(self.plan.settings.tau))
-        tokens, accepted = _accept(self, step)
-        _commit(self, step, tokens, accepted)
-        _next_inputs(self, step, tokens, accepted)
+        this_pass = _forward(model, self, read_tau(self.plan.settings.tau))
+        tokens, accepted = _accept(self, this_pass)
+        _commit(self, this_pass, tokens, accepted)
+        _next_inputs(self, this_pass, tokens, accepted)
         _retire(self)
 
     def separate_prompts(self) -> None:
@@ -201,21 +201,21 @@ class Pass:
     every_mask: bool = False  # every row may use every mask fed (no schedule, τ < 1)
 
     @property
-    def within(self) -> torch.Tensor | None:
+    def on_offer(self) -> torch.Tensor | None:
         """`(rows, masks)`: which masks each row may use; None where every row may use all."""
         if self.every_mask:
             return None
         return torch.arange(self.masks, device=self.offered.device) < self.offered[:, None]
 
 
-def _forward(model, run: Session, tau: float) -> Pass:
+def _forward(model, session: Session, tau: float) -> Pass:
     """One forward pass over `[prompt (left-padded) | masks]`. How many masks is the cache's call (all B-1, whatever a
     row is offered, so that the first drafts have the runner's tree)."""
-    plan, feed, cache = run.plan, run.feed, run.cache
-    offered = run.schedule.offer(feed.rows) if tau < 1.0 else torch.zeros_like(feed.rows)
-    masks = cache.masks_per_group(run.schedule, offered, tau, plan.settings.verify and not plan.do_sample)
+    plan, feed, cache = session.plan, session.feed, session.cache
+    offered = session.schedule.offer(feed.rows) if tau < 1.0 else torch.zeros_like(feed.rows)
+    masks = cache.masks_per_group(session.schedule, offered, tau, plan.settings.verify and not plan.do_sample)
     mask_2d, position_ids = cache.step_inputs(feed.pending_real, masks)
-    attention_mask = _attention_mask(model, run, mask_2d, masks, position_ids)
+    attention_mask = _attention_mask(model, session, mask_2d, masks, position_ids)
     mask_ids = feed.pending.new_full((feed.rows.numel(), masks), plan.settings.mask_token_id)
     needed = 1 + masks
     input_ids = torch.cat([feed.pending, mask_ids], dim=1)
@@ -229,83 +229,85 @@ def _forward(model, run: Session, tau: float) -> Pass:
         logits_to_keep=needed,
     )
     logits = outputs.logits[:, -needed:].float()
-    lengths = run.text.prompt_length + run.text.decoded
+    lengths = session.text.prompt_length + session.text.decoded
     histories = None
     if plan.processors:
-        histories = Histories(plan.processors, run.text.sequences, feed.rows, lengths, run.text.joined)
-    every_mask = tau < 1.0 and run.schedule.constant and masks == run.schedule.most
+        histories = Histories(plan.processors, session.text.sequences, feed.rows, lengths, session.text.joined)
+    every_mask = tau < 1.0 and session.schedule.constant and masks == session.schedule.most
     return Pass(tau, offered, masks, logits, histories, every_mask=every_mask)
 
 
-def _attention_mask(model, run: Session, mask_2d, masks: int, position_ids):
+def _attention_mask(model, session: Session, mask_2d, masks: int, position_ids):
     """What the forward takes as its attention mask: the 2D slot map where the model's own causal mask is exact; with
     sliding-window layers, 4D masks built here, since the model would count its window in slots, which padding pushes
     apart from positions."""
-    window = run.plan.window
+    window = session.plan.window
     if window is None or mask_2d is None:
         return mask_2d
-    build = functools.partial(tree_attention, model, run.cache, NO_DRAFTS, mask_2d, run.feed.pending.shape[1], masks)
+    build = functools.partial(
+        tree_attention, model, session.cache, NO_DRAFTS, mask_2d, session.feed.pending.shape[1], masks
+    )
     sliding = build(window=window.size, positions=position_ids)
     return sliding if window.everywhere else {"full_attention": build(), "sliding_attention": sliding}
 
 
-def _accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+def _accept(session: Session, this_pass: Pass) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens each row takes from this pass: `(tokens, accepted)`, as its mode decides, cut at EOS and the length
     limit (a row no longer active takes none)."""
-    text, feed = run.text, run.feed
-    tokens, accepted = run.plan.mode.accept(run, step)
-    if run.logprobs is not None:
-        deciding = step.logits[:, : tokens.shape[1]]  # τ-mode's slots in order; lossless mode's root
-        scored = token_logprobs(deciding, step.histories, tokens, run.logprobs)
-        run.scored = (feed.rows, *scored)
+    text, feed = session.text, session.feed
+    tokens, accepted = session.plan.mode.accept(session, this_pass)
+    if session.logprobs is not None:
+        deciding = this_pass.logits[:, : tokens.shape[1]]  # τ-mode's slots in order; lossless mode's root
+        scored = token_logprobs(deciding, this_pass.histories, tokens, session.logprobs)
+        session.scored = (feed.rows, *scored)
     left, idle = text.budget - text.decoded, ~text.active
-    accepted, ended = cut(tokens, accepted, left, idle, run.plan.eos)
+    accepted, ended = cut(tokens, accepted, left, idle, session.plan.eos)
     text.ended |= ended
     return tokens, accepted
 
 
-def _commit(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+def _commit(session: Session, this_pass: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
     """Write what the pass decided: the real tokens' K/V into the cache (the masks' and rejected drafts' are dropped,
     or left as holes), the accepted tokens into the text, which the stopping criteria then judge as `generate()`
     would; stream them."""
-    plan, text, feed = run.plan, run.text, run.feed
+    plan, text, feed = session.plan, session.text, session.feed
     rows, width = feed.rows, tokens.shape[1]
-    run.cache.commit(feed.pending_real, step.masks)  # the prompt's K/V stay; the masks' go
+    session.cache.commit(feed.pending_real, this_pass.masks)  # the prompt's K/V stay; the masks' go
     slots = torch.arange(width, device=tokens.device)
     positions = (text.prompt_length + text.decoded)[:, None] + slots  # `sequences` has room past the budget
     write_taken(text.sequences, rows[:, None], positions, tokens, slots >= accepted[:, None], plan.pad_token_id)
     text.decoded.index_add_(0, rows, accepted)
     text.passes.index_add_(0, rows, text.active.long())  # idle rows take no pass
-    streamed = int(run.stopping.new_tokens[0]) if plan.streamer is not None else 0
-    run.stopping.judge(text.decoded, text.ended)
-    run.stats.forward_passes += 1
-    if run.log:
-        _log(run.stats, step, rows, accepted, text.decoded)
+    streamed = int(session.stopping.new_tokens[0]) if plan.streamer is not None else 0
+    session.stopping.judge(text.decoded, text.ended)
+    session.stats.forward_passes += 1
+    if session.log:
+        _log(session.stats, this_pass, rows, accepted, text.decoded)
     if plan.streamer is not None:  # batch 1: the row is judged as soon as it decodes
-        stream(plan.streamer, text.sequences, text.prompt_length, streamed, int(run.stopping.new_tokens[0]))
+        stream(plan.streamer, text.sequences, text.prompt_length, streamed, int(session.stopping.new_tokens[0]))
 
 
-def _log(stats: MARSStats, step: Pass, rows: torch.Tensor, accepted: torch.Tensor, decoded: torch.Tensor) -> None:
+def _log(stats: MARSStats, this_pass: Pass, rows: torch.Tensor, accepted: torch.Tensor, decoded: torch.Tensor) -> None:
     """Record one pass in `stats`: its τ, its masks, what each row of the batch accepted (0 for rows not in it)."""
-    stats.tau_per_step.append(step.tau)
-    stats.masks_per_step.append(step.masks)
+    stats.tau_per_step.append(this_pass.tau)
+    stats.masks_per_step.append(this_pass.masks)
     whole = rows.numel() == decoded.numel()  # rows are the whole batch, in order
     stats.accepted_per_step.append(accepted if whole else torch.zeros_like(decoded).index_put((rows,), accepted))
 
 
-def _next_inputs(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+def _next_inputs(session: Session, this_pass: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
     """What the next pass feeds, as the mode proposes it."""
-    run.plan.mode.propose(run, step, tokens, accepted)
+    session.plan.mode.propose(session, this_pass, tokens, accepted)
 
 
-def _retire(run: Session) -> None:
+def _retire(session: Session) -> None:
     """Rows that stopped, or reached EOS or the length limit, stop decoding: they stay in the runner's rows, done
     (the pass decodes nothing for them), and feed no drafts."""
-    text, feed = run.text, run.feed
-    stopped = text.ended | run.stopping.settled
+    text, feed = session.text, session.feed
+    stopped = text.ended | session.stopping.settled
     text.active.copy_(~stopped)
     feed.drafts.real = feed.drafts.real & ~stopped[:, None]
-    run.live = bool((~stopped).any())
+    session.live = bool((~stopped).any())
 
 
 class TauMode:
@@ -313,19 +315,23 @@ class TauMode:
     no drafts, and the next pass feeds what was accepted."""
 
     @staticmethod
-    def accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+    def accept(session: Session, this_pass: Pass) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot 0 always, then left to right while confident. Tells the mask schedule what its masks were worth."""
-        plan, rows = run.plan, run.feed.rows
-        tokens, confs = choose(step.logits, step.histories, plan.do_sample, plan.settings.confidence)
-        paid = masks_taken(confs, step.tau, step.within) if step.masks else torch.zeros_like(tokens[:, 0])
-        if not run.schedule.constant:
-            run.schedule.update(rows, step.offered, paid, run.text.passes[rows])
-        return tokens, paid + 1
+        plan, rows = session.plan, session.feed.rows
+        tokens, confs = choose(this_pass.logits, this_pass.histories, plan.do_sample, plan.settings.confidence)
+        masks_used = (
+            masks_taken(confs, this_pass.tau, this_pass.on_offer)
+            if this_pass.masks
+            else torch.zeros_like(tokens[:, 0])
+        )
+        if not session.schedule.constant:
+            session.schedule.update(rows, this_pass.offered, masks_used, session.text.passes[rows])
+        return tokens, masks_used + 1
 
     @staticmethod
-    def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    def propose(session: Session, this_pass: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """This pass's accepted tokens, right-aligned (shorter rows leave holes in the cache)."""
-        plan, feed = run.plan, run.feed
+        plan, feed = session.plan, session.feed
         if tokens.shape[1] == 1:  # no masks were fed: one token each
             feed.pending, feed.pending_real = tokens, torch.ones_like(tokens, dtype=torch.bool)
             return
@@ -337,39 +343,46 @@ class LosslessMode:
     typical or sampled), and its masks propose the first ones (`propose`, plus prompt lookup's branch)."""
 
     @staticmethod
-    def accept(run: Session, step: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+    def accept(session: Session, this_pass: Pass) -> tuple[torch.Tensor, torch.Tensor]:
         """The root token. No draft was fed, so none paid for the masks the schedule offered."""
-        plan, feed, schedule = run.plan, run.feed, run.schedule
+        plan, feed, schedule = session.plan, session.feed, session.schedule
         rows = feed.rows
-        if step.histories is not None:  # every slot scored at once where the processors allow it
-            lineage = NO_DRAFTS.scored_lineage(step.masks, step.logits.device)
-            scores = scored_at_once(step.logits, step.histories, feed.drafts.tokens, lineage)
+        if this_pass.histories is not None:  # every slot scored at once where the processors allow it
+            lineage = NO_DRAFTS.scored_lineage(this_pass.masks, this_pass.logits.device)
+            scores = scored_at_once(this_pass.logits, this_pass.histories, feed.drafts.tokens, lineage)
             if scores is not None:  # the root's and the masks' (`propose`) scores
-                step.logits, step.histories = scores, None
+                this_pass.logits, this_pass.histories = scores, None
         tokens, accepted, kept, _ = verify(
-            step.logits[:, :1], feed.drafts, step.histories, plan.do_sample, plan.typical
+            this_pass.logits[:, :1], feed.drafts, this_pass.histories, plan.do_sample, plan.typical
         )
         if not schedule.constant:
-            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), run.text.passes[rows])
-            schedule.last[rows] = step.offered
+            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), session.text.passes[rows])
+            schedule.last[rows] = this_pass.offered
         return tokens, accepted
 
     @staticmethod
-    def propose(run: Session, step: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    def propose(session: Session, this_pass: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """The root token and the first drafts, proposed by the masks (their scores processed with the root's,
         `accept`, or here after the text as it now stands, for processors that read each slot's own text), in the
         runner's full tree."""
-        plan, feed = run.plan, run.feed
+        plan, feed = session.plan, session.feed
         feed.pending = tokens[:, :1]
         feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
         drafts = Drafts.none(feed.rows.numel(), feed.rows.device)
-        if step.masks:
-            if step.histories is not None:  # the text now holds the root token
-                step.histories = step.histories.after(run.text.sequences, tokens, accepted)
+        if this_pass.masks:
+            if this_pass.histories is not None:  # the text now holds the root token
+                this_pass.histories = this_pass.histories.after(session.text.sequences, tokens, accepted)
             sampled = plan.do_sample and plan.typical is None  # typical acceptance verifies the greedy tree's drafts
-            proposal = (step.histories, step.tau, step.within, plan.settings.confidence, sampled, plan.candidates)
-            drafts = propose(step.logits[:, 1:], *proposal, plan.pad_token_id)
+            proposal = (
+                this_pass.histories,
+                this_pass.tau,
+                this_pass.on_offer,
+                plan.settings.confidence,
+                sampled,
+                plan.candidates,
+            )
+            drafts = propose(this_pass.logits[:, 1:], *proposal, plan.pad_token_id)
         if plan.lookup:
-            lengths = run.text.prompt_length + run.text.decoded
-            drafts = add_lookup(drafts, run.text.sequences, lengths, plan.lookup, plan.pad_token_id)
+            lengths = session.text.prompt_length + session.text.decoded
+            drafts = add_lookup(drafts, session.text.sequences, lengths, plan.lookup, plan.pad_token_id)
         feed.drafts = drafts

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scoring import choose, draw, into, processed
+from .scoring import choose, draw, processed, write_into
 from .tree import NO_DRAFTS, DraftTree, depth_candidates, lookup
 
 
@@ -175,7 +175,7 @@ def propose(
     followed,
     histories,
     tau: float,
-    within,
+    on_offer,
     measure: str,
     do_sample: bool,
     candidates,
@@ -197,7 +197,7 @@ def propose(
     it, as τ-mode's tokens are); None where `followed` holds processed scores (`scoring.scored_at_once`).
     """
     guesses, confs, q = choose(followed, histories, do_sample, measure, True)
-    confident = confs >= tau if within is None else (confs >= tau) & within
+    confident = confs >= tau if on_offer is None else (confs >= tau) & on_offer
     prefix = torch.cummin(confident, dim=1).values  # up to the first unconfident mask
     counts = depth_candidates(candidates, followed.shape[1])
     count = prefix.sum(dim=1) if max(counts, default=1) > 1 else None  # each row's chain length, for runner-ups
@@ -212,7 +212,7 @@ def propose(
     proposals = None
     if do_sample:  # q': what each mask would have proposed, and nothing past the masks (see `_verify_sampled`)
         proposed = (q >= tau) if measure == "probability" else confident[..., None]
-        proposed = proposed if within is None else proposed & within[..., None]
+        proposed = proposed if on_offer is None else proposed & on_offer[..., None]
         proposals = _proposals(q, proposed, chain, buffer)
     return Drafts(tokens, real, DraftTree.of(parents), proposals)
 
@@ -223,7 +223,7 @@ def _proposals(q, proposed, chain: int, buffer=None):
     if buffer is None:
         proposals = torch.nn.functional.pad(q * proposed, (0, 0, 0, 1))
         return proposals if chain >= q.shape[1] else proposals[:, : chain + 1]
-    into(buffer, torch.mul, q, proposed)
+    write_into(buffer, torch.mul, q, proposed)
     return buffer
 
 

@@ -602,7 +602,7 @@ class MARSEngine(BaseGenerateManager):
         processor = _row_grammars(runner)
         if processor is None:
             return
-        rows = runner.held  # by row, free ones too
+        rows = runner.row_labels  # by row, free ones too
         processor.assign([(request, None if request is None else request.grammar) for request in rows])
         if not processor.constrains and runner.labels and runner.live:
             self._processors(runner, [])
