@@ -31,7 +31,7 @@ import torch
 from transformers import GenerationMixin
 
 from hf_mars.convert import to_mars
-from hf_mars.decoding import graph
+from hf_mars.decoding import graph_state
 from hf_mars.tools.checkpoints.toy import toy_model, toy_tokenizer
 from hf_mars.tools.measure.decode import static_compiled
 
@@ -77,9 +77,9 @@ def shipped_shape_model(device: str, dtype: torch.dtype, layers: int):
 
 
 def variant(name: str) -> None:
-    """Switch `generate()` to a variant of the graph pass: its forward compiled, or the whole pass (`graph.FUSED`).
+    """Switch `generate()` to a variant of the graph pass: its forward compiled, or the whole pass (`FUSED`).
     Passes of each variant are built and kept apart."""
-    graph.FUSED = name == "fused"
+    graph_state.FUSED = name == "fused"
 
 
 def only_sdpa_backend(name: str) -> None:

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from hf_mars.convert import to_mars
-from hf_mars.decoding import graph
+from hf_mars.decoding import graph_state
 from hf_mars.tools.checkpoints.toy import toy_model, toy_tokenizer
 
 MODES = {
@@ -27,13 +27,13 @@ MODES = {
 
 def decode(model, enc, seed: int, captured: bool, **mode) -> torch.Tensor:
     """A static-cache run, every pass after the prompt's in the graph pass: under `generate()`'s compile path (on CUDA
-    captured), or not `captured`, eagerly. The pass keeps its whole shape either way (`graph.NARROWS` off: an eager
+    captured), or not `captured`, eagerly. The pass keeps its whole shape either way (`NARROWS` off: an eager
     pass on a CPU would feed, and draw for, only the drafts some row has)."""
-    graph.NARROWS = False
+    graph_state.NARROWS = False
     torch.manual_seed(seed)
     out = model.generate(**enc, max_new_tokens=64, do_sample=True, temperature=1.0, top_k=0, eos_token_id=None,
                          cache_implementation="static", disable_compile=not captured, **mode)  # fmt: skip
-    graph.NARROWS = True
+    graph_state.NARROWS = True
     return out[:, enc["input_ids"].shape[1] :]
 
 

@@ -23,17 +23,17 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_mars.decoding import graph
+from hf_mars.decoding import graph, graph_state
 from hf_mars.tools.checkpoints.loading import load_checkpoint
 from hf_mars.tools.evaluate.evals import load_prompts
 
 # The phases of a graph pass (`hf_mars.decoding.graph.graph_pass`), timed apart from the model's forward
 GROUPS = {
-    "inputs (masks, rows, reach)": [(graph, "_slot_attention"), (graph.GraphPass, "feed_held")],
+    "inputs (masks, rows, reach)": [(graph, "_slot_attention"), (graph_state.GraphPass, "feed_held")],
     "accept (choice, verification)": [(graph, "_scored"), (graph, "_accept")],
     "commit (write, stop)": [(graph, "_commit")],
     "propose (next inputs, drafts)": [(graph, "_next_inputs")],
-    "compact (holes out)": [(graph.GraphPass, "compact")],
+    "compact (holes out)": [(graph_state.GraphPass, "compact")],
 }
 
 

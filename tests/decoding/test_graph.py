@@ -12,9 +12,9 @@ import torch
 from helpers import Recorder, StopRowAfterCalls, toy_prompts
 from transformers import GenerationMixin, StoppingCriteriaList
 
-from hf_mars.decoding import commit, graph
+from hf_mars.decoding import commit, graph_state
 from hf_mars.decoding.cache import pass_positions
-from hf_mars.decoding.graph import GraphShape, _relative_positions
+from hf_mars.decoding.graph_state import GraphShape, _relative_positions
 from hf_mars.decoding.tree import DraftTree
 
 MODES = {
@@ -32,14 +32,14 @@ MODES = {
 
 def generate(model, enc, **kwargs):
     """Static-cache `generate()` through the graph pass, whose passes keep their width and attend to every slot here,
-    as a captured pass on a GPU does (`graph.NARROWS` off, a reach as wide as any cache)."""
-    reach_step = graph.REACH_STEP
-    graph.NARROWS, graph.REACH_STEP = False, 1 << 30
+    as a captured pass on a GPU does (`graph_state.NARROWS` off, a reach as wide as any cache)."""
+    reach_step = graph_state.REACH_STEP
+    graph_state.NARROWS, graph_state.REACH_STEP = False, 1 << 30
     try:
         kwargs = {"max_new_tokens": 40, "cache_implementation": "static", "return_dict_in_generate": True, **kwargs}
         return model.generate(**enc, **kwargs)
     finally:
-        graph.NARROWS, graph.REACH_STEP = True, reach_step
+        graph_state.NARROWS, graph_state.REACH_STEP = True, reach_step
 
 
 def graph_passes(model) -> int:

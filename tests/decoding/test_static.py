@@ -14,7 +14,7 @@ from transformers import CompileConfig, GenerationMixin, StaticCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import hf_mars
-from hf_mars.decoding import graph
+from hf_mars.decoding import graph_state
 from hf_mars.decoding.compat import CACHE_ARG
 
 MODES = {
@@ -152,7 +152,7 @@ def test_an_eager_lossless_pass_on_a_cpu_feeds_the_tree_nodes_some_row_drafts(tr
     hook = model.register_forward_pre_hook(lambda m, a, k: widths.append(k["input_ids"].shape[1]), with_kwargs=True)
     try:
         out = run(model, enc, True, **MODES[mode])
-        monkeypatch.setattr(graph, "NARROWS", False)
+        monkeypatch.setattr(graph_state, "NARROWS", False)
         whole = run(model, enc, True, **MODES[mode])
     finally:
         hook.remove()
@@ -173,7 +173,7 @@ def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch
 
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=2)
-    monkeypatch.setattr(graph, "NARROWS", False)  # as on a GPU: a CPU's eager τ-mode pass reads what it may skip
+    monkeypatch.setattr(graph_state, "NARROWS", False)  # as on a GPU: a CPU's eager τ-mode pass reads what it may skip
     reads = []
     for name in ("item", "tolist", "__bool__", "__int__", "__index__"):
         original = getattr(torch.Tensor, name)
@@ -185,8 +185,8 @@ def test_a_static_pass_reads_from_the_device_once(trained_toy, mode, monkeypatch
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    compactions, compact = [], graph.compact_static
-    monkeypatch.setattr(graph, "compact_static", lambda *a, **k: compactions.append(1) or compact(*a, **k))
+    compactions, compact = [], graph_state.compact_static
+    monkeypatch.setattr(graph_state, "compact_static", lambda *a, **k: compactions.append(1) or compact(*a, **k))
     out = run(model, enc, True, **MODES[mode])
     monkeypatch.undo()
     passes = out.mars_stats.forward_passes
@@ -198,11 +198,11 @@ def test_a_static_cache_squeezes_out_its_holes_and_keeps_the_tokens(trained_toy,
     """A static cache holds the text and a few passes (`mars_cache_length`), not every slot the passes write: the
     drafts a pass rejects leave holes, squeezed out in place when the next pass would not fit. Tokens stay greedy
     `generate()`'s, batched."""
-    from hf_mars.decoding import graph
+    from hf_mars.decoding import graph_state
     from hf_mars.decoding.settings import resolve_settings
 
-    calls, compact = [], graph.compact_static
-    monkeypatch.setattr(graph, "compact_static", lambda *a, **k: calls.append(1) or compact(*a, **k))
+    calls, compact = [], graph_state.compact_static
+    monkeypatch.setattr(graph_state, "compact_static", lambda *a, **k: calls.append(1) or compact(*a, **k))
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=13)
     mode = dict(mars_verify=True, mars_block_size=2, mars_draft_candidates=3, mars_lookup=4)
@@ -262,7 +262,7 @@ def test_a_run_leaves_no_more_memory_behind_than_plain_generate(mode, cache):
 
 def test_where_a_pass_is_captured_each_call_of_a_size_reuses_one_static_cache(trained_toy, monkeypatch):
     """On CUDA under the compile path a pass is a captured graph, which writes the addresses it was captured on: there
-    a run's cache is kept on the model and lent to the next call of its size (`graph.captured`), emptied, so that
+    a run's cache is kept on the model and lent to the next call of its size (`graph_state.captured`), emptied, so that
     the pass replays its graph rather than capturing anew. Forced on here (no GPU): the second call decodes on the
     first's cache object, held by one call at a time, as does a call that needs fewer slots, and every call gives the
     tokens of a cache of its own."""

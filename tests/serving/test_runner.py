@@ -9,7 +9,7 @@ from helpers import make_model, make_tokenizer, sliding_mars_model, toy_prompts
 from transformers import CompileConfig, GenerationMixin
 
 import hf_mars
-from hf_mars.decoding import cache, graph
+from hf_mars.decoding import cache, graph, graph_state
 from hf_mars.decoding.compat import CACHE_ARG
 from hf_mars.decoding.runner import Runner, serving_runner
 from hf_mars.decoding.tree import full_tree
@@ -67,8 +67,8 @@ def test_rows_joining_between_passes_get_the_greedy_text_of_each_request_alone(t
     """Six requests through three rows, one joining every few passes while the others decode: rows are reused once
     free, the cache is compacted, and every request gets greedy `generate()`'s tokens for its prompt alone."""
     compactions = []
-    compact = graph.compact_static
-    monkeypatch.setattr(graph, "compact_static", lambda *a: compactions.append(1) or compact(*a))
+    compact = graph_state.compact_static
+    monkeypatch.setattr(graph_state, "compact_static", lambda *a: compactions.append(1) or compact(*a))
     model, tok = trained_toy
     enc = toy_prompts(tok, n=6, seed=7)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(6)]
@@ -283,7 +283,7 @@ def test_rows_released_between_others_are_condensed_and_each_decodes_as_alone(tr
     the first row (no free row computed, none gathered), and every request gets the tokens it gets alone: greedy
     `generate()`'s (τ-mode's and a mask schedule's, that mode's alone). The premises: some row moved, one that joined
     after the first pass (holes before its prompt, which its K/V copy leaves out)."""
-    moved, fed, forward, move = [], [], graph._forward, graph.GraphPass.move_rows
+    moved, fed, forward, move = [], [], graph._forward, graph_state.GraphPass.move_rows
 
     def recorded(g):
         decoding = (~g.state.done).nonzero().flatten()
@@ -295,7 +295,7 @@ def test_rows_released_between_others_are_condensed_and_each_decodes_as_alone(tr
         return move(g, sources, targets, slots)
 
     monkeypatch.setattr(graph, "_forward", recorded)
-    monkeypatch.setattr(graph.GraphPass, "move_rows", moving)
+    monkeypatch.setattr(graph_state.GraphPass, "move_rows", moving)
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=5)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
@@ -323,7 +323,7 @@ def test_idle_rows_between_are_computed_while_a_pass_costs_its_weights_reads(tra
     idle row between two that decode is computed rather than the others' K/V copied out and back, even for a model
     whose columns cost far more FLOPs than any copy (`GraphPass.bound_columns`). Counting FLOPs alone (no bound), the
     same pass copies. Either way every request gets greedy `generate()`'s tokens alone."""
-    apart, feed = [], graph.GraphPass.feed_held
+    apart, feed = [], graph_state.GraphPass.feed_held
 
     def recorded(g):
         g.flops_per_column = 10**15
@@ -331,7 +331,7 @@ def test_idle_rows_between_are_computed_while_a_pass_costs_its_weights_reads(tra
         feed(g)
         apart.append(isinstance(g.fed_rows, torch.Tensor))
 
-    monkeypatch.setattr(graph.GraphPass, "feed_held", recorded)
+    monkeypatch.setattr(graph_state.GraphPass, "feed_held", recorded)
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=5)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(4)]
@@ -367,7 +367,7 @@ def test_an_eager_runner_attends_to_the_slots_in_use_not_every_slot_it_has(train
         hook.remove()
     reaches = {keys for keys, _ in read}
     assert all(keys == mask for keys, mask in read), "the mask must be as wide as the K/V read"
-    assert max(reaches) < slots and len(reaches) > 1 and all(r % graph.REACH_STEP == 0 for r in reaches), reaches
+    assert max(reaches) < slots and len(reaches) > 1 and all(r % graph_state.REACH_STEP == 0 for r in reaches), reaches
     for i, prompt in enumerate(prompts):
         alone = GenerationMixin.generate(model, prompt[None], do_sample=False, max_new_tokens=[30, 12, 30, 25][i])
         assert finished[i][0] == alone[0, prompt.numel() :].tolist(), i
@@ -434,22 +434,22 @@ def test_a_runner_whose_slot_ran_far_past_its_rows_compacts_before_its_reach_gro
     enc = toy_prompts(tok, n=24, seed=13)
     prompts = [enc.input_ids[i, enc.attention_mask[i].bool()] for i in range(24)]
     budgets = [16] * 24
-    reaches, feed, gathered, gather = [], graph.GraphPass.feed_held, [], cache._gather_slots
+    reaches, feed, gathered, gather = [], graph_state.GraphPass.feed_held, [], cache._gather_slots
 
     def recorded(g):
         reaches.append(g.reach)
         return feed(g)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(graph.GraphPass, "feed_held", recorded)
+        patch.setattr(graph_state.GraphPass, "feed_held", recorded)
         patch.setattr(
             cache, "_gather_slots", lambda states, order: gathered.append(states.shape) or gather(states, order)
         )
         finished, held = _serve(model, prompts, budgets, MODES["tau=1"], 2, 1024, every=1)
     assert sorted(finished) == list(range(24)) and max(held) == 2
     longest = max(prompt.numel() for prompt in prompts) + max(budgets) + 1  # a text and a pass (τ = 1: one token)
-    assert len(held) > longest + 2 * graph.REACH_STEP, "premise: uncompacted, the slot moves on past that bound"
-    assert max(reaches) <= 2 * longest + 2 * graph.REACH_STEP, reaches
+    assert len(held) > longest + 2 * graph_state.REACH_STEP, "premise: uncompacted, the slot moves on past that bound"
+    assert max(reaches) <= 2 * longest + 2 * graph_state.REACH_STEP, reaches
     # a compaction copies the slots before the runner's, not the 1024 it has
     assert gathered and max(shape[-2] for shape in gathered) <= max(reaches), gathered
     for i, prompt in enumerate(prompts):
@@ -485,7 +485,7 @@ def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_
     """An eager τ-mode pass on a CPU leaves out the pending columns that are holes in every row (`narrow`'s lead: the
     rows took fewer than B tokens last pass); its first fed column lands on the pass's first slot, so the runner's
     slot moves by the pending columns fed, not by B, and the device's next slot follows it. The tokens stay those of
-    the same pass feeding every column (`graph.NARROWS` off, as on a GPU)."""
+    the same pass feeding every column (`graph_state.NARROWS` off, as on a GPU)."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=3, seed=19)
     moves, step = [], Runner.step
@@ -501,7 +501,7 @@ def test_a_tau_mode_pass_moves_the_slot_by_the_pending_columns_it_fed_and_keeps_
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Runner, "step", recorded)
         ran = model.generate(**enc, max_new_tokens=30, mars_tau=0.5)
-        patch.setattr(graph, "NARROWS", False)
+        patch.setattr(graph_state, "NARROWS", False)
         looped = model.generate(**enc, max_new_tokens=30, mars_tau=0.5)
     assert moves and all(moved == fed for moved, fed in moves), moves
     assert any(fed < 4 for _, fed in moves), "premise: some pass left pending holes out"

@@ -12,7 +12,8 @@ REMOTE_FILES = (
     "modeling.py",  # the MARS<Base> classes that a checkpoint's auto_map names
     "generate.py",  # MARSGenerationMixin.generate: the batch admitted into a runner, stepped until every row stops
     "session.py",  # Session: rows prepared as generate() prepares its batch, and their prompt's pass
-    "graph.py",  # the pass as one fixed-shape function: a CUDA graph on a GPU (static cache)
+    "graph.py",  # graph_pass: every MARS pass after a prompt's, one fixed-shape function of named phases
+    "graph_state.py",  # GraphShape, GraphState, GraphPass: a pass's shape, rows state, tables; compiled or captured
     "runner.py",  # Runner: fixed rows over one graph pass and its static cache, rows joining (admit) and leaving
     "settings.py",  # MARSSettings: the validated mars_* arguments of one call
     "costs.py",  # mars_lossless="auto": this machine's pass costs, read (hf_mars's tools time them); the best tree

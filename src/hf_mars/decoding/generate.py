@@ -47,7 +47,7 @@ from .compat import (
     user_defined_cache,
     with_cache,
 )
-from .graph import GraphShape, captured, graph_pass_for, keep_cache, lend_cache, processor_fields
+from .graph_state import GraphShape, captured, graph_pass_for, keep_cache, lend_cache, processor_fields
 from .runner import Runner, graph_shape, runner_tree, serving_runner
 from .schedule import MaskSchedule
 from .scoring import check_stateless, without_implied_minimum

@@ -24,7 +24,8 @@ from .commit import cut
 from .compat import TESTED_TRANSFORMERS, warn_if_untested
 from .costs import choose_tree
 from .generate import MARSGenerateOutput, MARSGenerationMixin, MARSStats
-from .graph import GraphPass
+from .graph import graph_pass
+from .graph_state import GraphPass
 from .ordered_attention import NAME as ORDERED
 from .ordered_attention import ordered_attention
 from .ordered_linear import OrderedLinear, order_linears
@@ -42,6 +43,7 @@ __all__ = [
     "DraftTree",
     "Drafts",
     "GraphPass",
+    "graph_pass",
     "ordered_attention",
     "OrderedLinear",
     "MARSGenerateOutput",

@@ -24,7 +24,7 @@ import torch
 
 from .cache import StaticMARSCache, allocate_layers, cache_view
 from .compat import full_attention_config, static_cache_size
-from .graph import GraphPass, GraphShape, processor_fields
+from .graph_state import GraphPass, GraphShape, processor_fields
 from .scoring import follow_padding, processors_signature
 from .session import draft_shape
 from .settings import read_tau

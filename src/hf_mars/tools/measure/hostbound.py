@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, GenerationMixin, LlamaConfig
 
 from ...convert import to_mars
-from ...decoding import graph
+from ...decoding import graph_state
 from ...decoding.cache import StaticMARSCache
 from ...decoding.runner import rows_cache
 from ...decoding.tree import NO_DRAFTS, tree_attention
@@ -165,14 +165,14 @@ def host_ops(
     run, the building of the returned cache, which MARS gathers from its own). The decodings in `default` run as the
     default call too (no cache argument: MARS's eager runner on a static cache of its own), against plain's step on
     its dynamic cache. Graph passes keep their shape and attend to every slot, as a captured pass on a GPU does
-    (`graph.NARROWS` off, a reach as wide as the cache)."""
-    rows, kept = [], (graph.NARROWS, graph.REACH_STEP)
-    graph.NARROWS, graph.REACH_STEP = False, 1 << 30
+    (`graph_state.NARROWS` off, a reach as wide as the cache)."""
+    rows, kept = [], (graph_state.NARROWS, graph_state.REACH_STEP)
+    graph_state.NARROWS, graph_state.REACH_STEP = False, 1 << 30
     try:
         for decoding in decodings:
             rows += _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens, decoding, default)
     finally:
-        graph.NARROWS, graph.REACH_STEP = kept
+        graph_state.NARROWS, graph_state.REACH_STEP = kept
     return rows
 
 
