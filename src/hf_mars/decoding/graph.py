@@ -77,7 +77,7 @@ def _forward(g: GraphPass) -> torch.Tensor:
     if g.fed_rows is not None:  # the rows that decode alone (`take_rows`)
         fed, last, kv = fed[g.fed_rows], last[g.fed_rows], g.rows_view[1]
     positions = last + relative
-    if not shape.verify:  # right-aligned pending tokens: the holes on the left would count back past 0
+    if shape.pending > 1 and not shape.verify:  # right-aligned pending tokens: holes on the left count back past 0
         positions.clamp_(min=0)
     out = g.forward(
         input_ids=fed,

@@ -250,12 +250,12 @@ class LookupColumns(NamedTuple):
 
     rows: torch.Tensor  # (rows, 1): 0, 1, ...
     # The next three over the buffer's columns, then one more that every row sees, whose n-gram never agrees (it
-    # reads only -2) and which scores `width`: the best score of a row that matches nothing
+    # reads only -2) and which scores `width + 1`: the best score of a row that matches nothing, read past its text
     grams: torch.Tensor  # (width + 1, n): each column's last n columns, latest first (negative ones: before the text)
     columns: torch.Tensor  # (width + 1,): 0, 1, ..., then -1
-    after: torch.Tensor  # (width + 1,): 1, 2, ...: the column after each, then `width`
-    ahead: torch.Tensor  # (num_tokens,): 0, 1, ...
-    # (rows, num_tokens + n - 1) put after the buffer: token 0 where lookup reads past it, then -2, which a negative
+    after: torch.Tensor  # (width + 1,): 1, 2, ..., width + 1: each column's rank by lateness
+    ahead: torch.Tensor  # (num_tokens,): 1, 2, ...: the columns read after the one that matched
+    # (rows, num_tokens + n) put after the buffer: token 0 where lookup reads past it, then -2, which a negative
     # column reads (an index wraps), so that an n-gram over the text's start never agrees (the earlier one holds -2
     # where this one holds a token)
     tail: torch.Tensor
@@ -269,9 +269,9 @@ def lookup_columns(rows: int, width: int, num_tokens: int, device) -> LookupColu
     columns = torch.cat([arange(width), arange(-1, 0)])
     grams = columns[:, None] - arange(LOOKUP_NGRAM)
     grams[-1] = -1  # -2 throughout
-    after = torch.cat([arange(1, width + 1), arange(width, width + 1)])
-    tail = torch.tensor([0] * num_tokens + [-2] * (LOOKUP_NGRAM - 1), device=device).expand(rows, -1)
-    return LookupColumns(arange(rows)[:, None], grams, columns, after, arange(num_tokens), tail)
+    after = arange(1, width + 2)
+    tail = torch.tensor([0] * (num_tokens + 1) + [-2] * (LOOKUP_NGRAM - 1), device=device).expand(rows, -1)
+    return LookupColumns(arange(rows)[:, None], grams, columns, after, arange(1, num_tokens + 1), tail)
 
 
 def lookup(sequences, lengths, num_tokens: int, columns: LookupColumns | None = None):
@@ -292,9 +292,9 @@ def lookup_in(text, last, c: LookupColumns, out=None):
     width = c.columns.shape[0] - 1
     grams = text[:, c.grams]  # (rows, width + 1, n)
     agree = torch.cummin(grams == grams[c.rows, last], dim=2).values.sum(dim=2)  # (rows, width + 1)
-    # Where an earlier n-gram ends, plus one, ranked below every longer match, at the columns where an occurrence may
-    # end (before the text's last token), else 0; a score above `width` is a match (none: `width`, past every text,
-    # so nothing read from there is real)
-    best = (torch.add(c.after, agree, alpha=width + 1) * (c.columns < last)).amax(dim=1, keepdim=True)
-    index = best % (width + 1) + c.ahead
+    # Each column's rank by lateness, below every longer match, at the columns where an occurrence may end (before
+    # the text's last token), else 0: the best is one column's, a match's or else the extra column's, whose tokens
+    # lie past every text (zeros: nothing read from there is real)
+    scores = torch.add(c.after, agree, alpha=width + 1) * (c.columns < last)
+    index = scores.max(dim=1, keepdim=True).indices + c.ahead
     return torch.gather(text, 1, index, out=out), index <= last

@@ -188,7 +188,7 @@ def propose(
     counts, `mars_draft_candidates`) gives them, each where the chain reaches its depth (greedy only). With sampling,
     each draft keeps the distribution it was drawn from, zeroed where it would not have been proposed, which is what
     speculative sampling needs. The tree always has its whole shape, filled or not, so that a runner's every pass has
-    one (a slot no row fills is not real). `within`: the masks each row was offered (None: all);
+    one (a slot no row fills is not real). `on_offer`: the masks each row was offered (None: all);
     `pad_token_id`: what a slot that is not real holds (None: any token, which nothing sees). `buffer`: where the
     caller keeps the proposals (a graph pass: the first `masks` positions of a buffer whose next one stays zero),
     written in place and returned as the drafts' own.
