@@ -121,6 +121,44 @@ def test_compiled_mars_reuses_one_graph_and_equals_the_eager_runner(static):
         assert torch.equal(warm.sequences, run(model, enc, False, **mode).sequences)
 
 
+class NeverStop(StoppingCriteria):
+    """A criterion the host judges after every pass, which stops no row."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize("mode", ["tau=0.7", "lossless tree"])
+def test_compiled_passes_queued_one_ahead_return_what_passes_read_one_by_one_return(trained_toy, mode, monkeypatch):
+    """Captured on CUDA (here compiled), with nothing for the host between passes, `generate()` queues each pass
+    before it reads whether the last one finished (`_replay_ahead`): one pass more runs, idle, and is taken back.
+    Everything the call returns is what the same compiled passes return read one by one (a stopping criterion the
+    host judges after each pass): the tokens, every stat, the cache; the tokens are the eager runner's."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=9)  # rows that stop at EOS at different passes
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True  # generate() compiles on GPUs only unless told
+    runs, replay = [], graph_state.GraphPass.run
+    monkeypatch.setattr(graph_state.GraphPass, "run", lambda g: runs.append(g.eager) or replay(g))
+    monkeypatch.setattr("hf_mars.decoding.generate.QUEUE_AHEAD_EVERYWHERE", True)  # as captured passes on CUDA
+    judged = run(model, enc, True, **MODES[mode], compile_config=config, stopping_criteria=[NeverStop()])
+    after_each = len(runs)
+    ahead = run(model, enc, True, **MODES[mode], compile_config=config)
+    assert not any(runs), "premise: the passes ran compiled"
+    assert after_each == judged.mars_stats.forward_passes - 1, "read one by one: a run a pass after the prompt's"
+    assert len(runs) - after_each == ahead.mars_stats.forward_passes, "premise: queued ahead, one pass more ran"
+    assert torch.equal(ahead.sequences, judged.sequences)
+    for field in ("new_tokens", "passes_per_row"):
+        assert torch.equal(getattr(ahead.mars_stats, field), getattr(judged.mars_stats, field)), field
+    for field in ("forward_passes", "tau_per_step", "masks_per_step"):
+        assert getattr(ahead.mars_stats, field) == getattr(judged.mars_stats, field), field
+    assert all(map(torch.equal, ahead.mars_stats.accepted_per_step, judged.mars_stats.accepted_per_step))
+    for mine, theirs in zip(ahead.past_key_values.layers, judged.past_key_values.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    eager = run(model, enc, True, **MODES[mode], compile_config=config, disable_compile=True)
+    assert torch.equal(ahead.sequences, eager.sequences)
+
+
 def test_an_eager_tau_pass_on_a_cpu_feeds_no_column_that_is_a_hole_in_every_row(trained_toy):
     """τ-mode right-aligns the tokens each row took last, up to B, in every pass: on a CPU, where a column costs its
     compute, an eager pass skips the columns that are holes in every row still decoding (`GraphPass.narrow`); the

@@ -434,6 +434,8 @@ def _replay(runner: Runner, session: Session) -> int:
     if judging:
         stopping.sequences = g.state.sequences  # the criteria read (and pad) the text the graph writes
     streamed = int(stopping.new_tokens[0]) if streamer is not None else 0  # a read only to stream
+    if not judging and streamer is None and (g.capture or (QUEUE_AHEAD_EVERYWHERE and not g.eager)):
+        return _replay_ahead(runner)  # nothing for the host between passes
     while True:
         runner.step()
         passes += 1
@@ -446,6 +448,48 @@ def _replay(runner: Runner, session: Session) -> int:
             streamed = stream(streamer, g.state.sequences, session.text.prompt_length, streamed, int(kept))
         if g.state.finished.item():
             return passes
+
+
+# Where compiled passes are queued one ahead of the host's read (`_replay_ahead`): captured ones, on CUDA, whose device
+# would otherwise wait for the host between passes. Elsewhere the pass more is only a pass more; tests turn it on.
+QUEUE_AHEAD_EVERYWHERE = False
+
+
+def _replay_ahead(runner: Runner) -> int:
+    """Captured passes, with nothing for the host to do between them, queued one ahead: the host queues the next pass
+    before it reads whether the last one finished every row (`finished`, copied behind that pass: `FinishedFlag`), so
+    that on a GPU the device never waits for the host between passes. The pass queued after the last runs idle (every
+    row done: it takes nothing) and is taken back (`Runner.take_back`). The passes run, that one left out."""
+    finished = FinishedFlag(runner.graph.state.finished)
+    runner.step()
+    passes = 1
+    while True:
+        finished.queue()
+        runner.step()
+        if finished.read():
+            runner.take_back()
+            return passes
+        passes += 1
+
+
+class FinishedFlag:
+    """A pass's `finished`, copied behind it: on CUDA into pinned host memory, an event recorded after the copy, so
+    that reading it waits for that pass alone, not for the passes queued after it."""
+
+    def __init__(self, finished: torch.Tensor):
+        self.finished, self.cuda = finished, finished.is_cuda
+        self.copy = torch.empty((), dtype=torch.bool, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def queue(self) -> None:
+        self.copy.copy_(self.finished, non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.copy)
 
 
 def _prepare(

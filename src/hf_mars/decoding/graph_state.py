@@ -559,8 +559,8 @@ class GraphPass:
 
     def histories(self, found: bool = True) -> Histories:
         """What the logits processors read: every row's text as it stands, each history to its decoded tokens, the
-        tokens each holds those of `held` and n-gram bans' windows over `spare_text` (unless not `found`: then found
-        from the text)."""
+        tokens each holds those of `seen_tokens` and n-gram bans' windows over `spare_text` (unless not `found`: then
+        found from the text)."""
         held, ngrams = (self.seen_tokens or None, self.ngrams) if found else (None, None)
         text, ends = self.state.sequences, self.state.text_end
         rows = self.rows[:, 0] if self.shape.calls else None  # transformers' processors: every row's text, by length

@@ -313,6 +313,19 @@ class Runner:
             self.stats.tau_per_step.append(self.tau)
             self.stats.masks_per_step.append(g.masks_fed)
 
+    def take_back(self) -> None:
+        """Undo the books of the last pass, one that ran idle: queued before the host read that every row was done
+        (`generate()`'s passes queued ahead, `_replay_ahead`). It took no token; its slots hold nothing the rows keep,
+        and it is no pass of the stats. The device's counters stay moved on: a runner whose rows are all done is
+        admitted into again only after it is emptied (`_open_slots`), or built anew."""
+        self.slot -= self.graph.advance - self.graph.lead
+        self.unread_passes -= 1
+        if self.stats is not None:
+            self.passes_run -= 1
+            self.stats.forward_passes -= 1
+            self.stats.tau_per_step.pop()
+            self.stats.masks_per_step.pop()
+
     @_in_own_mode
     def record(self):
         """With `log`: what the passes did (`session.MARSStats`: the first rows' prompt's pass, then every pass here),
