@@ -535,8 +535,7 @@ def _prepare(
     text = Text(
         prompt_length, zeros + budget, sequences, prompt_real, zeros, zeros.clone(), ~everyone, everyone, zeros.clone()
     )
-    rows = torch.arange(batch, device=device)
-    feed = Feed(rows, input_ids[:, cached:], prompt_real[:, cached:], Drafts.none(batch, device))
+    feed = Feed(input_ids[:, cached:], prompt_real[:, cached:], Drafts.none(batch, device))
     schedule = MaskSchedule(settings.mask_cost, batch, settings.block_size - 1, device)
     return Session(plan, text, feed, cache, schedule, Stopping(criteria, sequences, prompt_length, pad_token_id))
 

@@ -215,9 +215,7 @@ class Runner:
         self.row_labels[first : first + rows] = list(other.labels or range(rows))  # `generate()`'s: by index
         if other.logprobs is not None:  # recorded for every row from the next pass, as many alternatives as any asks
             self.logprobs = max(self.logprobs or 0, other.logprobs)
-            fed, *scored = other.scored  # their prompt's pass: their first tokens'
-            places = self._places()
-            self.scored = (places.index_select(0, targets.index_select(0, fed)), *scored)
+            self.scored = (self._places().index_select(0, targets), *other.scored)  # their prompt's pass's tokens
 
     def _free_run(self, rows: int) -> int:
         """The first of `rows` adjacent free rows."""

@@ -46,18 +46,16 @@ class MaskSchedule:
         self.last = torch.zeros(batch, dtype=torch.long, device=device)  # lossless: masks offered in the last pass
         self.moves = None if self.constant else rate_moves(most).to(device)
 
-    def offer(self, rows: torch.Tensor) -> torch.Tensor:
-        """`(len(rows),)` masks each row may use in this pass."""
+    def offer(self) -> torch.Tensor:
+        """`(batch,)` masks each row may use in this pass."""
         if self.constant:
-            return torch.full_like(rows, self.most)
-        return offers(torch.nn.functional.pad(self.rate[rows], (1, 0), value=1.0), self.time)
+            return torch.full_like(self.last, self.most)
+        return offers(torch.nn.functional.pad(self.rate, (1, 0), value=1.0), self.time)
 
-    def update(
-        self, rows: torch.Tensor, offered: torch.Tensor, masks_used: torch.Tensor, passes: torch.Tensor
-    ) -> None:
-        """`rows`, in their `passes`-th pass, were offered `offered` masks and used the first `masks_used`."""
+    def update(self, offered: torch.Tensor, masks_used: torch.Tensor, passes: torch.Tensor) -> None:
+        """The rows, in their `passes`-th pass, were offered `offered` masks and used the first `masks_used`."""
         if not self.constant:
-            self.rate[rows] = rates_after(self.rate[rows], offered, masks_used, passes, self.moves)
+            self.rate = rates_after(self.rate, offered, masks_used, passes, self.moves)
 
 
 def offers(rates: torch.Tensor, time: torch.Tensor) -> torch.Tensor:

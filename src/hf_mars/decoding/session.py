@@ -1,4 +1,4 @@
-"""A MARS decoding session: the state of a batch of rows from pass to pass, and the pass itself.
+"""Rows prepared for MARS decoding, and their prompt's pass.
 
 One pass feeds the tokens committed by the previous pass plus B-1 `<|mask|>` tokens, through an ordinary causal
 forward. Slot 0 is the output at the last real token (the ordinary next-token prediction); slot i >= 1 is the output
@@ -140,9 +140,8 @@ class Text:
 
 @dataclass
 class Feed:
-    """What the next pass feeds, for every row of the batch (`rows`: their indices, in order)."""
+    """What the next pass feeds, for every row of the batch, in order."""
 
-    rows: torch.Tensor
     pending: torch.Tensor  # committed tokens not in the cache yet, right-aligned
     pending_real: torch.Tensor
     drafts: Drafts
@@ -155,9 +154,9 @@ class Session:
 
     `labels`: one per row, in order (whatever the caller names its rows by); `log`: whether every pass is recorded in
     `stats` (`generate()`'s `MARSStats`; a runner that lives as long as a server keeps no per-pass log).
-    `logprobs`: where a caller sets it (a count of alternatives, 0 or more), each pass leaves in `scored` the log
-    probability of every token it decided and the `logprobs` likeliest at each slot (`token_logprobs`):
-    `(rows fed, logprobs (rows, width), top values, top ids)`, a row's new tokens first in its slots.
+    `logprobs`: where a caller sets it (a count of alternatives, 0 or more), the prompt's pass leaves in `scored` the
+    log probability of every token it decided and the `logprobs` likeliest at each slot (`token_logprobs`):
+    `(logprobs (rows, width), top values, top ids)`, a row's new tokens first in its slots.
     """
 
     plan: Plan
@@ -212,11 +211,12 @@ def _forward(model, session: Session, tau: float) -> Pass:
     """One forward pass over `[prompt (left-padded) | masks]`. How many masks is the cache's call (all B-1, whatever a
     row is offered, so that the first drafts have the runner's tree)."""
     plan, feed, cache = session.plan, session.feed, session.cache
-    offered = session.schedule.offer(feed.rows) if tau < 1.0 else torch.zeros_like(feed.rows)
+    rows = feed.pending.shape[0]
+    offered = session.schedule.offer() if tau < 1.0 else feed.pending.new_zeros(rows)
     masks = cache.masks_per_group(session.schedule, offered, tau, plan.settings.verify and not plan.do_sample)
     mask_2d, position_ids = cache.step_inputs(feed.pending_real, masks)
     attention_mask = _attention_mask(model, session, mask_2d, masks, position_ids)
-    mask_ids = feed.pending.new_full((feed.rows.numel(), masks), plan.settings.mask_token_id)
+    mask_ids = feed.pending.new_full((rows, masks), plan.settings.mask_token_id)
     needed = 1 + masks
     input_ids = torch.cat([feed.pending, mask_ids], dim=1)
     outputs = model(
@@ -229,10 +229,10 @@ def _forward(model, session: Session, tau: float) -> Pass:
         logits_to_keep=needed,
     )
     logits = outputs.logits[:, -needed:].float()
-    lengths = session.text.prompt_length + session.text.decoded
-    histories = None
-    if plan.processors:
-        histories = Histories(plan.processors, session.text.sequences, feed.rows, lengths, session.text.joined)
+    text, histories = session.text, None
+    if plan.processors:  # every row, in order
+        every = torch.arange(rows, device=logits.device)
+        histories = Histories(plan.processors, text.sequences, every, text.prompt_length + text.decoded, text.joined)
     every_mask = tau < 1.0 and session.schedule.constant and masks == session.schedule.most
     return Pass(tau, offered, masks, logits, histories, every_mask=every_mask)
 
@@ -254,12 +254,11 @@ def _attention_mask(model, session: Session, mask_2d, masks: int, position_ids):
 def _accept(session: Session, this_pass: Pass) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens each row takes from this pass: `(tokens, accepted)`, as its mode decides, cut at EOS and the length
     limit (a row no longer active takes none)."""
-    text, feed = session.text, session.feed
+    text = session.text
     tokens, accepted = session.plan.mode.accept(session, this_pass)
     if session.logprobs is not None:
         deciding = this_pass.logits[:, : tokens.shape[1]]  # τ-mode's slots in order; lossless mode's root
-        scored = token_logprobs(deciding, this_pass.histories, tokens, session.logprobs)
-        session.scored = (feed.rows, *scored)
+        session.scored = token_logprobs(deciding, this_pass.histories, tokens, session.logprobs)
     left, idle = text.budget - text.decoded, ~text.active
     accepted, ended = cut(tokens, accepted, left, idle, session.plan.eos)
     text.ended |= ended
@@ -271,28 +270,27 @@ def _commit(session: Session, this_pass: Pass, tokens: torch.Tensor, accepted: t
     or left as holes), the accepted tokens into the text, which the stopping criteria then judge as `generate()`
     would; stream them."""
     plan, text, feed = session.plan, session.text, session.feed
-    rows, width = feed.rows, tokens.shape[1]
+    rows, width = torch.arange(tokens.shape[0], device=tokens.device), tokens.shape[1]
     session.cache.commit(feed.pending_real, this_pass.masks)  # the prompt's K/V stay; the masks' go
     slots = torch.arange(width, device=tokens.device)
     positions = (text.prompt_length + text.decoded)[:, None] + slots  # `sequences` has room past the budget
     write_taken(text.sequences, rows[:, None], positions, tokens, slots >= accepted[:, None], plan.pad_token_id)
-    text.decoded.index_add_(0, rows, accepted)
-    text.passes.index_add_(0, rows, text.active.long())  # idle rows take no pass
+    text.decoded += accepted
+    text.passes += text.active.long()  # idle rows take no pass
     streamed = int(session.stopping.new_tokens[0]) if plan.streamer is not None else 0
     session.stopping.judge(text.decoded, text.ended)
     session.stats.forward_passes += 1
     if session.log:
-        _log(session.stats, this_pass, rows, accepted, text.decoded)
+        _log(session.stats, this_pass, accepted)
     if plan.streamer is not None:  # batch 1: the row is judged as soon as it decodes
         stream(plan.streamer, text.sequences, text.prompt_length, streamed, int(session.stopping.new_tokens[0]))
 
 
-def _log(stats: MARSStats, this_pass: Pass, rows: torch.Tensor, accepted: torch.Tensor, decoded: torch.Tensor) -> None:
-    """Record one pass in `stats`: its τ, its masks, what each row of the batch accepted (0 for rows not in it)."""
+def _log(stats: MARSStats, this_pass: Pass, accepted: torch.Tensor) -> None:
+    """Record one pass in `stats`: its τ, its masks, what each row of the batch accepted."""
     stats.tau_per_step.append(this_pass.tau)
     stats.masks_per_step.append(this_pass.masks)
-    whole = rows.numel() == decoded.numel()  # rows are the whole batch, in order
-    stats.accepted_per_step.append(accepted if whole else torch.zeros_like(decoded).index_put((rows,), accepted))
+    stats.accepted_per_step.append(accepted)
 
 
 def _next_inputs(session: Session, this_pass: Pass, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -317,15 +315,12 @@ class TauMode:
     @staticmethod
     def accept(session: Session, this_pass: Pass) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot 0 always, then left to right while confident. Tells the mask schedule what its masks were worth."""
-        plan, rows = session.plan, session.feed.rows
+        plan = session.plan
         tokens, confs = choose(this_pass.logits, this_pass.histories, plan.do_sample, plan.settings.confidence)
-        masks_used = (
-            masks_taken(confs, this_pass.tau, this_pass.on_offer)
-            if this_pass.masks
-            else torch.zeros_like(tokens[:, 0])
-        )
-        if not session.schedule.constant:
-            session.schedule.update(rows, this_pass.offered, masks_used, session.text.passes[rows])
+        masks_used = torch.zeros_like(tokens[:, 0])
+        if this_pass.masks:
+            masks_used = masks_taken(confs, this_pass.tau, this_pass.on_offer)
+        session.schedule.update(this_pass.offered, masks_used, session.text.passes)
         return tokens, masks_used + 1
 
     @staticmethod
@@ -346,7 +341,6 @@ class LosslessMode:
     def accept(session: Session, this_pass: Pass) -> tuple[torch.Tensor, torch.Tensor]:
         """The root token. No draft was fed, so none paid for the masks the schedule offered."""
         plan, feed, schedule = session.plan, session.feed, session.schedule
-        rows = feed.rows
         if this_pass.histories is not None:  # every slot scored at once where the processors allow it
             lineage = NO_DRAFTS.scored_lineage(this_pass.masks, this_pass.logits.device)
             scores = scored_at_once(this_pass.logits, this_pass.histories, feed.drafts.tokens, lineage)
@@ -356,8 +350,8 @@ class LosslessMode:
             this_pass.logits[:, :1], feed.drafts, this_pass.histories, plan.do_sample, plan.typical
         )
         if not schedule.constant:
-            schedule.update(rows, schedule.last[rows], kept.sum(dim=1), session.text.passes[rows])
-            schedule.last[rows] = this_pass.offered
+            schedule.update(schedule.last, kept.sum(dim=1), session.text.passes)
+            schedule.last = this_pass.offered
         return tokens, accepted
 
     @staticmethod
@@ -368,7 +362,7 @@ class LosslessMode:
         plan, feed = session.plan, session.feed
         feed.pending = tokens[:, :1]
         feed.pending_real = torch.ones_like(feed.pending, dtype=torch.bool)
-        drafts = Drafts.none(feed.rows.numel(), feed.rows.device)
+        drafts = Drafts.none(tokens.shape[0], tokens.device)
         if this_pass.masks:
             if this_pass.histories is not None:  # the text now holds the root token
                 this_pass.histories = this_pass.histories.after(session.text.sequences, tokens, accepted)
