@@ -213,11 +213,8 @@ class GraphPass:
         for name, table in _tables(shape, model.dtype).items():
             setattr(self, name, table.to(device))
         self.visibility_at = self.key_columns.clone()  # the column of `visibility` each key slot reads (`move_to`)
-        self.whole = (
-            state.real,
-            state.real[:, None, None, :],
-            self.visibility_at,
-        )  # what attention reads of them
+        # what attention reads of them
+        self.whole = (state.real, state.real[:, None, None, :], self.visibility_at)
         self.lead, self.tail = 0, 0  # `narrow`'s cut, and its views
         self.leads = {(0, 0): (state.fed, self.relative, self.visibility, self.slots)}
         self.marks = {0: (self.slots, state.fed_real)}
