@@ -84,6 +84,40 @@ def test_lossless_defaults_come_from_the_generation_config_preset(trained_toy):
         del model.generation_config.mars_lossless
 
 
+def test_mars_lossless_as_a_keyword_is_the_call_config_s_and_may_name_a_tree(trained_toy):
+    """`generate()` reads a config's keys as keywords: `mars_lossless` passed so is the call's preset (before, the
+    base `generate()` took it into its config copy and MARS never read it), a tree by its `mars_acceptance` name."""
+    model, tok = trained_toy
+    enc = toy_prompts(tok, n=4, seed=98)
+    reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
+    assert getattr(model.generation_config, "mars_lossless", None) is None  # no base config key to absorb it
+    shape = ("mars_block_size", "mars_draft_candidates", "mars_lookup")
+
+    def tree(**kwargs):
+        settings = model.mars_settings(mars_verify=True, **kwargs)
+        return tuple(settings[key] for key in shape)
+
+    assert tree(mars_lossless="2x3+4") == (2, 3, 4) and tree(mars_lossless="3x2") == (3, 2, 0)
+    out = model.generate(
+        **enc, mars_verify=True, mars_lossless="2x3+4", max_new_tokens=40, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, reference) and max(out.mars_stats.masks_per_step) == 1  # B = 2
+    model.generation_config.mars_lossless = dict(mars_block_size=2)
+    try:
+        assert tree(mars_lossless="3x1") == (3, 1, 0)  # the keyword beats the model's preset
+        assert tree(mars_lossless="3x1", mars_block_size=2) == (2, 1, 0)  # and a tree key beats the keyword's preset
+        assert tree() == (2, 1, 0)
+        by_batch = {"1": "2x1", "4": dict(mars_block_size=3)}
+        assert model.mars_settings(None, 4, mars_verify=True, mars_lossless=by_batch)["mars_block_size"] == 3
+        assert tree(mars_lossless=by_batch) == (2, 1, 0)
+    finally:
+        del model.generation_config.mars_lossless
+    with pytest.raises(ValueError, match="draft tree"):
+        model.generate(**enc, mars_verify=True, mars_lossless="2y3", max_new_tokens=4)
+    with pytest.raises(ValueError, match="mars_lookahead"):
+        model.mars_settings(mars_verify=True, mars_lookahead=2)
+
+
 @pytest.mark.parametrize(
     "mask_cost,candidates,lookup",
     [(0.0, 1, 0), (0.2, 1, 0), (0.0, 3, 0), (0.0, 3, 4), (0.0, [2, 3], 0), (0.2, [3, 2, 2], 3), (0.0, [1, 1, 4], 2)],

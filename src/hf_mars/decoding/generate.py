@@ -52,7 +52,7 @@ from .runner import Runner, graph_shape, runner_tree, serving_runner
 from .schedule import MaskSchedule
 from .scoring import check_stateless, without_implied_minimum
 from .session import BRANCHING, Feed, MARSStats, Plan, Session, SlidingWindow, Text, draft_shape
-from .settings import CALL_KEYS, MARSSettings, TauController, mars_settings, resolve_settings
+from .settings import CALL_KEYS, CONFIG_KEYS, MARSSettings, TauController, mars_settings, resolve_settings
 from .stopping import Stopping, stream
 from .verify import Drafts
 
@@ -116,12 +116,15 @@ class MARSGenerationMixin(GenerationMixin):
                 own) or "typical", Medusa's typical acceptance, which also keeps a draft the verifying distribution
                 gives at least min(ε, δ·exp(-entropy)): more tokens per pass, but other answers (not lossless).
             mars_typical_epsilon, mars_typical_delta (`float`): typical acceptance's ε (default 0.09) and δ (0.3).
+            mars_lossless, mars_acceptance: generation config keys (lossless mode's presets, `"auto"`'s table);
+                passed here, they are this call's config's (`mars_lossless="2x3+4"`: that tree).
 
         Works with sampling, logits processors, EOS ids, `stop_strings`, stopping criteria (called as `generate()`
         calls them), static caches and streamers (a pass's tokens as one chunk). `return_dict_in_generate=True`
         gives a `MARSGenerateOutput` with `mars_stats`. `model.mars_settings(...)` shows what a call runs with.
         """
         mars_kwargs = {name: value for name, value in locals().items() if name.startswith("mars_")}
+        mars_kwargs |= {name: kwargs.pop(name) for name in CONFIG_KEYS if name in kwargs}  # the call's config's
         base = generation_config if generation_config is not None else self.generation_config
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         call = {name: kwargs[name] for name in CALL_KEYS if name in kwargs}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 from transformers import CompileConfig
 
@@ -54,6 +55,8 @@ SETTING_KEYS = (
     "mars_typical_delta",
 )
 TREE_KEYS = ("mars_block_size", "mars_draft_candidates", "mars_lookup")
+# Keys a generation config holds for lossless mode's presets; as `generate()` keywords, the call's config's
+CONFIG_KEYS = ("mars_lossless", "mars_acceptance")
 
 
 class TauController:
@@ -171,8 +174,14 @@ def resolve_settings(
     plainly, `mars_mask_cost="auto"` is 0, with a warning that says how to measure them). A `timer` (hf_mars's
     tooling: `hf_mars.measure`, the explicit call) times what is missing first.
     """
+    unknown = sorted(set(kwargs) - set(SETTING_KEYS))
+    if unknown:
+        raise ValueError(f"Unknown MARS setting(s): {unknown}; known: {list(SETTING_KEYS)}")
     own = model.generation_config
     configs = [own] if generation_config is None or generation_config is own else [generation_config, own]
+    called = {name: kwargs.pop(name) for name in CONFIG_KEYS if kwargs.get(name) is not None}
+    if called:  # a keyword of a config's own key is the call's config's, as `generate()` reads any config key
+        configs.insert(0, SimpleNamespace(**called))
     for config in configs:
         _check_keys(config)
     verify = check_verify(
@@ -311,8 +320,9 @@ def auto_tree(model, configs, batch_size: int, compile_config=None, timer=None, 
 def lossless_preset(generation_config, batch_size: int = 1) -> dict:
     """`generation_config.mars_lossless` for this batch size, checked; {} when there is none (or it is "auto").
 
-    It is a dict over `LOSSLESS_KEYS`, or such dicts by batch size (`{"1": {...}, "4": {...}}`): a batch uses the
-    entry of the largest size it reaches, else the smallest.
+    It is a tree by name (`"2x3+4"`, as `mars_acceptance` and `hf-mars tune` write trees), a dict over
+    `LOSSLESS_KEYS`, or either by batch size (`{"1": {...}, "4": "2x1"}`): a batch uses the entry of the largest size
+    it reaches, else the smallest.
     """
     preset = getattr(generation_config, "mars_lossless", None) or {}
     if preset == "auto":
@@ -320,11 +330,12 @@ def lossless_preset(generation_config, batch_size: int = 1) -> dict:
     if isinstance(preset, dict) and preset and all(isinstance(k, str) and k.isdigit() for k in preset):
         sizes = sorted(int(k) for k in preset)
         preset = preset[str(max([n for n in sizes if n <= batch_size] or sizes[:1]))]
+    if isinstance(preset, str):
+        return dict(zip(TREE_KEYS, parse_tree(preset)))
     if not isinstance(preset, dict) or not set(preset) <= set(LOSSLESS_KEYS):
         raise ValueError(
-            f'generation_config.mars_lossless must be "auto" or a dict over {LOSSLESS_KEYS} (or such dicts by batch '
-            "size), "
-            f"got {getattr(generation_config, 'mars_lossless', None)!r}"
+            f'mars_lossless must be "auto", a tree such as "2x3+4", or a dict over {LOSSLESS_KEYS} (or those by batch '
+            f"size), got {getattr(generation_config, 'mars_lossless', None)!r}"
         )
     return preset
 
