@@ -13,6 +13,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, Log
 
 import hf_mars
 from hf_mars.decoding.compat import CACHE_ARG
+from hf_mars.decoding.settings import SETTING_KEYS
 
 PROMPTS = ["hello world, how", "a", "the quick brown fox jumps"]
 # A value of each setting that differs from its default, and one that differs from both
@@ -88,6 +89,20 @@ def test_mars_verify_held_in_a_generation_config_runs_lossless_mode(model, enc):
     tau_mode = model.generate(**enc, mars_tau=0.0, mars_verify=False, max_new_tokens=16)
     assert model.mars_settings(mars_tau=0.0, mars_verify=False)["mars_verify"] is False
     assert not torch.equal(tau_mode, reference)
+
+
+@pytest.mark.parametrize(
+    "asked", [dict(mars_tau=0.6), dict(mars_verify=True, mars_lookup=2, mars_block_size=3)], ids=["tau", "lossless"]
+)
+def test_resolved_settings_are_keywords_that_decode_as_the_call_they_came_from(model, enc, asked):
+    """`model.mars_settings(...)` is what `generate()` runs with, written as its keywords: passed back, they decode
+    the same tokens (a server admits rows with the running rows' settings so); other `mars_*` names are refused."""
+    settings = model.mars_settings(batch_size=len(PROMPTS), **asked)
+    assert not set(settings) - set(SETTING_KEYS)
+    expected = model.generate(**enc, do_sample=False, max_new_tokens=16, **asked)
+    assert torch.equal(model.generate(**enc, do_sample=False, max_new_tokens=16, **settings), expected)
+    with pytest.raises(ValueError, match="Unknown MARS setting.*mars_lookahead"):
+        model.mars_settings(mars_lookahead=3, **asked)
 
 
 @pytest.mark.parametrize("value", ["False", "yes", 1, 0, 1.0])

@@ -153,8 +153,9 @@ class MARSSettings:
         return masks + runner_ups(self.draft_candidates) + self.lookup if self.verify else masks
 
     def as_kwargs(self) -> dict:
-        """The `generate()` keyword arguments these settings stand for (`mars_tau=...`, ...)."""
-        kwargs = {f"mars_{name}": value for name, value in asdict(self).items()}
+        """The `generate()` keyword arguments these settings stand for (`mars_tau=...`, ...): a call passed them
+        decodes as these settings do. The mask token is the model's (`config.mars_mask_token_id`), not a keyword."""
+        kwargs = {f"mars_{name}": value for name, value in asdict(self).items() if name != "mask_token_id"}
         kwargs["mars_tau"] = self.tau  # a callable τ stays itself (asdict copies it): calls share it, live
         for name in ("mars_mask_cost", "mars_draft_candidates"):
             kwargs[name] = list(kwargs[name]) if isinstance(kwargs[name], tuple) else kwargs[name]
