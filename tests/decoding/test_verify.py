@@ -85,8 +85,8 @@ def test_lossless_defaults_come_from_the_generation_config_preset(trained_toy):
 
 
 def test_mars_lossless_as_a_keyword_is_the_call_config_s_and_may_name_a_tree(trained_toy):
-    """`generate()` reads a config's keys as keywords: `mars_lossless` passed so is the call's preset (before, the
-    base `generate()` took it into its config copy and MARS never read it), a tree by its `mars_acceptance` name."""
+    """`generate()` reads a config's keys as keywords: `mars_lossless` passed so is the call's preset (transformers
+    would take it into its own copy of the config, after MARS has read its settings), a tree by its name."""
     model, tok = trained_toy
     enc = toy_prompts(tok, n=4, seed=98)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
