@@ -10,6 +10,7 @@ from helpers import Recorder, make_model, make_tokenizer, toy_prompts
 from transformers import GenerationMixin
 
 import hf_mars
+from hf_mars.decoding.settings import TREE_KEYS
 
 
 def tokens_per_forward(stats):
@@ -91,11 +92,10 @@ def test_mars_lossless_as_a_keyword_is_the_call_config_s_and_may_name_a_tree(tra
     enc = toy_prompts(tok, n=4, seed=98)
     reference = GenerationMixin.generate(model, **enc, do_sample=False, max_new_tokens=40)
     assert getattr(model.generation_config, "mars_lossless", None) is None  # no base config key to absorb it
-    shape = ("mars_block_size", "mars_draft_candidates", "mars_lookup")
 
     def tree(**kwargs):
         settings = model.mars_settings(mars_verify=True, **kwargs)
-        return tuple(settings[key] for key in shape)
+        return tuple(settings[key] for key in TREE_KEYS)
 
     assert tree(mars_lossless="2x3+4") == (2, 3, 4) and tree(mars_lossless="3x2") == (3, 2, 0)
     out = model.generate(
