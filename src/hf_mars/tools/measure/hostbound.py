@@ -25,7 +25,7 @@ from ...decoding.cache import StaticMARSCache
 from ...decoding.runner import rows_cache
 from ...decoding.tree import NO_DRAFTS, tree_attention
 from ..checkpoints.toy import toy_tokenizer
-from .calibrate import auto_mask_cost
+from .calibrate import auto_mask_cost, measure_mask_cost
 from .decode import static_compiled
 from .tables import markdown_table
 
@@ -88,11 +88,17 @@ def _trees(model) -> list[tuple]:
     ]
 
 
-def _resolved(model, batch: int, mars: dict) -> dict:
-    """`mars` with a mask cost of `"auto"` measured on this model at this batch size."""
+def _resolved(model, batch: int, mars: dict, measured: dict | None = None) -> dict:
+    """`mars` with a mask cost of `"auto"` measured on this model at this batch size: once per batch size where
+    `measured` keeps the costs, so that every call it is passed to feeds masks by the same costs (a second timing,
+    on a busy machine, may feed different ones and so run different passes)."""
     if mars.get("mars_mask_cost") != "auto":
         return mars
-    return {**mars, "mars_mask_cost": auto_mask_cost(model, batch, **mars)}
+    if measured is None:
+        return {**mars, "mars_mask_cost": auto_mask_cost(model, batch, **mars)}
+    if batch not in measured:
+        measured[batch] = measure_mask_cost(model, batch)
+    return {**mars, "mars_mask_cost": auto_mask_cost(model, batch, measured[batch], **mars)}
 
 
 def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -> tuple[dict, dict]:
@@ -165,18 +171,20 @@ def host_ops(
     run, the building of the returned cache, which MARS gathers from its own). The decodings in `default` run as the
     default call too (no cache argument: MARS's eager runner on a static cache of its own), against plain's step on
     its dynamic cache. Graph passes keep their shape and attend to every slot, as a captured pass on a GPU does
-    (`graph_state.NARROWS` off, a reach as wide as the cache)."""
-    rows, kept = [], (graph_state.NARROWS, graph_state.REACH_STEP)
+    (`graph_state.NARROWS` off, a reach as wide as the cache). A measured mask cost is measured once a batch size."""
+    rows, measured, kept = [], {}, (graph_state.NARROWS, graph_state.REACH_STEP)
     graph_state.NARROWS, graph_state.REACH_STEP = False, 1 << 30
     try:
         for decoding in decodings:
-            rows += _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens, decoding, default)
+            rows += _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens, decoding, default, measured)
     finally:
         graph_state.NARROWS, graph_state.REACH_STEP = kept
     return rows
 
 
-def _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens: int, decoding: str, default) -> list[dict]:
+def _host_ops_decoding(
+    model, tokenizer, batch_sizes, max_new_tokens: int, decoding: str, default, measured: dict
+) -> list[dict]:
     """`host_ops`' rows for one decoding: on a static cache, and as the default call where asked."""
     rows = []
     caches = {"static": dict(cache_implementation="static")}
@@ -187,16 +195,16 @@ def _host_ops_decoding(model, tokenizer, batch_sizes, max_new_tokens: int, decod
             inputs = tokenizer(["hello world, how are you"] * batch, return_tensors="pt")
             kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **cache_kwargs)
             common = dict(batch=batch, decoding=decoding if cache == "static" else f"{decoding}, {cache}")
-            rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common)
+            rows += _host_ops_rows(model, {**kwargs, **DECODINGS[decoding]}, common, measured)
     return rows
 
 
-def _host_ops_rows(model, kwargs: dict, common: dict) -> list[dict]:
+def _host_ops_rows(model, kwargs: dict, common: dict, measured: dict) -> list[dict]:
     """`host_ops`' rows for one decoding, cache and batch: plain's step, then each mode's pass."""
     plain = _per_pass(model, functools.partial(GenerationMixin.generate, model), kwargs)
     rows = [dict(**common, method="plain generate()", **plain, ratio=1.0, kernel_ratio=1.0, steady_ratio=1.0)]
     for name, mars in MODES.items():
-        call = functools.partial(model.generate, **_resolved(model, common["batch"], mars))
+        call = functools.partial(model.generate, **_resolved(model, common["batch"], mars, measured))
         row = dict(**common, method=name, **_per_pass(model, call, kwargs))
         row.update(
             ratio=row["ops"] / plain["ops"],
