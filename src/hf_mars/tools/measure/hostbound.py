@@ -88,14 +88,12 @@ def _trees(model) -> list[tuple]:
     ]
 
 
-def _resolved(model, batch: int, mars: dict, measured: dict | None = None) -> dict:
-    """`mars` with a mask cost of `"auto"` measured on this model at this batch size: once per batch size where
-    `measured` keeps the costs, so that every call it is passed to feeds masks by the same costs (a second timing,
-    on a busy machine, may feed different ones and so run different passes)."""
+def _resolved(model, batch: int, mars: dict, measured: dict) -> dict:
+    """`mars` with a mask cost of `"auto"` measured on this model at this batch size, once per batch size (kept in
+    `measured`): every call it is passed to feeds masks by the same costs (a second timing, on a busy machine, may
+    feed different ones and so run different passes)."""
     if mars.get("mars_mask_cost") != "auto":
         return mars
-    if measured is None:
-        return {**mars, "mars_mask_cost": auto_mask_cost(model, batch, **mars)}
     if batch not in measured:
         measured[batch] = measure_mask_cost(model, batch)
     return {**mars, "mars_mask_cost": auto_mask_cost(model, batch, measured[batch], **mars)}
@@ -108,8 +106,9 @@ def _time_modes(model, inputs, max_new_tokens: int, repeats: int, extra: dict) -
 
     kwargs = dict(**inputs, max_new_tokens=max_new_tokens, eos_token_id=None, **extra)
     runs = {"plain generate()": functools.partial(GenerationMixin.generate, model, do_sample=False, **kwargs)}
+    measured = {}
     for name, mars in MODES.items():
-        mars = _resolved(model, inputs.input_ids.shape[0], mars)
+        mars = _resolved(model, inputs.input_ids.shape[0], mars, measured)
         runs[name] = functools.partial(model.generate, **mars, **kwargs)
     times, passes = {name: [] for name in runs}, {}
     with torch.no_grad():
